@@ -1,0 +1,35 @@
+"""The `kvguard` command: one entry point, one subcommand per role or tool.
+
+Each part registers its own subcommands (``register(subparsers)``) so that this module stays a
+thin index and importing it costs nothing: the heavy imports (torch, FastAPI, litellm) happen
+inside the chosen subcommand's handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvguard import up
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvguard",
+        description="Multi-tenant LLM serving that refuses instead of leaking.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    up.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    status = args.handler(args)
+    return int(status or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

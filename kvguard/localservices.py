@@ -1,0 +1,160 @@
+"""Private Redis and PostgreSQL servers started from the installed binaries.
+
+Used by the test suite (each session gets its own servers on free ports in temp dirs, so parallel
+sessions never collide and no test depends on a service left running by hand) and by
+`kvguard up --profile production-like`. Lifecycle of a server: locate binary -> prepare data dir ->
+start child process -> wait until it answers -> (use) -> stop (terminate, then kill) -> remove dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+POSTGRES_BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+
+
+class ServiceUnavailable(RuntimeError):
+    """A server binary is missing or the server did not come up; the message says which."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunningService:
+    name: str
+    host: str
+    port: int
+    url: str
+    data_dir: Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def find_binary(name: str, extra_dirs: list[Path] | None = None) -> Path:
+    for directory in extra_dirs or []:
+        candidate = directory / name
+        if candidate.is_file():
+            return candidate
+    found = shutil.which(name)
+    if found is None:
+        raise ServiceUnavailable(
+            f"{name} is not installed; run `make test` or `make up` (they install it), "
+            "or install the Debian package that provides it"
+        )
+    return Path(found)
+
+
+def _wait_for_port(proc: subprocess.Popen[bytes], name: str, host: str, port: int) -> None:
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServiceUnavailable(f"{name} exited with status {proc.returncode} during start-up")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise ServiceUnavailable(f"{name} did not listen on {host}:{port} within 30 s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def redis_server(host: str = "127.0.0.1") -> Iterator[RunningService]:
+    binary = find_binary("redis-server")
+    port = free_port(host)
+    data_dir = Path(tempfile.mkdtemp(prefix="kvguard-redis-"))
+    argv = [str(binary), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
+    argv += ["--dir", str(data_dir), "--daemonize", "no", "--logfile", str(data_dir / "redis.log")]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(proc, "redis-server", host, port)
+        yield RunningService("redis", host, port, f"redis://{host}:{port}/0", data_dir)
+    finally:
+        _stop(proc)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _postgres_user() -> str | None:
+    """initdb refuses to run as root; run the server as the `postgres` account when we are root."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError as exc:
+        raise ServiceUnavailable(
+            "running as root needs the `postgres` system user (installed with postgresql)"
+        ) from exc
+    return "postgres"
+
+
+def _initdb(data_dir: Path, user: str | None) -> None:
+    initdb = find_binary("initdb", POSTGRES_BIN_DIRS)
+    argv = [str(initdb), "-D", str(data_dir / "pg"), "-U", "postgres", "-A", "trust", "-E", "UTF8"]
+    argv += ["--no-sync", "--no-instructions"]
+    result = subprocess.run(argv, user=user, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise ServiceUnavailable(f"initdb failed: {result.stderr.strip()[-500:]}")
+
+
+@contextlib.contextmanager
+def postgres_server(host: str = "127.0.0.1") -> Iterator[RunningService]:
+    user = _postgres_user()
+    port = free_port(host)
+    data_dir = Path(tempfile.mkdtemp(prefix="kvguard-pg-"))
+    if user is not None:
+        entry = pwd.getpwnam(user)
+        os.chown(data_dir, entry.pw_uid, entry.pw_gid)
+    _initdb(data_dir, user)
+    postgres = find_binary("postgres", POSTGRES_BIN_DIRS)
+    argv = [str(postgres), "-D", str(data_dir / "pg"), "-h", host, "-p", str(port)]
+    argv += ["-k", str(data_dir), "-c", "fsync=off", "-c", "full_page_writes=off"]
+    argv += ["-c", "synchronous_commit=off", "-c", "max_connections=200"]
+    log = open(data_dir / "postgres.log", "wb")  # noqa: SIM115 - closed in finally, after the child
+    proc = subprocess.Popen(argv, user=user, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_port(proc, "postgres", host, port)
+        _wait_for_postgres_ready(host, port)
+        yield RunningService(
+            "postgres",
+            host,
+            port,
+            f"postgresql+psycopg://postgres@{host}:{port}/postgres",
+            data_dir,
+        )
+    finally:
+        _stop(proc)
+        log.close()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _wait_for_postgres_ready(host: str, port: int) -> None:
+    import psycopg  # local import: only the PostgreSQL path needs the driver
+
+    deadline = time.monotonic() + 30.0
+    while True:
+        try:
+            with psycopg.connect(host=host, port=port, user="postgres", dbname="postgres"):
+                return
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

@@ -1,0 +1,137 @@
+"""A small process supervisor for `kvguard up`.
+
+Lifecycle: start each role in order -> wait for its health check (a role that exits or never
+becomes healthy aborts the start-up) -> print which role is on which port -> watch -> on Ctrl-C,
+SIGTERM, or any role exiting: stop every role (SIGTERM, then SIGKILL after a grace period), in
+reverse start order. Nothing is restarted silently: a role that dies ends the whole stack with a
+non-zero status naming that role.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import TextIO
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSpec:
+    name: str
+    argv: list[str]
+    url: str
+    health_path: str = "/health"
+    env: dict[str, str] | None = None
+    startup_timeout_s: float = 180.0
+
+
+@dataclass(slots=True)
+class _Running:
+    spec: RoleSpec
+    proc: subprocess.Popen[bytes]
+
+
+class RoleFailed(RuntimeError):
+    def __init__(self, role: str, detail: str) -> None:
+        super().__init__(f"role '{role}' {detail}")
+        self.role = role
+
+
+class _Stop(Exception):
+    """Raised from the signal handler to leave the watch loop."""
+
+
+@dataclass(slots=True)
+class Supervisor:
+    roles: Sequence[RoleSpec]
+    out: TextIO = sys.stdout
+    grace_s: float = 10.0
+    _running: list[_Running] = field(default_factory=list)
+
+    def run(self, banner: str = "") -> int:
+        """Start everything, watch, stop everything. Returns the process exit status."""
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _raise_stop) if in_main else None
+        try:
+            self.start()
+            self._print_table(banner)
+            return self.watch()
+        except RoleFailed as exc:
+            print(f"kvguard up: {exc}; stopping the other roles", file=self.out, flush=True)
+            return 1
+        except (KeyboardInterrupt, _Stop):
+            print("kvguard up: stopping", file=self.out, flush=True)
+            return 0
+        finally:
+            self.stop()
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+
+    def start(self) -> None:
+        for spec in self.roles:
+            print(f"kvguard up: starting {spec.name} ...", file=self.out, flush=True)
+            proc = subprocess.Popen(spec.argv, env=spec.env)
+            running = _Running(spec, proc)
+            self._running.append(running)
+            self._wait_healthy(running)
+
+    def watch(self, poll_s: float = 0.5) -> int:
+        while True:
+            for running in self._running:
+                code = running.proc.poll()
+                if code is not None:
+                    raise RoleFailed(running.spec.name, f"exited with status {code}")
+            time.sleep(poll_s)
+
+    def stop(self) -> None:
+        for running in reversed(self._running):
+            if running.proc.poll() is None:
+                running.proc.terminate()
+        deadline = time.monotonic() + self.grace_s
+        for running in reversed(self._running):
+            try:
+                running.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                running.proc.kill()
+                running.proc.wait()
+        self._running.clear()
+
+    def _wait_healthy(self, running: _Running) -> None:
+        spec = running.spec
+        deadline = time.monotonic() + spec.startup_timeout_s
+        while time.monotonic() < deadline:
+            code = running.proc.poll()
+            if code is not None:
+                raise RoleFailed(spec.name, f"exited with status {code} during start-up")
+            if _healthy(spec.url + spec.health_path):
+                return
+            time.sleep(0.2)
+        raise RoleFailed(spec.name, f"was not healthy within {spec.startup_timeout_s:.0f} s")
+
+    def _print_table(self, banner: str) -> None:
+        width = max(len(r.spec.name) for r in self._running) if self._running else 4
+        lines = ["", "kvguard up: all roles healthy", ""]
+        lines += [
+            f"  {r.spec.name:<{width}}  {r.spec.url}  (pid {r.proc.pid})" for r in self._running
+        ]
+        lines += ["", banner, "Press Ctrl-C to stop."] if banner else ["", "Press Ctrl-C to stop."]
+        print("\n".join(lines), file=self.out, flush=True)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop()

@@ -1,0 +1,76 @@
+"""Shared fixtures: private Redis and PostgreSQL servers for this test session.
+
+Each pytest session starts its own servers from the installed binaries on free ports in temp dirs
+(kvguard.localservices), so parallel sessions never collide and nothing depends on a server left
+running by hand. Tests get isolation per test: a fresh PostgreSQL database, a flushed Redis db.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kvguard.localservices import RunningService, postgres_server, redis_server
+
+# litellm must never reach the network from a test process, wherever it gets imported.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def redis_service() -> Iterator[RunningService]:
+    with redis_server() as service:
+        yield service
+
+
+@pytest.fixture(scope="session")
+def postgres_service() -> Iterator[RunningService]:
+    with postgres_server() as service:
+        yield service
+
+
+@pytest.fixture
+def redis_url(redis_service: RunningService) -> Iterator[str]:
+    """A Redis URL on this session's private server, emptied before the test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_service.url)
+    client.flushdb()
+    client.close()
+    yield redis_service.url
+
+
+@pytest.fixture
+def postgres_url(postgres_service: RunningService) -> Iterator[str]:
+    """A SQLAlchemy URL of a brand-new database, dropped after the test."""
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    dsn = {"host": postgres_service.host, "port": postgres_service.port, "user": "postgres"}
+    with psycopg.connect(**dsn, dbname="postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgresql+psycopg://postgres@{postgres_service.host}:{postgres_service.port}/{name}"
+    with psycopg.connect(**dsn, dbname="postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: pytest.TempPathFactory) -> str:
+    """The embedded default: a SQLite file in the test's temp dir."""
+    return f"sqlite:///{tmp_path}/kvguard.db"
