@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up.register(subparsers)
+    from backend import cli as backend_cli
+
+    backend_cli.register(subparsers)
     return parser
 
 

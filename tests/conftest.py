@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvguard.localservices import RunningService, postgres_server, redis_server
+from kvguard.testing import EngineProcess, launch_engine, write_tiny_checkpoint
 
 # litellm must never reach the network from a test process, wherever it gets imported.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -74,3 +75,31 @@ def postgres_url(postgres_service: RunningService) -> Iterator[str]:
 def sqlite_url(tmp_path: pytest.TempPathFactory) -> str:
     """The embedded default: a SQLite file in the test's temp dir."""
     return f"sqlite:///{tmp_path}/kvguard.db"
+
+
+# -- the real engine, as a process ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def engine_factory(tiny_checkpoint: str) -> Iterator[object]:
+    """Start real engine processes: ``engine_factory(pool_tokens=..., context_window=...)``.
+
+    Returns the base URL; ``model`` defaults to the tiny test checkpoint. Every engine started is
+    stopped after the test.
+    """
+    started: list[EngineProcess] = []
+
+    def start(role: str = "unified", env: dict[str, str] | None = None, **options: object) -> str:
+        model = str(options.pop("model", tiny_checkpoint))
+        engine = launch_engine(model, role, env, **options)
+        started.append(engine)
+        return engine.url
+
+    yield start
+    for engine in started:
+        engine.stop()

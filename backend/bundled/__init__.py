@@ -1,0 +1,1 @@
+"""The bundled tiny model: its chat format, data recipe, training and evaluation."""

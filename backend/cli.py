@@ -1,0 +1,67 @@
+"""`kvguard backend unified|prefill|decode`: the engine's server roles."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+_OVERRIDES = ("host", "port", "model", "pool_tokens", "page_size", "context_window")
+
+
+def register(subparsers: Any) -> None:
+    backend = subparsers.add_parser("backend", help="run the bundled paged-KV engine")
+    roles = backend.add_subparsers(dest="role", required=True, metavar="ROLE")
+    unified = roles.add_parser(
+        "unified",
+        help="one process serving prefill and decode",
+        description="Serve the OpenAI-compatible API and /engine/capacity from one process.",
+    )
+    _add_engine_options(unified)
+    unified.set_defaults(handler=run_unified)
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8100)")
+    parser.add_argument("--model", type=Path, help="checkpoint dir (default: the bundled model)")
+    parser.add_argument("--pool-tokens", type=int, help="KV pool size in tokens")
+    parser.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
+    parser.add_argument("--context-window", type=int, help="advertised context window")
+    parser.add_argument(
+        "--allow-capacity-drift",
+        action="store_true",
+        default=None,
+        help="start even if the window exceeds the real pool (reported as drift)",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from backend.config import BackendSettings
+
+    overrides = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
+    if args.allow_capacity_drift:
+        overrides["allow_capacity_drift"] = True
+    return BackendSettings(**overrides)
+
+
+def run_unified(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from backend.engine.build import CapacityDriftRefused
+    from backend.model.errors import CheckpointError
+    from backend.server.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        settings = settings_from_args(args)
+        app = create_app(settings)
+    except (ValidationError, CheckpointError, CapacityDriftRefused, ValueError) as exc:
+        print(f"kvguard backend: cannot start: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    return 0

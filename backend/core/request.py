@@ -1,0 +1,258 @@
+"""One generation request and its lifecycle.
+
+Lifecycle (``TRANSITIONS``; any other move raises ``InvalidTransition``)::
+
+    WAITING ──pages reserved──▶ PREFILLING ──prompt done──▶ DECODING
+       │                            │  └──first token ends it──▶ FINISHED
+       │                            │                              ▲
+       │                            └─────────▶ ABORTED | FAILED   │
+       │                                          ▲                │
+       ├──admission refused──▶ REJECTED           └──── DECODING ──┘
+       └──▶ ABORTED | FAILED
+
+``TERMINAL`` = {FINISHED, REJECTED, ABORTED, FAILED}: nothing leaves them. The state is the one
+source of truth: there is no "finished" flag beside it, and ``finish_reason`` / ``error`` are set
+only by ``transition`` together with the terminal state they explain, so a consumer that asks
+"is it terminal?" can never miss a rejection (the incident's bug).
+
+Adding handoff states for disaggregation: add members to ``RequestState`` and edges to
+``TRANSITIONS`` -- e.g. on decode ``WAITING -> AWAITING_KV -> DECODING`` (pages reserved, KV not
+yet accepted) with ``AWAITING_KV -> ABORTED | FAILED``; on prefill ``PREFILLING -> TRANSFERRING ->
+FINISHED`` (KV handed off). A role that never uses a state simply never enters it; queues select
+requests by state, so a new state is invisible to code that does not ask for it, and a terminal
+handoff outcome is one of the existing terminal states, never a boolean beside the enum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+
+from backend.core.errors import InvalidRequest, InvalidTransition, KvguardError
+from backend.core.pages import Owner, PageRef
+
+
+class RequestState(StrEnum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+TERMINAL: frozenset[RequestState] = frozenset(
+    {RequestState.FINISHED, RequestState.REJECTED, RequestState.ABORTED, RequestState.FAILED}
+)
+
+TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = MappingProxyType(
+    {
+        RequestState.WAITING: frozenset(
+            {
+                RequestState.PREFILLING,
+                RequestState.REJECTED,
+                RequestState.ABORTED,
+                RequestState.FAILED,
+            }
+        ),
+        RequestState.PREFILLING: frozenset(
+            {
+                RequestState.DECODING,
+                RequestState.FINISHED,
+                RequestState.ABORTED,
+                RequestState.FAILED,
+            }
+        ),
+        RequestState.DECODING: frozenset(
+            {RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED}
+        ),
+        RequestState.FINISHED: frozenset(),
+        RequestState.REJECTED: frozenset(),
+        RequestState.ABORTED: frozenset(),
+        RequestState.FAILED: frozenset(),
+    }
+)
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+# Which finish reasons explain which terminal state; REJECTED and FAILED must carry their error.
+_FINISH_REASONS: Mapping[RequestState, frozenset[FinishReason]] = MappingProxyType(
+    {
+        RequestState.FINISHED: frozenset({FinishReason.STOP, FinishReason.LENGTH}),
+        RequestState.REJECTED: frozenset({FinishReason.ERROR}),
+        RequestState.ABORTED: frozenset({FinishReason.ABORT}),
+        RequestState.FAILED: frozenset({FinishReason.ERROR}),
+    }
+)
+_NEEDS_ERROR = frozenset({RequestState.REJECTED, RequestState.FAILED})
+
+
+def _number(param: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequest(param, f"must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens; validated on construction (``InvalidRequest``, HTTP 400)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidRequest("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise InvalidRequest("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= _number("temperature", self.temperature) <= 2.0:
+            raise InvalidRequest("temperature", f"must be in [0, 2], got {self.temperature}")
+        if not 0.0 < _number("top_p", self.top_p) <= 1.0:
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise InvalidRequest("seed", f"must be an integer or null, got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+
+
+def _token_ids(values: Iterable[int]) -> tuple[int, ...]:
+    ids = tuple(values)
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequest("stop_token_ids", "must be non-negative integers")
+    return ids
+
+
+class Request:
+    """A request's identity, prompt, sampling, lifecycle state and KV page table.
+
+    ``state``, ``error`` and ``finish_reason`` change only through ``transition``. The scheduler
+    owns ``page_table`` (reserved once, whole, at admission to PREFILLING), ``num_computed_tokens``
+    (tokens whose K/V is written) and ``output_ids``. The prompt is an immutable tuple: nothing may
+    swap it for a placeholder.
+    """
+
+    __slots__ = (
+        "_error",
+        "_finish_reason",
+        "_state",
+        "num_computed_tokens",
+        "output_ids",
+        "owner",
+        "page_table",
+        "prompt_ids",
+        "request_id",
+        "sampling",
+        "tenant",
+    )
+
+    def __init__(
+        self, request_id: str, tenant: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> None:
+        if not request_id or not tenant:
+            raise ValueError("request_id and tenant must be non-empty")
+        self.request_id = request_id
+        self.tenant = tenant
+        self.prompt_ids: tuple[int, ...] = tuple(prompt_ids)
+        self.sampling = sampling
+        # One Owner object for the request's life: PagePool.verify's fast path compares identity.
+        self.owner = Owner(request_id, tenant)
+        self.page_table: tuple[PageRef, ...] = ()
+        self.num_computed_tokens = 0
+        self.output_ids: list[int] = []
+        self._state = RequestState.WAITING
+        self._error: KvguardError | None = None
+        self._finish_reason: FinishReason | None = None
+
+    @property
+    def state(self) -> RequestState:
+        return self._state
+
+    @property
+    def error(self) -> KvguardError | None:
+        return self._error
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._finish_reason
+
+    @property
+    def is_terminal(self) -> bool:
+        return self._state in TERMINAL
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """prompt + max_tokens: what admission checks and the page table is sized for."""
+        return len(self.prompt_ids) + self.sampling.max_tokens
+
+    def transition(
+        self,
+        to: RequestState,
+        error: KvguardError | None = None,
+        *,
+        finish_reason: FinishReason | None = None,
+    ) -> None:
+        """Move to ``to`` if ``TRANSITIONS`` allows it, with the error/reason a terminal needs.
+
+        FINISHED needs ``finish_reason`` STOP or LENGTH; REJECTED and FAILED need ``error`` (their
+        reason is ERROR); ABORTED's reason is ABORT (``error`` optional). Non-terminal states take
+        neither. On any violation nothing changes and ``InvalidTransition`` is raised.
+        """
+        if to not in TRANSITIONS[self._state]:
+            raise InvalidTransition("request", self.request_id, self._state, to)
+        reason = self._check_outcome(to, error, finish_reason)
+        self._state = to
+        self._error = error
+        self._finish_reason = reason
+
+    def _check_outcome(
+        self, to: RequestState, error: KvguardError | None, reason: FinishReason | None
+    ) -> FinishReason | None:
+        def refuse(problem: str) -> InvalidTransition:
+            return InvalidTransition("request", self.request_id, self._state, to, problem)
+
+        allowed = _FINISH_REASONS.get(to)
+        if allowed is None:
+            if error is not None or reason is not None:
+                raise refuse("a non-terminal state takes no error or finish_reason")
+            return None
+        if reason is None and len(allowed) == 1:
+            (reason,) = allowed
+        if reason not in allowed:
+            raise refuse(f"finish_reason must be one of {sorted(allowed)}, got {reason}")
+        if to in _NEEDS_ERROR and error is None:
+            raise refuse("needs the error that caused it")
+        if to is RequestState.FINISHED and error is not None:
+            raise refuse("a finished request carries no error")
+        return reason
+
+    def __repr__(self) -> str:
+        # Token ids are content: show counts only.
+        error = self._error.code if self._error is not None else None
+        return (
+            f"Request(id={self.request_id!r}, tenant={self.tenant!r}, state={self._state}, "
+            f"prompt_tokens={len(self.prompt_ids)}, output_tokens={len(self.output_ids)}, "
+            f"computed={self.num_computed_tokens}, pages={len(self.page_table)}, "
+            f"finish_reason={self._finish_reason}, error={error})"
+        )

@@ -1,0 +1,379 @@
+"""Continuous-batching scheduler over a ``PagePool``: schedule -> (runner) -> postprocess.
+
+Queues, each holding requests of exactly the states named (checked, never assumed):
+
+1. ``add``: admission first. A request that can never fit is REJECTED with its typed error and
+   the error is raised; it never reaches a queue and the pool is never touched.
+2. waiting (FIFO, WAITING): the head is admitted when ``max_running`` allows and the pool has
+   every page for prompt + max_tokens; it then moves to running as PREFILLING. Nobody overtakes a
+   head that does not fit yet.
+3. running (PREFILLING, DECODING): each step gives every DECODING request one token, then spends
+   what is left of ``max_batch_tokens`` on prompt chunks, continuing PREFILLING requests before
+   admitting new ones. New requests join a batch that is already decoding (continuous batching).
+4. ``postprocess``: advances ``num_computed_tokens``, appends sampled tokens, moves PREFILLING to
+   DECODING, finishes on a stop token (STOP) or at max_tokens (LENGTH) and frees the pages.
+5. ``abort`` / ``fail``: ABORTED / FAILED from any live state. Pages of a request that is part of
+   the step in flight (scheduled, not yet postprocessed) may still be written by the runner, so
+   they are quarantined and released at that step's ``postprocess``; otherwise they are freed.
+
+Pages are reserved whole at admission, so a running request never asks for another page and
+nothing is ever preempted: the schedule is deterministic and a page changes hands only when its
+request is terminal. This gives up some peak utilisation (a request holds pages for tokens it may
+never produce) in exchange for isolation that is easy to reason about. Pages freed with
+zero_on_free are surfaced in the next ``SchedulerOutput.pages_to_zero``.
+
+Not thread-safe: the engine loop calls everything, and applies aborts between its calls.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+from backend.core.admission import CapacityLimits, admit
+from backend.core.errors import (
+    DuplicateRequestId,
+    InvalidTransition,
+    InvariantViolation,
+    KvguardError,
+    StepProtocolError,
+)
+from backend.core.messages import DecodeItem, PrefillChunk, SchedulerOutput, StepResult
+from backend.core.pages import Owner, PagePool, PageRef
+from backend.core.request import FinishReason, Request, RequestState
+
+_RUNNING = frozenset({RequestState.PREFILLING, RequestState.DECODING})
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        limits: CapacityLimits,
+        *,
+        max_batch_tokens: int,
+        max_running: int,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if (limits.page_size, limits.pool_pages) != (pool.page_size, pool.num_pages):
+            raise ValueError(
+                f"limits ({limits.pool_pages} pages x {limits.page_size}) do not describe the "
+                f"pool ({pool.num_pages} x {pool.page_size}); build them with "
+                "CapacityLimits.from_pool"
+            )
+        if max_running < 1 or max_batch_tokens < max_running:
+            raise ValueError(
+                f"need 1 <= max_running <= max_batch_tokens (every decode takes a token), got "
+                f"max_running={max_running}, max_batch_tokens={max_batch_tokens}"
+            )
+        self._pool = pool
+        self._limits = limits
+        self._max_batch_tokens = max_batch_tokens
+        self._max_running = max_running
+        self._eos_token_id = eos_token_id
+        self._live: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._to_zero: list[int] = []
+        self._step = 0
+        self._in_flight: SchedulerOutput | None = None
+        self._in_flight_requests: set[Request] = set()
+        self._step_quarantine: list[tuple[Owner, tuple[PageRef, ...]]] = []
+
+    # -- introspection ------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> PagePool:
+        return self._pool
+
+    @property
+    def limits(self) -> CapacityLimits:
+        return self._limits
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def get(self, request_id: str) -> Request | None:
+        """The live (non-terminal) request with this id, if any."""
+        return self._live.get(request_id)
+
+    def has_work(self) -> bool:
+        """Whether the engine loop should call ``schedule`` (live requests or pages to zero)."""
+        return bool(self._live) or bool(self._to_zero) or bool(self._step_quarantine)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Admit ``request`` to the waiting queue, or mark it REJECTED and raise its error.
+
+        Raises ``ContextLengthExceeded`` / ``InvalidRequest`` (admission) or
+        ``DuplicateRequestId``; in every case the request is REJECTED and no page was reserved.
+        """
+        if request.state is not RequestState.WAITING:
+            raise InvalidTransition(
+                "request",
+                request.request_id,
+                request.state,
+                RequestState.WAITING,
+                "only a new request can be added",
+            )
+        try:
+            if request.request_id in self._live:
+                raise DuplicateRequestId(request.request_id)
+            admit(request.num_prompt_tokens, request.sampling.max_tokens, self._limits)
+        except KvguardError as error:
+            request.transition(RequestState.REJECTED, error)
+            raise
+        self._live[request.request_id] = request
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """ABORT a live request and release its pages; None if no live request has this id.
+
+        Idempotent: a request that is already terminal is no longer live, so nothing happens.
+        """
+        request = self._live.get(request_id)
+        if request is None:
+            return None
+        self._release_pages(request, strict=True)
+        request.transition(RequestState.ABORTED)
+        self._forget(request)
+        return request
+
+    def fail(self, request_id: str, error: KvguardError) -> Request | None:
+        """FAIL a live request with ``error``; None if no live request has this id.
+
+        Releases only the pages the pool confirms the request still holds: a request may be
+        failing precisely because a reference went stale, and such a page is not its to free.
+        """
+        request = self._live.get(request_id)
+        if request is None:
+            return None
+        self._release_pages(request, strict=False)
+        request.transition(RequestState.FAILED, error)
+        self._forget(request)
+        return request
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantViolation`` if queues, states, page tables and the pool disagree."""
+        self._pool.check_invariants()
+        problems = [p for r in self._waiting for p in self._waiting_problems(r)]
+        problems += [p for r in self._running for p in self._running_problems(r)]
+        queued = [r.request_id for r in self._waiting] + [r.request_id for r in self._running]
+        if len(queued) != len(set(queued)) or set(queued) != set(self._live):
+            problems.append("live requests are not exactly waiting + running, once each")
+        if len(self._running) > self._max_running:
+            problems.append(f"{len(self._running)} running > max_running {self._max_running}")
+        held = sum(len(r.page_table) for r in self._running)
+        if self._pool.owned_pages != held:
+            problems.append(f"pool has {self._pool.owned_pages} owned pages, tables hold {held}")
+        quarantined = sum(len(refs) for _, refs in self._step_quarantine)
+        if self._pool.quarantined_pages != quarantined:
+            actual = self._pool.quarantined_pages
+            problems.append(f"{actual} pages quarantined, the scheduler knows {quarantined}")
+        if self._pool.pending_zero_pages < len(self._to_zero):
+            problems.append("pages queued for zeroing are not pending zero in the pool")
+        if problems:
+            raise InvariantViolation("scheduler: " + "; ".join(problems[:8]))
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Must be followed by ``postprocess`` of the returned output."""
+        if self._in_flight is not None:
+            raise StepProtocolError(
+                f"schedule() called while step {self._in_flight.step} awaits postprocess()"
+            )
+        budget = self._max_batch_tokens
+        decodes = self._schedule_decodes()
+        budget -= len(decodes)
+        prefills = self._schedule_prefills(budget)
+        budget -= sum(chunk.num_tokens for chunk in prefills)
+        prefills += self._admit_waiting(budget)
+        self._step += 1
+        output = SchedulerOutput(self._step, tuple(decodes), tuple(prefills), tuple(self._to_zero))
+        self._to_zero.clear()
+        self._in_flight = output
+        self._in_flight_requests = {item.request for item in decodes}
+        self._in_flight_requests.update(chunk.request for chunk in prefills)
+        return output
+
+    def postprocess(
+        self, output: SchedulerOutput, sampled: Mapping[str, int | None]
+    ) -> list[StepResult]:
+        """Apply the runner's sampled tokens (``{request_id: token}``; None or absent for chunks
+        that do not end a prompt). Requests that became terminal during the step are skipped.
+
+        Returns one ``StepResult`` per sampled token, decodes first, in output order.
+        """
+        if output is not self._in_flight:
+            raise StepProtocolError("postprocess() of an output that is not the step in flight")
+        self._check_sampled(output, sampled)
+        self._in_flight = None
+        self._in_flight_requests = set()
+        results: list[StepResult] = []
+        for item in output.decodes:
+            if item.request.state is RequestState.DECODING:
+                results.append(self._append_token(item.request, 1, sampled))
+        for chunk in output.prefills:
+            request = chunk.request
+            if request.state is not RequestState.PREFILLING:
+                continue
+            if chunk.samples:
+                results.append(self._append_token(request, chunk.num_tokens, sampled))
+            else:
+                request.num_computed_tokens += chunk.num_tokens
+        self._release_step_quarantine()
+        return results
+
+    # -- scheduling phases --------------------------------------------------------------------
+
+    def _schedule_decodes(self) -> list[DecodeItem]:
+        decodes: list[DecodeItem] = []
+        for request in self._running:
+            if request.state not in _RUNNING:
+                raise InvariantViolation(f"{request!r} is in the running queue")
+            if request.state is RequestState.DECODING:
+                position = request.num_computed_tokens
+                decodes.append(
+                    DecodeItem(request, position, request.output_ids[-1], request.page_table)
+                )
+        return decodes
+
+    def _schedule_prefills(self, budget: int) -> list[PrefillChunk]:
+        chunks: list[PrefillChunk] = []
+        for request in self._running:
+            if budget <= 0:
+                break
+            if request.state is RequestState.PREFILLING:
+                chunk = self._chunk(request, budget)
+                chunks.append(chunk)
+                budget -= chunk.num_tokens
+        return chunks
+
+    def _admit_waiting(self, budget: int) -> list[PrefillChunk]:
+        chunks: list[PrefillChunk] = []
+        while self._waiting and budget > 0 and len(self._running) < self._max_running:
+            request = self._waiting[0]
+            if request.state is not RequestState.WAITING:
+                raise InvariantViolation(f"{request!r} is in the waiting queue")
+            needed = self._pool.pages_for(request.max_total_tokens)
+            if needed > self._pool.free_pages:
+                break
+            request.page_table = tuple(self._pool.allocate(needed, request.owner))
+            request.transition(RequestState.PREFILLING)
+            self._waiting.popleft()
+            self._running.append(request)
+            chunk = self._chunk(request, budget)
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return chunks
+
+    @staticmethod
+    def _chunk(request: Request, budget: int) -> PrefillChunk:
+        start = request.num_computed_tokens
+        end = min(request.num_prompt_tokens, start + budget)
+        return PrefillChunk(request, start, end, request.page_table)
+
+    # -- postprocess phases -------------------------------------------------------------------
+
+    def _check_sampled(self, output: SchedulerOutput, sampled: Mapping[str, int | None]) -> None:
+        """Refuse the whole step before changing anything if the runner's tokens do not match."""
+        must_sample = set(output.sampling_request_ids)
+        scheduled = {item.request.request_id for item in output.decodes}
+        scheduled.update(chunk.request.request_id for chunk in output.prefills)
+        for request_id, token in sampled.items():
+            if request_id not in scheduled:
+                raise StepProtocolError(f"token for {request_id!r}, which was not scheduled")
+            if token is not None and request_id not in must_sample:
+                raise StepProtocolError(f"token for {request_id!r}, whose prompt is not done")
+            if token is not None and (isinstance(token, bool) or not isinstance(token, int)):
+                raise StepProtocolError(f"token for {request_id!r} is not an int")
+            if token is not None and token < 0:
+                raise StepProtocolError(f"negative token id for {request_id!r}")
+        for request in self._in_flight_requests:
+            rid = request.request_id
+            if rid in must_sample and not request.is_terminal and sampled.get(rid) is None:
+                raise StepProtocolError(f"no token for {rid!r}, which had to sample")
+
+    def _append_token(
+        self, request: Request, n_tokens: int, sampled: Mapping[str, int | None]
+    ) -> StepResult:
+        token = sampled.get(request.request_id)
+        if token is None:  # _check_sampled refused this already; kept for the type checker
+            raise StepProtocolError(f"no token for {request.request_id!r}")
+        request.num_computed_tokens += n_tokens
+        request.output_ids.append(token)
+        reason = self._finish_reason(request, token)
+        if reason is not None:
+            self._release_pages(request, strict=True)
+            request.transition(RequestState.FINISHED, finish_reason=reason)
+            self._forget(request)
+        elif request.state is RequestState.PREFILLING:
+            request.transition(RequestState.DECODING)
+        return StepResult(request.request_id, token, request.state, request.finish_reason)
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        if token == self._eos_token_id or token in request.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output_ids) >= request.sampling.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _waiting_problems(request: Request) -> list[str]:
+        if request.state is not RequestState.WAITING:
+            return [f"{request!r} is in the waiting queue"]
+        if request.page_table or request.num_computed_tokens or request.output_ids:
+            return [f"waiting {request!r} already has pages or progress"]
+        return []
+
+    def _running_problems(self, request: Request) -> list[str]:
+        if request.state not in _RUNNING:
+            return [f"{request!r} is in the running queue"]
+        if len(request.page_table) != self._pool.pages_for(request.max_total_tokens):
+            return [f"{request!r} holds a partial page table"]
+        if not all(self._pool.is_current(ref, request.owner) for ref in request.page_table):
+            return [f"{request!r} holds a page reference the pool does not confirm"]
+        prompt, outputs = request.num_prompt_tokens, request.num_output_tokens
+        if request.state is RequestState.PREFILLING:
+            consistent = outputs == 0 and 0 <= request.num_computed_tokens < prompt
+        else:
+            consistent = (
+                1 <= outputs < request.sampling.max_tokens
+                and request.num_computed_tokens == prompt + outputs - 1
+            )
+        return [] if consistent else [f"{request!r} progress does not match its state"]
+
+    # -- pages and queues ---------------------------------------------------------------------
+
+    def _release_pages(self, request: Request, *, strict: bool) -> None:
+        refs = request.page_table
+        if not strict:
+            refs = tuple(ref for ref in refs if self._pool.is_current(ref, request.owner))
+        if refs and request in self._in_flight_requests:
+            # The runner may still be writing these pages for the step in flight.
+            self._pool.quarantine(refs, request.owner)
+            self._step_quarantine.append((request.owner, refs))
+        elif refs:
+            self._to_zero.extend(self._pool.free(refs, request.owner))
+        request.page_table = ()
+
+    def _release_step_quarantine(self) -> None:
+        for owner, refs in self._step_quarantine:
+            self._to_zero.extend(self._pool.release_quarantined(refs, owner))
+        self._step_quarantine.clear()
+
+    def _forget(self, request: Request) -> None:
+        del self._live[request.request_id]
+        if request in self._running:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)

@@ -1,0 +1,213 @@
+"""The engine loop on its own thread, and the asyncio face the HTTP server talks to.
+
+Lifecycle of a request through this module:
+
+1. ``submit`` (event loop): admission against the immutable limits, so a request that can never
+   fit fails here with ``ContextLengthExceeded`` before anything is queued or reserved.
+2. The request goes into the inbox; the engine thread drains the inbox between steps and calls
+   ``EngineCore.add`` (admission again: the second line) or ``abort``.
+3. Each step's results are posted back to the request's ``Generation`` on the event loop.
+4. The request ends with exactly one terminal event (FINISHED, ABORTED, FAILED or REJECTED,
+   with its error). A consumer that goes away (client disconnect, cancellation) aborts the
+   request, which releases its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from backend.core.admission import CapacityLimits, admit
+from backend.core.errors import KvguardError
+from backend.core.request import FinishReason, Request, RequestState, SamplingParams
+from backend.engine.core import EngineCore, StepOutcome
+
+log = logging.getLogger("kvguard.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvent:
+    token: int | None = field(repr=False)
+    state: RequestState
+    finish_reason: FinishReason | None = None
+    error: KvguardError | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Generation:
+    """One request's event stream. Iterate it; leaving early (or ``abort``) aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request: Request) -> None:
+        self._engine = engine
+        self.request = request
+        self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def _post(self, event: EngineEvent) -> None:
+        self._queue.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[EngineEvent]:
+        try:
+            while not self._done:
+                event = await self._queue.get()
+                self._done = event.is_terminal
+                yield event
+        finally:
+            if not self._done:
+                self.abort()
+
+    def abort(self) -> None:
+        self._done = True
+        self._engine.abort(self.request_id)
+
+
+@dataclass(slots=True)
+class _Inbox:
+    adds: deque[tuple[Request, Generation]] = field(default_factory=deque)
+    aborts: deque[str] = field(default_factory=deque)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        core: EngineCore,
+        limits: CapacityLimits,
+        *,
+        on_step: Callable[[StepOutcome], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.limits = limits
+        self._on_step = on_step
+        self._inbox = _Inbox()
+        self._wake = threading.Condition()
+        self._generations: dict[str, Generation] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- event-loop side -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvguard-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+
+    def submit(
+        self, *, request_id: str, tenant: str, prompt_ids: list[int], sampling: SamplingParams
+    ) -> Generation:
+        """Admission first (raises KvguardError), then queue the request for the engine thread."""
+        admit(len(prompt_ids), sampling.max_tokens, self.limits)
+        request = Request(request_id, tenant, prompt_ids, sampling)
+        generation = Generation(self, request)
+        with self._wake:
+            if self._stopping:
+                raise EngineStopping()
+            self._inbox.adds.append((request, generation))
+            self._wake.notify()
+        return generation
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._inbox.aborts.append(request_id)
+            self._wake.notify()
+
+    # -- engine-thread side ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._has_inbox() and not self.core.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                adds, aborts = list(self._inbox.adds), list(self._inbox.aborts)
+                self._inbox.adds.clear()
+                self._inbox.aborts.clear()
+            self._apply(adds, aborts)
+            if self.core.has_work():
+                self._step()
+        self._abort_everything()
+
+    def _has_inbox(self) -> bool:
+        return bool(self._inbox.adds or self._inbox.aborts)
+
+    def _apply(self, adds: list[tuple[Request, Generation]], aborts: list[str]) -> None:
+        for request, generation in adds:
+            try:
+                self.core.add(request)
+            except KvguardError as error:
+                self._deliver(
+                    generation, EngineEvent(None, request.state, FinishReason.ERROR, error)
+                )
+                continue
+            self._generations[request.request_id] = generation
+        for request_id in aborts:
+            aborted = self.core.abort(request_id)
+            if aborted is not None:
+                self._finish(aborted)
+
+    def _step(self) -> None:
+        outcome = self.core.step()
+        for request in outcome.failed:
+            self._finish(request)
+        for result in outcome.results:
+            generation = self._generations.get(result.request_id)
+            if generation is None:
+                continue
+            event = EngineEvent(result.token, result.state, result.finish_reason, None)
+            self._deliver(generation, event)
+            if event.is_terminal:
+                del self._generations[result.request_id]
+        if self._on_step is not None:
+            self._on_step(outcome)
+
+    def _finish(self, request: Request) -> None:
+        generation = self._generations.pop(request.request_id, None)
+        if generation is not None:
+            event = EngineEvent(None, request.state, request.finish_reason, request.error)
+            self._deliver(generation, event)
+
+    def _deliver(self, generation: Generation, event: EngineEvent) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(generation._post, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            log.debug("dropped an event for a closed loop")
+
+    def _abort_everything(self) -> None:
+        with self._wake:
+            pending = list(self._inbox.adds)
+            self._inbox.adds.clear()
+        for request, generation in pending:
+            request.transition(RequestState.ABORTED)
+            self._deliver(generation, EngineEvent(None, request.state, request.finish_reason))
+        for request_id in list(self._generations):
+            aborted = self.core.abort(request_id)
+            if aborted is not None:
+                self._finish(aborted)
+
+
+class EngineStopping(KvguardError):
+    code = "engine_shutting_down"
+    http_status = 503
+
+    def __init__(self) -> None:
+        super().__init__("the engine is shutting down")

@@ -1,0 +1,119 @@
+"""Building a running engine from ``BackendSettings``: model, real pool, limits, loop.
+
+Start-up order: load the checkpoint (clear error naming the file) -> size the page pool from
+``pool_tokens`` or the KV memory budget -> decide the advertised window -> refuse a window larger
+than the real pool unless drift is explicitly allowed (then it is reported, never hidden).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.config import BackendSettings
+from backend.core.admission import CapacityLimits
+from backend.core.pages import PagePool
+from backend.core.scheduler import Scheduler
+from backend.engine.async_engine import AsyncEngine
+from backend.engine.core import EngineCore
+from backend.engine.runner import ModelRunner
+from backend.metrics import EngineMetrics
+from backend.model.chat import ChatRenderer, load_chat_renderer
+from backend.model.config import ModelConfig
+from backend.model.kv_cache import KVCache
+from backend.model.llama import LlamaModel, load_model
+from backend.model.tokenizer import Tokenizer
+
+
+class CapacityDriftRefused(RuntimeError):
+    """The configured window exceeds the real KV pool and drift was not explicitly allowed."""
+
+
+@dataclass(slots=True)
+class BuiltEngine:
+    engine: AsyncEngine
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: Tokenizer
+    limits: CapacityLimits
+    pool: PagePool
+    kv_cache: KVCache
+    metrics: EngineMetrics
+    render_chat: ChatRenderer
+
+
+def pool_pages(settings: BackendSettings, config: ModelConfig, dtype: torch.dtype) -> int:
+    """Pages for the configured pool: an explicit token count, or the memory budget."""
+    if settings.pool_tokens is not None:
+        return -(-settings.pool_tokens // settings.page_size)
+    pages = KVCache.pages_for_budget(
+        settings.kv_memory_bytes,
+        config.num_hidden_layers,
+        settings.page_size,
+        config.num_key_value_heads,
+        config.head_dim,
+        dtype,
+    )
+    if pages < 1:
+        raise ValueError(f"kv_memory_bytes={settings.kv_memory_bytes} holds no KV page")
+    return pages
+
+
+def decide_limits(settings: BackendSettings, config: ModelConfig, pages: int) -> CapacityLimits:
+    pool_tokens = pages * settings.page_size
+    window = settings.context_window
+    if window is None:
+        window = min(config.max_position_embeddings, pool_tokens)
+    limits = CapacityLimits(page_size=settings.page_size, pool_pages=pages, context_window=window)
+    if limits.drift is not None and not settings.allow_capacity_drift:
+        raise CapacityDriftRefused(
+            f"context window {window} exceeds the real KV pool of {pool_tokens} tokens "
+            f"({pages} pages x {settings.page_size}); lower --context-window, raise the pool, "
+            "or pass --allow-capacity-drift to run anyway (requests stay limited to the pool "
+            "and the drift is reported)"
+        )
+    return limits
+
+
+def build_engine(settings: BackendSettings, *, role: str = "unified") -> BuiltEngine:
+    if settings.torch_threads is not None:
+        torch.set_num_threads(settings.torch_threads)
+    model, config, tokenizer = load_model(settings.model, device=settings.device)
+    pages = pool_pages(settings, config, model.dtype)
+    limits = decide_limits(settings, config, pages)
+    pool = PagePool(pages, settings.page_size, zero_on_free=settings.zero_on_free)
+    kv_cache = model.new_kv_cache(pages, settings.page_size)
+    scheduler = Scheduler(
+        pool,
+        limits,
+        eos_token_id=tokenizer.eos_id,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_running=settings.max_running,
+    )
+    backend = None if settings.attention_backend == "auto" else settings.attention_backend
+    metrics = EngineMetrics(role)
+    core = EngineCore(
+        scheduler,
+        ModelRunner(model, kv_cache, attention_backend=backend),
+        on_isolation_error=lambda e: metrics.isolation_errors.labels(e.reason).inc(),
+    )
+    engine = AsyncEngine(core, limits, on_step=lambda o: _observe_step(metrics, o))
+    metrics.track_pool(
+        lambda: pool.free_pages, lambda: pool.owned_pages, lambda: pool.quarantined_pages
+    )
+    render_chat = load_chat_renderer(settings.model, config)
+    return BuiltEngine(
+        engine, model, config, tokenizer, limits, pool, kv_cache, metrics, render_chat
+    )
+
+
+def _observe_step(metrics: EngineMetrics, outcome: object) -> None:
+    from backend.engine.core import StepOutcome
+
+    assert isinstance(outcome, StepOutcome)
+    metrics.step_seconds.labels("verify").observe(outcome.verify_s)
+    metrics.step_seconds.labels("forward").observe(outcome.forward_s)
+    metrics.generated_tokens.inc(len(outcome.results))
+    if outcome.zeroed_pages:
+        metrics.zeroed_pages.inc(outcome.zeroed_pages)

@@ -1,0 +1,107 @@
+"""One engine step, synchronously: schedule -> zero freed pages -> verify -> run -> postprocess.
+
+The verify phase is the read-path ownership check: before attention may read a request's pages,
+every (page id, generation) in its table must still be current and owned by that request. A
+mismatch fails that request alone with an ``IsolationError`` (reported to the caller, counted in
+metrics, logged with ids only) and the rest of the batch runs; nothing is ever read silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from backend.core.errors import IsolationError, KvguardError
+from backend.core.messages import DecodeItem, PrefillChunk, SchedulerOutput, StepResult
+from backend.core.request import Request
+from backend.core.scheduler import Scheduler
+from backend.engine.runner import ModelRunner
+
+log = logging.getLogger("kvguard.engine")
+
+
+class EngineStepFailed(KvguardError):
+    """The forward pass raised; every request of the step fails with this error."""
+
+    code = "engine_error"
+    http_status = 500
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"the engine failed to run a step: {problem}", problem)
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    results: list[StepResult] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+    verify_s: float = 0.0
+    forward_s: float = 0.0
+    zeroed_pages: int = 0
+
+
+@dataclass(slots=True)
+class EngineCore:
+    scheduler: Scheduler
+    runner: ModelRunner
+    verify_pages: bool = True  # off only in benchmarks that measure the check's cost
+    on_isolation_error: Callable[[IsolationError], None] | None = None
+
+    def add(self, request: Request) -> None:
+        """Admission (raises; the request is then REJECTED and holds nothing)."""
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> StepOutcome:
+        output = self.scheduler.schedule()
+        outcome = StepOutcome()
+        self._zero(output, outcome)
+        if self.verify_pages:
+            self._verify(output, outcome)
+        started = time.perf_counter()
+        try:
+            sampled = self.runner.run(output) if not output.is_empty else {}
+        except Exception as exc:  # any device error fails the step's requests, not the loop
+            log.exception("step %d failed", output.step)
+            sampled = self._fail_all(output, outcome, EngineStepFailed(type(exc).__name__))
+        outcome.forward_s = time.perf_counter() - started
+        outcome.results = self.scheduler.postprocess(output, sampled)
+        return outcome
+
+    def _zero(self, output: SchedulerOutput, outcome: StepOutcome) -> None:
+        if output.pages_to_zero:
+            self.runner.zero(output.pages_to_zero)
+            self.scheduler.pool.confirm_zeroed(output.pages_to_zero)
+            outcome.zeroed_pages = len(output.pages_to_zero)
+
+    def _verify(self, output: SchedulerOutput, outcome: StepOutcome) -> None:
+        started = time.perf_counter()
+        pool = self.scheduler.pool
+        items: list[DecodeItem | PrefillChunk] = [*output.decodes, *output.prefills]
+        for item in items:
+            request = item.request
+            try:
+                pool.verify(item.page_table, request.owner)
+            except IsolationError as error:
+                log.error("isolation check failed: %s", error.details())
+                if self.on_isolation_error is not None:
+                    self.on_isolation_error(error)
+                self.scheduler.fail(request.request_id, error)
+                outcome.failed.append(request)
+        outcome.verify_s = time.perf_counter() - started
+
+    def _fail_all(
+        self, output: SchedulerOutput, outcome: StepOutcome, error: KvguardError
+    ) -> dict[str, int | None]:
+        requests = [d.request for d in output.decodes] + [p.request for p in output.prefills]
+        for request in requests:
+            failed = self.scheduler.fail(request.request_id, error)
+            if failed is not None:
+                outcome.failed.append(failed)
+        return {}

@@ -1,0 +1,94 @@
+"""The model runner: all device work of one engine step, and nothing else.
+
+It turns a ``SchedulerOutput`` into one flattened forward pass over the paged KV cache and
+samples the tokens the scheduler asked for. It knows page ids only through the page tables the
+scheduler handed out (already verified against the pool by the engine core) and never decides
+what runs: requests that went terminal before the forward are simply left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from backend.core.messages import SchedulerOutput
+from backend.core.request import Request
+from backend.engine.sampling import sample
+from backend.kernels.metadata import AttentionMetadata
+from backend.kernels.paged_attention import Backend
+from backend.model.kv_cache import KVCache
+from backend.model.llama import LlamaModel
+
+
+@dataclass(frozen=True, slots=True)
+class _Seq:
+    request: Request
+    tokens: Sequence[int]
+    start: int  # position of the first query token
+    samples: bool
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaModel, kv_cache: KVCache, *, attention_backend: Backend | None = None
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention_backend = attention_backend
+
+    @property
+    def page_size(self) -> int:
+        return self.kv_cache.page_size
+
+    def zero(self, page_ids: Sequence[int]) -> None:
+        if page_ids:
+            self.kv_cache.zero_pages(list(page_ids))
+
+    def run(self, output: SchedulerOutput) -> dict[str, int | None]:
+        """Forward every live item of the step; returns {request_id: token or None}."""
+        seqs = _plan(output)
+        if not seqs:
+            return {}
+        device = self.model.device
+        input_ids = torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int64)
+        metadata = AttentionMetadata.build(
+            query_lens=[len(s.tokens) for s in seqs],
+            kv_lens=[s.start + len(s.tokens) for s in seqs],
+            block_tables=[[ref.page_id for ref in s.request.page_table] for s in seqs],
+            page_size=self.page_size,
+            num_pages=self.kv_cache.num_pages,
+            device=device,
+        )
+        logits = self.model.forward(
+            input_ids.to(device),
+            metadata.positions(),
+            metadata,
+            self.kv_cache,
+            attention_backend=self.attention_backend,
+        )
+        rows = [i for i, s in enumerate(seqs) if s.samples]
+        tokens = sample(
+            logits[rows] if rows else logits[:0],
+            [seqs[i].request.sampling for i in rows],
+            [seqs[i].request.num_output_tokens for i in rows],
+        )
+        result: dict[str, int | None] = {s.request.request_id: None for s in seqs}
+        for i, token in zip(rows, tokens, strict=True):
+            result[seqs[i].request.request_id] = token
+        return result
+
+
+def _plan(output: SchedulerOutput) -> list[_Seq]:
+    seqs = [
+        _Seq(item.request, (item.input_token,), item.position, True)
+        for item in output.decodes
+        if not item.request.is_terminal
+    ]
+    seqs += [
+        _Seq(chunk.request, chunk.token_ids, chunk.start, chunk.samples)
+        for chunk in output.prefills
+        if not chunk.request.is_terminal
+    ]
+    return seqs

@@ -1,0 +1,1 @@
+"""Device kernels of the bundled engine: paged attention (PyTorch reference and Triton)."""

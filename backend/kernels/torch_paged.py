@@ -1,0 +1,110 @@
+"""PyTorch reference paged attention (the CPU default), planned once per forward step.
+
+Lifecycle: `plan_attention(metadata)` runs once per step and turns the block tables into flat
+slot indices and masks; `torch_paged_attention(q, k, v, plan, scale)` then runs once per layer
+with no per-token Python work. Sequences are grouped so that one SDPA call serves many of them:
+- all decode tokens (query_len 1) form one group, padded to the longest context;
+- prefill chunks form one group too when padding them to the longest costs at most
+  `_MAX_PADDING_WASTE` times the real work (equal-length prompts: no waste), else each chunk is
+  its own group.
+
+Padding never reads outside a sequence's pages: padded key positions gather the sequence's own
+last token (masked out), padded query rows attend only to its first token (output discarded). So a
+stale NaN/inf in a page owned by someone else cannot reach the softmax (0 * NaN is NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from backend.kernels.metadata import AttentionMetadata
+
+_MAX_PADDING_WASTE = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    tokens: (
+        torch.Tensor
+    )  # [G, max_q] int64 query token index per (sequence, row); padded rows repeat
+    slots: torch.Tensor  # [G, max_kv] int64 cache slot of each key position
+    mask: torch.Tensor  # [G, 1, max_q, max_kv] bool: key visible to the query row
+    rows: torch.Tensor | None  # indices into tokens.flatten() of real rows; None when all are real
+    out_tokens: torch.Tensor  # [R] token index of each real row
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    groups: tuple[_Group, ...]
+    num_tokens: int
+
+
+def plan_attention(md: AttentionMetadata) -> AttentionPlan:
+    decode = [i for i, n in enumerate(md.query_lens_host) if n == 1]
+    chunks = [i for i, n in enumerate(md.query_lens_host) if n > 1]
+    groups = [_plan_group(md, decode)] if decode else []
+    if chunks:
+        padded = len(chunks) * max(md.query_lens_host[i] for i in chunks)
+        padded *= max(md.kv_lens_host[i] for i in chunks)
+        real = sum(md.query_lens_host[i] * md.kv_lens_host[i] for i in chunks)
+        if padded <= _MAX_PADDING_WASTE * real:
+            groups.append(_plan_group(md, chunks))
+        else:
+            groups.extend(_plan_group(md, [i]) for i in chunks)
+    return AttentionPlan(tuple(groups), md.num_tokens)
+
+
+def _plan_group(md: AttentionMetadata, seqs: list[int]) -> _Group:
+    device = md.block_tables.device
+    idx = torch.tensor(seqs, device=device)
+    q_lens = torch.tensor([md.query_lens_host[i] for i in seqs], device=device)
+    kv_lens = md.kv_lens[idx].long()
+    max_q = max(md.query_lens_host[i] for i in seqs)
+    row = torch.arange(max_q, device=device)
+    real = row[None, :] < q_lens[:, None]  # [G, max_q]
+    start = md.cu_seqlens_q[idx].long()[:, None]
+    tokens = start + torch.minimum(row[None, :], q_lens[:, None] - 1)
+    # Absolute position of each query row; padded rows are placed at position 0.
+    q_pos = torch.where(real, kv_lens[:, None] - q_lens[:, None] + row[None, :], 0)
+    key = torch.arange(max(md.kv_lens_host[i] for i in seqs), device=device)
+    key_pos = torch.minimum(key[None, :], kv_lens[:, None] - 1)  # padded keys: own last token
+    pages = md.block_tables[idx].long().gather(1, key_pos // md.page_size)
+    slots = pages * md.page_size + key_pos % md.page_size
+    mask = key[None, None, :] <= q_pos[:, :, None]
+    all_real = all(md.query_lens_host[i] == max_q for i in seqs)
+    rows = None if all_real else real.flatten().nonzero().squeeze(1)
+    out_tokens = tokens.flatten() if rows is None else tokens.flatten()[rows]
+    return _Group(tokens, slots, mask[:, None], rows, out_tokens)
+
+
+def torch_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D], caches [pages, page_size, kv_heads, D] -> [T, H, D]."""
+    kv_heads, head_dim = k_cache.shape[2:]
+    k_flat = k_cache.view(-1, kv_heads, head_dim)
+    v_flat = v_cache.view(-1, kv_heads, head_dim)
+    # One unpadded group holds every sequence in order, so its rows already are tokens 0..T-1.
+    out = None if len(plan.groups) == 1 and plan.groups[0].rows is None else torch.empty_like(q)
+    for group in plan.groups:
+        attn = F.scaled_dot_product_attention(
+            q[group.tokens].transpose(1, 2),  # [G, H, max_q, D]
+            k_flat[group.slots].transpose(1, 2),  # [G, kv_heads, max_kv, D]
+            v_flat[group.slots].transpose(1, 2),
+            attn_mask=group.mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        flat = attn.transpose(1, 2).reshape(-1, q.shape[1], head_dim)
+        if out is None:
+            return flat
+        out[group.out_tokens] = flat if group.rows is None else flat[group.rows]
+    assert out is not None  # plan_attention always yields at least one group
+    return out

@@ -1,0 +1,1 @@
+"""The bundled engine's model side: config, tokenizer, checkpoint loading, KV cache, Llama."""

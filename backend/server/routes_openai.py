@@ -1,0 +1,81 @@
+"""OpenAI-compatible routes of the engine: completions, chat completions, models, tokenize."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from backend.core.errors import KvguardError
+from backend.server.generate import generate
+from backend.server.openai_schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from backend.server.service import EngineService
+
+
+def get_service(request: Request) -> EngineService:
+    service: EngineService = request.app.state.service
+    return service
+
+
+ServiceDep = Annotated[EngineService, Depends(get_service)]
+router = APIRouter()
+
+
+class ModelNotFound(KvguardError):
+    code = "model_not_found"
+    http_status = 404
+
+    def __init__(self, requested: str, served: str) -> None:
+        super().__init__(
+            f"model '{requested}' is not served here (this engine serves '{served}')",
+            requested,
+            served,
+        )
+
+
+def _check_model(service: EngineService, model: str | None) -> None:
+    if model is not None and model != service.model_name:
+        raise ModelNotFound(model, service.model_name)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, http: Request, service: ServiceDep) -> Response:
+    _check_model(service, body.model)
+    return await generate(service, http, body, body.prompt, "text")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, http: Request, service: ServiceDep
+) -> Response:
+    _check_model(service, body.model)
+    return await generate(service, http, body, service.render_chat(body.messages), "chat")
+
+
+@router.get("/v1/models")
+async def models(service: ServiceDep) -> dict[str, Any]:
+    card = {
+        "id": service.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kvguard",
+        "max_model_len": service.limits.max_request_tokens,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, service: ServiceDep) -> dict[str, Any]:
+    _check_model(service, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        from backend.core.errors import InvalidRequest
+
+        raise InvalidRequest("prompt", "give exactly one of 'prompt' or 'messages'")
+    text = body.prompt if body.prompt is not None else service.render_chat(body.messages or [])
+    tokens = service.encode_prompt(text)
+    return {
+        "count": len(tokens),
+        "tokens": tokens,
+        "max_model_len": service.limits.max_request_tokens,
+    }

@@ -1,0 +1,29 @@
+"""Operational routes: health, Prometheus metrics, and the capacity truth."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from backend.server.routes_openai import ServiceDep
+from backend.server.schema import CapacityReport
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(service: ServiceDep) -> dict[str, Any]:
+    return {"status": "ok", "role": service.role.value, "model": service.model_name}
+
+
+@router.get("/engine/capacity", response_model=CapacityReport)
+async def capacity(service: ServiceDep) -> CapacityReport:
+    return service.capacity()
+
+
+@router.get("/metrics")
+async def metrics(service: ServiceDep) -> Response:
+    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
