@@ -1,0 +1,345 @@
+"""Stream scanner: exact behaviour for each kind of marker, at every chunk split."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+
+from canary.markers import Marker, MarkerCodec, MarkerKeyring, encode_tag
+from canary.scanner import (
+    MAX_HOLDBACK,
+    TERMINAL,
+    TRANSITIONS,
+    Finding,
+    FindingKind,
+    KnownTags,
+    ScannerState,
+    ScannerStateError,
+    Severity,
+    StreamScanner,
+)
+
+KEY_1 = bytes(range(32))
+KEY_2 = bytes(range(100, 140))
+CODEC = MarkerCodec(MarkerKeyring({1: KEY_1, 2: KEY_2}, current=2))
+OLD_CODEC = MarkerCodec(MarkerKeyring({1: KEY_1}, current=1))
+OWNER = "acme"
+OWN = CODEC.issue(OWNER, nonce=b"own-req1")
+OWN_OLD_KEY = OLD_CODEC.issue(OWNER, nonce=b"own-req0")
+OTHER_REQUEST = CODEC.issue(OWNER, nonce=b"own-req2")
+FOREIGN = CODEC.issue("globex", nonce=b"foreign1")
+STRANGER = CODEC.issue("stranger", nonce=b"strange1")  # a real tenant missing from the index
+INDEX = CODEC.tag_index([OWNER, "globex", "initech"])
+CANDIDATES = re.compile(r"(?=(CNRY-[A-Z2-7]{32}))")
+
+
+@dataclass
+class Outcome:
+    text: str
+    findings: list[Finding]
+    cut: bool
+    max_held: int
+
+
+def scan(
+    chunks: Iterable[str],
+    *,
+    own: Sequence[bytes] = (OWN.nonce, OWN_OLD_KEY.nonce),
+    known: KnownTags | None = INDEX,
+) -> Outcome:
+    scanner = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces=set(own), known_tags=known)
+    parts: list[str] = []
+    findings: list[Finding] = []
+    max_held = 0
+    for chunk in chunks:
+        result = scanner.feed(chunk)
+        max_held = max(max_held, scanner.held)
+        parts.append(result.text)
+        findings.extend(result.findings)
+        if result.cut:
+            assert scanner.state is ScannerState.CUT
+            return Outcome("".join(parts), findings, True, max_held)
+    result = scanner.finish()
+    parts.append(result.text)
+    findings.extend(result.findings)
+    return Outcome("".join(parts), findings, result.cut, max_held)
+
+
+def seen(outcome: Outcome) -> tuple[str, list[Finding], bool]:
+    return outcome.text, outcome.findings, outcome.cut
+
+
+def splits(text: str, *, three_way: bool = True) -> Iterator[list[str]]:
+    """Every 2-way split, every 3-way split (when asked) and one char per chunk."""
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+        if three_way:
+            for j in range(i, len(text) + 1):
+                yield [text[:i], text[i:j], text[j:]]
+    yield list(text)
+
+
+def genuine_markers_in(text: str) -> list[str]:
+    return [m for m in CANDIDATES.findall(text) if CODEC.verify(m) is not None]
+
+
+def confirmed(marker: Marker, kind: FindingKind, victim: str | None, at: int) -> Finding:
+    return Finding(
+        kind=kind,
+        severity=Severity.CONFIRMED,
+        position=at,
+        victim_tag=marker.tenant_tag,
+        victim_tenant=victim,
+        key_id=marker.key_id,
+        victim_nonce=marker.nonce,
+    )
+
+
+def suspected(marker: Marker, victim: str, at: int) -> Finding:
+    return Finding(
+        kind=FindingKind.CROSS_TENANT,
+        severity=Severity.SUSPECTED,
+        position=at,
+        victim_tag=marker.tenant_tag,
+        victim_tenant=victim,
+        key_id=None,
+        victim_nonce=None,
+    )
+
+
+def own_ending_with(suffix: str) -> Marker:
+    """A genuine own marker whose last characters are ``suffix`` (found by trying nonces)."""
+    for i in range(1_000_000):
+        marker = CODEC.issue(OWNER, nonce=i.to_bytes(8, "big"))
+        if marker.text.endswith(suffix):
+            return marker
+    raise AssertionError(f"no own marker ends with {suffix!r}")
+
+
+def test_fixture_tags_do_not_share_a_first_character() -> None:
+    # Several tests rely on foreign fragments not being a prefix of one of the owner's tags.
+    owner_firsts = {encode_tag(t)[0] for t in CODEC.tenant_tags(OWNER)}
+    assert FOREIGN.text[5] not in owner_firsts and STRANGER.text[5] not in owner_firsts
+    assert "A" not in owner_firsts and "Q" not in owner_firsts
+
+
+def test_plain_text_passes_through_unchanged_at_every_split() -> None:
+    text = "The quick brown fox, CNRX- and cnry-, jumps. Co-NRY CN RY C-N"
+    for chunks in splits(text, three_way=False):
+        assert seen(scan(chunks)) == (text, [], False)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "delivered", "held"),
+    [
+        ("hello world", "hello world", 0),
+        ("abc C", "abc ", 1),
+        ("xCN", "x", 2),
+        ("xCNR", "x", 3),
+        ("xCNRY", "x", 4),
+        ("x CNRY-" + "A" * 31, "x ", MAX_HOLDBACK),
+        ("CNRY-AAAAA ", "CNRY-AAAAA ", 0),
+        ("CNRY-" + "A" * 32, "CNRY-" + "A" * 32, 0),  # complete look-alike: decided now
+        ("CNRY-" + "A" * 28 + "CNRY", "CNRY-" + "A" * 28, 4),  # its tail may start a marker
+        ("Cx", "Cx", 0),
+        ("CNRX", "CNRX", 0),
+        ("cnry-aaaa", "cnry-aaaa", 0),
+    ],
+)
+def test_holds_back_only_what_could_still_become_a_marker(
+    chunk: str, delivered: str, held: int
+) -> None:
+    scanner = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces=set(), known_tags=INDEX)
+    assert scanner.feed(chunk).text == delivered
+    assert scanner.held == held
+    rest = scanner.finish()
+    assert (delivered + rest.text, rest.findings, rest.cut) == (chunk, (), False)
+
+
+def test_foreign_marker_at_every_split_is_cut_before_its_first_character() -> None:
+    text = "Answer: " + FOREIGN.text + " and the rest"
+    want = [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 8)]
+    for chunks in splits(text):
+        got = scan(chunks)
+        assert seen(got) == ("Answer: ", want, True), chunks
+        assert got.max_held <= MAX_HOLDBACK
+
+
+def test_own_marker_is_stripped_at_every_split() -> None:
+    for marker in (OWN, OWN_OLD_KEY):  # the old key id still counts as the tenant's own
+        text = "Echo: " + marker.text + " done."
+        for chunks in splits(text):
+            assert seen(scan(chunks)) == ("Echo:  done.", [], False), chunks
+
+
+def test_own_marker_stripped_between_uppercase_text_leaves_a_space() -> None:
+    # "ABC" could begin a marker ("C"); joining it to "DEF..." must not be able to assemble
+    # one, so the stripped marker becomes one space. Lowercase neighbours join directly.
+    assert scan(["ABC" + OWN.text + "DEF"]).text == "ABC DEF"
+    assert scan(["abc" + OWN.text + "def"]).text == "abcdef"
+
+
+def test_marker_of_another_request_of_the_same_tenant_is_cross_request() -> None:
+    text = "x" + OTHER_REQUEST.text
+    want = [confirmed(OTHER_REQUEST, FindingKind.CROSS_REQUEST, OWNER, 1)]
+    for chunks in splits(text, three_way=False):
+        assert seen(scan(chunks)) == ("x", want, True)
+
+
+def test_own_nonce_does_not_make_another_tenants_marker_own() -> None:
+    copied_nonce = CODEC.issue("globex", nonce=OWN.nonce)
+    got = scan([copied_nonce.text])
+    assert got.findings == [confirmed(copied_nonce, FindingKind.CROSS_TENANT, "globex", 0)]
+
+
+def test_genuine_marker_of_an_unindexed_tenant_is_confirmed_without_a_name() -> None:
+    for known in (INDEX, None):
+        got = scan(["hi " + STRANGER.text], known=known)
+        assert got.findings == [confirmed(STRANGER, FindingKind.CROSS_TENANT, None, 3)]
+        assert got.findings[0].victim_tag == CODEC.tenant_tag("stranger")
+        assert (got.text, got.cut) == ("hi ", True)
+
+
+def test_known_tags_may_be_a_callable() -> None:
+    got = scan(["a " + FOREIGN.text], known=INDEX.get)
+    assert got.findings == [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 2)]
+
+
+def test_position_counts_the_text_the_tenant_received() -> None:
+    got = scan([OWN.text + "abc", "de" + FOREIGN.text])
+    assert got.text == "abcde"
+    assert got.findings[0].position == 5
+
+
+@pytest.mark.parametrize("visible", range(32))
+def test_truncated_foreign_marker_is_suspected_only_with_its_whole_tag(visible: int) -> None:
+    text = "Hi " + FOREIGN.text[: 5 + visible]
+    for chunks in splits(text, three_way=False):
+        if visible >= 8:
+            assert seen(scan(chunks)) == ("Hi ", [suspected(FOREIGN, "globex", 3)], True)
+        else:
+            assert seen(scan(chunks)) == (text, [], False)
+
+
+@pytest.mark.parametrize("visible", [0, 7, 8, 20, 31])
+def test_truncated_or_broken_markers_are_never_flagged_without_known_tags(visible: int) -> None:
+    for text in ("Hi " + FOREIGN.text[: 5 + visible], FOREIGN.text[: 5 + visible] + ". ok"):
+        assert seen(scan([text], known=None)) == (text, [], False)
+
+
+@pytest.mark.parametrize("visible", [0, 5, 7, 8, 9, 20, 31])
+def test_foreign_marker_broken_mid_stream(visible: int) -> None:
+    text = "Hi " + FOREIGN.text[: 5 + visible] + " tail" + FOREIGN.text[5 + visible :]
+    if visible >= 8:
+        assert seen(scan([text])) == ("Hi ", [suspected(FOREIGN, "globex", 3)], True)
+    else:
+        assert seen(scan([text])) == (text, [], False)
+
+
+def test_damaged_copy_of_a_foreign_marker_is_suspected_by_its_tag() -> None:
+    body = FOREIGN.text[5:]
+    for i in range(8, 32):  # every character after the tag
+        alt = "A" if body[i] != "A" else "B"
+        damaged = "CNRY-" + body[:i] + alt + body[i + 1 :]
+        want = [suspected(FOREIGN, "globex", 2)]
+        assert seen(scan(["> " + damaged + " <"])) == ("> ", want, True)
+    for i in range(8):  # a damaged tag names no one: a look-alike
+        alt = "A" if body[i] != "A" else "B"
+        damaged = "CNRY-" + body[:i] + alt + body[i + 1 :]
+        assert seen(scan(["> " + damaged + " <"])) == ("> " + damaged + " <", [], False)
+
+
+@pytest.mark.parametrize("visible", [1, 7, 8, 20, 31])
+def test_truncated_or_damaged_own_and_same_tenant_markers_are_stripped(visible: int) -> None:
+    for marker in (OWN, OTHER_REQUEST):
+        for chunks in splits("Hi " + marker.text[: 5 + visible], three_way=False):
+            assert seen(scan(chunks)) == ("Hi ", [], False)
+        assert scan(["Hi " + marker.text[: 5 + visible] + "; ok"]).text == "Hi ; ok"
+    body = OWN.text[5:]
+    damaged = "CNRY-" + body[:20] + ("A" if body[20] != "A" else "B") + body[21:]
+    assert seen(scan(["Hi " + damaged + " ok"])) == ("Hi  ok", [], False)
+
+
+def test_marker_hidden_in_the_tail_of_a_look_alike_is_found() -> None:
+    look_alike_head = "CNRY-" + "A" * 28  # + "CNRY" from the genuine marker = 32 characters
+    text = "<" + look_alike_head + FOREIGN.text + ">"
+    want = [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 1 + len(look_alike_head))]
+    for chunks in splits(text):
+        assert seen(scan(chunks)) == ("<" + look_alike_head, want, True)
+
+
+def test_stripping_a_damaged_own_marker_does_not_eat_an_overlapping_foreign_one() -> None:
+    own_tag = OWN.text[5:13]
+    damaged_own_head = "CNRY-" + own_tag + "A" * 20  # + "CNRY" = 32 chars, bad MAC, own tag
+    text = "<" + damaged_own_head + FOREIGN.text + ">"
+    for chunks in splits(text):
+        got = scan(chunks)
+        assert (got.text, got.cut) == ("<", True), chunks
+        assert got.findings == [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 1)]
+
+
+@pytest.mark.parametrize("tail", ["C", "CN", "CNR"])
+def test_own_marker_whose_tail_starts_a_foreign_marker(tail: str) -> None:
+    own = own_ending_with(tail)
+    text = "<" + own.text + FOREIGN.text[len(tail) :]  # FOREIGN starts at own's last chars
+    want = [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 1)]
+    for chunks in splits(text, three_way=False):
+        assert seen(scan(chunks, own=[own.nonce])) == ("<", want, True), chunks
+    for chunks in splits("<" + own.text + " ok", three_way=False):
+        assert scan(chunks, own=[own.nonce]).text == "< ok", chunks
+
+
+def test_stripping_cannot_assemble_a_marker_from_the_text_around_it() -> None:
+    # "CNR" + own + "Y-<body>": removing the own marker must not hand the tenant
+    # "CNRY-<body>". A bare body is no marker (the scanner keys on the CNRY- prefix).
+    text = "CNR" + OWN.text + "Y-" + FOREIGN.text[5:]
+    for chunks in splits(text, three_way=False):
+        got = scan(chunks)
+        assert seen(got) == ("CNR Y-" + FOREIGN.text[5:], [], False)
+        assert genuine_markers_in(got.text) == []
+    text = "CNRY-" + FOREIGN.text[5:9] + OWN.text + FOREIGN.text[9:]
+    for chunks in splits(text, three_way=False):
+        got = scan(chunks)
+        assert genuine_markers_in(got.text) == [] and got.findings == []
+
+
+def test_back_to_back_markers() -> None:
+    assert seen(scan([OWN.text + OWN.text + OWN_OLD_KEY.text])) == ("", [], False)
+    want = [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 0)]
+    assert seen(scan([OWN.text + FOREIGN.text])) == ("", want, True)
+
+
+def test_terminal_states_refuse_more_text() -> None:
+    assert {ScannerState.CUT, ScannerState.FINISHED} == TERMINAL
+    assert all(TRANSITIONS[state] == frozenset() for state in TERMINAL)
+    cut = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces=set(), known_tags=INDEX)
+    assert cut.feed(FOREIGN.text).cut and cut.state is ScannerState.CUT
+    with pytest.raises(ScannerStateError):
+        cut.feed("more")
+    with pytest.raises(ScannerStateError):
+        cut.finish()
+    done = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces=set())
+    done.feed("abc")
+    assert done.finish().text == "" and done.state is ScannerState.FINISHED
+    with pytest.raises(ScannerStateError):
+        done.finish()
+
+
+def test_own_nonces_must_be_eight_bytes() -> None:
+    with pytest.raises(ValueError):
+        StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces={b"short"})
+
+
+def test_reprs_show_no_marker_or_completion_text() -> None:
+    scanner = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces=set(), known_tags=INDEX)
+    scanner.feed("secret completion CNRY-" + FOREIGN.text[5:20])
+    assert "secret" not in repr(scanner) and FOREIGN.text[5:13] not in repr(scanner)
+    result = scanner.feed(FOREIGN.text[20:])
+    finding = result.findings[0]
+    for shown in (repr(result), repr(finding), str(finding)):
+        assert "secret" not in shown and "CNRY" not in shown
+        assert FOREIGN.text[5:13] not in shown and FOREIGN.nonce.hex() not in shown
+    assert FOREIGN.tenant_tag.hex() in repr(finding) and "globex" in repr(finding)
