@@ -27,17 +27,24 @@ _MAX_PADDING_WASTE = 2.0
 
 @dataclass(frozen=True, slots=True)
 class _Group:
-    tokens: (
-        torch.Tensor
-    )  # [G, max_q] int64 query token index per (sequence, row); padded rows repeat
-    slots: torch.Tensor  # [G, max_kv] int64 cache slot of each key position
-    mask: torch.Tensor  # [G, 1, max_q, max_kv] bool: key visible to the query row
-    rows: torch.Tensor | None  # indices into tokens.flatten() of real rows; None when all are real
-    out_tokens: torch.Tensor  # [R] token index of each real row
+    """Sequences served by one SDPA call, padded to max_q query rows and max_kv keys."""
+
+    # [G, max_q] int64: the query token of each (sequence, row); padded rows repeat the last one
+    tokens: torch.Tensor
+    # [G, max_kv] int64: the cache slot of each key position
+    slots: torch.Tensor
+    # [G, 1, max_q, max_kv] bool: key visible to the query row
+    mask: torch.Tensor
+    # indices into tokens.flatten() of the real rows; None when every row is real
+    rows: torch.Tensor | None
+    # [R] int64: the token index of each real row, where its output goes
+    out_tokens: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
+    """The reference path's view of one step's `AttentionMetadata`, shared by all layers."""
+
     groups: tuple[_Group, ...]
     num_tokens: int
 
@@ -88,16 +95,24 @@ def torch_paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q [T, H, D], caches [pages, page_size, kv_heads, D] -> [T, H, D]."""
+    if q.shape[0] != plan.num_tokens:
+        raise ValueError(f"plan is for {plan.num_tokens} tokens, q has {q.shape[0]}")
     kv_heads, head_dim = k_cache.shape[2:]
     k_flat = k_cache.view(-1, kv_heads, head_dim)
     v_flat = v_cache.view(-1, kv_heads, head_dim)
     # One unpadded group holds every sequence in order, so its rows already are tokens 0..T-1.
     out = None if len(plan.groups) == 1 and plan.groups[0].rows is None else torch.empty_like(q)
     for group in plan.groups:
+        # index_select on flat indices: several times faster on CPU than advanced indexing.
+        num, max_q = group.tokens.shape
+        max_kv = group.slots.shape[1]
+        queries = q.index_select(0, group.tokens.flatten()).view(num, max_q, *q.shape[1:])
+        keys = k_flat.index_select(0, group.slots.flatten()).view(num, max_kv, kv_heads, head_dim)
+        values = v_flat.index_select(0, group.slots.flatten()).view(num, max_kv, kv_heads, head_dim)
         attn = F.scaled_dot_product_attention(
-            q[group.tokens].transpose(1, 2),  # [G, H, max_q, D]
-            k_flat[group.slots].transpose(1, 2),  # [G, kv_heads, max_kv, D]
-            v_flat[group.slots].transpose(1, 2),
+            queries.transpose(1, 2),  # [G, H, max_q, D]
+            keys.transpose(1, 2),  # [G, kv_heads, max_kv, D]
+            values.transpose(1, 2),
             attn_mask=group.mask,
             scale=scale,
             enable_gqa=True,
@@ -105,6 +120,7 @@ def torch_paged_attention(
         flat = attn.transpose(1, 2).reshape(-1, q.shape[1], head_dim)
         if out is None:
             return flat
-        out[group.out_tokens] = flat if group.rows is None else flat[group.rows]
+        real = flat if group.rows is None else flat.index_select(0, group.rows)
+        out.index_copy_(0, group.out_tokens, real)
     assert out is not None  # plan_attention always yields at least one group
     return out

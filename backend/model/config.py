@@ -22,6 +22,7 @@ CONFIG_FILE = "config.json"
 SUPPORTED_ARCHITECTURE = "LlamaForCausalLM"
 SUPPORTED_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 BYTE_TOKENIZER = "byte"
+_HF_DEFAULT_ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +179,8 @@ def _rope_theta(fields: _Fields) -> float:
             )
         if "rope_theta" in params:
             return fields.positive_float("rope_parameters.rope_theta", params["rope_theta"])
+    if "rope_theta" not in fields.raw:
+        return _HF_DEFAULT_ROPE_THETA  # what transformers assumes for configs that predate it
     return fields.positive_float("rope_theta")
 
 

@@ -132,6 +132,11 @@ class LlamaModel(nn.Module):
                 f"input_ids {list(input_ids.shape)} and positions {list(positions.shape)} must "
                 f"both be [{metadata.num_tokens}] (the metadata's token count)"
             )
+        if metadata.max_kv_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"a sequence reaches {metadata.max_kv_len} tokens; the model supports "
+                f"{self.config.max_position_embeddings} (max_position_embeddings)"
+            )
         backend = attention_backend or default_backend(input_ids.device)
         step = _Step(
             metadata, kv_cache, backend, plan_attention(metadata) if backend == "torch" else None
@@ -140,7 +145,7 @@ class LlamaModel(nn.Module):
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
             hidden = self._layer(i, cast(_DecoderLayer, layer), hidden, cos, sin, step)
-        if not all_logits:
+        if not all_logits and metadata.num_tokens != metadata.num_seqs:
             hidden = hidden[metadata.last_token_indices()]
         return F.linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
 

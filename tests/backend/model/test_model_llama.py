@@ -232,3 +232,13 @@ def test_forward_refuses_inputs_that_disagree_with_the_metadata(tiny):
         model(
             torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), md, model.new_kv_cache(2, PAGE_SIZE)
         )
+
+
+def test_forward_refuses_positions_beyond_the_models_window(tiny):
+    _, model, config, _ = tiny
+    too_long = config.max_position_embeddings + 1
+    md = AttentionMetadata.build(
+        query_lens=[1], kv_lens=[too_long], block_tables=[list(range(65))], page_size=PAGE_SIZE
+    )
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.tensor([1]), md.positions(), md, model.new_kv_cache(65, PAGE_SIZE))

@@ -1,0 +1,127 @@
+"""ModelConfig.from_dir: both transformers spellings, and a CheckpointError for every bad field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.model.config import ModelConfig
+from backend.model.errors import CheckpointError
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 300,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write(tmp_path, raw):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def test_reads_transformers_v4_spelling(tmp_path):
+    raw = BASE | {"rope_theta": 500000, "torch_dtype": "bfloat16", "rope_scaling": None}
+
+    config = ModelConfig.from_dir(write(tmp_path, raw))
+
+    assert config.rope_theta == 500000.0
+    assert config.torch_dtype == "bfloat16"
+    assert config.head_dim == 16  # hidden / heads when absent
+    assert config.num_query_groups == 2
+    assert config.eos_token_ids == (2,)
+    assert config.kvguard_tokenizer is None
+
+
+def test_reads_transformers_v5_spelling_and_byte_tokenizer(tmp_path):
+    raw = BASE | {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "dtype": "float32",
+        "head_dim": 32,
+        "eos_token_id": [257, 2],
+        "bos_token_id": None,
+        "kvguard_tokenizer": "byte",
+    }
+
+    config = ModelConfig.from_dir(write(tmp_path, raw))
+
+    assert (config.rope_theta, config.torch_dtype, config.head_dim) == (10000.0, "float32", 32)
+    assert config.eos_token_ids == (257, 2)
+    assert config.bos_token_id is None
+    assert config.kvguard_tokenizer == "byte"
+
+
+def test_missing_kv_heads_means_multi_head_attention(tmp_path):
+    raw = {k: v for k, v in BASE.items() if k != "num_key_value_heads"} | {"rope_theta": 1e4}
+    assert ModelConfig.from_dir(write(tmp_path, raw)).num_key_value_heads == 4
+
+
+def test_missing_directory_and_missing_file(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist") as exc:
+        ModelConfig.from_dir(tmp_path / "nope")
+    assert exc.value.path == tmp_path / "nope"
+    with pytest.raises(CheckpointError, match="config.json: file is missing"):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_malformed_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 64,')
+    with pytest.raises(CheckpointError, match="config.json: malformed JSON") as exc:
+        ModelConfig.from_dir(tmp_path)
+    assert exc.value.path == tmp_path / "config.json"
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "problem"),
+    [
+        ({"hidden_size": None}, "hidden_size", "expected an integer"),
+        ({"num_hidden_layers": "2"}, "num_hidden_layers", "expected an integer"),
+        ({"num_hidden_layers": True}, "num_hidden_layers", "expected an integer"),
+        ({"vocab_size": 0}, "vocab_size", "must be positive"),
+        ({"rms_norm_eps": "small"}, "rms_norm_eps", "expected a number"),
+        ({"tie_word_embeddings": 1}, "tie_word_embeddings", "expected true or false"),
+        ({"eos_token_id": "</s>"}, "eos_token_id", "expected an integer or a list"),
+        ({"eos_token_id": []}, "eos_token_id", "expected an integer or a list"),
+        ({"eos_token_id": 300}, "eos_token_id", "outside the vocabulary"),
+        ({"bos_token_id": -1}, "bos_token_id", "non-negative"),
+        ({"torch_dtype": "float64"}, "torch_dtype", "expected one of"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads", "does not divide"),
+        ({"architectures": ["MistralForCausalLM"]}, "architectures", "only"),
+        ({"architectures": "LlamaForCausalLM"}, "architectures", "list of strings"),
+        ({"hidden_act": "gelu"}, "hidden_act", "silu"),
+        ({"attention_bias": True}, "attention_bias", "not supported"),
+        ({"kvguard_tokenizer": "sentencepiece"}, "kvguard_tokenizer", "only 'byte'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling", "not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters", "only"),
+    ],
+)
+def test_bad_fields_name_file_and_field(tmp_path, change, field, problem):
+    raw = BASE | {"rope_theta": 10000.0} | change
+    with pytest.raises(CheckpointError) as exc:
+        ModelConfig.from_dir(write(tmp_path, raw))
+    assert exc.value.path == tmp_path / "config.json"
+    assert f"field '{field}'" in str(exc.value)
+    assert problem in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "field", ["hidden_size", "intermediate_size", "vocab_size", "architectures", "eos_token_id"]
+)
+def test_missing_required_field_is_named(tmp_path, field):
+    raw = {k: v for k, v in (BASE | {"rope_theta": 1e4}).items() if k != field}
+    with pytest.raises(CheckpointError, match=f"field '{field}': is missing"):
+        ModelConfig.from_dir(write(tmp_path, raw))
+
+
+def test_missing_rope_theta_takes_the_transformers_default(tmp_path):
+    assert ModelConfig.from_dir(write(tmp_path, BASE)).rope_theta == 10000.0
