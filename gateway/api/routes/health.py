@@ -1,0 +1,84 @@
+"""``/health`` (readiness with reasons) and ``/metrics`` (Prometheus text).
+
+Health is 503 when the gateway would refuse requests it should serve: database unreachable,
+limiter unreachable (limited tenants fail closed), or no engine routable. Capacity drift does not
+stop serving (requests are held to the real pool) but is listed and marks the status degraded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+from starlette.responses import Response
+
+from gateway.db.session import run_in_session
+from gateway.deps import StateDep
+from gateway.state import GatewayState
+
+router = APIRouter(tags=["ops"])
+
+
+async def _database_ok(state: GatewayState) -> bool:
+    try:
+        await run_in_session(state.sessions, lambda s: s.execute(text("SELECT 1")))
+    except Exception:
+        return False
+    return True
+
+
+def _engines(state: GatewayState) -> list[dict[str, Any]]:
+    out = []
+    for record in state.registry.records():
+        block = state.registry.block(record)
+        snapshot = record.snapshot
+        out.append(
+            {
+                "name": record.name,
+                "routable": block is None,
+                "blocked_reason": None if block is None else block.value,
+                "drift": None if snapshot is None else snapshot.drift,
+                "faults": [] if snapshot is None else list(snapshot.faults),
+                "enforceable_limit": None if snapshot is None else snapshot.enforceable_limit,
+            }
+        )
+    return out
+
+
+@router.get("/health")
+async def health(state: StateDep) -> JSONResponse:
+    limiter_ok = await state.limiter.healthy()
+    state.metrics.limiter_up.set(1 if limiter_ok else 0)
+    database_ok = await _database_ok(state)
+    engines = _engines(state)
+    problems = []
+    if not database_ok:
+        problems.append("database unreachable")
+    if not limiter_ok:
+        problems.append(
+            "limiter unreachable: limited tenants are refused"
+            if not state.settings.limiter_fail_open
+            else "limiter unreachable: failing open (limits not enforced)"
+        )
+    if not any(engine["routable"] for engine in engines):
+        problems.append("no routable engine")
+    drift = [engine["name"] for engine in engines if engine["drift"]]
+    status = "unavailable" if problems else ("degraded" if drift else "ok")
+    body = {
+        "status": status,
+        "problems": problems,
+        "limiter": {"backend": state.limiter.backend, "ok": limiter_ok},
+        "database": {"ok": database_ok},
+        "capacity_drift": drift,
+        "engines": engines,
+    }
+    return JSONResponse(body, status_code=503 if problems else 200)
+
+
+@router.get("/metrics")
+async def metrics(state: StateDep) -> Response:
+    state.poller.publish()  # fresh ages and block reasons at scrape time
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

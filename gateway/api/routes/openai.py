@@ -1,0 +1,64 @@
+"""OpenAI-compatible routes: chat completions, completions, models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
+from gateway.deps import CurrentTenant, StateDep
+from gateway.engines.capacity import limit_for
+from gateway.proxy.service import serve_completion
+from gateway.upstream.base import Endpoint
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionBody, principal: CurrentTenant, state: StateDep, request: Request
+) -> Response:
+    return await serve_completion(
+        state,
+        principal=principal,
+        body=body,
+        endpoint=Endpoint.CHAT,
+        incoming_headers=request.headers,
+    )
+
+
+@router.post("/completions", response_model=None)
+async def completions(
+    body: CompletionBody, principal: CurrentTenant, state: StateDep, request: Request
+) -> Response:
+    return await serve_completion(
+        state,
+        principal=principal,
+        body=body,
+        endpoint=Endpoint.COMPLETIONS,
+        incoming_headers=request.headers,
+    )
+
+
+@router.get("/models")
+async def list_models(principal: CurrentTenant, state: StateDep) -> dict[str, Any]:
+    """Models with a routable engine; ``max_model_len`` is what this tenant can really use:
+    the smallest real limit across the engines serving it, capped by the tenant's plan."""
+    cap = principal.plan.max_context_tokens
+    data = []
+    for model, records in sorted(state.registry.routable_models().items()):
+        limits = [limit_for(r.snapshot, cap) for r in records if r.snapshot is not None]
+        if not limits:
+            continue
+        data.append(
+            {
+                "id": model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "kvguard",
+                "max_model_len": min(limits),
+            }
+        )
+    return {"object": "list", "data": data}

@@ -1,0 +1,163 @@
+"""Admin and tenant-facing API shapes (HTTP edge). Secrets appear only in ``IssuedKeyOut``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.config import EngineKind, UpstreamPath
+from gateway.db.models import ApiKey, Tenant
+from gateway.lifecycle import TenantStatus
+
+PositiveLimit = Annotated[int, Field(gt=0, le=1 << 40)] | None
+TenantName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.@-]+$")]
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class LimitsIn(_Closed):
+    requests_per_minute: PositiveLimit = None
+    tokens_per_minute: PositiveLimit = None
+    max_concurrency: PositiveLimit = None
+    max_context_tokens: PositiveLimit = None
+
+
+class TenantCreate(LimitsIn):
+    name: TenantName
+    canary_sample_rate: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    synthetic: bool = False
+    key_name: str | None = Field(default=None, max_length=64)
+    key_expires_in_s: Annotated[int, Field(gt=0)] | None = None
+
+
+class TenantUpdate(_Closed):
+    """Only the fields present change; a limit set to null removes that limit."""
+
+    status: Annotated[TenantStatus | None, Field(strict=False)] = None
+    requests_per_minute: PositiveLimit = None
+    tokens_per_minute: PositiveLimit = None
+    max_concurrency: PositiveLimit = None
+    max_context_tokens: PositiveLimit = None
+    canary_sample_rate: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    synthetic: bool | None = None
+
+
+class KeyCreate(_Closed):
+    name: str | None = Field(default=None, max_length=64)
+    expires_in_s: Annotated[int, Field(gt=0)] | None = None
+
+
+class TenantOut(BaseModel):
+    id: str
+    name: str
+    status: str
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_concurrency: int | None
+    max_context_tokens: int | None
+    canary_sample_rate: float
+    synthetic: bool
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> TenantOut:
+        return cls.model_validate(tenant, from_attributes=True)
+
+
+class KeyOut(BaseModel):
+    prefix: str
+    tenant_id: str
+    name: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+
+    @classmethod
+    def of(cls, key: ApiKey) -> KeyOut:
+        return cls.model_validate(key, from_attributes=True)
+
+
+class IssuedKeyOut(BaseModel):
+    """The only response that ever contains a full key: store it now, it is not shown again."""
+
+    key: str
+    prefix: str
+    tenant_id: str
+    expires_at: datetime | None
+
+
+class TenantCreated(BaseModel):
+    tenant: TenantOut
+    key: IssuedKeyOut
+
+
+class OutcomeUsageOut(BaseModel):
+    outcome: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class UsageOut(BaseModel):
+    tenant_id: str
+    since: datetime | None
+    until: datetime | None
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    by_outcome: list[OutcomeUsageOut]
+
+
+class EngineIn(_Closed):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    kind: Annotated[EngineKind, Field(strict=False)]  # enums arrive as JSON strings
+    base_url: str = Field(min_length=1, max_length=512)
+    model: str | None = Field(default=None, max_length=256)
+    litellm_model: str | None = Field(default=None, max_length=256)
+    declared_max_model_len: Annotated[int, Field(gt=0)] | None = None
+    allow_unverified: bool = False
+    upstream: Annotated[UpstreamPath | None, Field(strict=False)] = None
+
+
+class QuarantineIn(_Closed):
+    reason: str = Field(min_length=1, max_length=256)
+
+
+class OverrideIn(_Closed):
+    allow_unsafe: bool
+
+
+class RoleOut(BaseModel):
+    role: str
+    pool_tokens: int | None
+    max_request_tokens: int | None
+    free_tokens: int | None
+    page_size: int | None
+
+
+class EngineOut(BaseModel):
+    name: str
+    kind: str
+    base_url: str
+    source: Literal["config", "admin"]
+    model: str | None
+    routable: bool
+    blocked_reason: str | None
+    last_error: str | None
+    capacity_age_s: float | None
+    measured: bool | None
+    context_window: int | None
+    real_pool_tokens: int | None
+    enforceable_limit: int | None
+    drift: str | None
+    faults: list[str]
+    roles: list[RoleOut]
+    quarantine_reason: str | None
+    allow_unsafe: bool
+    in_flight: int

@@ -1,0 +1,148 @@
+"""The gateway's FastAPI app: ``create_app(settings)``; all state is built in the lifespan.
+
+Lifespan, in order: database (upgrade to head when ``migrate_on_start``) -> limiter (Redis when
+``KVGUARD_REDIS_URL`` is set, else in-process) -> one shared HTTP client -> engine registry
+(configured + admin-registered engines) and a first capacity poll -> background tasks (poller,
+audit writer, lease refresh). Shutdown runs the same list backwards, flushing audit rows last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import anyio
+import httpx
+from fastapi import FastAPI
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from gateway.api.routes import admin, health, openai, tenant
+from gateway.config import GatewaySettings
+from gateway.db.session import make_engine, make_session_factory, upgrade_database
+from gateway.engines.poller import CapacityPoller
+from gateway.engines.registry import EngineRegistry
+from gateway.errors import BodyGuardMiddleware, install_error_handlers
+from gateway.hooks import GatewayHooks
+from gateway.limits.base import Limiter
+from gateway.limits.memory_limiter import MemoryLimiter
+from gateway.limits.redis_limiter import RedisLimiter
+from gateway.metrics import GatewayMetrics
+from gateway.services.audit import AuditWriter
+from gateway.services.auth_cache import AuthCache
+from gateway.state import GatewayState
+from gateway.tracing import Tracing
+from gateway.upstream.direct import DirectUpstream
+from gateway.upstream.litellm_client import LiteLLMUpstream
+
+log = logging.getLogger("kvguard.gateway")
+
+
+def make_limiter(settings: GatewaySettings) -> Limiter:
+    if settings.redis_url:
+        return RedisLimiter(url=settings.redis_url, lease_s=settings.concurrency_lease_s)
+    return MemoryLimiter()
+
+
+def _http_client(settings: GatewaySettings) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(
+        settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s
+    )
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
+
+
+async def build_state(
+    settings: GatewaySettings, *, hooks: GatewayHooks, span_exporter: SpanExporter | None
+) -> GatewayState:
+    db = make_engine(settings.sqlalchemy_url())
+    if settings.migrate_on_start:
+        await anyio.to_thread.run_sync(upgrade_database, db)
+    sessions = make_session_factory(db)
+    metrics = GatewayMetrics()
+    client = _http_client(settings)
+    registry = EngineRegistry(stale_after_s=settings.capacity_stale_after_s)
+    poller = CapacityPoller(
+        registry=registry,
+        client=client,
+        metrics=metrics,
+        interval_s=settings.poll_interval_s,
+        timeout_s=settings.engine_timeout_s,
+    )
+    state = GatewayState(
+        settings=settings,
+        db=db,
+        sessions=sessions,
+        limiter=make_limiter(settings),
+        registry=registry,
+        client=client,
+        direct=DirectUpstream(client),
+        litellm=LiteLLMUpstream(timeout_s=settings.upstream_read_timeout_s),
+        audit=AuditWriter(
+            session_factory=sessions,
+            flush_interval_s=settings.audit_flush_interval_s,
+            on_drop=metrics.audit_dropped.inc,
+        ),
+        metrics=metrics,
+        tracing=Tracing(
+            service_name=settings.service_name,
+            otlp_endpoint=settings.otlp_endpoint,
+            exporter=span_exporter,
+        ),
+        hooks=hooks,
+        poller=poller,
+        configured_engines=settings.engine_specs(),
+        auth_cache=AuthCache(ttl_s=settings.auth_cache_ttl_s),
+    )
+    poller.reload = state.reload_engines
+    return state
+
+
+async def start(state: GatewayState) -> list[asyncio.Task[None]]:
+    await state.limiter.start()
+    state.metrics.limiter_up.set(1 if await state.limiter.healthy() else 0)
+    await state.poller.poll_once()
+    return [
+        asyncio.create_task(state.poller.run(), name="capacity-poller"),
+        asyncio.create_task(state.audit.run(), name="audit-writer"),
+    ]
+
+
+async def stop(state: GatewayState, tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await state.audit.close()
+    await state.limiter.close()
+    await state.client.aclose()
+    state.tracing.shutdown()
+    state.db.dispose()
+
+
+def create_app(
+    settings: GatewaySettings,
+    *,
+    hooks: GatewayHooks | None = None,
+    span_exporter: SpanExporter | None = None,
+) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = await build_state(
+            settings, hooks=hooks or GatewayHooks(), span_exporter=span_exporter
+        )
+        app.state.gateway = state
+        tasks = await start(state)
+        try:
+            yield
+        finally:
+            await stop(state, tasks)
+
+    app = FastAPI(title="kvguard gateway", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodyGuardMiddleware, max_bytes=settings.max_body_bytes)
+    for router in (openai.router, tenant.router, admin.router, health.router):
+        app.include_router(router)
+    return app

@@ -1,0 +1,242 @@
+"""``kvguard gateway`` (serve) and ``kvguard admin`` (tenants, keys, limits, migrations).
+
+Both read the same ``KVGUARD_*`` settings, so a tenant created with ``kvguard admin`` can call a
+gateway started in the same environment. ``kvguard admin tenant create NAME`` prints the new
+tenant's first key on its last line (and nowhere else: it is not stored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from gateway.domain import TenantPlan
+from gateway.lifecycle import TenantStatus
+
+# Only pure modules at import time: `kvguard --help` must not pay for SQLAlchemy or FastAPI.
+
+
+def _limit(text: str) -> int | None:
+    if text.lower() in ("none", "unlimited"):
+        return None
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("a limit is a positive integer or 'none'")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    gateway = subparsers.add_parser(
+        "gateway",
+        help="run the tenant-facing gateway",
+        description="Serve the OpenAI-compatible "
+        "tenant API with keys, limits and capacity truth from the engines.",
+    )
+    gateway.add_argument("--host", default=None)
+    gateway.add_argument("--port", type=int, default=None)
+    gateway.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="[KIND=]URL",
+        help="an engine to route to (kind: bundled (default), sglang, vllm); repeatable",
+    )
+    gateway.add_argument("--log-level", default="info")
+    gateway.set_defaults(handler=run_gateway)
+    _register_admin(subparsers)
+
+
+def _register_admin(subparsers: Any) -> None:
+    admin = subparsers.add_parser("admin", help="manage tenants, keys and the database")
+    groups = admin.add_subparsers(dest="admin_command", required=True, metavar="AREA")
+    groups.add_parser("migrate", help="upgrade the database to the latest schema").set_defaults(
+        handler=run_admin(_migrate)
+    )
+    tenant = groups.add_parser("tenant", help="create/list/disable tenants, set limits")
+    tenant_cmds = tenant.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
+    create = tenant_cmds.add_parser("create", help="create a tenant; prints its first key last")
+    create.add_argument("name")
+    _limit_args(create)
+    create.add_argument("--synthetic", action="store_true", help="a canary probe tenant")
+    create.add_argument("--canary-sample-rate", type=float, default=0.0)
+    create.add_argument("--key-expires-in", type=int, default=None, metavar="SECONDS")
+    create.set_defaults(handler=run_admin(_tenant_create))
+    tenant_cmds.add_parser("list").set_defaults(handler=run_admin(_tenant_list))
+    for action, status in (("disable", TenantStatus.DISABLED), ("enable", TenantStatus.ACTIVE)):
+        cmd = tenant_cmds.add_parser(action)
+        cmd.add_argument("name")
+        cmd.set_defaults(handler=run_admin(_tenant_status), status=status)
+    limits = tenant_cmds.add_parser("set-limits", help="change limits ('none' removes one)")
+    limits.add_argument("name")
+    _limit_args(limits)
+    limits.set_defaults(handler=run_admin(_tenant_limits))
+    key = groups.add_parser("key", help="create/list/revoke API keys")
+    key_cmds = key.add_subparsers(dest="key_command", required=True, metavar="ACTION")
+    key_create = key_cmds.add_parser("create", help="issue a key; prints it on the last line")
+    key_create.add_argument("tenant")
+    key_create.add_argument("--name", default=None)
+    key_create.add_argument("--expires-in", type=int, default=None, metavar="SECONDS")
+    key_create.set_defaults(handler=run_admin(_key_create))
+    key_list = key_cmds.add_parser("list")
+    key_list.add_argument("tenant")
+    key_list.set_defaults(handler=run_admin(_key_list))
+    revoke = key_cmds.add_parser("revoke")
+    revoke.add_argument("prefix")
+    revoke.set_defaults(handler=run_admin(_key_revoke))
+
+
+def _limit_args(parser: argparse.ArgumentParser) -> None:
+    for flag, dest in (
+        ("--rpm", "requests_per_minute"),
+        ("--tpm", "tokens_per_minute"),
+        ("--concurrency", "max_concurrency"),
+        ("--max-context", "max_context_tokens"),
+    ):
+        parser.add_argument(flag, dest=dest, type=_limit, default=argparse.SUPPRESS)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.config import GatewaySettings, parse_engine_arg
+
+    env = GatewaySettings()
+    overrides: dict[str, Any] = {"engines": [*env.engines, *map(parse_engine_arg, args.engine)]}
+    if args.host is not None:
+        overrides["host"] = args.host
+    if args.port is not None:
+        overrides["port"] = args.port
+    settings = GatewaySettings(**overrides)
+    config = uvicorn.Config(
+        create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+AdminAction = Callable[[argparse.Namespace, Any], None]
+
+
+def run_admin(action: AdminAction) -> Callable[[argparse.Namespace], int]:
+    """Wrap an admin action: settings, schema upgrade, one transaction, errors as messages."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from pydantic import ValidationError
+
+        from gateway.config import GatewaySettings
+        from gateway.db.session import (
+            make_engine,
+            make_session_factory,
+            session_scope,
+            upgrade_database,
+        )
+        from gateway.errors import GatewayError
+
+        try:
+            settings = GatewaySettings()
+        except ValidationError as exc:
+            print(f"kvguard admin: invalid settings: {exc}", file=sys.stderr)
+            return 2
+        engine = make_engine(settings.sqlalchemy_url())
+        try:
+            if settings.migrate_on_start or action is _migrate:
+                upgrade_database(engine)
+            with session_scope(make_session_factory(engine)) as session:
+                action(args, session)
+        except GatewayError as exc:
+            print(f"kvguard admin: {exc.message}", file=sys.stderr)
+            return 1
+        finally:
+            engine.dispose()
+        return 0
+
+    return handler
+
+
+def _migrate(args: argparse.Namespace, session: Any) -> None:
+    print("database schema is at the latest revision")
+
+
+def _tenant_create(args: argparse.Namespace, session: Any) -> None:
+    from gateway.db.models import utcnow
+    from gateway.services.tenants import create_tenant
+
+    plan = TenantPlan(**{k: getattr(args, k, None) for k in TenantPlan.__slots__})
+    expires = (
+        None if args.key_expires_in is None else utcnow() + timedelta(seconds=args.key_expires_in)
+    )
+    created = create_tenant(
+        session,
+        name=args.name,
+        plan=plan,
+        synthetic=args.synthetic,
+        canary_sample_rate=args.canary_sample_rate,
+        key_expires_at=expires,
+    )
+    print(f"tenant {created.tenant.name} created with id {created.tenant.id}")
+    print(f"key prefix {created.first_key.prefix}; the key is shown once, below:")
+    print(created.first_key.key)
+
+
+def _tenant_row(tenant: Any) -> dict[str, Any]:
+    from gateway.api.schemas_admin import TenantOut
+
+    return TenantOut.of(tenant).model_dump(mode="json")
+
+
+def _tenant_list(args: argparse.Namespace, session: Any) -> None:
+    from gateway.services.tenants import list_tenants
+
+    for tenant in list_tenants(session):
+        print(json.dumps(_tenant_row(tenant)))
+
+
+def _tenant_status(args: argparse.Namespace, session: Any) -> None:
+    from gateway.services.tenants import get_tenant, set_status
+
+    tenant = set_status(session, tenant=get_tenant(session, ref=args.name), status=args.status)
+    print(f"tenant {tenant.name} is {tenant.status}")
+
+
+def _tenant_limits(args: argparse.Namespace, session: Any) -> None:
+    from gateway.services.tenants import get_tenant, plan_of, set_plan
+
+    tenant = get_tenant(session, ref=args.name)
+    current = plan_of(tenant)
+    merged = {name: getattr(args, name, getattr(current, name)) for name in TenantPlan.__slots__}
+    set_plan(session, tenant=tenant, plan=TenantPlan(**merged))
+    print(json.dumps(_tenant_row(tenant)))
+
+
+def _key_create(args: argparse.Namespace, session: Any) -> None:
+    from gateway.db.models import utcnow
+    from gateway.services.keys import issue_key
+    from gateway.services.tenants import get_tenant
+
+    tenant = get_tenant(session, ref=args.tenant)
+    expires = None if args.expires_in is None else utcnow() + timedelta(seconds=args.expires_in)
+    issued = issue_key(session, tenant_id=tenant.id, name=args.name, expires_at=expires)
+    print(f"key prefix {issued.prefix} for tenant {tenant.name}; shown once, below:")
+    print(issued.key)
+
+
+def _key_list(args: argparse.Namespace, session: Any) -> None:
+    from gateway.api.schemas_admin import KeyOut
+    from gateway.services.keys import list_keys
+    from gateway.services.tenants import get_tenant
+
+    tenant = get_tenant(session, ref=args.tenant)
+    for key in list_keys(session, tenant_id=tenant.id):
+        print(KeyOut.of(key).model_dump_json())
+
+
+def _key_revoke(args: argparse.Namespace, session: Any) -> None:
+    from gateway.services.keys import revoke_key
+
+    key = revoke_key(session, prefix=args.prefix)
+    print(f"key {key.prefix} revoked")

@@ -1,0 +1,187 @@
+"""The gateway's one settings class, and the engine specs it reads.
+
+Built in ``main()``/lifespan (never at import) from ``KVGUARD_*`` environment variables, an
+optional engines file and command-line overrides. Unknown fields are refused so a typo fails at
+load; default secrets are refused outside development; production requires Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Self
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from kvguard.settings import KvguardSettings, RunMode, require_real_secret
+
+DEV_ADMIN_TOKEN = "kvguard-dev-admin-token"
+MiB = 1 << 20
+
+
+class EngineKind(StrEnum):
+    """How an engine is introspected (and, by default, how it is called)."""
+
+    BUNDLED = "bundled"  # kvguard's own backend: GET /engine/capacity
+    SGLANG = "sglang"  # GET /get_server_info + /v1/models
+    VLLM = "vllm"  # GET /v1/models + /metrics vllm:cache_config_info
+    OPENAI = "openai"  # any OpenAI-compatible server: capacity declared, not measured
+    LITELLM = "litellm"  # any provider litellm supports: capacity declared, not measured
+
+
+class UpstreamPath(StrEnum):
+    DIRECT = "direct"  # httpx straight to the engine's OpenAI-compatible routes
+    LITELLM = "litellm"  # litellm.acompletion (providers that need translation)
+
+
+INTROSPECTED_KINDS = frozenset({EngineKind.BUNDLED, EngineKind.SGLANG, EngineKind.VLLM})
+
+
+class EngineSpec(BaseModel):
+    """One upstream engine as configured (file, ``--engine``, env or the admin API)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    kind: EngineKind = EngineKind.BUNDLED
+    base_url: Annotated[str, Field(min_length=1, max_length=512)]
+    model: str | None = Field(
+        default=None,
+        max_length=256,
+        description="introspected kinds: the model the engine must report (else refused); "
+        "declared kinds: the model name tenants use",
+    )
+    litellm_model: str | None = Field(default=None, max_length=256)
+    declared_max_model_len: int | None = Field(default=None, gt=0)
+    allow_unverified: bool = Field(
+        default=False,
+        description="route to a declared-capacity engine although nothing was measured",
+    )
+    upstream: UpstreamPath | None = None
+    api_key: SecretStr | None = None
+
+    @field_validator("base_url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError("base_url must be an http(s) URL with a host")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _check_kind_fields(self) -> Self:
+        declared = self.model is not None and self.declared_max_model_len is not None
+        if self.kind not in INTROSPECTED_KINDS and not declared:
+            raise ValueError(f"a {self.kind.value} engine needs model and declared_max_model_len")
+        if self.kind is EngineKind.LITELLM and self.litellm_model is None:
+            raise ValueError("a litellm engine needs litellm_model (e.g. 'openai/<model>')")
+        return self
+
+    @property
+    def introspected(self) -> bool:
+        return self.kind in INTROSPECTED_KINDS
+
+    @property
+    def upstream_path(self) -> UpstreamPath:
+        if self.upstream is not None:
+            return self.upstream
+        return UpstreamPath.LITELLM if self.kind is EngineKind.LITELLM else UpstreamPath.DIRECT
+
+
+def parse_engine_arg(arg: str) -> EngineSpec:
+    """``--engine URL`` (bundled) or ``--engine KIND=URL``; the name is the URL's host:port."""
+    kind = EngineKind.BUNDLED
+    url = arg
+    head, sep, tail = arg.partition("=")
+    if sep and "://" not in head:
+        kind, url = EngineKind(head), tail
+    netloc = urlsplit(url).netloc or url
+    return EngineSpec(name=netloc, kind=kind, base_url=url)
+
+
+class GatewaySettings(KvguardSettings):
+    """Everything the gateway (and ``kvguard admin``) reads from ``KVGUARD_*``."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    data_dir: Path = Path("data")
+    database_url: str | None = None
+    redis_url: str | None = None
+    admin_token: SecretStr | None = None
+    migrate_on_start: bool = True
+
+    engines: list[EngineSpec] = Field(default_factory=list)
+    engines_file: Path | None = None
+    poll_interval_s: float = Field(default=5.0, gt=0)
+    capacity_stale_after_s: float = Field(default=15.0, gt=0)
+    engine_timeout_s: float = Field(default=5.0, gt=0)
+    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
+    upstream_read_timeout_s: float = Field(default=600.0, gt=0)
+
+    limiter_fail_open: bool = False
+    concurrency_lease_s: float = Field(default=60.0, gt=1)
+    default_requests_per_minute: int | None = Field(default=None, gt=0)
+    default_tokens_per_minute: int | None = Field(default=None, gt=0)
+    default_max_concurrency: int | None = Field(default=None, gt=0)
+    default_max_context_tokens: int | None = Field(default=None, gt=0)
+
+    refuse_on_handoff_mismatch: bool = Field(
+        default=True,
+        description="refuse (or cut) an answer whose handoff proof shows reserved != transferred; "
+        "off only for drills that must let such an answer reach the canary firewall",
+    )
+    max_body_bytes: int = Field(default=8 * MiB, gt=0)
+    default_max_tokens: int = Field(default=16, gt=0)
+    key_last_used_interval_s: float = Field(default=60.0, ge=0)
+    auth_cache_ttl_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="how long a replica trusts a verified key without asking the database (0: "
+        "never); revocation through this replica's admin API applies at once, elsewhere within it",
+    )
+    audit_flush_interval_s: float = Field(default=0.5, gt=0)
+
+    otlp_endpoint: str | None = None
+    service_name: str = "kvguard-gateway"
+
+    @model_validator(mode="after")
+    def _check_deployment(self) -> Self:
+        require_real_secret("admin_token", self.admin_token, DEV_ADMIN_TOKEN, self.mode)
+        if self.mode is RunMode.PRODUCTION and not self.redis_url:
+            raise ValueError("KVGUARD_REDIS_URL is required when KVGUARD_MODE=production")
+        if self.capacity_stale_after_s <= self.poll_interval_s:
+            raise ValueError("capacity_stale_after_s must exceed poll_interval_s")
+        return self
+
+    def admin_secret(self) -> str:
+        """The admin credential: the configured one, or the development default."""
+        if self.admin_token is not None and self.admin_token.get_secret_value():
+            return self.admin_token.get_secret_value()
+        return DEV_ADMIN_TOKEN
+
+    def sqlalchemy_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'kvguard.db').resolve()}"
+
+    def engine_specs(self) -> list[EngineSpec]:
+        """Configured engines: the engines file first, then env/CLI ones; names must be unique."""
+        specs = load_engines_file(self.engines_file) if self.engines_file else []
+        specs += self.engines
+        names = [spec.name for spec in specs]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"engine names must be unique; repeated: {', '.join(duplicates)}")
+        return specs
+
+
+def load_engines_file(path: Path) -> list[EngineSpec]:
+    """A TOML (``[[engines]]`` tables) or JSON (``{"engines": [...]}``) engines file."""
+    text = path.read_text(encoding="utf-8")
+    data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    if set(data) - {"engines"}:
+        raise ValueError(f"{path}: only an 'engines' list is allowed at the top level")
+    return [EngineSpec.model_validate(item) for item in data.get("engines", [])]

@@ -1,0 +1,165 @@
+"""SQLAlchemy 2 tables of the gateway: tenants, API keys, request audit, registered engines.
+
+Tables only (the HTTP schemas live in ``gateway.api.schemas``). Every change here needs an Alembic
+revision in ``migrations/versions`` (one logical change each); a test compares this metadata with
+the migrated schema so the two cannot drift apart.
+
+Audit rows hold metadata only: counts, ids, outcomes and timings, never prompt or completion text.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    TypeDecorator,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+# 64-bit ids on PostgreSQL; SQLite autoincrements only an INTEGER primary key.
+AUDIT_ID = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC on the Python side on every backend (SQLite drops the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    status: Mapped[str] = mapped_column(String(16))
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    max_concurrency: Mapped[int | None] = mapped_column(Integer)
+    max_context_tokens: Mapped[int | None] = mapped_column(Integer)
+    canary_sample_rate: Mapped[float] = mapped_column(Float, default=0.0)
+    synthetic: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    def __repr__(self) -> str:
+        return f"Tenant(id={self.id!r}, name={self.name!r}, status={self.status!r})"
+
+
+class ApiKey(Base):
+    """A tenant key: the prefix finds the row, the SHA-256 of the secret proves possession."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+    def __repr__(self) -> str:  # the hash stays out of logs
+        return f"ApiKey(prefix={self.prefix!r}, tenant_id={self.tenant_id!r})"
+
+
+class RequestAudit(Base):
+    """One row per authenticated request: metadata only, never text."""
+
+    __tablename__ = "request_audit"
+    __table_args__ = (Index("ix_request_audit_tenant_started", "tenant_id", "started_at"),)
+
+    id: Mapped[int] = mapped_column(AUDIT_ID, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(32), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    key_prefix: Mapped[str | None] = mapped_column(String(16))
+    endpoint: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str | None] = mapped_column(String(256))
+    engine: Mapped[str | None] = mapped_column(String(64))
+    stream: Mapped[bool] = mapped_column(Boolean)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    max_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    outcome: Mapped[str] = mapped_column(String(16))
+    http_status: Mapped[int] = mapped_column(Integer)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    handoff_outcome: Mapped[str | None] = mapped_column(String(32))
+    reserved_tokens: Mapped[int | None] = mapped_column(Integer)
+    transferred_tokens: Mapped[int | None] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    duration_ms: Mapped[float] = mapped_column(Float)
+
+
+class RegisteredEngine(Base):
+    """An engine added through the admin API (configured engines live in settings)."""
+
+    __tablename__ = "engines"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    base_url: Mapped[str] = mapped_column(String(512))
+    model: Mapped[str | None] = mapped_column(String(256))
+    litellm_model: Mapped[str | None] = mapped_column(String(256))
+    declared_max_model_len: Mapped[int | None] = mapped_column(Integer)
+    allow_unverified: Mapped[bool] = mapped_column(Boolean, default=False)
+    upstream: Mapped[str | None] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class EngineControl(Base):
+    """Admin decisions about any engine by name: quarantine, and routing despite unsafe state."""
+
+    __tablename__ = "engine_controls"
+
+    engine_name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    quarantined_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    quarantine_reason: Mapped[str | None] = mapped_column(String(256))
+    allow_unsafe: Mapped[bool] = mapped_column(Boolean, default=False)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

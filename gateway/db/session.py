@@ -1,0 +1,118 @@
+"""Database engines, sessions and programmatic Alembic upgrades.
+
+The gateway uses synchronous SQLAlchemy: the hot path runs its few short statements in a worker
+thread, admin routes are plain ``def`` routes (FastAPI runs them in its threadpool). SQLite gets
+WAL, a busy timeout and enforced foreign keys so several processes can share the embedded file.
+On PostgreSQL, upgrades hold an advisory lock: replicas starting together migrate once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+import migrations
+
+# __path__, not __file__: an editable install made before migrations/__init__.py existed maps
+# the directory as a namespace package (no __file__); both forms have a __path__.
+MIGRATIONS_DIR = Path(next(iter(migrations.__path__))).resolve()
+# Any constant works; it only has to be the same in every replica.
+_ADVISORY_LOCK_KEY = 0x6B76_6775_6172_64
+T = TypeVar("T")
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False}, **kwargs)
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """One unit of work: commit on success, roll back on any exception."""
+    session = factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+async def run_in_session(factory: sessionmaker[Session], work: Callable[[Session], T]) -> T:
+    """Run ``work`` in one unit of work on a worker thread (the event loop never blocks on SQL)."""
+
+    def run() -> T:
+        with session_scope(factory) as session:
+            return work(session)
+
+    return await anyio.to_thread.run_sync(run)
+
+
+def alembic_config(engine: Engine) -> Config:
+    """Alembic config without an ini file on disk (env.py reads the connection we pass)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["engine"] = engine
+    return config
+
+
+def upgrade_database(engine: Engine, revision: str = "head") -> None:
+    with _migration_lock(engine):
+        command.upgrade(alembic_config(engine), revision)
+
+
+def downgrade_database(engine: Engine, revision: str) -> None:
+    with _migration_lock(engine):
+        command.downgrade(alembic_config(engine), revision)
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+@contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    if engine.dialect.name != "postgresql":
+        yield  # SQLite serialises writers itself
+        return
+    with engine.connect() as conn:
+        conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _ADVISORY_LOCK_KEY})
+        conn.commit()
+        try:
+            yield
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _ADVISORY_LOCK_KEY})
+            conn.commit()

@@ -1,0 +1,98 @@
+"""FastAPI dependencies as ``Annotated`` aliases: state, DB session, the tenant, the admin.
+
+Credentials: tenants send ``Authorization: Bearer kvg_<prefix>_<secret>``; the admin API takes
+only the separate admin token (a tenant key there is refused, whatever tenant it belongs to).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Annotated
+
+import anyio
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from gateway.db.models import utcnow
+from gateway.db.session import session_scope
+from gateway.domain import Principal
+from gateway.errors import AuthenticationFailed, PermissionDenied
+from gateway.services.keys import AuthFailure, authenticate, looks_like_tenant_key
+from gateway.state import GatewayState
+
+_AUTH_MESSAGES = {
+    AuthFailure.MALFORMED: "Invalid API key format: expected kvg_<prefix>_<secret>.",
+    AuthFailure.UNKNOWN: "Incorrect API key provided.",
+    AuthFailure.REVOKED: "This API key has been revoked.",
+    AuthFailure.EXPIRED: "This API key has expired.",
+}
+
+
+async def get_state(request: Request) -> GatewayState:
+    # async on purpose: FastAPI runs a sync dependency in its threadpool (a hop per request)
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+StateDep = Annotated[GatewayState, Depends(get_state)]
+
+
+def get_session(state: StateDep) -> Iterator[Session]:
+    with session_scope(state.sessions) as session:
+        yield session
+
+
+# scope="function": commit before the response is sent, so a client never reads stale state.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+
+
+def bearer_token(request: Request) -> str:
+    header = request.headers.get("authorization")
+    if not header:
+        raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'.")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise AuthenticationFailed("Malformed Authorization header: expected 'Bearer <key>'.")
+    return token.strip()
+
+
+async def current_principal(request: Request, state: StateDep) -> Principal:
+    token = bearer_token(request)
+    now = utcnow()
+    cached = state.auth_cache.get(token, now=now)
+    if cached is not None:
+        return cached
+
+    def lookup() -> Principal | AuthFailure:
+        with session_scope(state.sessions) as session:
+            return authenticate(session, token=token, now=now)
+
+    result = await anyio.to_thread.run_sync(lookup)
+    if isinstance(result, AuthFailure):
+        if result is AuthFailure.TENANT_DISABLED:
+            raise PermissionDenied("This tenant is disabled.", code="tenant_disabled")
+        raise AuthenticationFailed(_AUTH_MESSAGES[result])
+    interval = timedelta(seconds=state.settings.key_last_used_interval_s)
+    if result.key_last_used_at is None or now - result.key_last_used_at >= interval:
+        state.audit.touch_key(result.key_id, now)
+    state.auth_cache.put(token, result, now=now)
+    return result
+
+
+CurrentTenant = Annotated[Principal, Depends(current_principal)]
+
+
+def require_admin(request: Request, state: StateDep) -> None:
+    token = bearer_token(request)
+    if looks_like_tenant_key(token):
+        raise AuthenticationFailed("Tenant API keys cannot use the admin API.")
+    expected = state.settings.admin_secret().encode()
+    if not hmac.compare_digest(token.encode(), expected):
+        raise AuthenticationFailed("Incorrect admin token.")
+    if request.method != "GET":
+        state.auth_cache.clear()  # any admin change (revoke, disable, limits) applies at once
+
+
+AdminDep = Annotated[None, Depends(require_admin)]

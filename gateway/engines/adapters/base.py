@@ -1,0 +1,137 @@
+"""The adapter contract: read an engine's capacity, count a prompt's tokens exactly.
+
+One adapter per engine kind (bundled, SGLang, vLLM, declared OpenAI/litellm). ``introspect``
+returns a ``CapacitySnapshot`` or raises ``AdapterError`` with a short reason (never a payload
+echo). ``count_tokens`` asks the engine's own tokenizer (``POST /tokenize``, the shape the bundled
+backend, vLLM and SGLang share: ``{"count": N, ...}``) so the count matches what the engine will
+admit; declared engines without a tokenizer endpoint use a safe upper bound instead.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import httpx
+
+from gateway.config import EngineSpec
+from gateway.engines.capacity import CapacitySnapshot
+
+MAX_INTROSPECTION_BYTES = 4 << 20
+
+
+class AdapterError(RuntimeError):
+    """The engine could not be introspected or could not count tokens; the message says why."""
+
+
+class EngineAdapter(ABC):
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    async def introspect(self, client: httpx.AsyncClient, *, timeout: float) -> CapacitySnapshot:
+        """Read the engine's real capacity now."""
+
+    async def count_tokens(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        model: str,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> int:
+        """Exact prompt tokens (chat template applied for messages), from the engine's tokenizer."""
+        body: dict[str, Any] = {"model": model}
+        if messages is not None:
+            body["messages"] = messages
+        else:
+            body["prompt"] = prompt or ""
+        headers = {**self.headers(), **(headers or {})}
+        data = await post_json(
+            client, self.url("/tokenize"), body, timeout=timeout, headers=headers
+        )
+        count = data.get("count")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise AdapterError("tokenize answer has no valid 'count'")
+        return count
+
+    def headers(self) -> dict[str, str]:
+        """Credentials for the engine itself (never the tenant's key)."""
+        if self.spec.api_key is None:
+            return {}
+        return {"Authorization": f"Bearer {self.spec.api_key.get_secret_value()}"}
+
+    def url(self, path: str) -> str:
+        return f"{self.spec.base_url}{path}"
+
+    def check_model(self, reported: str) -> str:
+        if self.spec.model is not None and reported != self.spec.model:
+            raise AdapterError(
+                f"engine serves model '{reported}', configured as '{self.spec.model}'"
+            )
+        return reported
+
+
+async def get_response(
+    client: httpx.AsyncClient, url: str, *, timeout: float, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    try:
+        response = await client.get(url, timeout=timeout, headers=headers or {})
+    except httpx.HTTPError as exc:
+        raise AdapterError(f"GET {httpx.URL(url).path}: {exc.__class__.__name__}") from exc
+    if response.status_code != 200:
+        raise AdapterError(f"GET {httpx.URL(url).path}: HTTP {response.status_code}")
+    if len(response.content) > MAX_INTROSPECTION_BYTES:
+        raise AdapterError(f"GET {httpx.URL(url).path}: answer too large")
+    return response
+
+
+async def get_json(
+    client: httpx.AsyncClient, url: str, *, timeout: float, headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    response = await get_response(client, url, timeout=timeout, headers=headers)
+    return _json_object(response, f"GET {httpx.URL(url).path}")
+
+
+async def post_json(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    *,
+    timeout: float,
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    what = f"POST {httpx.URL(url).path}"
+    try:
+        response = await client.post(url, json=body, timeout=timeout, headers=headers or {})
+    except httpx.HTTPError as exc:
+        raise AdapterError(f"{what}: {exc.__class__.__name__}") from exc
+    if response.status_code != 200:
+        raise AdapterError(f"{what}: HTTP {response.status_code}")
+    return _json_object(response, what)
+
+
+def _json_object(response: httpx.Response, what: str) -> dict[str, Any]:
+    try:
+        data = response.json()
+    except ValueError as exc:
+        raise AdapterError(f"{what}: answer is not JSON") from exc
+    if not isinstance(data, dict):
+        raise AdapterError(f"{what}: answer is not a JSON object")
+    return data
+
+
+def positive_int(data: dict[str, Any], key: str, *, where: str) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise AdapterError(f"{where}: '{key}' missing or not a positive integer")
+    return value
+
+
+def optional_positive_int(data: dict[str, Any], key: str) -> int | None:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value

@@ -1,0 +1,89 @@
+"""Per-tenant limits: the limiter contract and the token-bucket arithmetic both limiters share.
+
+Three limits, checked and taken atomically together:
+
+- requests/min and tokens/min are token buckets holding up to one minute's allowance and
+  refilling continuously (``capacity / 60 s``). A fresh bucket is full. A request takes 1 from
+  the request bucket and ``prompt + max_tokens`` from the token bucket (OpenAI counts
+  ``max_tokens`` the same way); unused completion tokens are refunded when the request ends.
+- concurrency is a set of leases with deadlines; a lease is removed on release and, should a
+  gateway die holding it, expires on its own (holders refresh it while the request lives).
+
+Lifecycle of a lease: ``admit`` -> ``Lease`` (or a ``Refusal``) -> ``release`` exactly once.
+The arithmetic here is pure (time is passed in) and mirrored line by line by the Redis Lua script.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gateway.domain import TenantPlan
+
+WINDOW_MS = 60_000
+CONCURRENCY_RETRY_S = 1
+
+
+class LimitKind(StrEnum):
+    CONCURRENCY = "concurrency"
+    REQUESTS = "requests"
+    TOKENS = "tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    tenant_id: str
+    lease_id: str
+    tokens: int
+    plan: TenantPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    kind: LimitKind
+    retry_after_s: int | None  # None: this request can never fit the plan (e.g. > tokens/min)
+
+
+class LimiterUnavailable(RuntimeError):
+    """The shared limiter cannot be reached: limited tenants are refused (fail closed)."""
+
+
+class Limiter(ABC):
+    backend: str
+
+    @abstractmethod
+    async def admit(self, *, tenant_id: str, plan: TenantPlan, tokens: int) -> Lease | Refusal:
+        """Take one request, ``tokens`` tokens and a concurrency slot, all or nothing."""
+
+    @abstractmethod
+    async def release(self, lease: Lease, *, unused_tokens: int) -> None:
+        """Free the concurrency slot and refund ``unused_tokens`` (never raises)."""
+
+    @abstractmethod
+    async def healthy(self) -> bool: ...
+
+    async def start(self) -> None:  # noqa: B027 (optional hook)
+        """Start background work (lease refresh); default none."""
+
+    async def close(self) -> None:  # noqa: B027 (optional hook)
+        """Stop background work and close clients; default none."""
+
+
+def refilled(level: float | None, updated_ms: int | None, *, capacity: int, now_ms: int) -> float:
+    """A bucket's level at ``now_ms``: full when new, refilled linearly, capped at capacity."""
+    if level is None or updated_ms is None:
+        return float(capacity)
+    elapsed = max(0, now_ms - updated_ms)
+    return min(float(capacity), level + elapsed * capacity / WINDOW_MS)
+
+
+def wait_s(level: float, need: float, *, capacity: int) -> int:
+    """Whole seconds until the bucket holds ``need`` (at least 1)."""
+    wait_ms = math.ceil((need - level) * WINDOW_MS / capacity)
+    return max(1, math.ceil(wait_ms / 1000))
+
+
+def tokens_never_fit(plan: TenantPlan, tokens: int) -> bool:
+    return plan.tokens_per_minute is not None and tokens > plan.tokens_per_minute

@@ -1,0 +1,206 @@
+"""Redis limiter: the same buckets and leases as ``gateway.limits.base``, atomic across replicas.
+
+One Lua script admits (checks all three limits, then takes all or nothing) and one releases
+(removes the lease, refunds tokens). Both read the clock with Redis ``TIME``, so gateway clocks
+never disagree. A tenant's keys share a hash tag (``{tenant}``), so the scripts stay valid on a
+Redis Cluster. Buckets expire after two idle windows (a full bucket needs no state).
+
+Leases carry deadlines; this process refreshes the ones it holds every third of the lease time,
+so a gateway that dies frees its slots within one lease time. Any Redis error raises
+``LimiterUnavailable`` from ``admit`` (the caller fails closed); ``release`` logs and relies on
+the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.domain import TenantPlan
+from gateway.limits.base import (
+    WINDOW_MS,
+    Lease,
+    Limiter,
+    LimiterUnavailable,
+    LimitKind,
+    Refusal,
+)
+
+log = logging.getLogger("kvguard.gateway.limits")
+
+_LEVEL = """
+local function level(key, cap, now, window)
+  local v = redis.call('HMGET', key, 'level', 'ts')
+  if not v[1] then return cap end
+  local elapsed = now - tonumber(v[2])
+  if elapsed < 0 then elapsed = 0 end
+  local lvl = tonumber(v[1]) + elapsed * cap / window
+  if lvl > cap then lvl = cap end
+  return lvl
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: requests bucket, tokens bucket, lease zset.
+# ARGV: rpm cap, tpm cap, concurrency cap ('' = no limit), cost, lease id, lease ms, window ms.
+# Returns {1} admitted, or {0, kind, wait_ms} (wait_ms -1: can never fit).
+ADMIT_LUA = (
+    _LEVEL
+    + """
+local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local cost, lease = tonumber(ARGV[4]), ARGV[5]
+local lease_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7])
+if tpm and cost > tpm then return {0, 'tokens', -1} end
+if conc then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= conc then return {0, 'concurrency', 1000} end
+end
+local rpm_level, tpm_level
+if rpm then
+  rpm_level = level(KEYS[1], rpm, now, window)
+  if rpm_level < 1 then return {0, 'requests', math.ceil((1 - rpm_level) * window / rpm)} end
+end
+if tpm then
+  tpm_level = level(KEYS[2], tpm, now, window)
+  if tpm_level < cost then return {0, 'tokens', math.ceil((cost - tpm_level) * window / tpm)} end
+end
+if rpm then
+  redis.call('HSET', KEYS[1], 'level', tostring(rpm_level - 1), 'ts', now)
+  redis.call('PEXPIRE', KEYS[1], 2 * window)
+end
+if tpm then
+  redis.call('HSET', KEYS[2], 'level', tostring(tpm_level - cost), 'ts', now)
+  redis.call('PEXPIRE', KEYS[2], 2 * window)
+end
+if conc then
+  redis.call('ZADD', KEYS[3], now + lease_ms, lease)
+  redis.call('PEXPIRE', KEYS[3], 2 * lease_ms)
+end
+return {1}
+"""
+)
+
+# KEYS: tokens bucket, lease zset. ARGV: tpm cap ('' = none), refund, lease id, window ms.
+RELEASE_LUA = (
+    _LEVEL
+    + """
+redis.call('ZREM', KEYS[2], ARGV[3])
+local tpm, refund, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
+if tpm and refund > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
+  local lvl = level(KEYS[1], tpm, now, window) + refund
+  if lvl > tpm then lvl = tpm end
+  redis.call('HSET', KEYS[1], 'level', tostring(lvl), 'ts', now)
+end
+return 1
+"""
+)
+
+# KEYS: lease zset. ARGV: lease id, lease ms. Extends a lease that still exists.
+REFRESH_LUA = (
+    _LEVEL
+    + """
+return redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
+"""
+)
+
+
+def _keys(tenant_id: str) -> tuple[str, str, str]:
+    base = f"kvg:lim:{{{tenant_id}}}"
+    return f"{base}:requests", f"{base}:tokens", f"{base}:leases"
+
+
+def _arg(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+class RedisLimiter(Limiter):
+    backend = "redis"
+
+    def __init__(self, *, url: str, lease_s: float, timeout_s: float = 0.5) -> None:
+        self._client = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self._lease_ms = int(lease_s * 1000)
+        self._admit = self._client.register_script(ADMIT_LUA)
+        self._release = self._client.register_script(RELEASE_LUA)
+        self._refresh = self._client.register_script(REFRESH_LUA)
+        self._held: dict[str, Lease] = {}
+        self._refresher: asyncio.Task[None] | None = None
+
+    async def admit(self, *, tenant_id: str, plan: TenantPlan, tokens: int) -> Lease | Refusal:
+        lease = Lease(tenant_id=tenant_id, lease_id=uuid.uuid4().hex, tokens=tokens, plan=plan)
+        args = [
+            _arg(plan.requests_per_minute),
+            _arg(plan.tokens_per_minute),
+            _arg(plan.max_concurrency),
+            str(tokens),
+            lease.lease_id,
+            str(self._lease_ms),
+            str(WINDOW_MS),
+        ]
+        try:
+            result = await self._admit(keys=list(_keys(tenant_id)), args=args)
+        except (RedisError, OSError) as exc:
+            raise LimiterUnavailable(f"redis: {exc.__class__.__name__}") from exc
+        if int(result[0]) == 1:
+            if plan.max_concurrency is not None:
+                self._held[lease.lease_id] = lease
+            return lease
+        kind = LimitKind(result[1].decode() if isinstance(result[1], bytes) else result[1])
+        wait_ms = int(result[2])
+        retry = None if wait_ms < 0 else max(1, -(-wait_ms // 1000))
+        return Refusal(kind, retry)
+
+    async def release(self, lease: Lease, *, unused_tokens: int) -> None:
+        self._held.pop(lease.lease_id, None)
+        requests_key, tokens_key, leases_key = _keys(lease.tenant_id)
+        args = [_arg(lease.plan.tokens_per_minute), str(max(0, unused_tokens)), lease.lease_id]
+        try:
+            await self._release(keys=[tokens_key, leases_key], args=[*args, str(WINDOW_MS)])
+        except (RedisError, OSError):
+            log.warning(
+                "lease release failed for tenant %s; it expires on its own", lease.tenant_id
+            )
+
+    async def healthy(self) -> bool:
+        try:
+            return bool(await self._client.ping())
+        except (RedisError, OSError):
+            return False
+
+    async def refresh_held(self) -> None:
+        """Extend every lease this process holds (one round trip via a pipeline)."""
+        if not self._held:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for lease in list(self._held.values()):
+            await self._refresh(
+                keys=[_keys(lease.tenant_id)[2]],
+                args=[lease.lease_id, str(self._lease_ms)],
+                client=pipe,
+            )
+        await pipe.execute()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease_ms / 3000)
+            try:
+                await self.refresh_held()
+            except (RedisError, OSError):
+                log.warning("lease refresh failed; retrying")
+
+    async def start(self) -> None:
+        self._refresher = asyncio.create_task(self._refresh_loop(), name="lease-refresh")
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        await self._client.aclose()

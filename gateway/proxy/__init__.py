@@ -1,0 +1,1 @@
+"""gateway.proxy: the tenant request path (admission, relay, finalisation)."""

@@ -1,0 +1,171 @@
+"""Admission of one tenant request, before any engine does work for it.
+
+Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet):
+
+1. route: engines that serve the model and may serve now (404 unknown model, 503 if all blocked);
+2. hooks: request hooks may rewrite the upstream body (canary markers are counted like text);
+3. count: exact prompt tokens from the engine's own tokenizer;
+4. fit: prompt + max_tokens <= min(window, every role's real pool, engine limits, plan cap)
+   on at least one engine (400 ``context_length_exceeded`` stating the real limit and the size);
+5. limits: one atomic take of request, tokens and a concurrency lease (429 + Retry-After; 503 if
+   the shared limiter is down, unless configured to fail open);
+6. choose: least in-flight among the engines the request fits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
+from gateway.engines.adapters import AdapterError, adapter_for
+from gateway.engines.capacity import RequestSize, fits, limit_for
+from gateway.engines.registry import EngineRecord
+from gateway.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    LimiterDown,
+    ModelNotFound,
+    NoHealthyEngine,
+    RateLimited,
+    UpstreamFailed,
+)
+from gateway.lifecycle import Phase
+from gateway.limits.base import Lease, LimiterUnavailable, Refusal
+from gateway.proxy.context import RequestContext
+from gateway.state import GatewayState
+
+log = logging.getLogger("kvguard.gateway.admission")
+
+Body = ChatCompletionBody | CompletionBody
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    engine: EngineRecord
+    size: RequestSize
+    body: dict[str, Any] = field(repr=False)
+
+
+async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitted:
+    routable = route(state, ctx.model)
+    ctx.advance(Phase.ROUTED)
+    max_tokens = body.requested_max_tokens() or state.settings.default_max_tokens
+    upstream_body = body.upstream_body(max_tokens=max_tokens)
+    for hook in state.hooks.request_hooks:
+        upstream_body = await hook.prepare(ctx.info(), upstream_body)
+    prompt_tokens = await count_prompt(state, routable, upstream_body, ctx)
+    size = RequestSize(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+    ctx.prompt_tokens, ctx.max_tokens = prompt_tokens, max_tokens
+    plan_cap = ctx.principal.plan.max_context_tokens
+    fitting = [r for r in routable if r.snapshot is not None and fits(r.snapshot, size, plan_cap)]
+    if not fitting:
+        raise too_long(routable, size, plan_cap, param=_param(body))
+    ctx.lease = await take_lease(state, ctx, size)
+    ctx.advance(Phase.ADMITTED)
+    engine = state.registry.choose(fitting)
+    return Admitted(engine=engine, size=size, body=upstream_body)
+
+
+def route(state: GatewayState, model: str) -> list[EngineRecord]:
+    routable, blocked = state.registry.serving(model)
+    if routable:
+        return routable
+    if not blocked:
+        raise ModelNotFound(f"model '{model}' is not served here", param="model")
+    reasons = sorted({str(state.registry.block(record)) for record in blocked})
+    raise NoHealthyEngine(
+        f"no healthy engine for model '{model}' (engines blocked: {', '.join(reasons)})"
+    )
+
+
+async def count_prompt(
+    state: GatewayState, routable: list[EngineRecord], body: dict[str, Any], ctx: RequestContext
+) -> int:
+    """Exact count from the first engine whose tokenizer answers (all serve the same model)."""
+    messages = body.get("messages")
+    prompt = body.get("prompt")
+    for record in routable:
+        try:
+            return await adapter_for(record.spec).count_tokens(
+                state.client,
+                model=ctx.model,
+                prompt=prompt,
+                messages=messages,
+                timeout=state.settings.engine_timeout_s,
+            )
+        except AdapterError as exc:
+            log.warning("token count on engine %s failed: %s", record.name, exc)
+    raise UpstreamFailed(
+        "could not count the prompt's tokens on any engine", code="token_count_unavailable"
+    )
+
+
+def too_long(
+    routable: list[EngineRecord], size: RequestSize, plan_cap: int | None, *, param: str
+) -> ContextLengthExceeded:
+    best = max(routable, key=lambda r: limit_for(r.snapshot, plan_cap) if r.snapshot else 0)
+    snapshot = best.snapshot
+    assert snapshot is not None
+    limit = limit_for(snapshot, plan_cap)
+    if snapshot.max_prompt_tokens is not None and size.prompt_tokens > snapshot.max_prompt_tokens:
+        return ContextLengthExceeded(
+            f"This request's prompt has {size.prompt_tokens} tokens, but the engine accepts "
+            f"at most {snapshot.max_prompt_tokens} prompt tokens.",
+            param=param,
+        )
+    why = ""
+    if plan_cap is not None and limit == plan_cap:
+        why = " (your plan's context limit)"
+    elif snapshot.real_pool is not None and limit < snapshot.context_window:
+        why = f" (the engine's real capacity; its advertised window is {snapshot.context_window})"
+    return ContextLengthExceeded(
+        f"This request needs {size.total} tokens ({size.prompt_tokens} in the prompt + "
+        f"{size.max_tokens} max_tokens), but the limit is {limit} tokens{why}.",
+        param=param,
+    )
+
+
+async def take_lease(state: GatewayState, ctx: RequestContext, size: RequestSize) -> Lease | None:
+    plan = ctx.principal.plan
+    if not plan.rate_limited:
+        return None
+    try:
+        result = await state.limiter.admit(
+            tenant_id=ctx.principal.tenant_id, plan=plan, tokens=size.total
+        )
+    except LimiterUnavailable as exc:
+        state.metrics.limiter_up.set(0)
+        if state.settings.limiter_fail_open:
+            state.metrics.limiter_fail_open.inc()
+            log.warning(
+                "limiter down (%s); letting tenant %s through", exc, ctx.principal.tenant_id
+            )
+            return None
+        raise LimiterDown("rate limiter unavailable; request refused") from exc
+    if isinstance(result, Refusal):
+        raise refused(state, ctx, result, size)
+    return result
+
+
+def refused(
+    state: GatewayState, ctx: RequestContext, refusal: Refusal, size: RequestSize
+) -> InvalidRequest | RateLimited:
+    state.metrics.rate_limited.labels(
+        tenant=ctx.principal.tenant_id, limit=refusal.kind.value
+    ).inc()
+    if refusal.retry_after_s is None:
+        return InvalidRequest(
+            f"This request needs {size.total} tokens, more than your plan's "
+            f"{ctx.principal.plan.tokens_per_minute} tokens per minute.",
+            code="exceeds_tokens_per_minute",
+        )
+    return RateLimited(
+        f"Rate limit reached ({refusal.kind.value}); retry after {refusal.retry_after_s} s.",
+        retry_after_s=refusal.retry_after_s,
+    )
+
+
+def _param(body: Body) -> str:
+    return "messages" if isinstance(body, ChatCompletionBody) else "prompt"

@@ -1,0 +1,118 @@
+"""The single exit of every tenant request: ``finish`` (see ``gateway.proxy.service``)."""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+
+from gateway.errors import UpstreamFailed
+from gateway.lifecycle import TERMINAL, Phase
+from gateway.proxy.context import HandoffProof, RequestContext
+from gateway.services.audit import AuditRecord
+from gateway.state import GatewayState
+from gateway.tracing import Tracing
+
+log = logging.getLogger("kvguard.gateway.proxy")
+
+
+def handoff_refused() -> UpstreamFailed:
+    return UpstreamFailed(
+        "the engine could not prove this answer's KV belongs to this request",
+        code="handoff_mismatch",
+    )
+
+
+def note_handoff(state: GatewayState, ctx: RequestContext, proof: HandoffProof | None) -> bool:
+    """Record the engine's handoff proof; False when it shows a mismatch and the gateway refuses
+    such answers (``refuse_on_handoff_mismatch``, on by default: never trust that KV)."""
+    if proof is None:
+        return True
+    ctx.handoff = proof
+    if proof.consistent:
+        return True
+    engine = ctx.engine.name if ctx.engine is not None else "unknown"
+    state.metrics.handoff_mismatch.labels(engine=engine).inc()
+    log.error(
+        "handoff mismatch on engine %s for request %s: outcome=%s reserved=%s transferred=%s",
+        engine,
+        ctx.request_id,
+        proof.outcome,
+        proof.reserved_tokens,
+        proof.transferred_tokens,
+    )
+    return not state.settings.refuse_on_handoff_mismatch
+
+
+def _refund(ctx: RequestContext, phase: Phase, refund_all: bool) -> int:
+    if ctx.lease is None:
+        return 0
+    if refund_all:  # the engine did no work for this request
+        return ctx.lease.tokens
+    if ctx.completion_tokens is not None and ctx.max_tokens is not None:
+        return max(0, ctx.max_tokens - ctx.completion_tokens)
+    return 0  # unknown use (client gone mid-stream): keep the charge
+
+
+async def finish(
+    state: GatewayState,
+    ctx: RequestContext,
+    phase: Phase,
+    *,
+    status: int,
+    code: str | None = None,
+    refund_all: bool = False,
+) -> None:
+    if ctx.phase in TERMINAL:
+        return
+    ctx.advance(phase)
+    with anyio.CancelScope(shield=True):
+        if ctx.lease is not None:
+            await state.limiter.release(ctx.lease, unused_tokens=_refund(ctx, phase, refund_all))
+        if ctx.engine is not None:
+            ctx.engine.in_flight -= 1
+            state.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).dec()
+        _record(state, ctx, status=status, code=code)
+
+
+def _record(state: GatewayState, ctx: RequestContext, *, status: int, code: str | None) -> None:
+    tenant = ctx.principal.tenant_id
+    m = state.metrics
+    duration = ctx.elapsed_s()
+    m.requests.labels(
+        tenant=tenant, endpoint=ctx.endpoint.value, outcome=ctx.phase.value, code=code or ""
+    ).inc()
+    m.request_seconds.labels(endpoint=ctx.endpoint.value).observe(duration)
+    if ctx.engine is not None and ctx.first_byte_s is not None and ctx.stream:
+        m.ttft_seconds.labels(engine=ctx.engine.name).observe(ctx.first_byte_s)
+    if ctx.phase is not Phase.REJECTED and ctx.engine is not None:
+        if ctx.prompt_tokens is not None:
+            m.tokens.labels(tenant=tenant, kind="prompt").inc(ctx.prompt_tokens)
+        if ctx.completion_tokens is not None:
+            m.tokens.labels(tenant=tenant, kind="completion").inc(ctx.completion_tokens)
+    handoff = ctx.handoff
+    state.audit.record(
+        AuditRecord(
+            request_id=ctx.request_id,
+            tenant_id=tenant,
+            key_prefix=ctx.principal.key_prefix,
+            endpoint=ctx.endpoint.value,
+            model=ctx.model,
+            engine=ctx.engine.name if ctx.engine is not None else None,
+            stream=ctx.stream,
+            prompt_tokens=ctx.prompt_tokens,
+            max_tokens=ctx.max_tokens,
+            completion_tokens=ctx.completion_tokens,
+            outcome=ctx.phase.value,
+            http_status=status,
+            error_code=code,
+            handoff_outcome=handoff.outcome if handoff else None,
+            reserved_tokens=handoff.reserved_tokens if handoff else None,
+            transferred_tokens=handoff.transferred_tokens if handoff else None,
+            started_at=ctx.started_at,
+            ttft_ms=None if ctx.first_byte_s is None else ctx.first_byte_s * 1000,
+            duration_ms=duration * 1000,
+        )
+    )
+    ctx.span.set_attribute("kvguard.completion_tokens", ctx.completion_tokens or 0)
+    Tracing.end(ctx.span, outcome=ctx.phase.value, status=status, error_code=code)

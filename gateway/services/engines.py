@@ -1,0 +1,110 @@
+"""Engines registered through the admin API, and admin controls (quarantine, allow-unsafe).
+
+Both live in SQL so every replica converges on them (the poller reloads them each cycle); the
+admin route also applies a change to its own replica's registry at once.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from gateway.config import EngineKind, EngineSpec, UpstreamPath
+from gateway.db.models import EngineControl, RegisteredEngine, utcnow
+from gateway.db.session import run_in_session
+from gateway.engines.registry import EngineControls, EngineRegistry, EngineSource
+from gateway.errors import Conflict, NotFound
+
+
+def register_engine(session: Session, *, spec: EngineSpec, taken: set[str]) -> RegisteredEngine:
+    if spec.name in taken or session.get(RegisteredEngine, spec.name) is not None:
+        raise Conflict(f"an engine named '{spec.name}' already exists", code="engine_exists")
+    row = RegisteredEngine(
+        name=spec.name,
+        kind=spec.kind.value,
+        base_url=spec.base_url,
+        model=spec.model,
+        litellm_model=spec.litellm_model,
+        declared_max_model_len=spec.declared_max_model_len,
+        allow_unverified=spec.allow_unverified,
+        upstream=spec.upstream.value if spec.upstream else None,
+    )
+    session.add(row)
+    return row
+
+
+def remove_engine(session: Session, *, name: str) -> None:
+    row = session.get(RegisteredEngine, name)
+    if row is None:
+        raise NotFound(f"no admin-registered engine '{name}'", code="engine_not_found")
+    session.delete(row)
+
+
+def registered_specs(session: Session) -> list[EngineSpec]:
+    rows = session.scalars(select(RegisteredEngine).order_by(RegisteredEngine.name))
+    return [
+        EngineSpec(
+            name=row.name,
+            kind=EngineKind(row.kind),
+            base_url=row.base_url,
+            model=row.model,
+            litellm_model=row.litellm_model,
+            declared_max_model_len=row.declared_max_model_len,
+            allow_unverified=row.allow_unverified,
+            upstream=UpstreamPath(row.upstream) if row.upstream else None,
+        )
+        for row in rows
+    ]
+
+
+def controls(session: Session) -> dict[str, EngineControls]:
+    return {
+        row.engine_name: EngineControls(
+            quarantine_reason=row.quarantine_reason if row.quarantined_at else None,
+            allow_unsafe=row.allow_unsafe,
+        )
+        for row in session.scalars(select(EngineControl))
+    }
+
+
+def _control(session: Session, name: str) -> EngineControl:
+    row = session.get(EngineControl, name)
+    if row is None:
+        row = EngineControl(engine_name=name, allow_unsafe=False)
+        session.add(row)
+    return row
+
+
+def quarantine(session: Session, *, name: str, reason: str) -> EngineControls:
+    row = _control(session, name)
+    row.quarantined_at, row.quarantine_reason, row.updated_at = utcnow(), reason, utcnow()
+    return EngineControls(quarantine_reason=reason, allow_unsafe=row.allow_unsafe)
+
+
+def clear_quarantine(session: Session, *, name: str) -> EngineControls:
+    row = _control(session, name)
+    row.quarantined_at, row.quarantine_reason, row.updated_at = None, None, utcnow()
+    return EngineControls(quarantine_reason=None, allow_unsafe=row.allow_unsafe)
+
+
+def set_allow_unsafe(session: Session, *, name: str, allow: bool) -> EngineControls:
+    row = _control(session, name)
+    row.allow_unsafe, row.updated_at = allow, utcnow()
+    reason = row.quarantine_reason if row.quarantined_at else None
+    return EngineControls(quarantine_reason=reason, allow_unsafe=allow)
+
+
+async def reload_registry(
+    *, registry: EngineRegistry, sessions: sessionmaker[Session], configured: list[EngineSpec]
+) -> None:
+    """Configured engines plus the admin-registered ones, with every engine's controls."""
+
+    def load(session: Session) -> tuple[list[EngineSpec], dict[str, EngineControls]]:
+        return registered_specs(session), controls(session)
+
+    registered, engine_controls = await run_in_session(sessions, load)
+    names = {spec.name for spec in configured}
+    members = [(spec, EngineSource.CONFIG) for spec in configured]
+    members += [(spec, EngineSource.ADMIN) for spec in registered if spec.name not in names]
+    registry.set_specs(members)
+    registry.apply_controls(engine_controls)

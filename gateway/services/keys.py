@@ -1,0 +1,163 @@
+"""Tenant API keys: format, issue (shown once), revoke, authenticate.
+
+A key reads ``kvg_<prefix>_<secret>``: 12 hex characters of prefix (the row lookup, safe to show
+and log) and 64 hex characters (256 bits) of secret. Only SHA-256 of the secret is stored: with
+256 random bits there is nothing to brute-force, so no pepper (and no second secret to manage)
+is needed. Verification compares digests in constant time.
+
+Lifecycle of a key: issued -> (used: ``last_used_at`` refreshed, throttled) -> revoked or expired.
+Revocation and expiry are timestamps; a key with either in the past never authenticates again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from gateway.db.models import ApiKey, Tenant, utcnow
+from gateway.domain import Principal, TenantPlan
+from gateway.errors import NotFound
+from gateway.lifecycle import TenantStatus
+
+KEY_SCHEME = "kvg"
+PREFIX_HEX = 12
+SECRET_HEX = 64
+_KEY_RE = re.compile(rf"{KEY_SCHEME}_([0-9a-f]{{{PREFIX_HEX}}})_([0-9a-f]{{{SECRET_HEX}}})")
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedKey:
+    prefix: str
+    secret: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    """A freshly issued key: the only moment the full key exists outside the client."""
+
+    key: str = field(repr=False)
+    prefix: str
+    tenant_id: str
+    expires_at: datetime | None
+
+
+class AuthFailure(StrEnum):
+    MALFORMED = "malformed"
+    UNKNOWN = "unknown"  # no such prefix, or the secret does not match: told apart nowhere
+    REVOKED = "revoked"
+    EXPIRED = "expired"
+    TENANT_DISABLED = "tenant_disabled"
+
+
+def parse_key(token: str) -> ParsedKey | None:
+    match = _KEY_RE.fullmatch(token)
+    if match is None:
+        return None
+    return ParsedKey(prefix=match.group(1), secret=match.group(2))
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode("ascii")).hexdigest()
+
+
+def looks_like_tenant_key(token: str) -> bool:
+    return token.startswith(f"{KEY_SCHEME}_")
+
+
+def _new_key() -> tuple[str, ParsedKey]:
+    parsed = ParsedKey(prefix=secrets.token_hex(PREFIX_HEX // 2), secret=secrets.token_hex(32))
+    return f"{KEY_SCHEME}_{parsed.prefix}_{parsed.secret}", parsed
+
+
+def issue_key(
+    session: Session, *, tenant_id: str, name: str | None = None, expires_at: datetime | None = None
+) -> IssuedKey:
+    """Store a new key's prefix and hash; the returned ``IssuedKey.key`` is never stored."""
+    for _ in range(5):  # a 48-bit prefix collision is astronomically rare; retry regardless
+        key, parsed = _new_key()
+        if session.scalar(select(ApiKey.id).where(ApiKey.prefix == parsed.prefix)) is not None:
+            continue
+        row = ApiKey(
+            tenant_id=tenant_id,
+            prefix=parsed.prefix,
+            secret_hash=hash_secret(parsed.secret),
+            name=name,
+            expires_at=expires_at,
+        )
+        session.add(row)
+        session.flush()
+        return IssuedKey(key=key, prefix=parsed.prefix, tenant_id=tenant_id, expires_at=expires_at)
+    raise RuntimeError("could not allocate a unique key prefix")
+
+
+def revoke_key(session: Session, *, prefix: str, now: datetime | None = None) -> ApiKey:
+    row = session.scalar(select(ApiKey).where(ApiKey.prefix == prefix))
+    if row is None:
+        raise NotFound(f"no API key with prefix '{prefix}'", code="key_not_found")
+    if row.revoked_at is None:
+        row.revoked_at = now or utcnow()
+    return row
+
+
+def list_keys(session: Session, *, tenant_id: str) -> list[ApiKey]:
+    query = select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id)
+    return list(session.scalars(query))
+
+
+def authenticate(session: Session, *, token: str, now: datetime) -> Principal | AuthFailure:
+    """The tenant behind ``token``, or why not. Unknown prefix and wrong secret look the same."""
+    parsed = parse_key(token)
+    if parsed is None:
+        return AuthFailure.MALFORMED
+    found = session.execute(
+        select(ApiKey, Tenant)
+        .join(Tenant, Tenant.id == ApiKey.tenant_id)
+        .where(ApiKey.prefix == parsed.prefix)
+    ).first()
+    if found is None:
+        hmac.compare_digest(hash_secret(parsed.secret), "0" * 64)  # same work as a real miss
+        return AuthFailure.UNKNOWN
+    key, tenant = found
+    if not hmac.compare_digest(hash_secret(parsed.secret), key.secret_hash):
+        return AuthFailure.UNKNOWN
+    if key.revoked_at is not None and key.revoked_at <= now:
+        return AuthFailure.REVOKED
+    if key.expires_at is not None and key.expires_at <= now:
+        return AuthFailure.EXPIRED
+    if TenantStatus(tenant.status) is not TenantStatus.ACTIVE:
+        return AuthFailure.TENANT_DISABLED
+    return _principal(tenant, key)
+
+
+def _principal(tenant: Tenant, key: ApiKey) -> Principal:
+    plan = TenantPlan(
+        requests_per_minute=tenant.requests_per_minute,
+        tokens_per_minute=tenant.tokens_per_minute,
+        max_concurrency=tenant.max_concurrency,
+        max_context_tokens=tenant.max_context_tokens,
+    )
+    return Principal(
+        tenant_id=tenant.id,
+        tenant_name=tenant.name,
+        key_id=key.id,
+        key_prefix=key.prefix,
+        plan=plan,
+        synthetic=tenant.synthetic,
+        canary_sample_rate=tenant.canary_sample_rate,
+        key_last_used_at=key.last_used_at,
+        key_expires_at=key.expires_at,
+    )
+
+
+def touch_keys(session: Session, *, last_used: dict[int, datetime]) -> None:
+    """Record last use for many keys at once (batched off the request path)."""
+    for key_id, at in last_used.items():
+        session.execute(update(ApiKey).where(ApiKey.id == key_id).values(last_used_at=at))

@@ -1,0 +1,60 @@
+"""Everything one running gateway app holds, built in the lifespan and torn down with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from gateway.config import EngineSpec, GatewaySettings, UpstreamPath
+from gateway.db.session import run_in_session
+from gateway.engines.poller import CapacityPoller
+from gateway.engines.registry import EngineRegistry
+from gateway.hooks import GatewayHooks
+from gateway.limits.base import Limiter
+from gateway.metrics import GatewayMetrics
+from gateway.services import engines as engine_service
+from gateway.services.audit import AuditWriter
+from gateway.services.auth_cache import AuthCache
+from gateway.services.engines import reload_registry
+from gateway.tracing import Tracing
+from gateway.upstream.base import Upstream
+from gateway.upstream.direct import DirectUpstream
+from gateway.upstream.litellm_client import LiteLLMUpstream
+
+
+@dataclass(slots=True)
+class GatewayState:
+    settings: GatewaySettings
+    db: Engine
+    sessions: sessionmaker[Session]
+    limiter: Limiter
+    registry: EngineRegistry
+    client: httpx.AsyncClient
+    direct: DirectUpstream
+    litellm: LiteLLMUpstream
+    audit: AuditWriter
+    metrics: GatewayMetrics
+    tracing: Tracing
+    hooks: GatewayHooks
+    poller: CapacityPoller
+    configured_engines: list[EngineSpec]
+    auth_cache: AuthCache
+
+    async def reload_engines(self) -> None:
+        await reload_registry(
+            registry=self.registry, sessions=self.sessions, configured=self.configured_engines
+        )
+
+    async def quarantine(self, name: str, *, reason: str) -> None:
+        """Take an engine out of routing now, on every replica (the canary calls this)."""
+        controls = await run_in_session(
+            self.sessions,
+            lambda session: engine_service.quarantine(session, name=name, reason=reason),
+        )
+        self.registry.set_controls(name, controls)
+
+    def upstream_for(self, spec: EngineSpec) -> Upstream:
+        return self.litellm if spec.upstream_path is UpstreamPath.LITELLM else self.direct

@@ -1,0 +1,70 @@
+"""The upstream contract: call an engine's OpenAI-compatible completion routes.
+
+Two paths implement it: ``direct`` (httpx straight to an OpenAI-compatible engine, bytes passed
+through untouched) and ``litellm`` (providers that need translation). A call either answers
+(status + JSON), opens a stream of raw SSE bytes, or raises ``UpstreamUnreachable`` (connection
+refused, timeout, protocol error) which the gateway maps to 502.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from gateway.config import EngineSpec
+
+MAX_ERROR_BODY_BYTES = 64 << 10
+
+
+class Endpoint(StrEnum):
+    CHAT = "chat.completions"
+    COMPLETIONS = "completions"
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamCall:
+    spec: EngineSpec
+    endpoint: Endpoint
+    body: dict[str, Any] = field(repr=False)  # holds the prompt
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamReply:
+    """A complete answer: 200 with a completion, or the engine's error before any stream."""
+
+    status: int
+    body: dict[str, Any] | None = field(repr=False)
+
+
+class UpstreamUnreachable(RuntimeError):
+    """No answer from the engine (the message names the failure class, never content)."""
+
+
+class UpstreamStream(ABC):
+    @abstractmethod
+    def chunks(self) -> AsyncIterator[bytes]:
+        """Raw SSE bytes as they arrive; raises ``UpstreamUnreachable`` if the engine drops."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Stop reading and close the connection (the engine sees the client go away)."""
+
+
+class Upstream(ABC):
+    @abstractmethod
+    async def complete(self, call: UpstreamCall) -> UpstreamReply: ...
+
+    @abstractmethod
+    async def stream(self, call: UpstreamCall) -> UpstreamStream | UpstreamReply:
+        """An open 200 stream, or the engine's non-200 answer (read in full, bounded)."""
+
+    async def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release clients; default none."""

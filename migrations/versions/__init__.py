@@ -1,0 +1,1 @@
+"""Alembic revisions, one logical change each (Alembic skips this file)."""

@@ -1,0 +1,53 @@
+"""Helpers to run gateway apps in tests: lifespan, an in-process client, tenant creation."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from gateway.app import create_app
+from gateway.config import DEV_ADMIN_TOKEN, GatewaySettings
+from gateway.hooks import GatewayHooks
+from gateway.state import GatewayState
+
+
+@dataclass
+class Gateway:
+    app: Any
+    state: GatewayState
+    client: httpx.AsyncClient
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.state.settings.admin_secret()}"}
+
+    async def create_tenant(self, name: str, **limits: Any) -> tuple[str, str]:
+        """(tenant id, first key) through the admin API."""
+        response = await self.client.post(
+            "/admin/tenants", json={"name": name, **limits}, headers=self.admin
+        )
+        assert response.status_code == 201, response.text
+        body = response.json()
+        return body["tenant"]["id"], body["key"]["key"]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(
+    settings: GatewaySettings, *, hooks: GatewayHooks | None = None, span_exporter: Any = None
+) -> AsyncIterator[Gateway]:
+    app = create_app(settings, hooks=hooks, span_exporter=span_exporter)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            yield Gateway(app=app, state=app.state.gateway, client=client)
+
+
+__all__ = ["DEV_ADMIN_TOKEN", "Gateway", "bearer", "running_gateway"]

@@ -1,0 +1,105 @@
+"""Bad input anywhere is a 4xx with an OpenAI-style body, never a 500 or a hang."""
+
+from __future__ import annotations
+
+import pytest
+from gateway_harness import bearer
+
+MODEL = "standin-model"
+CHAT = "/v1/chat/completions"
+
+
+def _ok_chat(**extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+BAD_JSON_BODIES = [
+    (CHAT, b"{not json", 400, "invalid_request"),
+    (CHAT, b"", 400, "invalid_request"),
+    (CHAT, b"[1, 2]", 400, "invalid_request"),
+    (CHAT, b'"text"', 400, "invalid_request"),
+    (CHAT, b"\xff\xfe\x00garbage", 400, "invalid_encoding"),
+    (CHAT, b'{"model": "m\xc3\x28"}', 400, "invalid_encoding"),
+    ("/v1/completions", b"null", 400, "invalid_request"),
+    ("/admin/tenants", b"{bad", 400, "invalid_request"),
+]
+
+BAD_FIELDS = [
+    (_ok_chat(max_tokens="many"), "max_tokens"),
+    (_ok_chat(max_tokens=0), "max_tokens"),
+    (_ok_chat(max_tokens=1 << 21), "max_tokens"),
+    (_ok_chat(max_tokens=1.5), "max_tokens"),
+    (_ok_chat(temperature=3), "temperature"),
+    (_ok_chat(temperature="hot"), "temperature"),
+    (_ok_chat(stream="yes"), "stream"),
+    (_ok_chat(n=2), "n"),
+    (_ok_chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (_ok_chat(stop=[""]), "stop"),
+    (_ok_chat(tools=[]), "tools"),
+    (_ok_chat(stream_options={"include_usage": True}), None),
+    (_ok_chat(max_tokens=5, max_completion_tokens=5), None),
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": "hi"}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x", "extra": 1}]},
+        "messages.0.extra",
+    ),
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": "", "messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": 7, "messages": [{"role": "user", "content": "x"}]}, "model"),
+]
+
+
+async def test_malformed_bodies(gateway) -> None:
+    _, key = await gateway.create_tenant("acme")
+    headers = {**bearer(key), "content-type": "application/json"}
+    admin = {**gateway.admin, "content-type": "application/json"}
+    for path, raw, status, code in BAD_JSON_BODIES:
+        r = await gateway.client.post(
+            path, content=raw, headers=admin if path.startswith("/admin") else headers
+        )
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), (path, raw)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_FIELDS)
+async def test_wrong_types_ranges_and_unknown_fields(gateway, body, param) -> None:
+    _, key = await gateway.create_tenant("acme")
+    r = await gateway.client.post(CHAT, json=body, headers=bearer(key))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["type"], error["param"]) == (
+        "invalid_request",
+        "invalid_request_error",
+        param,
+    )
+
+
+async def test_huge_bodies_are_413(make_settings, standin) -> None:
+    from gateway_harness import running_gateway
+
+    settings = make_settings(max_body_bytes=2048, engines=[{"name": "s", "base_url": standin.url}])
+    async with running_gateway(settings) as gw:
+        _, key = await gw.create_tenant("acme")
+        big = _ok_chat()
+        big["messages"][0]["content"] = "x" * 4096
+        r = await gw.client.post(CHAT, json=big, headers=bearer(key))
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "body_too_large")
+
+        async def chunks():  # no content-length: streamed, cut off at the limit
+            for _ in range(100):
+                yield b"x" * 1000
+
+        r = await gw.client.post(CHAT, content=chunks(), headers=bearer(key))
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "body_too_large")
+
+
+async def test_unknown_routes_and_methods(gateway) -> None:
+    r = await gateway.client.get("/v1/nothing")
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
+    r = await gateway.client.get(CHAT)
+    assert (r.status_code, r.json()["error"]["code"]) == (405, "method_not_allowed")
+    r = await gateway.client.get("/admin/tenants/x/usage?since=notadate", headers=gateway.admin)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "query.since")

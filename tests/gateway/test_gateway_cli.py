@@ -1,0 +1,85 @@
+"""`kvguard admin ...`: the first key is printed on the last line and works on a gateway started
+with the same environment."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+from gateway_harness import bearer, running_gateway
+
+from gateway.config import GatewaySettings
+from kvguard.cli import main
+
+
+def _run(capsys, *argv: str) -> tuple[int, list[str]]:
+    status = main(list(argv))
+    captured = capsys.readouterr()
+    _run.last_err = captured.err  # type: ignore[attr-defined]
+    return status, captured.out.strip().splitlines()
+
+
+async def test_tenant_create_prints_a_working_key_last(sqlite_url, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KVGUARD_DATABASE_URL", sqlite_url)
+    monkeypatch.setenv("KVGUARD_AUTH_CACHE_TTL_S", "0.5")
+    status, lines = _run(capsys, "admin", "tenant", "create", "acme", "--rpm", "7")
+    assert status == 0
+    key = lines[-1]
+    assert key.startswith("kvg_") and len(key) == 4 + 12 + 1 + 64
+
+    status, lines = _run(capsys, "admin", "tenant", "list")
+    assert status == 0 and '"requests_per_minute": 7' in lines[0] and key not in lines[0]
+
+    async with running_gateway(GatewaySettings()) as gw:
+        response = await gw.client.get("/v1/models", headers=bearer(key))
+        assert response.status_code == 200, response.text
+
+        status, lines = _run(capsys, "admin", "key", "revoke", key.split("_")[1])
+        assert status == 0
+        # revoked elsewhere (the CLI): this replica trusts its verified copy for at most the TTL
+        await asyncio.sleep(0.55)
+        assert (await gw.client.get("/v1/models", headers=bearer(key))).status_code == 401
+
+
+def test_limits_keys_and_disable(sqlite_url, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KVGUARD_DATABASE_URL", sqlite_url)
+    assert _run(capsys, "admin", "tenant", "create", "acme", "--tpm", "100")[0] == 0
+    status, lines = _run(
+        capsys, "admin", "tenant", "set-limits", "acme", "--tpm", "none", "--concurrency", "2"
+    )
+    assert status == 0
+    assert '"tokens_per_minute": null' in lines[-1] and '"max_concurrency": 2' in lines[-1]
+    status, lines = _run(capsys, "admin", "key", "create", "acme", "--name", "ci")
+    assert status == 0 and lines[-1].startswith("kvg_")
+    status, lines = _run(capsys, "admin", "key", "list", "acme")
+    assert len(lines) == 2 and all("kvg_" not in line for line in lines)
+    assert _run(capsys, "admin", "tenant", "disable", "acme")[1] == ["tenant acme is disabled"]
+    status, _ = _run(capsys, "admin", "tenant", "disable", "nobody")
+    assert status == 1
+    assert "no tenant 'nobody'" in _run.last_err  # type: ignore[attr-defined]
+
+
+def test_real_command_line(sqlite_url, tmp_path) -> None:
+    env = {**os.environ, "KVGUARD_DATABASE_URL": sqlite_url}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvguard", "admin", "tenant", "create", "cli-tenant"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("kvg_")
+    again = subprocess.run(
+        [sys.executable, "-m", "kvguard", "admin", "tenant", "create", "cli-tenant"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert again.returncode == 1
+    assert "already exists" in again.stderr

@@ -1,0 +1,146 @@
+"""API keys: format, hash-only storage, authentication outcomes (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import text
+
+from gateway.db.models import utcnow
+from gateway.db.session import make_engine, make_session_factory, session_scope, upgrade_database
+from gateway.domain import TenantPlan
+from gateway.lifecycle import TenantStatus
+from gateway.services.keys import (
+    AuthFailure,
+    authenticate,
+    hash_secret,
+    issue_key,
+    parse_key,
+    revoke_key,
+)
+from gateway.services.tenants import create_tenant, get_tenant, set_status
+
+
+@pytest.fixture(params=["sqlite_url", "postgres_url"])
+def sessions(request: pytest.FixtureRequest):
+    engine = make_engine(request.getfixturevalue(request.param))
+    upgrade_database(engine)
+    yield make_session_factory(engine)
+    engine.dispose()
+
+
+def _tenant(sessions, name: str, **plan: int):
+    with session_scope(sessions) as session:
+        created = create_tenant(session, name=name, plan=TenantPlan(**plan))
+        return created.tenant.id, created.first_key
+
+
+def test_key_format_round_trip() -> None:
+    parsed = parse_key("kvg_0123456789ab_" + "f" * 64)
+    assert parsed is not None
+    assert (parsed.prefix, parsed.secret) == ("0123456789ab", "f" * 64)
+    assert "f" * 64 not in repr(parsed)
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "",
+        "kvg_",
+        "kvg_0123456789ab",
+        "kvg_0123456789ab_" + "f" * 63,
+        "kvg_0123456789ab_" + "f" * 65,
+        "kvg_0123456789AB_" + "f" * 64,
+        "sk_0123456789ab_" + "f" * 64,
+        "kvg_0123456789ab_" + "g" * 64,
+        "kvg_0123456789ab_" + "f" * 64 + "\n",
+    ],
+)
+def test_malformed_keys_do_not_parse(token: str) -> None:
+    assert parse_key(token) is None
+
+
+def test_only_prefix_and_hash_are_stored(sessions) -> None:
+    tenant_id, key = _tenant(sessions, "acme")
+    parsed = parse_key(key.key)
+    assert parsed is not None and parsed.prefix == key.prefix
+    with session_scope(sessions) as session:
+        rows = session.execute(text("SELECT prefix, secret_hash FROM api_keys")).all()
+    assert [tuple(row) for row in rows] == [(parsed.prefix, hash_secret(parsed.secret))]
+    assert all(parsed.secret not in str(value) for row in rows for value in row)
+    assert key.key not in repr(key)
+
+
+def test_authenticate_valid_key_gives_its_tenant_and_plan(sessions) -> None:
+    tenant_id, key = _tenant(sessions, "acme", requests_per_minute=5, max_context_tokens=100)
+    with session_scope(sessions) as session:
+        principal = authenticate(session, token=key.key, now=utcnow())
+    assert not isinstance(principal, AuthFailure)
+    assert (principal.tenant_id, principal.key_prefix) == (tenant_id, key.prefix)
+    assert principal.plan == TenantPlan(requests_per_minute=5, max_context_tokens=100)
+
+
+def test_wrong_secret_and_other_tenants_prefix_are_refused_alike(sessions) -> None:
+    _, key_a = _tenant(sessions, "a")
+    _, key_b = _tenant(sessions, "b")
+    secret_b = parse_key(key_b.key).secret
+    forged = f"kvg_{key_a.prefix}_{secret_b}"  # A's prefix with B's (valid) secret
+    unknown = "kvg_000000000000_" + "0" * 64
+    with session_scope(sessions) as session:
+        results = [authenticate(session, token=t, now=utcnow()) for t in (forged, unknown)]
+    assert results == [AuthFailure.UNKNOWN, AuthFailure.UNKNOWN]
+
+
+def test_revoked_expired_and_disabled(sessions) -> None:
+    tenant_id, key = _tenant(sessions, "acme")
+    now = utcnow()
+    with session_scope(sessions) as session:
+        soon = issue_key(session, tenant_id=tenant_id, expires_at=now + timedelta(seconds=60))
+    with session_scope(sessions) as session:
+        assert authenticate(session, token=soon.key, now=now) is not None
+        assert authenticate(session, token=soon.key, now=now + timedelta(seconds=61)) is (
+            AuthFailure.EXPIRED
+        )
+        revoke_key(session, prefix=key.prefix, now=now)
+    with session_scope(sessions) as session:
+        assert authenticate(session, token=key.key, now=now) is AuthFailure.REVOKED
+        set_status(session, tenant=get_tenant(session, ref="acme"), status=TenantStatus.DISABLED)
+    with session_scope(sessions) as session:
+        assert authenticate(session, token=soon.key, now=now) is AuthFailure.TENANT_DISABLED
+        assert authenticate(session, token="kvg_nope", now=now) is AuthFailure.MALFORMED
+
+
+def test_auth_cache_bounds() -> None:
+    from datetime import UTC, datetime
+
+    from gateway.domain import Principal
+    from gateway.services.auth_cache import AuthCache
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    principal = Principal(
+        tenant_id="tn_1",
+        tenant_name="a",
+        key_id=1,
+        key_prefix="p",
+        plan=TenantPlan(),
+        synthetic=False,
+        canary_sample_rate=0.0,
+        key_last_used_at=None,
+        key_expires_at=now + timedelta(seconds=0.5),
+    )
+    cache = AuthCache(ttl_s=1.0)
+    cache.put("tok", principal, now=now)
+    assert cache.get("tok", now=now + timedelta(seconds=0.4)) is principal
+    assert cache.get("tok", now=now + timedelta(seconds=0.5)) is None  # the key's own expiry
+    lasting = dataclasses.replace(principal, key_expires_at=None)
+    cache.put("tok", lasting, now=now)
+    assert cache.get("tok", now=now + timedelta(seconds=0.9)) is lasting
+    assert cache.get("tok", now=now + timedelta(seconds=1.0)) is None  # the cache's own TTL
+    cache.put("tok", lasting, now=now)
+    off = AuthCache(ttl_s=0)
+    off.put("tok", principal, now=now)
+    assert off.get("tok", now=now) is None
+    cache.clear()
+    assert cache.get("tok", now=now) is None

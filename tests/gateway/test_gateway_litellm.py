@@ -1,0 +1,60 @@
+"""The litellm upstream path (offline), against the stand-in engine's OpenAI-compatible routes."""
+
+from __future__ import annotations
+
+import json
+
+from gateway_harness import bearer, running_gateway
+
+WORDS = "alpha beta gamma"
+
+
+def _spec(standin) -> dict:
+    return {
+        "name": "via-litellm",
+        "kind": "litellm",
+        "base_url": f"{standin.url}/v1",
+        "model": "standin-model",
+        "litellm_model": "openai/standin-model",
+        "declared_max_model_len": 4096,
+        "allow_unverified": True,
+    }
+
+
+async def test_litellm_chat_and_completions(make_settings, standin) -> None:
+    async with running_gateway(make_settings(engines=[_spec(standin)])) as gw:
+        tenant_id, key = await gw.create_tenant("acme")
+        chat = {
+            "model": "standin-model",
+            "messages": [{"role": "user", "content": WORDS}],
+            "max_tokens": 5,
+        }
+        r = await gw.client.post("/v1/chat/completions", json=chat, headers=bearer(key))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == WORDS
+        assert standin.controls.seen_headers[-1]["x-kvguard-tenant"] == tenant_id
+
+        r = await gw.client.post(
+            "/v1/chat/completions", json={**chat, "stream": True}, headers=bearer(key)
+        )
+        assert r.status_code == 200
+        events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        text = "".join(
+            (c.get("delta") or {}).get("content") or ""
+            for e in events[:-1]
+            for c in json.loads(e).get("choices", [])
+        )
+        assert text == WORDS
+
+        r = await gw.client.post(
+            "/v1/completions",
+            headers=bearer(key),
+            json={"model": "standin-model", "prompt": WORDS, "max_tokens": 5},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == WORDS
+
+        standin.controls.refuse_above = 5
+        r = await gw.client.post("/v1/chat/completions", json=chat, headers=bearer(key))
+        assert r.status_code == 400 and "error" in r.json()

@@ -1,0 +1,139 @@
+"""Pure pieces of the response path: SSE framing, the stream relay, the request lifecycle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.hooks import Cut, Emit, PassThroughGuard
+from gateway.lifecycle import (
+    TERMINAL,
+    TRANSITIONS,
+    InvalidTransition,
+    Phase,
+    TenantStatus,
+    check_tenant_transition,
+    check_transition,
+)
+from gateway.proxy.relay import StreamRelay, relay_body
+from gateway.upstream.base import Endpoint
+from gateway.upstream.sse import EventTooLarge, SseSplitter, encode_event, event_data
+
+STREAM = (
+    b'data: {"choices":[{"index":0,"delta":{"content":"he"},"finish_reason":null}]}\n\n'
+    b": keep-alive\n\n"
+    b'data: {"choices":[{"index":0,"delta":{"content":"llo"},"finish_reason":"stop"}]}\r\n\r\n'
+    b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12))
+def test_splitter_is_exact_at_any_chunking(cuts: list[int]) -> None:
+    points = sorted(set(cuts))
+    pieces = [STREAM[a:b] for a, b in zip([0, *points], [*points, len(STREAM)], strict=True)]
+    splitter = SseSplitter()
+    events = [event for piece in pieces for event in splitter.feed(piece)]
+    assert b"".join(events) == STREAM and splitter.tail() == b""
+    assert len(events) == 5
+
+
+def test_event_data_and_limits() -> None:
+    assert event_data(b"data: [DONE]\n\n") == "[DONE]"
+    assert event_data(b": comment\n\n") is None
+    assert event_data(b"data: a\ndata: b\n\n") == "a\nb"
+    assert encode_event({"a": 1}) == b'data: {"a":1}\n\n'
+    with pytest.raises(EventTooLarge):
+        SseSplitter(max_event_bytes=10).feed(b"data: " + b"x" * 20)
+
+
+def _run(relay: StreamRelay) -> tuple[bytes, Phase | None]:
+    out, end = b"", None
+    for event in SseSplitter().feed(STREAM):
+        step = relay.on_event(event)
+        out += b"".join(step.out)
+        end = step.end or end
+        if step.end:
+            break
+    return out, end
+
+
+def test_relay_passes_bytes_and_drops_unrequested_usage() -> None:
+    relay = StreamRelay(endpoint=Endpoint.CHAT, guard=PassThroughGuard(), wants_usage=False)
+    out, end = _run(relay)
+    assert out == STREAM.replace(
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,'
+        b'"total_tokens":5}}\n\n',
+        b"",
+    )
+    assert (end, relay.completion_tokens, relay.prompt_tokens) == (Phase.COMPLETED, 2, 3)
+    relay = StreamRelay(endpoint=Endpoint.CHAT, guard=PassThroughGuard(), wants_usage=True)
+    assert _run(relay)[0] == STREAM
+
+
+class HoldAll:
+    def __init__(self) -> None:
+        self.held = ""
+
+    def feed(self, text: str) -> Emit | Cut:
+        self.held += text
+        return Emit("")
+
+    def finish(self) -> Emit | Cut:
+        out, self.held = self.held.upper(), ""
+        return Emit(out)
+
+
+def test_relay_rewrites_only_changed_text_and_flushes_on_finish() -> None:
+    relay = StreamRelay(endpoint=Endpoint.CHAT, guard=HoldAll(), wants_usage=False)
+    out, end = _run(relay)
+    events = [e for e in out.decode().split("\n\n") if e]
+    assert events[0] == ": keep-alive"  # "he" held back: nothing sent for that chunk
+    final = json.loads(events[1].removeprefix("data: "))
+    assert final["choices"][0] == {
+        "index": 0,
+        "delta": {"content": "HELLO"},
+        "finish_reason": "stop",
+    }
+    assert events[2] == "data: [DONE]" and end is Phase.COMPLETED
+
+
+def test_relay_errors_and_early_end() -> None:
+    relay = StreamRelay(endpoint=Endpoint.COMPLETIONS, guard=PassThroughGuard(), wants_usage=False)
+    step = relay.on_event(b'data: {"error": {"code": "engine_fault", "message": "x"}}\n\n')
+    assert (step.end, step.code) == (Phase.FAILED, "engine_fault")
+    step = relay.on_event(b"data: {nope\n\n")
+    assert (step.end, step.code) == (Phase.FAILED, "upstream_error")
+    step = relay.on_upstream_end()
+    assert step.end is Phase.FAILED and b'"code":"upstream_error"' in step.out[0]
+
+
+def test_relay_body_guard() -> None:
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}
+    assert relay_body(Endpoint.CHAT, body, PassThroughGuard()) is body
+    changed = relay_body(Endpoint.CHAT, body, HoldAll())
+    assert isinstance(changed, dict) and changed["choices"][0]["message"]["content"] == "HI"
+    assert body["choices"][0]["message"]["content"] == "hi"  # the original is not mutated
+
+
+def test_request_lifecycle_table() -> None:
+    assert all(TRANSITIONS[phase] == frozenset() for phase in TERMINAL)
+    path = [Phase.ROUTED, Phase.ADMITTED, Phase.FORWARDED, Phase.STREAMING, Phase.COMPLETED]
+    phase = Phase.RECEIVED
+    for target in path:
+        phase = check_transition(phase, target)
+    with pytest.raises(InvalidTransition):
+        check_transition(Phase.COMPLETED, Phase.FAILED)
+    with pytest.raises(InvalidTransition):
+        check_transition(Phase.RECEIVED, Phase.STREAMING)
+    with pytest.raises(InvalidTransition):
+        check_transition(Phase.ADMITTED, Phase.CUT)  # nothing to cut before the engine answers
+    assert check_tenant_transition(TenantStatus.ACTIVE, TenantStatus.DISABLED) is (
+        TenantStatus.DISABLED
+    )
+    assert check_tenant_transition(TenantStatus.DISABLED, TenantStatus.DISABLED) is (
+        TenantStatus.DISABLED
+    )

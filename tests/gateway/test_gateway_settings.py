@@ -1,0 +1,81 @@
+"""Gateway settings: defaults, refused default secrets, production needs Redis, engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.config import (
+    DEV_ADMIN_TOKEN,
+    EngineKind,
+    EngineSpec,
+    GatewaySettings,
+    UpstreamPath,
+    parse_engine_arg,
+)
+
+
+def test_development_defaults(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    settings = GatewaySettings()
+    assert settings.admin_secret() == DEV_ADMIN_TOKEN
+    assert settings.sqlalchemy_url() == f"sqlite:///{tmp_path}/data/kvguard.db"
+    assert settings.redis_url is None
+
+
+def test_production_refuses_default_admin_token_and_missing_redis() -> None:
+    with pytest.raises(ValidationError, match="KVGUARD_ADMIN_TOKEN"):
+        GatewaySettings(mode="production", redis_url="redis://x")
+    with pytest.raises(ValidationError, match="KVGUARD_ADMIN_TOKEN"):
+        GatewaySettings(mode="production", admin_token=DEV_ADMIN_TOKEN, redis_url="redis://x")
+    with pytest.raises(ValidationError, match="KVGUARD_REDIS_URL"):
+        GatewaySettings(mode="production", admin_token="a-real-secret")
+    ok = GatewaySettings(mode="production", admin_token="a-real-secret", redis_url="redis://x")
+    assert ok.admin_secret() == "a-real-secret"
+
+
+def test_unknown_setting_is_refused() -> None:
+    # (Unknown KVGUARD_* environment variables cannot be refused: other deployables share the
+    # prefix. Fields given in code, an engines file or an engine spec are checked.)
+    with pytest.raises(ValidationError, match="admin_tokne"):
+        GatewaySettings(admin_tokne="typo")
+    with pytest.raises(ValidationError, match="base_ur"):
+        EngineSpec(name="x", base_ur="http://x")
+
+
+def test_engine_args_and_env(monkeypatch, tmp_path) -> None:
+    assert parse_engine_arg("http://127.0.0.1:8100") == EngineSpec(
+        name="127.0.0.1:8100", kind=EngineKind.BUNDLED, base_url="http://127.0.0.1:8100"
+    )
+    assert parse_engine_arg("vllm=http://h:9/").kind is EngineKind.VLLM
+    engines = [{"name": "a", "kind": "sglang", "base_url": "http://a:1"}]
+    monkeypatch.setenv("KVGUARD_ENGINES", json.dumps(engines))
+    path = tmp_path / "engines.toml"
+    path.write_text('[[engines]]\nname = "b"\nkind = "vllm"\nbase_url = "http://b:2"\n')
+    settings = GatewaySettings(engines_file=path)
+    assert [(s.name, s.kind) for s in settings.engine_specs()] == [
+        ("b", EngineKind.VLLM),
+        ("a", EngineKind.SGLANG),
+    ]
+
+
+def test_engine_spec_rules() -> None:
+    with pytest.raises(ValidationError, match="declared_max_model_len"):
+        EngineSpec(name="x", kind="openai", base_url="http://x")
+    with pytest.raises(ValidationError, match="litellm_model"):
+        EngineSpec(
+            name="x", kind="litellm", base_url="http://x", model="m", declared_max_model_len=9
+        )
+    with pytest.raises(ValidationError, match="http"):
+        EngineSpec(name="x", base_url="ftp://x")
+    spec = EngineSpec(
+        name="x",
+        kind="litellm",
+        base_url="http://x/",
+        model="m",
+        declared_max_model_len=9,
+        litellm_model="openai/m",
+    )
+    assert (spec.base_url, spec.upstream_path) == ("http://x", UpstreamPath.LITELLM)
