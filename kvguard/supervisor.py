@@ -16,7 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TextIO
@@ -55,16 +55,23 @@ class Supervisor:
     grace_s: float = 10.0
     _running: list[_Running] = field(default_factory=list)
 
-    def run(self, banner: str = "") -> int:
-        """Start everything, watch, stop everything. Returns the process exit status."""
+    def run(self, banner: str | Callable[[], str] = "") -> int:
+        """Start everything, watch, stop everything. Returns the process exit status.
+
+        ``banner`` may be a callable run once every role is healthy (e.g. to issue a demo key);
+        if it raises, the stack is stopped and the status is non-zero.
+        """
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _raise_stop) if in_main else None
         try:
             self.start()
-            self._print_table(banner)
+            self._print_table(banner() if callable(banner) else banner)
             return self.watch()
         except RoleFailed as exc:
             print(f"kvguard up: {exc}; stopping the other roles", file=self.out, flush=True)
+            return 1
+        except RuntimeError as exc:
+            print(f"kvguard up: {exc}; stopping", file=self.out, flush=True)
             return 1
         except (KeyboardInterrupt, _Stop):
             print("kvguard up: stopping", file=self.out, flush=True)

@@ -1,19 +1,25 @@
 """`kvguard up`: the embedded stack on one machine, as supervised child processes.
 
 Profiles:
-- ``embedded`` (default): the bundled backend (unified role, bundled model, CPU) on 127.0.0.1.
-  Each later part (gateway with SQLite, canary probes) joins this list as it lands.
+- ``embedded`` (default): the bundled backend (unified role, bundled model, CPU) and the gateway
+  (SQLite under ``--data-dir``, in-process limits) on 127.0.0.1. Once both are healthy a demo
+  tenant key is issued through ``kvguard admin`` (the same settings the gateway reads), and the
+  banner shows a ``curl`` that works with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvguard.supervisor import RoleSpec, Supervisor
 
 PROFILES = ("embedded",)
+DEMO_TENANT = "demo"
 
 
 def register(subparsers: Any) -> None:
@@ -24,33 +30,76 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--profile", choices=PROFILES, default="embedded")
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
     parser.add_argument("--backend-port", type=int, default=8100)
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="SQLite and state")
     parser.set_defaults(handler=run)
 
 
-def embedded_roles(host: str, backend_port: int) -> list[RoleSpec]:
+def stack_env(data_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("KVGUARD_DATA_DIR", str(data_dir))
+    env.setdefault("KVGUARD_MODE", "development")
+    return env
+
+
+def embedded_roles(args: argparse.Namespace, env: dict[str, str]) -> list[RoleSpec]:
     kvguard = [sys.executable, "-m", "kvguard"]
+    host, backend_port, gateway_port = args.host, args.backend_port, args.port
+    backend_url = f"http://{host}:{backend_port}"
     backend = RoleSpec(
         name="backend (unified)",
         argv=[*kvguard, "backend", "unified", "--host", host, "--port", str(backend_port)],
-        url=f"http://{host}:{backend_port}",
+        url=backend_url,
+        env=env,
     )
-    return [backend]
+    gateway = RoleSpec(
+        name="gateway",
+        argv=[*kvguard, "gateway", "--host", host, "--port", str(gateway_port)]
+        + ["--engine", backend_url],
+        url=f"http://{host}:{gateway_port}",
+        env=env,
+    )
+    return [backend, gateway]
 
 
-def banner(roles: list[RoleSpec]) -> str:
-    backend = roles[0].url
+def issue_demo_key(env: dict[str, str]) -> str:
+    """A fresh key for the demo tenant (creating the tenant on the first run)."""
+    kvguard = [sys.executable, "-m", "kvguard", "admin"]
+    created = subprocess.run(
+        [*kvguard, "tenant", "create", DEMO_TENANT], env=env, capture_output=True, text=True
+    )
+    if created.returncode != 0:
+        created = subprocess.run(
+            [*kvguard, "key", "create", DEMO_TENANT], env=env, capture_output=True, text=True
+        )
+    if created.returncode != 0:
+        raise RuntimeError(f"could not issue a demo key: {created.stderr.strip()}")
+    return created.stdout.strip().splitlines()[-1]
+
+
+def banner(gateway_url: str, backend_url: str, key: str) -> str:
     return "\n".join(
         [
+            f"Demo tenant '{DEMO_TENANT}', API key (shown once): {key}",
+            "",
             "Try it:",
-            f"  curl -s {backend}/v1/chat/completions -H 'Content-Type: application/json' \\",
-            '    -d \'{"model": "kvguard-tiny", "max_tokens": 48, "temperature": 0,'
-            ' "messages": [{"role": "user", "content": "Repeat exactly: hello kvguard"}]}\'',
-            f"  curl -s {backend}/engine/capacity",
+            f"  curl -s {gateway_url}/v1/chat/completions \\",
+            f"    -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\",
+            '    -d \'{"model": "kvguard-tiny", "max_tokens": 48, "temperature": 0,',
+            '         "messages": [{"role": "user",',
+            '                       "content": "Repeat exactly: hello kvguard"}]}\'',
+            f"  curl -s {backend_url}/engine/capacity    # the capacity truth the gateway enforces",
         ]
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    roles = embedded_roles(args.host, args.backend_port)
-    return Supervisor(roles).run(banner(roles))
+    env = stack_env(args.data_dir)
+    roles = embedded_roles(args, env)
+    backend, gateway = roles
+
+    def after_start() -> str:
+        return banner(gateway.url, backend.url, issue_demo_key(env))
+
+    return Supervisor(roles).run(after_start)
