@@ -37,6 +37,12 @@ class RoleCapacity(BaseModel):
     max_request_tokens: int = Field(
         ge=0, description="largest prompt + max_tokens this role can ever accept"
     )
+    protocol_version: int | None = Field(default=None, description="handoff protocol spoken")
+    drift: str | None = Field(default=None, description="this role's own window/pool drift")
+    faults: list[str] = Field(default_factory=list, description="this role's fault drills")
+    age_s: float | None = Field(
+        default=None, description="seconds since this role's report was read (peer roles only)"
+    )
 
 
 class CapacityReport(BaseModel):
@@ -64,4 +70,8 @@ class CapacityReport(BaseModel):
     faults: list[str] = Field(default_factory=list, description="enabled fault drills")
     roles: list[RoleCapacity] = Field(
         default_factory=list, description="every role on the path (decode reports prefill too)"
+    )
+    unavailable: str | None = Field(
+        default=None,
+        description="null, or why the path cannot serve now (e.g. prefill unknown or stale)",
     )
