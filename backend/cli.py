@@ -23,6 +23,21 @@ def register(subparsers: Any) -> None:
     )
     _add_engine_options(unified)
     unified.set_defaults(handler=run_unified)
+    prefill = roles.add_parser(
+        "prefill",
+        help="the prefill role: computes prompt KV and writes it into decode's pages",
+        description="Serve the handoff endpoints (/kv/v1/*) and /engine/capacity.",
+    )
+    _add_engine_options(prefill)
+    prefill.set_defaults(handler=run_role, role_name="prefill")
+    decode = roles.add_parser(
+        "decode",
+        help="the decode role: the entry point, with the unified role's HTTP contract",
+        description="Serve the OpenAI-compatible API; prompts are prefilled by --prefill-url.",
+    )
+    _add_engine_options(decode)
+    decode.add_argument("--prefill-url", required=True, help="base URL of the prefill role")
+    decode.set_defaults(handler=run_role, role_name="decode")
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -38,30 +53,65 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="start even if the window exceeds the real pool (reported as drift)",
     )
+    parser.add_argument(
+        "--allow-fault-drills",
+        action="store_true",
+        default=None,
+        help="permit --fault (drills reproduce old failure modes; never in production)",
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        dest="faults",
+        metavar="NAME",
+        help="enable a fault drill (repeatable); needs --allow-fault-drills",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
     from backend.config import BackendSettings
 
     overrides = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
-    if args.allow_capacity_drift:
-        overrides["allow_capacity_drift"] = True
+    for flag in ("allow_capacity_drift", "allow_fault_drills"):
+        if getattr(args, flag, None):
+            overrides[flag] = True
+    if getattr(args, "faults", None):
+        overrides["faults"] = list(args.faults)
+    if getattr(args, "prefill_url", None):
+        overrides["prefill_url"] = args.prefill_url
     return BackendSettings(**overrides)
 
 
 def run_unified(args: argparse.Namespace) -> int:
+    return _serve(args, "unified")
+
+
+def run_role(args: argparse.Namespace) -> int:
+    return _serve(args, args.role_name)
+
+
+def _serve(args: argparse.Namespace, role_name: str) -> int:
     import uvicorn
 
     from backend.engine.build import CapacityDriftRefused
     from backend.model.errors import CheckpointError
     from backend.server.app import create_app
+    from backend.server.schema import Role
+    from backend.transport.base import TransportUnavailable
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per handoff call otherwise
     try:
         settings = settings_from_args(args)
-        app = create_app(settings)
-    except (ValidationError, CheckpointError, CapacityDriftRefused, ValueError) as exc:
-        print(f"kvguard backend: cannot start: {exc}", file=sys.stderr)
+        app = create_app(settings, Role(role_name))
+    except (
+        ValidationError,
+        CheckpointError,
+        CapacityDriftRefused,
+        TransportUnavailable,
+        ValueError,
+    ) as exc:
+        print(f"kvguard backend {role_name}: cannot start: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     return 0

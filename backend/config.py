@@ -47,8 +47,59 @@ class BackendSettings(KvguardSettings):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(default=600.0, gt=0)
 
+    # -- disaggregation: the prefill and decode roles (backend.disagg) ------------------------
+    prefill_url: str | None = Field(default=None, description="decode: the prefill role's URL")
+    transport: Literal["mooncake", "loopback", "inprocess"] = Field(
+        default="mooncake",
+        description="KV transport: mooncake; loopback (TCP on 127.0.0.1, single host, when "
+        "Mooncake is not installed); inprocess (both roles in one process: tests)",
+    )
+    transfer_host: str = Field(default="127.0.0.1", description="address peers write KV to")
+    transfer_protocol: Literal["tcp", "rdma"] = "tcp"
+    transfer_device: str = Field(default="", description="RDMA device names, empty for TCP")
+    transfer_batch_pages: int = Field(
+        default=16, ge=1, description="decode: most pages prefill may have in flight at once"
+    )
+    transfer_min_bytes_per_s: float = Field(
+        default=50e6, gt=0, description="decode: transfer bandwidth floor the drain bound assumes"
+    )
+    drain_slack_s: float = Field(default=0.5, ge=0, description="one control-message delay")
+    handoff_timeout_s: float = Field(
+        default=30.0, gt=0, description="lease: decode waits this long, prefill writes no later"
+    )
+    abort_ack_timeout_s: float = Field(default=5.0, gt=0)
+    prefill_capacity_refresh_s: float = Field(default=1.0, gt=0)
+    prefill_capacity_stale_s: float = Field(default=5.0, gt=0)
+    staging_pages: int | None = Field(
+        default=None, ge=1, description="prefill: transfer staging pages (default: pool pages)"
+    )
+    kv_checksum: Literal["crc32", "sha256"] = Field(
+        default="crc32", description="prefill: checksum of the transferred KV (decode recomputes)"
+    )
+    allow_fault_drills: bool = False
+    faults: list[str] = Field(default_factory=list, description="fault drills to enable")
+    drill_link_bytes_per_s: float | None = Field(
+        default=None, gt=0, description="drill: prefill simulates a slow link of this bandwidth"
+    )
+    drill_protocol_version: int | None = Field(
+        default=None, ge=0, description="drill: speak another handoff protocol version"
+    )
+
     @model_validator(mode="after")
     def _check_model_dir(self) -> BackendSettings:
         if not self.model.is_dir():
             raise ValueError(f"model directory {self.model} does not exist")
+        drills = {
+            "drill_link_bytes_per_s": self.drill_link_bytes_per_s,
+            "drill_protocol_version": self.drill_protocol_version,
+        }
+        used = [name for name, value in drills.items() if value is not None]
+        if used and not self.allow_fault_drills:
+            raise ValueError(f"{', '.join(used)} need allow_fault_drills (--allow-fault-drills)")
+        if self.transport == "loopback" and self.transfer_host != "127.0.0.1":
+            raise ValueError(
+                "the loopback transport is single-host: transfer_host must be 127.0.0.1"
+            )
+        if self.prefill_capacity_stale_s < self.prefill_capacity_refresh_s:
+            raise ValueError("prefill_capacity_stale_s must be >= prefill_capacity_refresh_s")
         return self

@@ -27,9 +27,24 @@ CAPACITY_DRIFT = PREFIX + "capacity_drift"  # gauge 0/1
 FAULT_DRILL = PREFIX + "fault_drill_enabled"  # gauge {fault}
 STEP_SECONDS = PREFIX + "step_seconds"  # histogram {phase}
 TTFT_SECONDS = PREFIX + "time_to_first_token_seconds"  # histogram
+# The prefill -> decode handoff (backend.disagg).
+HANDOFFS = PREFIX + "handoffs"  # counter {outcome}: ok|rejected|aborted|failed|lost|timeout|...
+HANDOFF_REFUSALS = PREFIX + "handoff_refusals"  # counter {check}: decode found no evidence
+HANDOFF_TRANSFER_MISMATCH = PREFIX + "handoff_transfer_mismatch"  # counter: reserved != sent
+HANDOFF_CHECKSUM_FAILURES = PREFIX + "handoff_checksum_failures"  # counter
+HANDOFF_LATE_WRITES = PREFIX + "handoff_late_write_pages"  # counter: written after release
+HANDOFF_SECONDS = PREFIX + "handoff_seconds"  # histogram: decode, request sent -> result
+TRANSFER_SECONDS = PREFIX + "kv_transfer_seconds"  # histogram: prefill, all batches of one
+CHECKSUM_SECONDS = PREFIX + "kv_checksum_seconds"  # histogram
+DRAIN_SECONDS = PREFIX + "drain_seconds"  # histogram {release}: ack|result|timeout|not_sent
+DRAINED_PAGES = PREFIX + "drained_pages"  # counter {release}
+HANDOFFS_ACTIVE = PREFIX + "handoffs_active"  # gauge {state}
+STAGING_PAGES = PREFIX + "staging_pages"  # gauge {state}: prefill's transfer staging
+PREFILL_CAPACITY_AGE = PREFIX + "prefill_capacity_age_seconds"  # gauge: decode's view of prefill
 
 _STEP_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_HANDOFF_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 30.0)
 
 
 class EngineMetrics:
@@ -63,6 +78,48 @@ class EngineMetrics:
             TTFT_SECONDS, "Time to first token", buckets=_TTFT_BUCKETS, registry=r
         )
         self.role = labels["role"]
+        self._handoff_metrics(r)
+
+    def _handoff_metrics(self, r: CollectorRegistry) -> None:
+        self.handoffs = Counter(HANDOFFS, "Handoffs by outcome", ["outcome"], registry=r)
+        self.handoff_refusals = Counter(
+            HANDOFF_REFUSALS, "Handoffs refused by decode, by check", ["check"], registry=r
+        )
+        self.handoff_transfer_mismatch = Counter(
+            HANDOFF_TRANSFER_MISMATCH, "Results whose transferred range != reserved", registry=r
+        )
+        self.handoff_checksum_failures = Counter(
+            HANDOFF_CHECKSUM_FAILURES, "Results whose KV checksum did not match", registry=r
+        )
+        self.handoff_late_writes = Counter(
+            HANDOFF_LATE_WRITES, "Pages written after decode had released them", registry=r
+        )
+        self.handoff_seconds = Histogram(
+            HANDOFF_SECONDS, "Decode: request sent -> result", buckets=_HANDOFF_BUCKETS, registry=r
+        )
+        self.transfer_seconds = Histogram(
+            TRANSFER_SECONDS, "Prefill: KV transfer time", buckets=_HANDOFF_BUCKETS, registry=r
+        )
+        self.checksum_seconds = Histogram(
+            CHECKSUM_SECONDS, "KV checksum time", buckets=_HANDOFF_BUCKETS, registry=r
+        )
+        self.drain_seconds = Histogram(
+            DRAIN_SECONDS,
+            "Quarantine (drain) time before pages were freed",
+            ["release"],
+            buckets=_HANDOFF_BUCKETS,
+            registry=r,
+        )
+        self.drained_pages = Counter(
+            DRAINED_PAGES, "Pages freed after a drain", ["release"], registry=r
+        )
+        self.handoffs_active = Gauge(
+            HANDOFFS_ACTIVE, "Handoffs in progress by state", ["state"], registry=r
+        )
+        self.staging_pages = Gauge(STAGING_PAGES, "Prefill staging pages", ["state"], registry=r)
+        self.prefill_capacity_age = Gauge(
+            PREFILL_CAPACITY_AGE, "Age of decode's last prefill capacity report", registry=r
+        )
 
     def track_pool(
         self, free: Callable[[], int], owned: Callable[[], int], quarantined: Callable[[], int]

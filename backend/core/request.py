@@ -8,19 +8,24 @@ Lifecycle (``TRANSITIONS``; any other move raises ``InvalidTransition``)::
        │                            └─────────▶ ABORTED | FAILED   │
        │                                          ▲                │
        ├──admission refused──▶ REJECTED           └──── DECODING ──┘
-       └──▶ ABORTED | FAILED
+       ├──▶ ABORTED | FAILED
+       │
+       └──pages reserved, KV comes from a prefill node──▶ AWAITING_KV      (decode role only)
+              AWAITING_KV ──KV accepted on positive evidence──▶ DECODING | FINISHED
+              AWAITING_KV ──prefill rejected it──▶ REJECTED (with prefill's original error)
+              AWAITING_KV ──▶ ABORTED | FAILED
 
 ``TERMINAL`` = {FINISHED, REJECTED, ABORTED, FAILED}: nothing leaves them. The state is the one
 source of truth: there is no "finished" flag beside it, and ``finish_reason`` / ``error`` are set
 only by ``transition`` together with the terminal state they explain, so a consumer that asks
 "is it terminal?" can never miss a rejection (the incident's bug).
 
-Adding handoff states for disaggregation: add members to ``RequestState`` and edges to
-``TRANSITIONS`` -- e.g. on decode ``WAITING -> AWAITING_KV -> DECODING`` (pages reserved, KV not
-yet accepted) with ``AWAITING_KV -> ABORTED | FAILED``; on prefill ``PREFILLING -> TRANSFERRING ->
-FINISHED`` (KV handed off). A role that never uses a state simply never enters it; queues select
-requests by state, so a new state is invisible to code that does not ask for it, and a terminal
-handoff outcome is one of the existing terminal states, never a boolean beside the enum.
+AWAITING_KV is the decode role's handoff state: the request holds its reserved pages, but nothing
+may read them until the handoff is verified (``backend.disagg``). It can end REJECTED because a
+prefill node's own admission is the second line of defence, and its refusal must reach the client
+as the same error a unified engine gives. A role that never uses a state simply never enters it;
+queues select requests by state, so a new state is invisible to code that does not ask for it, and
+a terminal handoff outcome is one of the existing terminal states, never a boolean beside the enum.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from backend.core.pages import Owner, PageRef
 
 class RequestState(StrEnum):
     WAITING = "waiting"
+    AWAITING_KV = "awaiting_kv"
     PREFILLING = "prefilling"
     DECODING = "decoding"
     FINISHED = "finished"
@@ -54,6 +60,16 @@ TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = MappingProxyType(
         RequestState.WAITING: frozenset(
             {
                 RequestState.PREFILLING,
+                RequestState.AWAITING_KV,
+                RequestState.REJECTED,
+                RequestState.ABORTED,
+                RequestState.FAILED,
+            }
+        ),
+        RequestState.AWAITING_KV: frozenset(
+            {
+                RequestState.DECODING,
+                RequestState.FINISHED,
                 RequestState.REJECTED,
                 RequestState.ABORTED,
                 RequestState.FAILED,

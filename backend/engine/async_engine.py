@@ -10,6 +10,11 @@ Lifecycle of a request through this module:
 4. The request ends with exactly one terminal event (FINISHED, ABORTED, FAILED or REJECTED,
    with its error). A consumer that goes away (client disconnect, cancellation) aborts the
    request, which releases its pages.
+
+Roles with a handoff also ``post`` work to the engine thread (a handoff result arrived, a drain
+ended): the callable runs between steps, and the ``StepOutcome`` it returns is delivered like a
+step's. The loop also wakes for the core's timers (``next_wakeup`` -> ``tick``), so a deadline
+is honoured even when no request arrives. Any event may carry the request's ``HandoffProof``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from backend.core.admission import CapacityLimits, admit
 from backend.core.errors import KvguardError
 from backend.core.request import FinishReason, Request, RequestState, SamplingParams
+from backend.disagg.machines import HandoffProof
 from backend.engine.core import EngineCore, StepOutcome
 
 log = logging.getLogger("kvguard.engine")
@@ -35,6 +41,7 @@ class EngineEvent:
     state: RequestState
     finish_reason: FinishReason | None = None
     error: KvguardError | None = None
+    proof: HandoffProof | None = None
 
     @property
     def is_terminal(self) -> bool:
@@ -76,6 +83,7 @@ class Generation:
 class _Inbox:
     adds: deque[tuple[Request, Generation]] = field(default_factory=deque)
     aborts: deque[str] = field(default_factory=deque)
+    calls: deque[Callable[[], StepOutcome | None]] = field(default_factory=deque)
 
 
 class AsyncEngine:
@@ -129,25 +137,58 @@ class AsyncEngine:
             self._inbox.aborts.append(request_id)
             self._wake.notify()
 
+    def post(self, call: Callable[[], StepOutcome | None]) -> None:
+        """Run ``call`` on the engine thread between steps; its outcome is delivered."""
+        with self._wake:
+            self._inbox.calls.append(call)
+            self._wake.notify()
+
+    def call_soon_on_loop(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the event loop (how the engine thread notifies the server)."""
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback)
+        except RuntimeError:  # the loop is closed: the server is gone
+            log.debug("dropped a notification for a closed loop")
+
     # -- engine-thread side ------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self._has_inbox() and not self.core.has_work():
-                    self._wake.wait()
+                self._wait_for_work()
                 if self._stopping:
                     break
                 adds, aborts = list(self._inbox.adds), list(self._inbox.aborts)
+                calls = list(self._inbox.calls)
                 self._inbox.adds.clear()
                 self._inbox.aborts.clear()
+                self._inbox.calls.clear()
             self._apply(adds, aborts)
+            for call in calls:
+                self._deliver_outcome(self._run_call(call))
+            self._deliver_outcome(self.core.tick())
             if self.core.has_work():
                 self._step()
         self._abort_everything()
 
+    def _wait_for_work(self) -> None:
+        """Sleep (holding the condition) until there is input, work, a due timer or a stop."""
+        while not self._stopping and not self._has_inbox() and not self.core.has_work():
+            wakeup = self.core.next_wakeup()
+            if wakeup is not None and wakeup <= 0:
+                return
+            self._wake.wait(wakeup)
+
+    def _run_call(self, call: Callable[[], StepOutcome | None]) -> StepOutcome | None:
+        try:
+            return call()
+        except Exception:  # a bug in one posted call must not stop the engine for everyone
+            log.exception("a posted engine call failed")
+            return None
+
     def _has_inbox(self) -> bool:
-        return bool(self._inbox.adds or self._inbox.aborts)
+        return bool(self._inbox.adds or self._inbox.aborts or self._inbox.calls)
 
     def _apply(self, adds: list[tuple[Request, Generation]], aborts: list[str]) -> None:
         for request, generation in adds:
@@ -166,23 +207,29 @@ class AsyncEngine:
 
     def _step(self) -> None:
         outcome = self.core.step()
+        self._deliver_outcome(outcome)
+        if self._on_step is not None:
+            self._on_step(outcome)
+
+    def _deliver_outcome(self, outcome: StepOutcome | None) -> None:
+        if outcome is None:
+            return
         for request in outcome.failed:
-            self._finish(request)
+            self._finish(request, outcome.proofs.get(request.request_id))
         for result in outcome.results:
             generation = self._generations.get(result.request_id)
             if generation is None:
                 continue
-            event = EngineEvent(result.token, result.state, result.finish_reason, None)
+            proof = outcome.proofs.get(result.request_id)
+            event = EngineEvent(result.token, result.state, result.finish_reason, None, proof)
             self._deliver(generation, event)
             if event.is_terminal:
                 del self._generations[result.request_id]
-        if self._on_step is not None:
-            self._on_step(outcome)
 
-    def _finish(self, request: Request) -> None:
+    def _finish(self, request: Request, proof: HandoffProof | None = None) -> None:
         generation = self._generations.pop(request.request_id, None)
         if generation is not None:
-            event = EngineEvent(None, request.state, request.finish_reason, request.error)
+            event = EngineEvent(None, request.state, request.finish_reason, request.error, proof)
             self._deliver(generation, event)
 
     def _deliver(self, generation: Generation, event: EngineEvent) -> None:

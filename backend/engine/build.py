@@ -7,6 +7,7 @@ than the real pool unless drift is explicitly allowed (then it is reported, neve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from backend.model.config import ModelConfig
 from backend.model.kv_cache import KVCache
 from backend.model.llama import LlamaModel, load_model
 from backend.model.tokenizer import Tokenizer
+
+CoreFactory = Callable[[Scheduler, ModelRunner, EngineMetrics], EngineCore]
 
 
 class CapacityDriftRefused(RuntimeError):
@@ -76,15 +79,28 @@ def decide_limits(settings: BackendSettings, config: ModelConfig, pages: int) ->
     return limits
 
 
-def build_engine(settings: BackendSettings, *, role: str = "unified") -> BuiltEngine:
+def build_engine(
+    settings: BackendSettings,
+    *,
+    role: str = "unified",
+    scheduler_cls: type[Scheduler] = Scheduler,
+    make_core: CoreFactory | None = None,
+    zero_on_free: bool | None = None,
+) -> BuiltEngine:
+    """Model, real pool, limits, scheduler, core and loop for one role.
+
+    Roles with a handoff pass their scheduler class and core factory; ``zero_on_free`` overrides
+    the setting (the ``no_zero_on_free`` drill turns it off).
+    """
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
     model, config, tokenizer = load_model(settings.model, device=settings.device)
     pages = pool_pages(settings, config, model.dtype)
     limits = decide_limits(settings, config, pages)
-    pool = PagePool(pages, settings.page_size, zero_on_free=settings.zero_on_free)
+    zero = settings.zero_on_free if zero_on_free is None else zero_on_free
+    pool = PagePool(pages, settings.page_size, zero_on_free=zero)
     kv_cache = model.new_kv_cache(pages, settings.page_size)
-    scheduler = Scheduler(
+    scheduler = scheduler_cls(
         pool,
         limits,
         eos_token_id=tokenizer.eos_id,
@@ -93,11 +109,9 @@ def build_engine(settings: BackendSettings, *, role: str = "unified") -> BuiltEn
     )
     backend = None if settings.attention_backend == "auto" else settings.attention_backend
     metrics = EngineMetrics(role)
-    core = EngineCore(
-        scheduler,
-        ModelRunner(model, kv_cache, attention_backend=backend),
-        on_isolation_error=lambda e: metrics.isolation_errors.labels(e.reason).inc(),
-    )
+    runner = ModelRunner(model, kv_cache, attention_backend=backend)
+    core = make_core(scheduler, runner, metrics) if make_core else EngineCore(scheduler, runner)
+    core.on_isolation_error = lambda e: metrics.isolation_errors.labels(e.reason).inc()
     engine = AsyncEngine(core, limits, on_step=lambda o: _observe_step(metrics, o))
     metrics.track_pool(
         lambda: pool.free_pages, lambda: pool.owned_pages, lambda: pool.quarantined_pages

@@ -1,5 +1,10 @@
 """One engine step, synchronously: schedule -> zero freed pages -> verify -> run -> postprocess.
 
+Between run and postprocess an optional ``after_forward`` hook sees the step while every page it
+touched is still owned and verified (the prefill role copies finished prompts' KV out there).
+Outside steps, ``tick`` does timed work and ``next_wakeup`` says when it is next due; the unified
+engine has none (roles with handoffs override both).
+
 The verify phase is the read-path ownership check: before attention may read a request's pages,
 every (page id, generation) in its table must still be current and owned by that request. A
 mismatch fails that request alone with an ``IsolationError`` (reported to the caller, counted in
@@ -17,6 +22,7 @@ from backend.core.errors import IsolationError, KvguardError
 from backend.core.messages import DecodeItem, PrefillChunk, SchedulerOutput, StepResult
 from backend.core.request import Request
 from backend.core.scheduler import Scheduler
+from backend.disagg.machines import HandoffProof
 from backend.engine.runner import ModelRunner
 
 log = logging.getLogger("kvguard.engine")
@@ -39,6 +45,12 @@ class StepOutcome:
     verify_s: float = 0.0
     forward_s: float = 0.0
     zeroed_pages: int = 0
+    proofs: dict[str, HandoffProof] = field(default_factory=dict)
+
+    def merge(self, other: StepOutcome) -> None:
+        self.results += other.results
+        self.failed += other.failed
+        self.proofs.update(other.proofs)
 
 
 @dataclass(slots=True)
@@ -47,6 +59,7 @@ class EngineCore:
     runner: ModelRunner
     verify_pages: bool = True  # off only in benchmarks that measure the check's cost
     on_isolation_error: Callable[[IsolationError], None] | None = None
+    after_forward: Callable[[SchedulerOutput], None] | None = None
 
     def add(self, request: Request) -> None:
         """Admission (raises; the request is then REJECTED and holds nothing)."""
@@ -57,6 +70,14 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def tick(self) -> StepOutcome:
+        """Timed work outside steps (none in the unified engine)."""
+        return StepOutcome()
+
+    def next_wakeup(self) -> float | None:
+        """Seconds until ``tick`` has work, or None if nothing is scheduled."""
+        return None
 
     def step(self) -> StepOutcome:
         output = self.scheduler.schedule()
@@ -71,6 +92,8 @@ class EngineCore:
             log.exception("step %d failed", output.step)
             sampled = self._fail_all(output, outcome, EngineStepFailed(type(exc).__name__))
         outcome.forward_s = time.perf_counter() - started
+        if self.after_forward is not None and not output.is_empty:
+            self.after_forward(output)
         outcome.results = self.scheduler.postprocess(output, sampled)
         return outcome
 

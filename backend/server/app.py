@@ -1,7 +1,13 @@
 """The engine's FastAPI application: built from settings in ``create_app``, started in the lifespan.
 
-Start-up: build the engine (model, real pool, limits) -> start its loop thread -> serve.
-Shutdown: stop accepting, abort what is in flight (each client gets a terminal event), join.
+Start-up: build the role (model, real pool, limits, and for prefill/decode the transport and the
+handoff) -> start the engine loop -> role start hook (decode: first read of prefill's capacity,
+then keep it fresh) -> serve. Shutdown: role stop hook -> abort what is in flight (each client
+gets a terminal event) -> join -> close the transport.
+
+Routes per role: unified and decode serve the OpenAI API (decode is the entry point, with the same
+contract); prefill serves the internal handoff endpoints. Every role serves /health, /metrics and
+/engine/capacity; with fault drills allowed, decode also serves /engine/drill/*.
 """
 
 from __future__ import annotations
@@ -12,50 +18,44 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from backend.config import BackendSettings
-from backend.engine.build import BuiltEngine, build_engine
-from backend.server import routes_openai, routes_ops
+from backend.server import routes_drill, routes_handoff, routes_openai, routes_ops
 from backend.server.errors import BodyGuardMiddleware, install_error_handlers
+from backend.server.roles import RoleRuntime, build_decode, build_prefill, build_unified
 from backend.server.schema import Role
-from backend.server.service import EngineService
 
-
-def make_service(built: BuiltEngine, settings: BackendSettings, role: Role) -> EngineService:
-    limits = built.limits
-    metrics = built.metrics
-    metrics.pool_tokens.set(limits.pool_tokens)
-    metrics.context_window.set(limits.context_window)
-    metrics.max_request_tokens.set(limits.max_request_tokens)
-    metrics.capacity_drift.set(1 if limits.drift else 0)
-    return EngineService(
-        engine=built.engine,
-        tokenizer=built.tokenizer,
-        model_name=settings.served_model_name or settings.model.name,
-        role=role,
-        limits=limits,
-        pool=built.pool,
-        metrics=metrics,
-        render_chat=lambda messages: built.render_chat([m.model_dump() for m in messages]),
-        zero_on_free=settings.zero_on_free,
-        request_timeout_s=settings.request_timeout_s,
-    )
+_BUILDERS = {Role.UNIFIED: build_unified, Role.PREFILL: build_prefill, Role.DECODE: build_decode}
 
 
 def create_app(settings: BackendSettings, role: Role = Role.UNIFIED) -> FastAPI:
-    built = build_engine(settings, role=role.value)
-    service = make_service(built, settings, role)
+    runtime = _BUILDERS[role](settings)
+    service = runtime.service
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.engine.start()
         try:
+            await runtime.start()
             yield
         finally:
+            await runtime.stop()
             await service.engine.stop()
+            for close in runtime.closers:
+                close()
 
     app = FastAPI(title=f"kvguard backend ({role.value})", lifespan=lifespan)
     app.state.service = service
+    app.state.prefill = runtime.prefill
     app.add_middleware(BodyGuardMiddleware, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
-    app.include_router(routes_openai.router)
-    app.include_router(routes_ops.router)
+    _mount(app, runtime, role, settings)
     return app
+
+
+def _mount(app: FastAPI, runtime: RoleRuntime, role: Role, settings: BackendSettings) -> None:
+    if role is Role.PREFILL:
+        app.include_router(routes_handoff.router)
+    else:
+        app.include_router(routes_openai.router)
+    app.include_router(routes_ops.router)
+    if role is Role.DECODE and settings.allow_fault_drills:
+        app.include_router(routes_drill.router)

@@ -4,6 +4,11 @@ Admission happens in ``submit`` before any response byte is sent, so an over-lon
 plain 400 even when the client asked for a stream. After that, a stream ends in exactly one way:
 its finish chunk (plus usage when asked) and ``[DONE]``, or an error event and ``[DONE]``. A client
 that goes away aborts the request, which releases its pages.
+
+Every response says how its KV came to be in a ``kvguard`` extension field (the non-streaming body,
+the error body, and the final stream chunks): ``{"role": ..., "handoff": null | HandoffProof}``.
+On the decode role the proof carries prefill's outcome, reserved vs transferred tokens and the
+checks that ran, so the gateway can audit every answer without seeing its content.
 """
 
 from __future__ import annotations
@@ -14,15 +19,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from backend.core.errors import InvalidRequest, KvguardError
 from backend.core.request import FinishReason, RequestState, SamplingParams
+from backend.disagg.machines import HandoffProof
 from backend.engine.async_engine import EngineEvent, Generation
 from backend.server import formatting as fmt
-from backend.server.errors import engine_error_response, error_body
+from backend.server.errors import error_body
 from backend.server.openai_schema import _SamplingFields
 from backend.server.schema import REQUEST_ID_HEADER, TENANT_HEADER
 from backend.server.service import EngineService
@@ -38,6 +45,7 @@ class _Tally:
     completion_tokens: int = 0
     finish_reason: str = "length"
     error: KvguardError | None = None
+    proof: HandoffProof | None = None
 
 
 def _header_id(request: Request, header: str, default: str) -> str:
@@ -63,7 +71,7 @@ async def generate(
         stop_token_ids=tuple(sorted(service.tokenizer.stop_ids)),
     )
     try:
-        generation = service.engine.submit(
+        generation = service.submit(
             request_id=request_id, tenant=tenant, prompt_ids=prompt_ids, sampling=sampling
         )
     except KvguardError as error:
@@ -104,6 +112,8 @@ def _apply(
     service: EngineService, event: EngineEvent, stream: TextStream, tally: _Tally, started: float
 ) -> list[str]:
     out: list[str] = []
+    if event.proof is not None:
+        tally.proof = event.proof
     if event.token is not None:
         if tally.completion_tokens == 0:
             service.metrics.ttft_seconds.observe(time.monotonic() - started)
@@ -141,12 +151,15 @@ async def _sse(
     yield fmt.sse(fmt.chunk(meta, None, first=True))
     async for text in _consume(service, generation, stream, tally):
         yield fmt.sse(fmt.chunk(meta, text))
+    extension = _extension(service, tally)
     if tally.error is not None:
-        yield fmt.sse(error_body(str(tally.error), code=tally.error.code, type_="server_error"))
+        body = error_body(str(tally.error), code=tally.error.code, type_="server_error")
+        yield fmt.sse({**body, **extension})
     else:
-        yield fmt.sse(fmt.chunk(meta, None, tally.finish_reason))
+        yield fmt.sse({**fmt.chunk(meta, None, tally.finish_reason), **extension})
         if include_usage:
-            yield fmt.sse(fmt.usage_chunk(meta, fmt.usage(prompt_tokens, tally.completion_tokens)))
+            usage = fmt.usage_chunk(meta, fmt.usage(prompt_tokens, tally.completion_tokens))
+            yield fmt.sse({**usage, **extension})
     yield fmt.sse("[DONE]")
 
 
@@ -172,11 +185,20 @@ async def _collect(
             generation.abort()
             return Response(status_code=499)
     task.result()
+    extension = _extension(service, tally)
     if tally.error is not None:
-        return engine_error_response(tally.error)
+        error = tally.error
+        type_ = "invalid_request_error" if error.http_status < 500 else "server_error"
+        body = {**error_body(str(error), code=error.code, type_=type_), **extension}
+        return JSONResponse(body, status_code=error.http_status)
     usage = fmt.usage(prompt_tokens, tally.completion_tokens)
     body = fmt.full_response(meta, "".join(tally.text), tally.finish_reason, usage)
-    return JSONResponse(body)
+    return JSONResponse({**body, **extension})
+
+
+def _extension(service: EngineService, tally: _Tally) -> dict[str, Any]:
+    handoff = tally.proof.as_dict() if tally.proof is not None else None
+    return {"kvguard": {"role": service.role.value, "handoff": handoff}}
 
 
 class RequestAborted(KvguardError):

@@ -60,7 +60,7 @@ async def models(service: ServiceDep) -> dict[str, Any]:
         "object": "model",
         "created": 0,
         "owned_by": "kvguard",
-        "max_model_len": service.limits.max_request_tokens,
+        "max_model_len": service.capacity().max_request_tokens,
     }
     return {"object": "list", "data": [card]}
 
@@ -77,5 +77,5 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep) -> dict[str, Any]
     return {
         "count": len(tokens),
         "tokens": tokens,
-        "max_model_len": service.limits.max_request_tokens,
+        "max_model_len": service.capacity().max_request_tokens,
     }

@@ -1,19 +1,38 @@
-"""What the HTTP routes need from a running engine, gathered in one object built in the lifespan."""
+"""What the HTTP routes need from a running engine, gathered in one object built in the lifespan.
+
+One class for every role. The decode role plugs in its ``PathGuard`` (prefill's capacity, kept
+fresh, and the cross-role admission) so ``submit`` refuses before anything is reserved, and
+``capacity`` reports both roles and the largest request the pair can serve.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from backend.core.admission import CapacityLimits
 from backend.core.pages import PagePool
-from backend.engine.async_engine import AsyncEngine
+from backend.core.request import SamplingParams
+from backend.disagg.protocol import PROTOCOL_VERSION
+from backend.engine.async_engine import AsyncEngine, Generation
 from backend.metrics import EngineMetrics
 from backend.model.tokenizer import Tokenizer
 from backend.server.openai_schema import ChatMessage
 from backend.server.schema import CapacityReport, Role, RoleCapacity
 
-PROTOCOL_VERSION = 1
+
+class PathGuard(Protocol):
+    """The rest of the serving path, as the entry point sees it (decode: the prefill role)."""
+
+    def admit(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise the typed error the client should get, before anything is reserved."""
+
+    def peer_roles(self) -> list[RoleCapacity]:
+        """The other roles' last fresh capacity (empty while unknown)."""
+
+    def unavailable(self) -> str | None:
+        """Why the path cannot serve now, or None."""
 
 
 @dataclass(slots=True)
@@ -29,15 +48,28 @@ class EngineService:
     zero_on_free: bool
     request_timeout_s: float
     faults: list[str] = field(default_factory=list)
+    protocol_version: int = PROTOCOL_VERSION
+    guard: PathGuard | None = None
+    read_log: Callable[[], list[dict[str, Any]]] | None = None  # drills only
 
     def encode_prompt(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text)
         bos = self.tokenizer.bos_id
         return [bos, *ids] if bos is not None else ids
 
-    def capacity(self) -> CapacityReport:
+    def submit(
+        self, *, request_id: str, tenant: str, prompt_ids: list[int], sampling: SamplingParams
+    ) -> Generation:
+        """Admission on the whole path first (raises KvguardError), then the engine's own."""
+        if self.guard is not None:
+            self.guard.admit(len(prompt_ids), sampling.max_tokens)
+        return self.engine.submit(
+            request_id=request_id, tenant=tenant, prompt_ids=prompt_ids, sampling=sampling
+        )
+
+    def own_role(self) -> RoleCapacity:
         limits, pool = self.limits, self.pool
-        role = RoleCapacity(
+        return RoleCapacity(
             role=self.role,
             page_size=limits.page_size,
             pool_pages=limits.pool_pages,
@@ -46,20 +78,47 @@ class EngineService:
             quarantined_pages=pool.quarantined_pages,
             context_window=limits.context_window,
             max_request_tokens=limits.max_request_tokens,
+            protocol_version=self.protocol_version,
+            drift=limits.drift,
+            faults=list(self.faults),
         )
+
+    def capacity(self) -> CapacityReport:
+        limits, pool = self.limits, self.pool
+        roles = [self.own_role()]
+        unavailable = None
+        if self.guard is not None:
+            roles += self.guard.peer_roles()
+            unavailable = self.guard.unavailable()
+        max_request = 0 if unavailable else min(r.max_request_tokens for r in roles)
         return CapacityReport(
             model=self.model_name,
             role=self.role,
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=self.protocol_version,
             page_size=limits.page_size,
             pool_pages=limits.pool_pages,
             pool_tokens=limits.pool_tokens,
             free_pages=pool.free_pages,
             quarantined_pages=pool.quarantined_pages,
             context_window=limits.context_window,
-            max_request_tokens=limits.max_request_tokens,
+            max_request_tokens=max_request,
             zero_on_free=self.zero_on_free,
-            drift=limits.drift,
-            faults=list(self.faults),
-            roles=[role],
+            drift=_path_drift(limits, roles),
+            faults=sorted({f for role in roles for f in role.faults}),
+            roles=roles,
+            unavailable=unavailable,
         )
+
+
+def _path_drift(limits: CapacityLimits, roles: list[RoleCapacity]) -> str | None:
+    """The entry point's window against the smallest real pool on the path."""
+    if limits.drift is not None:
+        return limits.drift
+    smallest = min(roles, key=lambda r: r.pool_tokens)
+    if limits.context_window > smallest.pool_tokens:
+        return (
+            f"context window {limits.context_window} exceeds the {smallest.role.value} role's "
+            f"real KV pool of {smallest.pool_tokens} tokens; requests are limited to "
+            f"{min(r.max_request_tokens for r in roles)} tokens"
+        )
+    return None

@@ -1,0 +1,490 @@
+"""Decode's engine-thread side of the handoff: reserve, hand out tickets, verify, accept or drain.
+
+Lifecycle of one request here (the handoff's states are ``DECODE_TRANSITIONS``):
+
+1. ``add``: admission (raises, REJECTED, nothing reserved) -> waiting for pages.
+2. Pages reserved (AWAITING_KV): a ``SendHandoff`` notice carries the ticket to the event loop,
+   which sends the PrefillRequest. From this moment prefill may write into the pages.
+3. ``complete(result)``: VERIFYING -> ACCEPTED (the request joins the decode batch with prefill's
+   first token) only on positive evidence (``verify_result``); otherwise the request ends with
+   the original error and its pages are freed (a result is sent only once prefill is quiescent).
+4. ``abort`` / ``lost`` (client gone, timeout, prefill unreachable, unreadable reply) while
+   AWAITING_RESULT: the request ends at once, its pages go to quarantine (DRAINING) and a
+   ``SendAbort`` notice asks prefill to stop. ``drained`` (prefill acknowledged quiescence, or its
+   late result arrived) or the drain deadline (``tick``) releases them with bumped generations.
+5. ``step``: the base engine step for DECODING requests, then any newly possible reservation.
+
+With fault drills, the table and checks come from the ``FaultSet``; a drill read log (only when
+drills are allowed) records page fingerprints at acceptance and at the end of each request.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.core.errors import KvguardError
+from backend.core.request import Request, RequestState
+from backend.disagg.decode_scheduler import DecodeScheduler, Release
+from backend.disagg.errors import (
+    HandoffFailed,
+    HandoffRefused,
+    HandoffTimedOut,
+    ProtocolVersionMismatch,
+    RemoteEngineError,
+)
+from backend.disagg.faults import FaultSet
+from backend.disagg.kvio import algorithm_of, kv_digest, page_fingerprints
+from backend.disagg.machines import (
+    Check,
+    DecodeHandoffState,
+    Expectation,
+    HandoffProof,
+    Machine,
+    Verdict,
+    release_deadline,
+    verify_result,
+)
+from backend.disagg.protocol import (
+    PROTOCOL_VERSION,
+    HandoffOutcome,
+    PageGrant,
+    PrefillResult,
+    SamplingSpec,
+)
+from backend.engine.core import EngineCore, StepOutcome
+from backend.engine.runner import ModelRunner
+from backend.metrics import EngineMetrics
+
+log = logging.getLogger("kvguard.disagg.decode")
+_S = DecodeHandoffState
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffTicket:
+    """Everything the event loop needs to send one PrefillRequest.
+
+    ``handoff_id`` names this handoff on the wire: the request id plus a per-instance sequence
+    number, so a client that reuses a request id never meets the old handoff's leftovers.
+    """
+
+    request_id: str
+    handoff_id: str
+    tenant: str
+    prompt_ids: tuple[int, ...] = field(repr=False)
+    sampling: SamplingSpec
+    grants: tuple[PageGrant, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SendHandoff:
+    ticket: HandoffTicket
+
+
+@dataclass(frozen=True, slots=True)
+class SendAbort:
+    request_id: str
+    handoff_id: str
+
+
+Notice = SendHandoff | SendAbort
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeHandoffConfig:
+    instance_id: str
+    lease_s: float  # prefill starts no batch after this; decode waits this long for a result
+    drain_s: float  # the justified drain bound (machines.drain_bound_s)
+    faults: FaultSet = FaultSet()
+    result_grace_s: float = 1.0  # backstop beyond the loop-side timeout
+    protocol_version: int = PROTOCOL_VERSION
+    keep_read_log: bool = False
+
+
+@dataclass(slots=True)
+class _Handoff:
+    request_id: str  # the client's id; expect.request_id is the handoff id on the wire
+    machine: Machine[DecodeHandoffState]
+    expect: Expectation
+    sent_at: float
+    drain_started: float | None = None
+    drain_deadline: float | None = None
+
+
+class DecodeEngineCore(EngineCore):
+    def __init__(
+        self,
+        scheduler: DecodeScheduler,
+        runner: ModelRunner,
+        config: DecodeHandoffConfig,
+        *,
+        notify: Callable[[Notice], None],
+        metrics: EngineMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(scheduler, runner)
+        self.decode = scheduler
+        self.config = config
+        self._notify = notify
+        self._metrics = metrics
+        self._clock = clock
+        self._handoffs: dict[str, _Handoff] = {}
+        self._released_early: dict[str, float] = {}
+        self._sequence = itertools.count(1)
+        self.read_log: OrderedDict[str, dict[str, Any]] | None = (
+            OrderedDict() if config.keep_read_log else None
+        )
+        self._read_lock = threading.Lock()
+
+    def read_log_snapshot(self) -> list[dict[str, Any]]:
+        """A copy of the drill read log, safe to take from another thread."""
+        with self._read_lock:
+            return copy.deepcopy(list(self.read_log.values())) if self.read_log else []
+
+    # -- requests in ---------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.decode.add(request)
+        self._reserve()
+
+    def abort(self, request_id: str) -> Request | None:
+        waiting = self.decode.abort_waiting(request_id)
+        if waiting is not None:
+            return waiting
+        handoff = self._handoffs.get(request_id)
+        if handoff is None or handoff.machine.state is not _S.AWAITING_RESULT:
+            return super().abort(request_id)
+        if self.config.faults.early_release:
+            # The drill: pages go back to the free list while prefill may still be writing.
+            handoff.machine.advance(_S.RELEASED)
+            request = self.decode.end_awaiting(
+                request_id, RequestState.ABORTED, release=Release.FREE
+            )
+            del self._handoffs[request_id]
+            self._released_early[request_id] = self._clock()
+            log.error(
+                "fault drill early_release_on_abort: freed %d pages of %s with writes "
+                "possibly in flight",
+                len(handoff.expect.grants),
+                request_id,
+            )
+        else:
+            handoff.machine.advance(_S.DRAINING)
+            request = self.decode.end_awaiting(
+                request_id, RequestState.ABORTED, release=Release.DRAIN
+            )
+            self._start_drain(handoff)
+        self._count("aborted")
+        self._notify(SendAbort(request_id, handoff.expect.request_id))
+        return request
+
+    # -- handoff results in --------------------------------------------------------------------
+
+    def complete(self, request_id: str, result: PrefillResult) -> StepOutcome | None:
+        """Prefill's result for ``request_id`` arrived (so prefill is quiescent for it)."""
+        handoff = self._handoffs.get(request_id)
+        if handoff is None:
+            self._late_result(request_id, result)
+            return None
+        if handoff.machine.state is _S.DRAINING:
+            self._release(request_id, handoff, "result")
+            return None
+        if handoff.machine.state is not _S.AWAITING_RESULT:
+            return None
+        handoff.machine.advance(_S.VERIFYING)
+        if self._metrics is not None:
+            self._metrics.handoff_seconds.observe(self._clock() - handoff.sent_at)
+        verdict = self._check_result(handoff, result)
+        proof = self._proof(handoff, result, verdict)
+        outcome = StepOutcome(proofs={request_id: proof})
+        if verdict.accepted:
+            handoff.machine.advance(_S.ACCEPTED)
+            del self._handoffs[request_id]
+            assert result.first_token is not None  # an OK result always carries it
+            step = self.decode.accept(request_id, result.first_token)
+            outcome.results.append(step)
+            self._log_accept(request_id, handoff)
+            self._count(HandoffOutcome.OK.value)
+        else:
+            to, error = self._refusal(request_id, result, verdict)
+            outcome.failed.append(
+                self.decode.end_awaiting(request_id, to, error, release=Release.FREE)
+            )
+            handoff.machine.advance(_S.RELEASED)
+            del self._handoffs[request_id]
+            self._count(result.outcome.value)
+        self._reserve()
+        return outcome
+
+    def lost(self, request_id: str, error: KvguardError) -> StepOutcome | None:
+        """No readable result will come (timeout, peer lost, unreadable reply): fail and drain."""
+        handoff = self._handoffs.get(request_id)
+        if handoff is None or handoff.machine.state is not _S.AWAITING_RESULT:
+            return None
+        handoff.machine.advance(_S.DRAINING)
+        request = self.decode.end_awaiting(
+            request_id, RequestState.FAILED, error, release=Release.DRAIN
+        )
+        self._start_drain(handoff)
+        kind = _lost_kind(error)
+        self._count(kind)
+        log.warning("handoff %s lost (%s): %s; pages drain", request_id, kind, error.code)
+        proof = HandoffProof(
+            self.config.protocol_version,
+            kind,
+            handoff.expect.reserved_tokens,
+            None,
+            False,
+            (),
+            (),
+            None,
+        )
+        return StepOutcome(failed=[request], proofs={request_id: proof})
+
+    def drained(self, request_id: str, reason: str) -> StepOutcome | None:
+        """Prefill confirmed that no write for ``request_id`` is or will be in flight."""
+        handoff = self._handoffs.get(request_id)
+        if handoff is not None and handoff.machine.state is _S.DRAINING:
+            self._release(request_id, handoff, reason)
+        return None
+
+    # -- time ------------------------------------------------------------------------------------
+
+    def tick(self) -> StepOutcome:
+        now = self._clock()
+        outcome = StepOutcome()
+        for request_id, handoff in list(self._handoffs.items()):
+            state = handoff.machine.state
+            if state is _S.DRAINING and handoff.drain_deadline is not None:
+                if handoff.drain_deadline <= now:
+                    self._release(request_id, handoff, "timeout")
+            elif state is _S.AWAITING_RESULT and now >= self._result_deadline(handoff):
+                lost = self.lost(request_id, HandoffTimedOut(request_id, self.config.lease_s))
+                if lost is not None:
+                    outcome.merge(lost)
+        horizon = self.config.lease_s + self.config.drain_s
+        for request_id, at in list(self._released_early.items()):
+            if now - at > horizon:
+                del self._released_early[request_id]
+        self._reserve()
+        return outcome
+
+    def next_wakeup(self) -> float | None:
+        deadlines = [
+            h.drain_deadline if h.machine.state is _S.DRAINING else self._result_deadline(h)
+            for h in self._handoffs.values()
+            if h.machine.state in (_S.DRAINING, _S.AWAITING_RESULT)
+        ]
+        valid = [d for d in deadlines if d is not None]
+        return None if not valid else max(0.0, min(valid) - self._clock())
+
+    def step(self) -> StepOutcome:
+        outcome = super().step()
+        if self.read_log is not None:
+            for result in outcome.results:
+                if result.state in (RequestState.FINISHED,):
+                    self._log_finish(result.request_id)
+        self._reserve()
+        return outcome
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _reserve(self) -> None:
+        pool = self.decode.pool
+        for request in self.decode.reserve_ready():
+            prompt_pages = pool.pages_for(request.num_prompt_tokens)
+            grants = tuple(
+                PageGrant(ref.page_id, ref.generation) for ref in request.page_table[:prompt_pages]
+            )
+            rid = request.request_id
+            handoff_id = f"{rid}.{next(self._sequence)}"
+            expect = Expectation(
+                handoff_id, self.config.instance_id, request.num_prompt_tokens, grants
+            )
+            machine = Machine("handoff", rid, self.config.faults.decode_table, _S.RESERVED)
+            # The ticket leaves now: from here on prefill may write into these pages.
+            machine.advance(_S.AWAITING_RESULT)
+            self._handoffs[rid] = _Handoff(rid, machine, expect, self._clock())
+            s = request.sampling
+            sampling = SamplingSpec(s.max_tokens, s.temperature, s.top_p, s.seed, s.stop_token_ids)
+            ticket = HandoffTicket(
+                rid, handoff_id, request.tenant, request.prompt_ids, sampling, grants
+            )
+            self._notify(SendHandoff(ticket))
+
+    def _check_result(self, handoff: _Handoff, result: PrefillResult) -> Verdict:
+        pool, owner = self.decode.pool, self._owner_of(handoff)
+        kv = self.runner.kv_cache
+        expect = handoff.expect
+
+        def pages_current(grants: Sequence[PageGrant]) -> bool:
+            from backend.core.pages import PageRef
+
+            return owner is not None and all(
+                pool.is_current(PageRef(g.page_id, g.generation), owner) for g in grants
+            )
+
+        def local_checksum() -> str:
+            algorithm = algorithm_of(result.checksum or "")
+            if algorithm is None:  # an algorithm this node cannot recompute proves nothing
+                return "unsupported checksum algorithm"
+            started = time.perf_counter()
+            ids = [g.page_id for g in expect.grants]
+            digest = kv_digest(kv, ids, expect.reserved_tokens, algorithm)
+            if self._metrics is not None:
+                self._metrics.checksum_seconds.observe(time.perf_counter() - started)
+            return digest
+
+        verdict = verify_result(
+            expect,
+            result,
+            enforced=self.config.faults.enforced_checks,
+            pages_current=pages_current,
+            local_checksum=local_checksum,
+        )
+        self._observe(verdict, handoff)
+        return verdict
+
+    def _owner_of(self, handoff: _Handoff) -> Any:
+        request = self.decode.awaiting(handoff.request_id)
+        return None if request is None else request.owner
+
+    def _observe(self, verdict: Verdict, handoff: _Handoff) -> None:
+        rid = handoff.request_id
+        if verdict.transfer_mismatch:
+            log.error(
+                "handoff %s: transferred range != reserved %d tokens",
+                rid,
+                handoff.expect.reserved_tokens,
+            )
+        if verdict.failed is not None and verdict.failed is not Check.OUTCOME:
+            log.error("handoff %s refused by the %s check: %s", rid, verdict.failed, verdict.detail)
+        elif verdict.accepted and verdict.skipped:
+            log.error(
+                "handoff %s ACCEPTED WITHOUT %s (fault drill)", rid, ", ".join(verdict.skipped)
+            )
+        m = self._metrics
+        if m is None:
+            return
+        if verdict.transfer_mismatch:
+            m.handoff_transfer_mismatch.inc()
+        if verdict.checksum_mismatch:
+            m.handoff_checksum_failures.inc()
+        if verdict.failed is not None and verdict.failed is not Check.OUTCOME:
+            m.handoff_refusals.labels(verdict.failed.value).inc()
+
+    def _proof(self, handoff: _Handoff, result: PrefillResult, verdict: Verdict) -> HandoffProof:
+        transferred = result.transferred.num_tokens if result.transferred is not None else None
+        return HandoffProof(
+            self.config.protocol_version,
+            result.outcome.value,
+            handoff.expect.reserved_tokens,
+            transferred,
+            verdict.accepted,
+            tuple(c.value for c in verdict.ran),
+            tuple(c.value for c in verdict.skipped),
+            verdict.failed.value if verdict.failed is not None else None,
+            round(result.transfer_s * 1000, 3),
+            round(result.checksum_s * 1000, 3),
+        )
+
+    def _refusal(
+        self, request_id: str, result: PrefillResult, verdict: Verdict
+    ) -> tuple[RequestState, KvguardError | None]:
+        if verdict.failed is Check.OUTCOME:
+            error = result.error
+            if result.outcome is HandoffOutcome.REJECTED and error is not None:
+                return RequestState.REJECTED, RemoteEngineError(
+                    error.code, error.http_status, error.message
+                )
+            if result.outcome is HandoffOutcome.ABORTED:
+                return RequestState.ABORTED, None
+            reason = error.message if error is not None else f"prefill said {result.outcome}"
+            return RequestState.FAILED, HandoffFailed(request_id, reason)
+        check = verdict.failed.value if verdict.failed is not None else "unknown"
+        return RequestState.FAILED, HandoffRefused(request_id, check, verdict.detail)
+
+    def _start_drain(self, handoff: _Handoff) -> None:
+        now = self._clock()
+        handoff.drain_started = now
+        handoff.drain_deadline = release_deadline(
+            now, handoff.sent_at, self.config.lease_s, self.config.drain_s
+        )
+
+    def _release(self, request_id: str, handoff: _Handoff, reason: str) -> None:
+        pages = self.decode.release_drain(request_id)
+        handoff.machine.advance(_S.RELEASED)
+        del self._handoffs[request_id]
+        waited = self._clock() - (handoff.drain_started or self._clock())
+        log.info(
+            "drain of %s ended (%s) after %.3f s: %d pages freed", request_id, reason, waited, pages
+        )
+        if self._metrics is not None:
+            self._metrics.drain_seconds.labels(reason).observe(waited)
+            self._metrics.drained_pages.labels(reason).inc(pages)
+        self._reserve()
+
+    def _late_result(self, request_id: str, result: PrefillResult) -> None:
+        if request_id in self._released_early and result.pages_written:
+            pages = len(result.pages_written)
+            log.error(
+                "handoff %s: prefill wrote %d pages that were already released "
+                "(early_release_on_abort drill)",
+                request_id,
+                pages,
+            )
+            if self._metrics is not None:
+                self._metrics.handoff_late_writes.inc(pages)
+
+    def _result_deadline(self, handoff: _Handoff) -> float:
+        return handoff.sent_at + self.config.lease_s + self.config.result_grace_s
+
+    def _count(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.handoffs.labels(outcome).inc()
+
+    # -- the drill read log --------------------------------------------------------------------
+
+    def _log_accept(self, request_id: str, handoff: _Handoff) -> None:
+        if self.read_log is None:
+            return
+        ids = [g.page_id for g in handoff.expect.grants]
+        n = handoff.expect.reserved_tokens
+        prints = page_fingerprints(self.runner.kv_cache, ids, n)
+        entry = {
+            "request_id": request_id,
+            "reserved_tokens": handoff.expect.reserved_tokens,
+            "pages": [
+                {"page_id": g.page_id, "generation": g.generation, "at_accept": fp}
+                for g, fp in zip(handoff.expect.grants, prints, strict=True)
+            ],
+        }
+        with self._read_lock:
+            self.read_log[request_id] = entry
+            while len(self.read_log) > 256:
+                self.read_log.popitem(last=False)
+
+    def _log_finish(self, request_id: str) -> None:
+        entry = self.read_log.get(request_id) if self.read_log is not None else None
+        if entry is None:
+            return
+        ids = [page["page_id"] for page in entry["pages"]]
+        prints = page_fingerprints(self.runner.kv_cache, ids, entry["reserved_tokens"])
+        with self._read_lock:
+            for page, fp in zip(entry["pages"], prints, strict=True):
+                page["at_finish"] = fp
+
+
+def _lost_kind(error: KvguardError) -> str:
+    if isinstance(error, HandoffTimedOut):
+        return "timeout"
+    if isinstance(error, ProtocolVersionMismatch):
+        return "protocol_mismatch"
+    return "lost"

@@ -1,0 +1,202 @@
+"""Decode's view of the prefill role: the HTTP channel, and prefill's capacity kept fresh.
+
+``HttpPrefillChannel`` speaks the handoff messages over HTTP (``/kv/v1/prefill``,
+``/kv/v1/abort``); every call has a timeout, and a reply from another protocol version is refused
+(``ProtocolVersionMismatch``) before anything else in it is read.
+
+``PrefillMonitor`` polls prefill's ``/engine/capacity`` every ``refresh_s`` and is decode's
+``PathGuard``: it fails closed (503 ``prefill_unavailable``) when prefill's capacity is unknown,
+older than ``stale_s`` or incompatible (page size), refuses a prefill on another protocol version
+(503 ``handoff_protocol_mismatch``), and admits a request against the smaller of decode's own
+limits and prefill's real ones -- unless the ``legacy_reject_handoff`` drill is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+from pydantic import ValidationError
+
+from backend.core.admission import CapacityLimits, admit
+from backend.disagg.decode_driver import PrefillChannel
+from backend.disagg.errors import PrefillUnavailable, ProtocolVersionMismatch
+from backend.disagg.protocol import (
+    AbortAck,
+    AbortRequest,
+    PrefillRequest,
+    PrefillResult,
+    abort_ack_from_wire,
+    prefill_result_from_wire,
+    to_wire,
+)
+from backend.metrics import EngineMetrics
+from backend.server.schema import CapacityReport, Role, RoleCapacity
+
+log = logging.getLogger("kvguard.disagg.decode")
+
+
+class PrefillLink(PrefillChannel, Protocol):
+    """Everything decode asks the prefill role: the two handoff messages and its capacity."""
+
+    async def capacity(self, timeout_s: float) -> CapacityReport: ...
+
+
+PREFILL_PATH = "/kv/v1/prefill"
+ABORT_PATH = "/kv/v1/abort"
+
+
+class HttpPrefillChannel:
+    def __init__(self, base_url: str, client: httpx.AsyncClient, *, local_version: int) -> None:
+        self._base = base_url.rstrip("/")
+        self._client = client
+        self._version = local_version
+
+    async def prefill(self, message: PrefillRequest, timeout_s: float) -> PrefillResult:
+        payload = await self._post(PREFILL_PATH, to_wire(message), timeout_s)
+        return prefill_result_from_wire(payload, self._version)
+
+    async def abort(self, message: AbortRequest, timeout_s: float) -> AbortAck:
+        payload = await self._post(ABORT_PATH, to_wire(message), timeout_s)
+        return abort_ack_from_wire(payload, self._version)
+
+    async def capacity(self, timeout_s: float) -> CapacityReport:
+        try:
+            response = await self._client.get(self._base + "/engine/capacity", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise PrefillUnavailable(f"capacity not readable ({type(exc).__name__})") from exc
+        if response.status_code != 200:
+            raise PrefillUnavailable(f"capacity answered HTTP {response.status_code}")
+        try:
+            return CapacityReport.model_validate(response.json())
+        except (ValidationError, ValueError) as exc:
+            raise PrefillUnavailable("capacity report does not match the schema") from exc
+
+    async def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> object:
+        try:
+            response = await self._client.post(self._base + path, json=body, timeout=timeout_s)
+        except httpx.TimeoutException as exc:
+            raise TimeoutError(f"{path} took longer than {timeout_s:.1f} s") from exc
+        # 409 carries the peer's protocol version: the codec turns it into a clear refusal.
+        if response.status_code not in (200, 409):
+            raise PrefillUnavailable(f"{path} answered HTTP {response.status_code}")
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise PrefillUnavailable(f"{path} answered something that is not JSON") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    report: CapacityReport
+    at: float
+
+
+class PrefillMonitor:
+    """Prefill's real capacity as decode last saw it, and the admission that depends on it."""
+
+    def __init__(
+        self,
+        channel: PrefillLink,
+        *,
+        own_limits: CapacityLimits,
+        local_version: int,
+        refresh_s: float,
+        stale_s: float,
+        cross_role_admission: bool,
+        metrics: EngineMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._channel = channel
+        self._own = own_limits
+        self._version = local_version
+        self._refresh_s = refresh_s
+        self._stale_s = stale_s
+        self._cross_role = cross_role_admission
+        self._metrics = metrics
+        self._clock = clock
+        self._seen: _Seen | None = None
+        self._last_error = "prefill capacity not read yet"
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self._refresh_s)
+
+    async def refresh(self) -> bool:
+        try:
+            report = await self._channel.capacity(min(self._refresh_s * 2, self._stale_s))
+        except PrefillUnavailable as exc:
+            if self._last_error != exc.problem:
+                log.warning("prefill capacity: %s", exc.problem)
+            self._last_error = exc.problem
+            return False
+        self._seen = _Seen(report, self._clock())
+        self._metrics.prefill_capacity_age.set(0)
+        return True
+
+    # -- PathGuard -------------------------------------------------------------------------------
+
+    def admit(self, prompt_tokens: int, max_tokens: int) -> None:
+        report = self._require()
+        if not self._cross_role:
+            return  # the legacy_reject_handoff drill: decode's own pool only
+        prefill = CapacityLimits(report.page_size, report.pool_pages, report.context_window)
+        binding = min((prefill, self._own), key=lambda limits: limits.max_request_tokens)
+        admit(prompt_tokens, max_tokens, binding)
+
+    def peer_roles(self) -> list[RoleCapacity]:
+        if self._seen is None:
+            return []
+        report, age = self._seen.report, self._clock() - self._seen.at
+        self._metrics.prefill_capacity_age.set(age)
+        own = next((r for r in report.roles if r.role is Role.PREFILL), None)
+        base = own.model_dump() if own is not None else _role_from_report(report)
+        return [RoleCapacity(**{**base, "age_s": round(age, 3)})]
+
+    def unavailable(self) -> str | None:
+        try:
+            self._require()
+        except (PrefillUnavailable, ProtocolVersionMismatch) as exc:
+            return str(exc)
+        return None
+
+    def _require(self) -> CapacityReport:
+        if self._seen is None:
+            raise PrefillUnavailable(self._last_error)
+        age = self._clock() - self._seen.at
+        if age > self._stale_s:
+            raise PrefillUnavailable(
+                f"its capacity is {age:.1f} s old (stale after {self._stale_s:.1f} s): "
+                f"{self._last_error}"
+            )
+        report = self._seen.report
+        if report.protocol_version != self._version:
+            raise ProtocolVersionMismatch(self._version, report.protocol_version, "prefill role")
+        if report.role is not Role.PREFILL or report.page_size != self._own.page_size:
+            raise PrefillUnavailable(
+                f"the peer is a {report.role.value} role with {report.page_size}-token pages; "
+                f"decode needs a prefill role with {self._own.page_size}-token pages"
+            )
+        return report
+
+
+def _role_from_report(report: CapacityReport) -> dict[str, Any]:
+    return {
+        "role": report.role,
+        "page_size": report.page_size,
+        "pool_pages": report.pool_pages,
+        "pool_tokens": report.pool_tokens,
+        "free_pages": report.free_pages,
+        "quarantined_pages": report.quarantined_pages,
+        "context_window": report.context_window,
+        "max_request_tokens": report.max_request_tokens,
+        "protocol_version": report.protocol_version,
+        "drift": report.drift,
+        "faults": report.faults,
+    }

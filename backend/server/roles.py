@@ -1,0 +1,291 @@
+"""Assembling each role from settings: engine, faults, transport, handoff, and its lifespan hooks.
+
+- unified: the engine alone.
+- prefill: the engine with a ``Stager`` after each forward, a staging area registered with the
+  transport, and the ``PrefillService`` behind ``/kv/v1/*``.
+- decode: the engine with a ``DecodeScheduler`` and ``DecodeEngineCore``, its KV pools registered
+  with the transport, a ``HandoffDriver`` and the ``PrefillMonitor`` (prefill's capacity, polled,
+  and the cross-role admission). The drain bound is derived from the transfer-batch limit.
+
+Enabled fault drills are refused without ``allow_fault_drills`` and announced loudly (ERROR log,
+``kvguard_engine_fault_drill_enabled{fault}``, ``/engine/capacity`` ``faults``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from backend.config import BackendSettings
+from backend.core.scheduler import Scheduler
+from backend.disagg.decode_core import DecodeEngineCore, DecodeHandoffConfig, Notice
+from backend.disagg.decode_driver import HandoffDriver
+from backend.disagg.decode_scheduler import DecodeScheduler
+from backend.disagg.faults import FaultSet
+from backend.disagg.kvio import StagingArea, layout_of
+from backend.disagg.machines import drain_bound_s
+from backend.disagg.prefill import PrefillConfig, PrefillService, Stager
+from backend.disagg.protocol import PROTOCOL_VERSION, TransferTarget
+from backend.engine.build import BuiltEngine, build_engine
+from backend.engine.runner import ModelRunner
+from backend.metrics import EngineMetrics
+from backend.model.kv_cache import KVCache
+from backend.server.prefill_client import HttpPrefillChannel, PrefillLink, PrefillMonitor
+from backend.server.schema import Role
+from backend.server.service import EngineService
+from backend.transport.base import KvTransport
+
+log = logging.getLogger("kvguard.backend")
+
+Hook = Callable[[], Awaitable[None]]
+
+
+async def _nothing() -> None:
+    return None
+
+
+@dataclass(slots=True)
+class RoleRuntime:
+    """A built role: what the routes use, and what the lifespan starts and stops around it."""
+
+    service: EngineService
+    start: Hook = _nothing  # after the engine loop started
+    stop: Hook = _nothing  # before the engine loop stops
+    prefill: PrefillService | None = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+
+def make_service(built: BuiltEngine, settings: BackendSettings, role: Role) -> EngineService:
+    limits = built.limits
+    metrics = built.metrics
+    metrics.pool_tokens.set(limits.pool_tokens)
+    metrics.context_window.set(limits.context_window)
+    metrics.max_request_tokens.set(limits.max_request_tokens)
+    metrics.capacity_drift.set(1 if limits.drift else 0)
+    return EngineService(
+        engine=built.engine,
+        tokenizer=built.tokenizer,
+        model_name=settings.served_model_name or settings.model.name,
+        role=role,
+        limits=limits,
+        pool=built.pool,
+        metrics=metrics,
+        render_chat=lambda messages: built.render_chat([m.model_dump() for m in messages]),
+        zero_on_free=built.pool.zero_on_free,
+        request_timeout_s=settings.request_timeout_s,
+        protocol_version=protocol_version(settings),
+    )
+
+
+def protocol_version(settings: BackendSettings) -> int:
+    return (
+        PROTOCOL_VERSION
+        if settings.drill_protocol_version is None
+        else settings.drill_protocol_version
+    )
+
+
+def announce_faults(service: EngineService, faults: FaultSet, settings: BackendSettings) -> None:
+    names = faults.names
+    if settings.drill_protocol_version is not None:
+        names.append(f"drill_protocol_version={settings.drill_protocol_version}")
+    if settings.drill_link_bytes_per_s is not None:
+        names.append(f"drill_link_bytes_per_s={settings.drill_link_bytes_per_s:g}")
+    for name in names:
+        service.metrics.fault_drill.labels(name).set(1)
+        log.error(
+            "FAULT DRILL ENABLED on the %s role: %s -- this process reproduces a known failure "
+            "mode on purpose and must never serve real tenants",
+            service.role.value,
+            name,
+        )
+    service.faults = names
+
+
+def build_unified(settings: BackendSettings) -> RoleRuntime:
+    faults = FaultSet.parse(settings.faults, role="unified", allowed=settings.allow_fault_drills)
+    built = build_engine(settings, zero_on_free=faults.zero_on_free(settings.zero_on_free))
+    service = make_service(built, settings, Role.UNIFIED)
+    announce_faults(service, faults, settings)
+    return RoleRuntime(service)
+
+
+def make_transport(settings: BackendSettings) -> KvTransport:
+    if settings.transport == "inprocess":
+        from backend.transport.inprocess import InProcessTransport
+
+        log.warning("in-process KV transport: prefill and decode must share this process")
+        return InProcessTransport()
+    if settings.transport == "loopback":
+        from backend.transport.loopback import LoopbackTransport
+
+        log.warning("loopback KV transport (TCP on 127.0.0.1): single-host use only")
+        return LoopbackTransport()
+    from backend.transport.mooncake import MooncakeTransport
+
+    return MooncakeTransport(
+        settings.transfer_host, protocol=settings.transfer_protocol, device=settings.transfer_device
+    )
+
+
+def _register(transport: KvTransport, kv: KVCache) -> None:
+    for tensor in (kv.k, kv.v):
+        transport.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def build_prefill(
+    settings: BackendSettings, *, transport: KvTransport | None = None
+) -> RoleRuntime:
+    faults = FaultSet.parse(settings.faults, role="prefill", allowed=settings.allow_fault_drills)
+    zero = faults.zero_on_free(settings.zero_on_free)
+    built = build_engine(settings, role="prefill", zero_on_free=zero)
+    service = make_service(built, settings, Role.PREFILL)
+    announce_faults(service, faults, settings)
+    pages = settings.staging_pages or built.pool.num_pages
+    staging = StagingArea(built.model.new_kv_cache(pages, settings.page_size), zero_on_free=zero)
+    stager = Stager(built.kv_cache, staging)
+    built.engine.core.after_forward = stager
+    transport = transport or make_transport(settings)
+    _register(transport, staging.kv)
+    prefill = PrefillService(
+        engine=built.engine,
+        limits=built.limits,
+        staging=staging,
+        stager=stager,
+        transport=transport,
+        config=PrefillConfig(
+            faults=faults,
+            protocol_version=service.protocol_version,
+            abort_ack_timeout_s=settings.abort_ack_timeout_s,
+            drill_link_bytes_per_s=settings.drill_link_bytes_per_s,
+            checksum_algorithm=settings.kv_checksum,
+        ),
+        metrics=built.metrics,
+    )
+    return RoleRuntime(service, prefill=prefill, closers=[transport.close])
+
+
+def build_decode(settings: BackendSettings, *, channel: PrefillLink | None = None) -> RoleRuntime:
+    """The decode role; ``channel`` replaces HTTP to prefill (tests with both roles in-process)."""
+    if not settings.prefill_url and channel is None:
+        raise ValueError("the decode role needs --prefill-url")
+    faults = FaultSet.parse(settings.faults, role="decode", allowed=settings.allow_fault_drills)
+    transport = make_transport(settings)
+    drivers: list[HandoffDriver] = []
+    config_box: list[DecodeHandoffConfig] = []
+
+    def make_core(
+        scheduler: Scheduler, runner: ModelRunner, metrics: EngineMetrics
+    ) -> DecodeEngineCore:
+        assert isinstance(scheduler, DecodeScheduler)
+        config = _decode_config(settings, faults, runner.kv_cache)
+        config_box.append(config)
+
+        def notify(notice: Notice) -> None:
+            drivers[0].notify_from_engine(notice)
+
+        return DecodeEngineCore(scheduler, runner, config, notify=notify, metrics=metrics)
+
+    built = build_engine(
+        settings,
+        role="decode",
+        scheduler_cls=DecodeScheduler,
+        make_core=make_core,
+        zero_on_free=faults.zero_on_free(settings.zero_on_free),
+    )
+    core = built.engine.core
+    assert isinstance(core, DecodeEngineCore)
+    service = make_service(built, settings, Role.DECODE)
+    announce_faults(service, faults, settings)
+    _register(transport, built.kv_cache)
+    target = TransferTarget(
+        transport.endpoint,
+        config_box[0].instance_id,
+        built.kv_cache.k.data_ptr(),
+        built.kv_cache.v.data_ptr(),
+        layout_of(built.kv_cache),
+        settings.transfer_batch_pages,
+    )
+    log.info(
+        "decode instance %s: transfer endpoint %s, batch limit %d pages, drain bound %.2f s",
+        target.instance_id,
+        target.endpoint,
+        target.max_batch_pages,
+        config_box[0].drain_s,
+    )
+    runtime = _decode_runtime(settings, service, core, target, faults, drivers, channel)
+    runtime.closers.append(transport.close)
+    return runtime
+
+
+def _decode_config(settings: BackendSettings, faults: FaultSet, kv: KVCache) -> DecodeHandoffConfig:
+    layout = layout_of(kv)
+    batch_bytes = settings.transfer_batch_pages * 2 * layout.num_layers * layout.page_bytes
+    return DecodeHandoffConfig(
+        instance_id=uuid.uuid4().hex[:16],
+        lease_s=settings.handoff_timeout_s,
+        drain_s=drain_bound_s(
+            batch_bytes, settings.transfer_min_bytes_per_s, settings.drain_slack_s
+        ),
+        faults=faults,
+        protocol_version=protocol_version(settings),
+        keep_read_log=settings.allow_fault_drills,
+    )
+
+
+def _decode_runtime(
+    settings: BackendSettings,
+    service: EngineService,
+    core: DecodeEngineCore,
+    target: TransferTarget,
+    faults: FaultSet,
+    drivers: list[HandoffDriver],
+    channel: PrefillLink | None,
+) -> RoleRuntime:
+    client = httpx.AsyncClient()
+    if channel is None:
+        assert settings.prefill_url is not None
+        channel = HttpPrefillChannel(
+            settings.prefill_url, client, local_version=service.protocol_version
+        )
+    monitor = PrefillMonitor(
+        channel,
+        own_limits=service.limits,
+        local_version=service.protocol_version,
+        refresh_s=settings.prefill_capacity_refresh_s,
+        stale_s=settings.prefill_capacity_stale_s,
+        cross_role_admission=faults.cross_role_admission,
+        metrics=service.metrics,
+    )
+    driver = HandoffDriver(
+        engine=service.engine,
+        core=core,
+        channel=channel,
+        target=target,
+        abort_timeout_s=settings.abort_ack_timeout_s,
+    )
+    drivers.append(driver)
+    service.guard = monitor
+    if core.read_log is not None:
+        service.read_log = core.read_log_snapshot
+    tasks: list[asyncio.Task[None]] = []
+
+    async def start() -> None:
+        for _ in range(20):  # give a prefill that starts alongside us a few seconds
+            if await monitor.refresh():
+                break
+            await asyncio.sleep(0.25)
+        tasks.append(asyncio.create_task(monitor.run()))
+
+    async def stop() -> None:
+        for task in tasks:
+            task.cancel()
+        await driver.close()
+        await client.aclose()
+
+    return RoleRuntime(service, start=start, stop=stop)

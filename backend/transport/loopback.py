@@ -1,0 +1,122 @@
+"""A single-host fallback transport over TCP on 127.0.0.1, for when Mooncake is not installed.
+
+Lifecycle: the receiving process (decode) listens on a loopback port from its first
+``register``; a sender connects per batch and sends ``count`` then, per segment, ``(dst, length,
+bytes)``; the receiver checks every destination against its registered memory (as Mooncake's
+server does), copies, and acknowledges the batch with one status byte only after every byte
+landed. ``write`` returns on that acknowledgement, so it has the same meaning as Mooncake's
+synchronous write. It binds to 127.0.0.1 only: it is for single-host deployments and tests, with
+no authentication -- never a network transport.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+
+from backend.transport.base import KvTransport, Segment, TransferError
+
+log = logging.getLogger("kvguard.transport")
+
+_HEADER = struct.Struct("!I")
+_SEGMENT = struct.Struct("!QQ")
+_OK, _REFUSED = b"\x00", b"\x01"
+_MAX_SEGMENTS = 1 << 20
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = conn.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("peer closed mid-batch")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+class LoopbackTransport(KvTransport):
+    name = "loopback"
+
+    def __init__(self, *, timeout_s: float = 30.0) -> None:
+        self._regions: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._timeout_s = timeout_s
+        self._server: socket.socket | None = None
+        self._endpoint = ""
+
+    @property
+    def endpoint(self) -> str:
+        self._listen()
+        return self._endpoint
+
+    def register(self, address: int, length: int) -> None:
+        with self._lock:
+            self._regions.append((address, length))
+        self._listen()
+
+    def write(self, endpoint: str, segments: Sequence[Segment]) -> None:
+        host, _, port = endpoint.rpartition(":")
+        if host != "127.0.0.1":
+            raise TransferError(f"the loopback transport only writes to 127.0.0.1, not {host}")
+        try:
+            with socket.create_connection((host, int(port)), timeout=self._timeout_s) as conn:
+                conn.sendall(_HEADER.pack(len(segments)))
+                for segment in segments:
+                    conn.sendall(_SEGMENT.pack(segment.dst, segment.length))
+                    conn.sendall(ctypes.string_at(segment.src, segment.length))
+                status = _read_exactly(conn, 1)
+        except OSError as exc:
+            raise TransferError(f"loopback write to {endpoint} failed: {exc}") from exc
+        if status != _OK:
+            raise TransferError(f"{endpoint} refused the batch (destination not registered)")
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # -- receiving side ----------------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        with self._lock:
+            if self._server is not None:
+                return
+            server = socket.create_server(("127.0.0.1", 0))
+            self._server = server
+            self._endpoint = f"127.0.0.1:{server.getsockname()[1]}"
+        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+
+    def _receive(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(self._timeout_s)
+                (count,) = _HEADER.unpack(_read_exactly(conn, _HEADER.size))
+                ok = count <= _MAX_SEGMENTS
+                for _ in range(count if ok else 0):
+                    dst, length = _SEGMENT.unpack(_read_exactly(conn, _SEGMENT.size))
+                    data = _read_exactly(conn, length)
+                    ok = ok and self._registered(dst, length)
+                    if ok:  # after one refused segment, nothing else of the batch is written
+                        ctypes.memmove(dst, data, length)
+                conn.sendall(_OK if ok else _REFUSED)
+            except (OSError, ConnectionError) as exc:
+                log.warning("loopback transfer broke off: %s", exc)
+
+    def _registered(self, address: int, length: int) -> bool:
+        with self._lock:
+            return any(
+                base <= address and address + length <= base + size for base, size in self._regions
+            )

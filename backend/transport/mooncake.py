@@ -1,0 +1,69 @@
+"""Mooncake's transfer engine as a ``KvTransport``.
+
+Start-up: ``TransferEngine.initialize(host, "P2PHANDSHAKE", protocol, device)`` -- no metadata
+server; peers find each other by ``host:rpc_port``, which is this transport's ``endpoint``. The
+decode role registers its K and V pools; the prefill role registers its staging memory (RDMA
+needs registered sources; TCP tolerates either). ``write`` is ``batch_transfer_sync_write``: it
+returns once the peer acknowledged every segment, and the peer's server refuses any destination
+outside its registered memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from backend.transport.base import KvTransport, Segment, TransferError, TransportUnavailable
+
+
+class MooncakeTransport(KvTransport):
+    name = "mooncake"
+
+    def __init__(self, host: str, *, protocol: str = "tcp", device: str = "") -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise TransportUnavailable(
+                "the Mooncake transfer engine is not installed (pip install "
+                "'kvguard[mooncake]', i.e. mooncake-transfer-engine-non-cuda on CPU hosts); "
+                "without it prefill and decode cannot exchange KV across processes"
+            ) from exc
+        self._engine: Any = TransferEngine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise TransportUnavailable(
+                f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}"
+            )
+        self._endpoint = f"{host}:{self._engine.get_rpc_port()}"
+        self._registered: list[tuple[int, int]] = []
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, address: int, length: int) -> None:
+        rc = self._engine.register_memory(address, length)
+        if rc != 0:
+            raise TransportUnavailable(f"Mooncake register_memory of {length} bytes returned {rc}")
+        self._registered.append((address, length))
+
+    def write(self, endpoint: str, segments: Sequence[Segment]) -> None:
+        if not segments:
+            return
+        rc = self._engine.batch_transfer_sync_write(
+            endpoint,
+            [s.src for s in segments],
+            [s.dst for s in segments],
+            [s.length for s in segments],
+        )
+        if rc != 0:
+            total = sum(s.length for s in segments)
+            raise TransferError(
+                f"Mooncake write of {len(segments)} segments ({total} bytes) to {endpoint} "
+                f"returned {rc}"
+            )
+
+    def close(self) -> None:
+        for address, _ in self._registered:
+            self._engine.unregister_memory(address)
+        self._registered.clear()

@@ -1,0 +1,181 @@
+"""Both roles in one process over the in-process (and loopback TCP) transport, with the real model.
+
+The transport is where bytes can go wrong without either side's bookkeeping noticing: these tests
+wrap it (a fault chosen by construction, as drills are) to corrupt or break a transfer, and check
+that decode's checks -- not luck -- stop the request, and that no page stays lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from backend.config import BackendSettings
+from backend.core.request import RequestState, SamplingParams
+from backend.disagg.protocol import (
+    AbortAck,
+    AbortRequest,
+    PrefillRequest,
+    PrefillResult,
+    abort_ack_from_wire,
+    abort_request_from_wire,
+    prefill_request_from_wire,
+    prefill_result_from_wire,
+    to_wire,
+)
+from backend.engine.async_engine import EngineEvent
+from backend.server.roles import RoleRuntime, build_decode, build_prefill
+from backend.server.schema import CapacityReport
+from backend.transport.base import KvTransport, Segment, TransferError
+from backend.transport.inprocess import InProcessTransport
+from backend.transport.loopback import LoopbackTransport
+
+
+class LocalChannel:
+    """Decode -> prefill without HTTP, but through the wire codec both ways."""
+
+    def __init__(self, runtime: RoleRuntime) -> None:
+        assert runtime.prefill is not None
+        self.runtime, self.service = runtime, runtime.prefill
+
+    async def prefill(self, message: PrefillRequest, timeout_s: float) -> PrefillResult:
+        received = prefill_request_from_wire(to_wire(message))
+        return prefill_result_from_wire(to_wire(await self.service.handle(received)))
+
+    async def abort(self, message: AbortRequest, timeout_s: float) -> AbortAck:
+        ack = await self.service.abort(abort_request_from_wire(to_wire(message)))
+        return abort_ack_from_wire(to_wire(ack))
+
+    async def capacity(self, timeout_s: float) -> CapacityReport:
+        return self.runtime.service.capacity()
+
+
+class Corrupting(InProcessTransport):
+    """Flips one byte of the first segment of batch ``batch`` after it landed."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch, self.seen = batch, 0
+
+    def write(self, endpoint: str, segments: Sequence[Segment]) -> None:
+        super().write(endpoint, segments)
+        if self.seen == self.batch:
+            byte = ctypes.c_ubyte.from_address(segments[0].dst + 5)
+            byte.value ^= 0x40
+        self.seen += 1
+
+
+class Breaking(InProcessTransport):
+    """Fails batch ``batch`` (after its bytes partly landed, as a dropped link would)."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch, self.seen = batch, 0
+
+    def write(self, endpoint: str, segments: Sequence[Segment]) -> None:
+        if self.seen == self.batch:
+            super().write(endpoint, segments[:1])
+            raise TransferError("link dropped")
+        self.seen += 1
+        super().write(endpoint, segments)
+
+
+@dataclass
+class Pair:
+    prefill: RoleRuntime
+    decode: RoleRuntime
+
+    async def run(self, n_prompt: int, max_tokens: int = 4) -> list[EngineEvent]:
+        prompt = [256] + [97 + i % 26 for i in range(n_prompt - 1)]
+        generation = self.decode.service.submit(
+            request_id=f"r{n_prompt}",
+            tenant="t",
+            prompt_ids=prompt,
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        )
+        return [event async for event in generation.events()]
+
+
+@pytest.fixture
+async def pair(request: pytest.FixtureRequest, tiny_checkpoint: str) -> AsyncIterator[Pair]:
+    transport: KvTransport = request.param
+    common: dict[str, Any] = {
+        "model": tiny_checkpoint,
+        "pool_tokens": 256,
+        "page_size": 16,
+        "transport": "inprocess",
+        "torch_threads": 1,
+    }
+    prefill = build_prefill(BackendSettings(**common), transport=transport)
+    # Decode receives over the same kind of transport the (wrapped) prefill side sends with.
+    kind = "loopback" if isinstance(transport, LoopbackTransport) else "inprocess"
+    settings = BackendSettings(**{**common, "transport": kind}, transfer_batch_pages=2)
+    decode = build_decode(settings, channel=LocalChannel(prefill))
+    runtimes = (prefill, decode)
+    for runtime in runtimes:
+        runtime.service.engine.start()
+        await runtime.start()
+    yield Pair(prefill, decode)
+    for runtime in runtimes:
+        await runtime.stop()
+        await runtime.service.engine.stop()
+        for close in runtime.closers:
+            close()
+
+
+async def _all_pages_free(runtime: RoleRuntime) -> bool:
+    """Freed pages are zeroed by the engine's next step before they count as free again."""
+    pool = runtime.service.pool
+    for _ in range(200):
+        if pool.free_pages == pool.num_pages:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def _metric(runtime: RoleRuntime, name: str, **labels: str) -> float:
+    value = runtime.service.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [InProcessTransport(), LoopbackTransport()],
+    indirect=True,
+    ids=["inprocess", "loopback"],
+)
+async def test_each_transport_carries_a_verified_handoff(pair: Pair) -> None:
+    events = await pair.run(70)  # 5 pages: three batches of at most 2
+    assert events[0].proof is not None and events[0].proof.accepted
+    assert events[0].proof.transferred_tokens == 70
+    assert events[-1].state is RequestState.FINISHED
+    assert await _all_pages_free(pair.decode)
+
+
+@pytest.mark.parametrize("pair", [Corrupting(batch=1)], indirect=True)
+async def test_a_corrupted_transfer_is_refused_by_the_checksum(pair: Pair) -> None:
+    events = await pair.run(70)
+    (event,) = events
+    assert event.state is RequestState.FAILED
+    assert event.error is not None and event.error.code == "kv_handoff_refused"
+    assert event.proof is not None and event.proof.failed_check == "checksum"
+    assert _metric(pair.decode, "kvguard_engine_handoff_checksum_failures_total") == 1
+    # Prefill's result means no write is in flight: the pages are free again at once.
+    assert await _all_pages_free(pair.decode)
+
+
+@pytest.mark.parametrize("pair", [Breaking(batch=1)], indirect=True)
+async def test_a_broken_transfer_fails_the_request_and_frees_both_sides(pair: Pair) -> None:
+    (event,) = await pair.run(70)
+    assert event.state is RequestState.FAILED
+    assert event.error is not None and event.error.code == "kv_handoff_failed"
+    assert event.proof is not None and event.proof.outcome == "failed"
+    assert await _all_pages_free(pair.decode)
+    assert _metric(pair.prefill, "kvguard_engine_handoffs_total", outcome="failed") == 1
+    assert pair.prefill.prefill is not None
+    assert _metric(pair.prefill, "kvguard_engine_staging_pages", state="free") == 256 // 16

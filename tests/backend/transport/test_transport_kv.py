@@ -1,0 +1,52 @@
+"""Every KV transport: a batch lands whole, and a destination outside registered memory is refused.
+
+Mooncake runs for real here (two transfer engines in this process, TCP on 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from backend.transport.base import KvTransport, Segment, TransferError
+from backend.transport.inprocess import InProcessTransport
+from backend.transport.loopback import LoopbackTransport
+from backend.transport.mooncake import MooncakeTransport
+
+FACTORIES: dict[str, Callable[[], KvTransport]] = {
+    "inprocess": InProcessTransport,
+    "loopback": LoopbackTransport,
+    "mooncake": lambda: MooncakeTransport("127.0.0.1"),
+}
+
+
+@pytest.mark.parametrize("kind", list(FACTORIES))
+def test_a_batch_lands_and_unregistered_memory_is_refused(kind: str) -> None:
+    sender, receiver = FACTORIES[kind](), FACTORIES[kind]()
+    src = torch.arange(4096, dtype=torch.int32)
+    dst = torch.zeros(4096, dtype=torch.int32)
+    outside = torch.zeros(16, dtype=torch.int32)
+    try:
+        sender.register(src.data_ptr(), src.numel() * 4)
+        receiver.register(dst.data_ptr(), dst.numel() * 4)
+        batch = [
+            Segment(src.data_ptr(), dst.data_ptr() + 400, 400),
+            Segment(src.data_ptr() + 8000, dst.data_ptr() + 8000, 4000),
+        ]
+        sender.write(receiver.endpoint, batch)
+        assert torch.equal(dst[100:200], src[:100])
+        assert torch.equal(dst[2000:3000], src[2000:3000])
+        assert int(dst[:100].abs().sum()) == 0 and int(dst[3000:].abs().sum()) == 0
+        with pytest.raises(TransferError):
+            sender.write(receiver.endpoint, [Segment(src.data_ptr(), outside.data_ptr(), 64)])
+        assert int(outside.abs().sum()) == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_loopback_never_writes_off_host() -> None:
+    with pytest.raises(TransferError, match="only writes to 127.0.0.1"):
+        LoopbackTransport().write("10.0.0.1:5000", [Segment(1, 1, 1)])
