@@ -151,6 +151,10 @@ class PagePool:
         """Pages needed to hold ``n_tokens`` tokens of KV."""
         return pages_needed(n_tokens, self._page_size)
 
+    def free_queue(self) -> tuple[int, ...]:
+        """The FIFO order ``allocate`` will hand FREE pages out in (for the model checker)."""
+        return tuple(self._free)
+
     def page(self, page_id: int) -> PageSnapshot:
         return PageSnapshot(
             page_id, self._state[page_id], self._generation[page_id], self._owner[page_id]

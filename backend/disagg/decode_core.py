@@ -34,11 +34,8 @@ from backend.core.errors import KvguardError
 from backend.core.request import Request, RequestState
 from backend.disagg.decode_scheduler import DecodeScheduler, Release
 from backend.disagg.errors import (
-    HandoffFailed,
-    HandoffRefused,
     HandoffTimedOut,
     ProtocolVersionMismatch,
-    RemoteEngineError,
 )
 from backend.disagg.faults import FaultSet
 from backend.disagg.kvio import algorithm_of, kv_digest, page_fingerprints
@@ -49,6 +46,7 @@ from backend.disagg.machines import (
     HandoffProof,
     Machine,
     Verdict,
+    refusal,
     release_deadline,
     verify_result,
 )
@@ -213,7 +211,7 @@ class DecodeEngineCore(EngineCore):
             self._log_accept(request_id, handoff)
             self._count(HandoffOutcome.OK.value)
         else:
-            to, error = self._refusal(request_id, result, verdict)
+            to, error = refusal(request_id, result, verdict)
             outcome.failed.append(
                 self.decode.end_awaiting(request_id, to, error, release=Release.FREE)
             )
@@ -394,22 +392,6 @@ class DecodeEngineCore(EngineCore):
             round(result.transfer_s * 1000, 3),
             round(result.checksum_s * 1000, 3),
         )
-
-    def _refusal(
-        self, request_id: str, result: PrefillResult, verdict: Verdict
-    ) -> tuple[RequestState, KvguardError | None]:
-        if verdict.failed is Check.OUTCOME:
-            error = result.error
-            if result.outcome is HandoffOutcome.REJECTED and error is not None:
-                return RequestState.REJECTED, RemoteEngineError(
-                    error.code, error.http_status, error.message
-                )
-            if result.outcome is HandoffOutcome.ABORTED:
-                return RequestState.ABORTED, None
-            reason = error.message if error is not None else f"prefill said {result.outcome}"
-            return RequestState.FAILED, HandoffFailed(request_id, reason)
-        check = verdict.failed.value if verdict.failed is not None else "unknown"
-        return RequestState.FAILED, HandoffRefused(request_id, check, verdict.detail)
 
     def _start_drain(self, handoff: _Handoff) -> None:
         now = self._clock()

@@ -46,7 +46,9 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Generic, TypeVar
 
-from backend.core.errors import InvalidTransition
+from backend.core.errors import InvalidTransition, KvguardError
+from backend.core.request import RequestState
+from backend.disagg.errors import HandoffFailed, HandoffRefused, RemoteEngineError
 from backend.disagg.protocol import HandoffOutcome, PageGrant, PrefillResult, TokenRange
 
 
@@ -272,6 +274,56 @@ def _pages_problem(
     if not pages_current(expect.grants):
         return "a reserved page is no longer current or no longer ours"
     return None
+
+
+def refusal(
+    request_id: str, result: PrefillResult, verdict: Verdict
+) -> tuple[RequestState, KvguardError | None]:
+    """How a refused result ends the request: prefill's own outcome with its original error.
+
+    Shared by ``DecodeEngineCore`` and the model checker (``backend.verify``), so property 5
+    (a rejection ends REJECTED with the original error) is checked on the code that runs.
+    """
+    if verdict.failed is Check.OUTCOME:
+        error = result.error
+        if result.outcome is HandoffOutcome.REJECTED and error is not None:
+            return RequestState.REJECTED, RemoteEngineError(
+                error.code, error.http_status, error.message
+            )
+        if result.outcome is HandoffOutcome.ABORTED:
+            return RequestState.ABORTED, None
+        reason = error.message if error is not None else f"prefill said {result.outcome}"
+        return RequestState.FAILED, HandoffFailed(request_id, reason)
+    check = verdict.failed.value if verdict.failed is not None else "unknown"
+    return RequestState.FAILED, HandoffRefused(request_id, check, verdict.detail)
+
+
+# -- prefill's transfer loop, as decisions --------------------------------------------------------
+
+
+def may_start_batch(*, cancelled: bool, lease_over: bool) -> bool:
+    """Prefill checks before every batch: once cancelled or past its lease, no batch starts."""
+    return not cancelled and not lease_over
+
+
+def lease_cut_short(*, written: int, total: int, cancelled: bool) -> bool:
+    """The loop stopped before the last batch without a cancellation: the lease ended."""
+    return written < total and not cancelled
+
+
+def transfer_end(
+    state: PrefillHandoffState, *, written: int, total: int, failed: bool
+) -> PrefillHandoffState:
+    """Prefill's terminal state once no batch is in flight (shared with ``backend.verify``).
+
+    ``failed``: the transport raised, or the lease cut the transfer short. Only a transfer that
+    wrote every page, uncancelled, SUCCEEDED; a cancelled or partial one is ABORTED.
+    """
+    if failed:
+        return _P.FAILED
+    if state is _P.CANCELLING or written < total:
+        return _P.ABORTED
+    return _P.SUCCEEDED
 
 
 # -- the drain bound ------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ from backend.disagg.machines import (
     PREFILL_TRANSITIONS,
     Machine,
     PrefillHandoffState,
+    lease_cut_short,
+    may_start_batch,
+    transfer_end,
 )
 from backend.disagg.protocol import (
     PROTOCOL_VERSION,
@@ -261,10 +264,14 @@ class PrefillService:
         self._metrics.transfer_seconds.observe(transfer_s)
         self._metrics.checksum_seconds.observe(checksum_s)
         written = grants[: handoff.written]
-        if error is not None:
-            return self._finish(handoff, _P.FAILED, error, written=written)
-        if handoff.machine.state is _P.CANCELLING or handoff.written < len(grants):
-            return self._finish(handoff, _P.ABORTED, None, written=written)
+        to = transfer_end(
+            handoff.machine.state,
+            written=handoff.written,
+            total=len(grants),
+            failed=error is not None,
+        )
+        if to is not _P.SUCCEEDED:
+            return self._finish(handoff, to, error, written=written)
         return self._finish(
             handoff,
             _P.SUCCEEDED,
@@ -289,7 +296,8 @@ class PrefillService:
         started = time.perf_counter()
         pages_per_batch = message.target.max_batch_pages
         for index, batch in enumerate(batches):
-            if handoff.cancel.is_set() or self._clock() >= handoff.lease_end:
+            lease_over = self._clock() >= handoff.lease_end
+            if not may_start_batch(cancelled=handoff.cancel.is_set(), lease_over=lease_over):
                 break
             # From here the batch is committed: like an RDMA write, it cannot be recalled.
             self._simulate_link(batch)
@@ -305,7 +313,9 @@ class PrefillService:
                 )
             handoff.written = min(len(grants), (index + 1) * pages_per_batch)
         transfer_s = time.perf_counter() - started
-        if handoff.written < len(grants) and not handoff.cancel.is_set():
+        if lease_cut_short(
+            written=handoff.written, total=len(grants), cancelled=handoff.cancel.is_set()
+        ):
             error = HandoffFailed(message.request_id, "lease ended during the transfer")
             return checksum, checksum_s, transfer_s, error
         return checksum, checksum_s, transfer_s, None

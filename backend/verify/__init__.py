@@ -1,0 +1,85 @@
+"""An exhaustive, bounded model checker of the prefill -> decode handoff and the page lifecycle.
+
+It drives the code's own pieces (``PagePool``, ``RequestState``/``TRANSITIONS``, the handoff
+tables through ``Machine``, the ``FaultSet``, the message classes through their wire codec,
+``admit``, ``verify_result``, ``refusal``, prefill's transfer-loop decisions) and models only what
+lies outside them: page memory, in-flight one-sided writes, an unordered control channel, client
+aborts and timeouts, role crashes, prefill's lease clock and a peer on another protocol version.
+
+Lifecycle of one run (``check``): build the initial ``World`` of a ``Bound`` -> breadth-first
+over every enabled move (``actions.successors``), hashing states (``World.key``) -> judge the named
+invariants on every new state (``invariants``) -> stop at the first violation with the shortest
+trace, or finish and check liveness under fairness -> ``Report``.
+
+    .venv/bin/python -m backend.verify [--bound small|large] [--fault NAME ...]
+
+Mutation check: each fault drill, turned on in the model, yields a counterexample for the
+property it breaks (asserted in ``tests/backend/verify``). ``MUTATIONS`` is this table:
+
+======================================================  ===========  =========================
+faults turned on                                        bound        invariant violated
+======================================================  ===========  =========================
+legacy_reject_handoff                                   incident     5 rejection
+legacy_reject_handoff + skip_transfer_check             incident     1 evidence
+  + skip_generation_check + skip_checksum
+the four above + no_zero_on_free                        incident     2 owner reads
+early_release_on_abort                                  reuse        3 no free under write
+early_release_on_abort                                  reuse        4 no late read
+======================================================  ===========  =========================
+
+Each skip_* drill alone cannot break anything with an honest prefill (its check is one of three
+that all refuse the legacy placeholder), so each is shown the other way round: with the incident
+set minus that one drill, property 1 holds again (that defence alone stops the incident).
+No fault drill disables the version check, so nothing breaks property 6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backend.disagg.faults import Fault
+from backend.verify.bounds import BOUNDS
+from backend.verify.explore import LIVENESS, Report, check
+from backend.verify.invariants import ALL_INVARIANTS, Invariant
+from backend.verify.world import Bound, RequestSpec
+
+INCIDENT_FAULTS = frozenset(
+    {
+        Fault.LEGACY_REJECT_HANDOFF,
+        Fault.SKIP_TRANSFER_CHECK,
+        Fault.SKIP_GENERATION_CHECK,
+        Fault.SKIP_CHECKSUM,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Mutation:
+    """Turning ``faults`` on in bound ``bound`` must yield a counterexample for ``breaks``."""
+
+    faults: frozenset[Fault]
+    bound: str
+    breaks: Invariant
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(frozenset({Fault.LEGACY_REJECT_HANDOFF}), "incident", Invariant.REJECTION),
+    Mutation(INCIDENT_FAULTS, "incident", Invariant.EVIDENCE),
+    Mutation(INCIDENT_FAULTS | {Fault.NO_ZERO_ON_FREE}, "incident", Invariant.OWNER_READS),
+    Mutation(frozenset({Fault.EARLY_RELEASE_ON_ABORT}), "reuse", Invariant.NO_FREE_UNDER_WRITE),
+    Mutation(frozenset({Fault.EARLY_RELEASE_ON_ABORT}), "reuse", Invariant.NO_LATE_READ),
+)
+
+__all__ = [
+    "ALL_INVARIANTS",
+    "BOUNDS",
+    "INCIDENT_FAULTS",
+    "LIVENESS",
+    "MUTATIONS",
+    "Mutation",
+    "Bound",
+    "Invariant",
+    "Report",
+    "RequestSpec",
+    "check",
+]

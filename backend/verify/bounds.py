@@ -1,0 +1,90 @@
+"""The documented bounds. Each named bound is a few small instances, each covering every ordering.
+
+- ``incident``: tenant A's request fits; tenant B's is over-long for prefill's real pool but fits
+  decode's (the incident's configuration: window 8 > prefill pool 4). One client abort, one
+  result timeout, one stale capacity view (decode admits B against its own pool only, so
+  prefill's admission is exercised as the second line), one prefill crash.
+- ``reuse``: two requests that both fit but not together, so the second reuses the first's pages
+  (late writes, quarantine, zeroing); one client abort, one timeout.
+- ``mixed``: prefill speaks protocol version 2, decode version 1.
+- ``large``: ``large-incident`` adds a third request to ``incident`` (without the crash);
+  ``large-reuse`` gives ``reuse`` two client aborts, a prefill crash and a decode crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from types import MappingProxyType
+
+from backend.verify.world import Bound, RequestSpec
+
+_A, _B, _C = RequestSpec("A", 2), RequestSpec("B", 3), RequestSpec("C", 2)
+
+INCIDENT = Bound(
+    "incident",
+    (_A, _B),
+    decode_pages=5,
+    prefill_pages=4,
+    context_window=8,
+    max_batch_pages=1,
+    client_aborts=1,
+    timeouts=1,
+    prefill_crashes=1,
+    stale_capacity_views=1,
+)
+# The incident alone (no aborts, timeouts or crashes): enough to show which check stops it.
+INCIDENT_CORE = replace(
+    INCIDENT, name="incident-core", client_aborts=0, timeouts=0, prefill_crashes=0
+)
+REUSE = Bound(
+    "reuse",
+    (_A, _C),
+    decode_pages=5,
+    prefill_pages=4,
+    context_window=8,
+    max_batch_pages=1,
+    client_aborts=1,
+    timeouts=1,
+)
+MIXED = Bound(
+    "mixed",
+    (_A, _C),
+    decode_pages=5,
+    prefill_pages=4,
+    context_window=8,
+    max_batch_pages=1,
+    client_aborts=1,
+    timeouts=1,
+    prefill_version=2,
+)
+LARGE_INCIDENT = Bound(
+    "large-incident",
+    (_A, _B, RequestSpec("D", 1)),
+    decode_pages=6,
+    prefill_pages=4,
+    context_window=8,
+    max_batch_pages=1,
+    client_aborts=1,
+    timeouts=1,
+    stale_capacity_views=1,
+)
+LARGE_REUSE = Bound(
+    "large-reuse",
+    (_A, _C),
+    decode_pages=5,
+    prefill_pages=4,
+    context_window=8,
+    max_batch_pages=1,
+    client_aborts=2,
+    timeouts=1,
+    prefill_crashes=1,
+    decode_crashes=1,
+)
+
+BOUNDS: Mapping[str, tuple[Bound, ...]] = MappingProxyType(
+    {
+        "small": (INCIDENT, REUSE, MIXED),
+        "large": (LARGE_INCIDENT, LARGE_REUSE, MIXED),
+    }
+)
