@@ -18,6 +18,9 @@ What happens to each candidate (``CNRY-`` followed by a run of base32 characters
 * complete (32 characters) and genuine (MAC verifies):
   - the owner's tag and one of ``own_nonces`` -> stripped silently (the tenant never sees its
     own marker, so it can neither replay it nor learn its tag);
+  - the owner's tag and one of ``carried_nonces`` (markers the client itself sent in this
+    request: only a key holder, i.e. a canary probe, can have one) -> delivered as it is, so a
+    probe can check that the answer copied its marker;
   - the owner's tag, another nonce -> CONFIRMED ``cross_request`` finding, cut;
   - another tag -> CONFIRMED ``cross_tenant`` finding, cut (victim tenant named when
     ``known_tags`` knows the tag).
@@ -47,7 +50,7 @@ marker.
 Limits: the scanner keys on the literal ``CNRY-`` prefix. A marker body copied without it, or
 rewritten (lowercased, spaced out, zero-width characters, homoglyphs) is not detected; markers
 are a canary for accidental leaks, not a defence against a model told to disguise what it saw.
-``own_nonces`` and the keyring are read once, at construction.
+``own_nonces``, ``carried_nonces`` and the keyring are read once, at construction.
 """
 
 from __future__ import annotations
@@ -178,6 +181,7 @@ class StreamScanner:
     """Scans one response stream of ``owner_tenant_id``; see the module docstring."""
 
     __slots__ = (
+        "_carried",
         "_carry",
         "_codec",
         "_delivered",
@@ -198,12 +202,14 @@ class StreamScanner:
         owner_tenant_id: str,
         own_nonces: Iterable[bytes],
         known_tags: KnownTags | None = None,
+        carried_nonces: Iterable[bytes] = (),
     ) -> None:
         self._codec = codec
         self._owner = owner_tenant_id
         self._own_nonces = frozenset(own_nonces)
-        if any(len(n) != NONCE_BYTES for n in self._own_nonces):
-            raise ValueError(f"own nonces must be {NONCE_BYTES} bytes each")
+        self._carried = frozenset(carried_nonces) - self._own_nonces
+        if any(len(n) != NONCE_BYTES for n in self._own_nonces | self._carried):
+            raise ValueError(f"own and carried nonces must be {NONCE_BYTES} bytes each")
         self._owner_tags = {
             kid: codec.tenant_tag(owner_tenant_id, key_id=kid) for kid in codec.keyring.key_ids
         }
@@ -334,6 +340,8 @@ class StreamScanner:
         if v.tenant_tag == self._owner_tags.get(v.key_id):
             if v.nonce in self._own_nonces:
                 return _Action.STRIP, None
+            if v.nonce in self._carried:
+                return _Action.DELIVER, None
             kind, victim = FindingKind.CROSS_REQUEST, self._owner
         else:
             kind, victim = FindingKind.CROSS_TENANT, self._lookup(v.tenant_tag)

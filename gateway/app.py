@@ -3,7 +3,8 @@
 Lifespan, in order: database (upgrade to head when ``migrate_on_start``) -> limiter (Redis when
 ``KVGUARD_REDIS_URL`` is set, else in-process) -> one shared HTTP client -> engine registry
 (configured + admin-registered engines) and a first capacity poll -> background tasks (poller,
-audit writer, lease refresh). Shutdown runs the same list backwards, flushing audit rows last.
+audit writer, lease refresh) -> hook services (the canary). Shutdown runs the same list
+backwards, flushing audit rows last.
 """
 
 from __future__ import annotations
@@ -135,9 +136,15 @@ def create_app(
         )
         app.state.gateway = state
         tasks = await start(state)
+        started = []
         try:
+            for service in state.hooks.services:
+                await service.start(state)
+                started.append(service)
             yield
         finally:
+            for service in reversed(started):
+                await service.stop()
             await stop(state, tasks)
 
     app = FastAPI(title="kvguard gateway", version="0.1.0", lifespan=lifespan)
@@ -145,4 +152,6 @@ def create_app(
     app.add_middleware(BodyGuardMiddleware, max_bytes=settings.max_body_bytes)
     for router in (openai.router, tenant.router, admin.router, health.router):
         app.include_router(router)
+    for extra in hooks.routers if hooks is not None else []:
+        app.include_router(extra)
     return app

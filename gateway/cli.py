@@ -102,6 +102,8 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
 def run_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from canary.config import CanarySettings
+    from canary.runtime import build_hooks
     from gateway.app import create_app
     from gateway.config import GatewaySettings, parse_engine_arg
 
@@ -112,8 +114,12 @@ def run_gateway(args: argparse.Namespace) -> int:
     if args.port is not None:
         overrides["port"] = args.port
     settings = GatewaySettings(**overrides)
+    hooks = build_hooks(CanarySettings())  # the leak firewall: on unless KVGUARD_CANARY_ENABLED=0
     config = uvicorn.Config(
-        create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level
+        create_app(settings, hooks=hooks),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
     )
     uvicorn.Server(config).run()
     return 0

@@ -1,13 +1,23 @@
 """Seams where other parts (the canary) plug into the request and response paths.
 
 - ``RequestHook.prepare``: may rewrite the upstream body before tokens are counted (so an
-  injected canary marker is counted and limited like any other prompt text).
+  injected canary marker is counted and limited like any other prompt text; a request that fits
+  only without what the hooks added is sent as the client wrote it).
 - ``GuardFactory.open`` -> ``StreamGuard``: sees every piece of response text in order,
   streaming or not. ``feed`` returns the text to deliver now (it may hold some back: a marker
   could be completing across chunks) or a ``Cut``; ``finish`` releases what was held back, or
   cuts. After a ``Cut`` the gateway sends an OpenAI-style error (an SSE error event mid-stream,
   an error response otherwise), closes the upstream and calls ``on_cut``.
 - ``on_cut``: told ids only (request, tenant, engine), never content.
+- ``on_finish``: told, once per request at its single exit, the ids, counts and timings of a
+  ``RequestReport`` (never content): the canary's lower-severity checks and per-request cleanup.
+- ``services``: started with the gateway's state once the lifespan has built it, stopped before
+  it is torn down (the canary's background work and its access to the state).
+- ``routers``: extra API routers the app mounts (the canary's findings and probe-run API).
+
+A response can carry several choices: the relay opens one guard per choice (``GuardFactory.open``
+is called once per choice and once for the event fields around the text), so a guard only ever
+sees one text stream in order.
 
 The default hooks pass everything through untouched, so streamed bytes reach the client exactly
 as the engine sent them.
@@ -17,7 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from fastapi import APIRouter
+
+    from gateway.state import GatewayState
+
+
+ENGINE_HEADER = "x-kvguard-engine"
+"""Response header naming the engine that served a *synthetic* (canary probe) tenant's request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +89,35 @@ class PassThroughFactory:
         return PassThroughGuard()
 
 
+@dataclass(frozen=True, slots=True)
+class RequestReport:
+    """How one request ended: ids, counts and timings only.
+
+    ``prompt_tokens`` is the gateway's own count (exact for engines with a tokenizer endpoint,
+    ``exact_count``; a safe upper bound otherwise); ``engine_prompt_tokens`` is what the engine
+    reported in ``usage``. ``first_token_s`` is the time from forwarding to the first streamed
+    text (streaming only).
+    """
+
+    info: RequestInfo
+    outcome: str
+    status: int
+    stream: bool
+    prompt_tokens: int | None
+    engine_prompt_tokens: int | None
+    completion_tokens: int | None
+    exact_count: bool
+    first_token_s: float | None
+
+
 OnCut = Callable[[RequestInfo, Cut], Awaitable[None]]
+OnFinish = Callable[[RequestReport], Awaitable[None]]
+
+
+class HookService(Protocol):
+    async def start(self, state: GatewayState) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -78,3 +125,6 @@ class GatewayHooks:
     request_hooks: list[RequestHook] = field(default_factory=list)
     guards: GuardFactory = field(default_factory=PassThroughFactory)
     on_cut: OnCut | None = None
+    on_finish: OnFinish | None = None
+    services: list[HookService] = field(default_factory=list)
+    routers: list[APIRouter] = field(default_factory=list)

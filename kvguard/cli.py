@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from canary import cli as canary_cli
 from gateway import cli as gateway_cli
 from kvguard import up
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up.register(subparsers)
     gateway_cli.register(subparsers)
+    canary_cli.register(subparsers)
     from backend import cli as backend_cli
 
     backend_cli.register(subparsers)

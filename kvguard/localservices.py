@@ -1,4 +1,4 @@
-"""Private Redis and PostgreSQL servers started from the installed binaries.
+"""Private Redis, PostgreSQL and Prometheus servers started from the installed binaries.
 
 Used by the test suite (each session gets its own servers on free ports in temp dirs, so parallel
 sessions never collide and no test depends on a service left running by hand) and by
@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 POSTGRES_BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
 
@@ -158,3 +159,54 @@ def _wait_for_postgres_ready(host: str, port: int) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def prometheus_server(
+    config: dict[str, Any], rule_files: dict[str, str] | None = None, host: str = "127.0.0.1"
+) -> Iterator[RunningService]:
+    """Debian's ``prometheus`` on a free port with ``config`` (a prometheus.yml as a dict).
+
+    ``rule_files`` maps file names to rule YAML written beside the config; the config's
+    ``rule_files`` may name them relative to that directory.
+    """
+    import yaml  # local import: only this server needs YAML
+
+    binary = find_binary("prometheus")
+    port = free_port(host)
+    data_dir = Path(tempfile.mkdtemp(prefix="kvguard-prometheus-"))
+    for name, text in (rule_files or {}).items():
+        (data_dir / name).write_text(text, encoding="utf-8")
+    config_path = data_dir / "prometheus.yml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    argv = [str(binary), f"--config.file={config_path}", f"--storage.tsdb.path={data_dir / 'tsdb'}"]
+    argv += [f"--web.listen-address={host}:{port}", "--web.enable-lifecycle", "--log.level=warn"]
+    log = open(data_dir / "prometheus.log", "wb")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(argv, cwd=data_dir, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{host}:{port}"
+    try:
+        _wait_for_port(proc, "prometheus", host, port)
+        _wait_for_http_ok(proc, "prometheus", url + "/-/ready")
+        yield RunningService("prometheus", host, port, url, data_dir)
+    finally:
+        _stop(proc)
+        log.close()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _wait_for_http_ok(proc: subprocess.Popen[bytes], name: str, url: str) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServiceUnavailable(f"{name} exited with status {proc.returncode} during start-up")
+        with (
+            contextlib.suppress(urllib.error.URLError, OSError),
+            urllib.request.urlopen(url, timeout=1.0) as response,
+        ):
+            if response.status == 200:
+                return
+        time.sleep(0.1)
+    raise ServiceUnavailable(f"{name} was not ready at {url} within 30 s")

@@ -5,6 +5,11 @@ Profiles:
   (SQLite under ``--data-dir``, in-process limits) on 127.0.0.1. Once both are healthy a demo
   tenant key is issued through ``kvguard admin`` (the same settings the gateway reads), and the
   banner shows a ``curl`` that works with it.
+- ``production-like``: the compose topology (compose.yaml) without Docker, on 127.0.0.1: private
+  PostgreSQL, Redis and Prometheus (kvguard.localservices, temp dirs, discarded at exit); migrations
+  run once; the backend as separate prefill and decode roles; ``--gateway-replicas`` gateways
+  sharing PostgreSQL and Redis; ``KVGUARD_MODE=production`` with a fresh admin token and canary
+  key printed in the banner. Prometheus scrapes every role and loads the committed alert rules.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 
 from kvguard.supervisor import RoleSpec, Supervisor
 
-PROFILES = ("embedded",)
+PROFILES = ("embedded", "production-like")
 DEMO_TENANT = "demo"
 
 
@@ -33,6 +38,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
     parser.add_argument("--backend-port", type=int, default=8100)
     parser.add_argument("--data-dir", type=Path, default=Path("data"), help="SQLite and state")
+    parser.add_argument(
+        "--prefill-port", type=int, default=8101, help="production-like: the prefill role's port"
+    )
+    parser.add_argument(
+        "--gateway-replicas",
+        type=int,
+        default=2,
+        help="production-like: gateways on --port, --port+1, ... sharing PostgreSQL and Redis",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -95,6 +109,10 @@ def banner(gateway_url: str, backend_url: str, key: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.profile == "production-like":
+        from kvguard.up_production import run_production_like
+
+        return run_production_like(args)
     env = stack_env(args.data_dir)
     roles = embedded_roles(args, env)
     backend, gateway = roles

@@ -1,4 +1,4 @@
-"""Alembic environment: the gateway's table metadata and a connection, nothing else.
+"""Alembic environment: the gateway's and the canary's table metadata and a connection.
 
 The engine comes from ``config.attributes["engine"]`` (kvguard's code path) or from
 ``-x url=...`` (the Alembic CLI). Batch mode lets SQLite run the ALTERs it lacks.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Engine, create_engine
 
+import canary.findings  # noqa: F401  (registers the canary's tables on the same metadata)
 from gateway.db.models import Base
 
 target_metadata = Base.metadata

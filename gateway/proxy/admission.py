@@ -7,6 +7,7 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
 3. count: exact prompt tokens from the engine's own tokenizer;
 4. fit: prompt + max_tokens <= min(window, every role's real pool, engine limits, plan cap)
    on at least one engine (400 ``context_length_exceeded`` stating the real limit and the size);
+   a request that fits only without what the hooks added is sent as the client wrote it;
 5. limits: one atomic take of request, tokens and a concurrency lease (429 + Retry-After; 503 if
    the shared limiter is down, unless configured to fail open);
 6. choose: least in-flight among the engines the request fits.
@@ -52,20 +53,38 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
     routable = route(state, ctx.model)
     ctx.advance(Phase.ROUTED)
     max_tokens = body.requested_max_tokens() or state.settings.default_max_tokens
-    upstream_body = body.upstream_body(max_tokens=max_tokens)
+    plain_body = body.upstream_body(max_tokens=max_tokens)
+    upstream_body = plain_body
     for hook in state.hooks.request_hooks:
         upstream_body = await hook.prepare(ctx.info(), upstream_body)
-    prompt_tokens = await count_prompt(state, routable, upstream_body, ctx)
-    size = RequestSize(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
-    ctx.prompt_tokens, ctx.max_tokens = prompt_tokens, max_tokens
     plan_cap = ctx.principal.plan.max_context_tokens
-    fitting = [r for r in routable if r.snapshot is not None and fits(r.snapshot, size, plan_cap)]
+    size, fitting = await _measure(state, routable, upstream_body, ctx, max_tokens, plan_cap)
+    if not fitting and upstream_body is not plain_body:
+        # What a hook added (a canary marker) must never be the reason a request is refused:
+        # send it as the client wrote it, or refuse it with the client's own size.
+        upstream_body = plain_body
+        size, fitting = await _measure(state, routable, plain_body, ctx, max_tokens, plan_cap)
+    ctx.prompt_tokens, ctx.max_tokens = size.prompt_tokens, max_tokens
     if not fitting:
         raise too_long(routable, size, plan_cap, param=_param(body))
     ctx.lease = await take_lease(state, ctx, size)
     ctx.advance(Phase.ADMITTED)
     engine = state.registry.choose(fitting)
     return Admitted(engine=engine, size=size, body=upstream_body)
+
+
+async def _measure(
+    state: GatewayState,
+    routable: list[EngineRecord],
+    body: dict[str, Any],
+    ctx: RequestContext,
+    max_tokens: int,
+    plan_cap: int | None,
+) -> tuple[RequestSize, list[EngineRecord]]:
+    prompt_tokens = await count_prompt(state, routable, body, ctx)
+    size = RequestSize(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+    fitting = [r for r in routable if r.snapshot is not None and fits(r.snapshot, size, plan_cap)]
+    return size, fitting
 
 
 def route(state: GatewayState, model: str) -> list[EngineRecord]:

@@ -16,7 +16,7 @@ from opentelemetry.trace import Span
 from gateway.db.models import utcnow
 from gateway.domain import Principal
 from gateway.engines.registry import EngineRecord
-from gateway.hooks import RequestInfo
+from gateway.hooks import RequestInfo, RequestReport
 from gateway.lifecycle import Phase, check_transition
 from gateway.limits.base import Lease
 from gateway.upstream.base import Endpoint
@@ -92,6 +92,8 @@ class RequestContext:
     handoff: HandoffProof | None = None
     first_byte_s: float | None = None
     forwarded_s: float | None = None
+    engine_prompt_tokens: int | None = None  # the engine's own usage.prompt_tokens
+    first_token_s: float | None = None  # forwarding -> first streamed text
 
     def advance(self, phase: Phase) -> None:
         self.phase = check_transition(self.phase, phase)
@@ -108,4 +110,17 @@ class RequestContext:
             synthetic=self.principal.synthetic,
             canary_sample_rate=self.principal.canary_sample_rate,
             engine=None if self.engine is None else self.engine.name,
+        )
+
+    def report(self, *, status: int) -> RequestReport:
+        return RequestReport(
+            info=self.info(),
+            outcome=self.phase.value,
+            status=status,
+            stream=self.stream,
+            prompt_tokens=self.prompt_tokens,
+            engine_prompt_tokens=self.engine_prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            exact_count=self.engine is not None and self.engine.spec.introspected,
+            first_token_s=self.first_token_s,
         )

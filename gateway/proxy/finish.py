@@ -73,6 +73,11 @@ async def finish(
             ctx.engine.in_flight -= 1
             state.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).dec()
         _record(state, ctx, status=status, code=code)
+        if state.hooks.on_finish is not None:
+            try:
+                await state.hooks.on_finish(ctx.report(status=status))
+            except Exception:
+                log.exception("on_finish hook failed for request %s", ctx.request_id)
 
 
 def _record(state: GatewayState, ctx: RequestContext, *, status: int, code: str | None) -> None:

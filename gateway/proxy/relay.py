@@ -1,17 +1,27 @@
-"""Relaying an engine's answer to the client through the response guard, event by event.
+"""Relaying an engine's answer to the client through the response guards, event by event.
 
 ``StreamRelay`` turns each upstream SSE event into the bytes the client gets (pure: no I/O):
 
-- keep-alives, comments and ``[DONE]`` pass as they are;
-- a chunk whose text the guard lets through unchanged passes byte for byte; a changed text
-  (held back or released) is re-serialised with only that text replaced;
-- the guard is finished on the chunk carrying ``finish_reason`` (its held-back tail joins that
-  chunk), or at ``[DONE]`` as a chunk of its own;
+- keep-alives and comments become one canonical keep-alive (a comment is free text a client
+  never reads, so nothing an engine writes there is passed on); ``[DONE]`` passes;
+- every choice's text goes through its own guard (``open_guard()`` once per choice index, so a
+  guard sees one text stream in order); a chunk whose texts all pass unchanged passes byte for
+  byte, a changed text (held back or released) is re-serialised with only the texts replaced;
+- every other string of an event (ids, names, keys, error messages, extension fields) goes
+  through the side guards (``gateway.proxy.side``): they can only cut, never rewrite, so a foreign
+  marker an engine hides outside the text still never reaches the client complete;
+- a choice's guard is finished on the chunk carrying its ``finish_reason`` (its held-back tail
+  joins that chunk), or at ``[DONE]`` as a chunk of its own;
 - a ``Cut`` becomes an OpenAI-style error event and ends the stream;
 - the usage-only chunk (which the gateway always asks for) reaches the client only if the client
   asked for it; usage and the handoff proof are recorded from it;
-- an upstream error event passes through and ends the stream as failed; a stream that ends
-  without ``[DONE]`` gets an error event (never a silently truncated 200).
+- an upstream error event passes through (screened) and ends the stream as failed; a stream that
+  ends without ``[DONE]`` gets an error event (never a silently truncated 200);
+- an event the gateway cannot vouch for (not JSON, too many choices, text after a choice
+  finished) ends the stream as an upstream error. An event with SSE fields other than ``data``
+  is re-serialised from its data. Duplicate JSON keys are read as clients read them (the last
+  one wins in JavaScript, Python, Go and Jackson; serde refuses them), so they are not checked:
+  the check doubled the cost of parsing every event.
 
 ``relay_body`` does the same for a non-streaming answer.
 """
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +38,17 @@ from gateway.errors import error_body
 from gateway.hooks import Cut, Emit, StreamGuard
 from gateway.lifecycle import Phase
 from gateway.proxy.context import HandoffProof, parse_handoff
+from gateway.proxy.side import InvalidSide, SideScreen
 from gateway.upstream.base import Endpoint
-from gateway.upstream.sse import DONE, encode_event, event_data
+from gateway.upstream.sse import DONE, encode_event
+
+MAX_CHOICES = 16
+KEEP_ALIVE = b": keep-alive\n\n"
+OpenGuard = Callable[[], StreamGuard]
+
+
+class InvalidUpstream(ValueError):
+    """An engine answer the gateway cannot vouch for (the message names no content)."""
 
 
 def error_event(message: str, code: str, type_: str = "server_error") -> bytes:
@@ -51,34 +71,42 @@ class Step:
 @dataclass(slots=True)
 class StreamRelay:
     endpoint: Endpoint
-    guard: StreamGuard
+    open_guard: OpenGuard
     wants_usage: bool
     refuse_handoff_mismatch: bool = True
+    screen_side: bool = True  # off only when the guards pass everything (no canary)
+    side_prefilter: Callable[[str], bool] | None = None
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
     handoff: HandoffProof | None = None
     cut: Cut | None = None
-    _finished_guard: bool = False
+    saw_text: bool = False
+    _guards: dict[int, StreamGuard] = field(default_factory=dict, repr=False)
+    _finished: set[int] = field(default_factory=set)
+    _side: SideScreen | None = field(default=None, repr=False)
     _template: dict[str, Any] | None = field(default=None, repr=False)
 
     def on_event(self, raw: bytes) -> Step:
-        data = event_data(raw)
+        data, canonical = parse_event(raw)
         if data is None:
-            return Step([raw])
+            return Step([KEEP_ALIVE])
         if data.strip() == DONE:
-            return self._on_done(raw)
+            return self._on_done(raw if canonical else encode_event(DONE))
         try:
-            obj = json.loads(data)
+            obj = parse_json(data)
         except ValueError:
             obj = None
         if not isinstance(obj, dict):
-            return Step(
-                [error_event("the engine sent an invalid event", "upstream_error")],
-                Phase.FAILED,
-                "upstream_error",
-            )
+            return self._invalid()
+        if self.screen_side:
+            try:
+                side = self._screen_side(obj, data)
+            except InvalidSide:
+                return self._invalid()
+            if side is not None:
+                return side
         if "error" in obj:
-            return Step([raw], Phase.FAILED, _error_code(obj))
+            return Step([raw if canonical else encode_event(obj)], Phase.FAILED, _error_code(obj))
         self._note(obj)
         mismatch = self.handoff is not None and not self.handoff.consistent
         if mismatch and self.refuse_handoff_mismatch:
@@ -88,8 +116,12 @@ class StreamRelay:
             )
         choices = obj.get("choices")
         if not choices:
-            return Step([raw] if self.wants_usage or "usage" not in obj else [])
-        return self._on_chunk(raw, obj)
+            keep = self.wants_usage or "usage" not in obj
+            return Step([raw if canonical else encode_event(obj)] if keep else [])
+        try:
+            return self._on_chunk(raw if canonical else None, obj, choices)
+        except InvalidUpstream:
+            return self._invalid()
 
     def on_upstream_end(self) -> Step:
         return Step(
@@ -98,79 +130,174 @@ class StreamRelay:
             "upstream_error",
         )
 
+    def _invalid(self) -> Step:
+        return Step(
+            [error_event("the engine sent an invalid event", "upstream_error")],
+            Phase.FAILED,
+            "upstream_error",
+        )
+
+    def _cut(self, cut: Cut) -> Step:
+        self.cut = cut
+        return Step([cut_event(cut)], Phase.CUT, cut.code)
+
     def _note(self, obj: dict[str, Any]) -> None:
         usage = obj.get("usage")
         if isinstance(usage, dict):
-            if isinstance(usage.get("completion_tokens"), int):
+            if _count(usage.get("completion_tokens")) is not None:
                 self.completion_tokens = usage["completion_tokens"]
-            if isinstance(usage.get("prompt_tokens"), int):
+            if _count(usage.get("prompt_tokens")) is not None:
                 self.prompt_tokens = usage["prompt_tokens"]
         self.handoff = parse_handoff(obj) or self.handoff
 
-    def _on_chunk(self, raw: bytes, obj: dict[str, Any]) -> Step:
-        choice = obj["choices"][0] if isinstance(obj["choices"][0], dict) else {}
+    def _screen_side(self, obj: dict[str, Any], data: str) -> Step | None:
+        if self._side is None:
+            self._side = SideScreen(self.open_guard, prefilter=self.side_prefilter)
+        verdict = self._side.feed(obj, raw=data)
+        return None if verdict is None else self._cut(verdict)
+
+    def _guard(self, index: int) -> StreamGuard:
+        guard = self._guards.get(index)
+        if guard is None:
+            if len(self._guards) >= MAX_CHOICES:
+                raise InvalidUpstream("too many choices")
+            guard = self._guards[index] = self.open_guard()
+        return guard
+
+    def _on_chunk(self, raw: bytes | None, obj: dict[str, Any], choices: Any) -> Step:
+        if not isinstance(choices, list) or len(choices) > MAX_CHOICES:
+            raise InvalidUpstream("choices is not a short list")
+        texts: list[str] = []
+        released: list[str] = []
+        finishing = False
+        for position, choice in enumerate(choices):
+            index = _choice_index(choice, position)
+            text = _chunk_text(self.endpoint, choice)
+            ends = choice.get("finish_reason") is not None
+            verdict = self._feed_choice(index, text, ends=ends)
+            if isinstance(verdict, Cut):
+                return self._cut(verdict)
+            texts.append(text)
+            released.append(verdict.text)
+            finishing = finishing or ends
         self._template = obj
-        text = _chunk_text(self.endpoint, choice)
-        verdict: Emit | Cut = self.guard.feed(text) if text else Emit("")
-        if isinstance(verdict, Emit) and choice.get("finish_reason") is not None:
-            verdict = self._join(verdict, self._finish_guard())
-        if isinstance(verdict, Cut):
-            self.cut = verdict
-            return Step([cut_event(verdict)], Phase.CUT, verdict.code)
-        if verdict.text == text:
+        if raw is not None and released == texts:
             return Step([raw])
-        if not verdict.text and not choice.get("finish_reason") and "usage" not in obj:
+        if not any(released) and not finishing and "usage" not in obj:
             return Step([])  # everything held back: nothing to send yet
-        return Step([encode_event(_with_text(self.endpoint, obj, verdict.text))])
+        return Step([encode_event(_with_texts(self.endpoint, obj, released))])
 
-    def _on_done(self, raw: bytes) -> Step:
-        tail = self._finish_guard()
-        if isinstance(tail, Cut):
-            self.cut = tail
-            return Step([cut_event(tail)], Phase.CUT, tail.code)
-        out = []
-        if tail.text and self._template is not None:
-            chunk = _with_text(self.endpoint, self._template, tail.text)
-            chunk["choices"][0]["finish_reason"] = None
-            chunk.pop("usage", None)
-            out.append(encode_event(chunk))
-        return Step([*out, raw], Phase.COMPLETED)
-
-    def _finish_guard(self) -> Emit | Cut:
-        if self._finished_guard:
+    def _feed_choice(self, index: int, text: str, *, ends: bool) -> Emit | Cut:
+        if index in self._finished:
+            if text:
+                raise InvalidUpstream("text after the choice finished")
             return Emit("")
-        self._finished_guard = True
-        return self.guard.finish()
+        verdict: Emit | Cut = Emit("")
+        if text:
+            self.saw_text = True
+            verdict = self._guard(index).feed(text)
+        if isinstance(verdict, Emit) and ends:
+            verdict = _join(verdict, self._finish_choice(index))
+        return verdict
 
-    @staticmethod
-    def _join(first: Emit, second: Emit | Cut) -> Emit | Cut:
-        return second if isinstance(second, Cut) else Emit(first.text + second.text)
+    def _finish_choice(self, index: int) -> Emit | Cut:
+        self._finished.add(index)
+        guard = self._guards.get(index)
+        return Emit("") if guard is None else guard.finish()
+
+    def _on_done(self, done: bytes) -> Step:
+        out = []
+        for index in sorted(set(self._guards) - self._finished):
+            tail = self._finish_choice(index)
+            if isinstance(tail, Cut):
+                return self._cut(tail)
+            if tail.text and self._template is not None:
+                out.append(encode_event(_tail_chunk(self.endpoint, self._template, index, tail)))
+        if self._side is not None:
+            side = self._side.finish()
+            if side is not None:
+                return self._cut(side)
+        return Step([*out, done], Phase.COMPLETED)
 
 
-def relay_body(
-    endpoint: Endpoint, body: dict[str, Any], guard: StreamGuard
-) -> dict[str, Any] | Cut:
-    """A non-streaming answer through the guard: the body (text replaced if changed) or a Cut."""
-    choices = body.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return body
-    choice = choices[0]
-    text = _message_text(endpoint, choice)
+def screen(guard: StreamGuard, text: str) -> str | Cut:
+    """A whole text through a fresh guard: what may be delivered, or the Cut."""
     first = guard.feed(text) if text else Emit("")
     if isinstance(first, Cut):
         return first
     rest = guard.finish()
-    if isinstance(rest, Cut):
-        return rest
-    released = first.text + rest.text
-    if released == text:
+    return rest if isinstance(rest, Cut) else first.text + rest.text
+
+
+def relay_body(
+    endpoint: Endpoint, body: dict[str, Any], open_guard: OpenGuard, *, screen_side: bool = True
+) -> dict[str, Any] | Cut:
+    """A non-streaming answer through the guards: the body (texts replaced if changed) or a Cut.
+
+    Raises ``InvalidUpstream`` for an answer the gateway cannot vouch for.
+    """
+    if screen_side:
+        side_screen = SideScreen(open_guard)
+        try:
+            side = side_screen.feed(body) or side_screen.finish()
+        except InvalidSide as exc:
+            raise InvalidUpstream(str(exc)) from exc
+        if side is not None:
+            return side
+    choices = body.get("choices")
+    if not isinstance(choices, list):
         return body
-    changed = copy.deepcopy(body)
-    if endpoint is Endpoint.CHAT:
-        changed["choices"][0].setdefault("message", {})["content"] = released
-    else:
-        changed["choices"][0]["text"] = released
-    return changed
+    if len(choices) > MAX_CHOICES:
+        raise InvalidUpstream("too many choices")
+    changed: dict[str, Any] | None = None
+    for position, choice in enumerate(choices):
+        _choice_index(choice, position)
+        text = _message_text(endpoint, choice)
+        if not text:
+            continue
+        released = screen(open_guard(), text)
+        if isinstance(released, Cut):
+            return released
+        if released != text:
+            changed = changed if changed is not None else copy.deepcopy(body)
+            _set_message_text(endpoint, changed["choices"][position], released)
+    return body if changed is None else changed
+
+
+# -- event parsing ---------------------------------------------------------------------------
+
+
+def parse_event(raw: bytes) -> tuple[str | None, bool]:
+    """(data, canonical): the event's data (None: a comment or keep-alive), and whether every
+    line of it is a ``data:`` line (only then may its bytes pass through as they are)."""
+    lines = raw.decode("utf-8", errors="replace").splitlines()
+    data = [line[5:].removeprefix(" ") for line in lines if line.startswith("data:")]
+    canonical = len(data) == sum(1 for line in lines if line)
+    return ("\n".join(data) if data else None), canonical
+
+
+def parse_json(data: str) -> Any:
+    try:
+        return json.loads(data)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+
+
+def _choice_index(choice: Any, position: int) -> int:
+    if not isinstance(choice, dict):
+        raise InvalidUpstream("a choice is not an object")
+    index = choice.get("index", position)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < MAX_CHOICES:
+        raise InvalidUpstream("a choice index is out of range")
+    return index
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _join(first: Emit, second: Emit | Cut) -> Emit | Cut:
+    return second if isinstance(second, Cut) else Emit(first.text + second.text)
 
 
 def _chunk_text(endpoint: Endpoint, choice: dict[str, Any]) -> str:
@@ -191,14 +318,38 @@ def _message_text(endpoint: Endpoint, choice: dict[str, Any]) -> str:
     return content if isinstance(content, str) else ""
 
 
-def _with_text(endpoint: Endpoint, obj: dict[str, Any], text: str) -> dict[str, Any]:
-    chunk = copy.deepcopy(obj)
-    choice = chunk["choices"][0]
+def _set_message_text(endpoint: Endpoint, choice: dict[str, Any], text: str) -> None:
     if endpoint is Endpoint.CHAT:
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-        choice["delta"] = {**delta, "content": text}
+        choice.setdefault("message", {})["content"] = text
     else:
         choice["text"] = text
+
+
+def _with_texts(endpoint: Endpoint, obj: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+    """A copy of the chunk with the choices' texts replaced (only the changed path is copied)."""
+    chunk = dict(obj)
+    chunk["choices"] = choices = [dict(choice) for choice in obj["choices"]]
+    for choice, text in zip(choices, texts, strict=True):
+        if endpoint is Endpoint.CHAT:
+            raw_delta = choice.get("delta")
+            delta: dict[str, Any] = raw_delta if isinstance(raw_delta, dict) else {}
+            if text or "content" in delta:
+                choice["delta"] = {**delta, "content": text}
+        else:
+            choice["text"] = text
+    return chunk
+
+
+def _tail_chunk(
+    endpoint: Endpoint, template: dict[str, Any], index: int, tail: Emit
+) -> dict[str, Any]:
+    chunk = {k: v for k, v in template.items() if k not in ("choices", "usage")}
+    choice: dict[str, Any] = {"index": index, "finish_reason": None}
+    if endpoint is Endpoint.CHAT:
+        choice["delta"] = {"content": tail.text}
+    else:
+        choice["text"] = tail.text
+    chunk["choices"] = [choice]
     return chunk
 
 

@@ -21,11 +21,12 @@ from starlette.types import Receive, Scope, Send
 from backend.server.schema import REQUEST_ID_HEADER, TENANT_HEADER
 from gateway.domain import Principal
 from gateway.errors import GatewayError, NoHealthyEngine, PassThrough, UpstreamFailed
+from gateway.hooks import ENGINE_HEADER, Cut, PassThroughFactory, StreamGuard
 from gateway.lifecycle import TERMINAL, Phase
 from gateway.proxy.admission import Admitted, Body, admit
 from gateway.proxy.context import RequestContext, parse_handoff
 from gateway.proxy.finish import finish, handoff_refused, note_handoff
-from gateway.proxy.relay import StreamRelay, relay_body
+from gateway.proxy.relay import InvalidUpstream, OpenGuard, StreamRelay, relay_body, screen
 from gateway.state import GatewayState
 from gateway.upstream.base import Endpoint, UpstreamCall, UpstreamReply, UpstreamUnreachable
 from gateway.upstream.sse import SseSplitter
@@ -105,7 +106,7 @@ def _reply_error(reply: UpstreamReply) -> GatewayError:
 
 
 async def _complete(state: GatewayState, ctx: RequestContext, call: UpstreamCall) -> Response:
-    headers = {REQUEST_ID_HEADER: ctx.request_id}
+    headers = _reply_headers(ctx)
     try:
         reply = await state.upstream_for(call.spec).complete(call)
     except UpstreamUnreachable as exc:
@@ -114,39 +115,87 @@ async def _complete(state: GatewayState, ctx: RequestContext, call: UpstreamCall
         await finish(state, ctx, Phase.FAILED, status=502, code=err.code, refund_all=True)
         raise _with_headers(err, headers) from exc
     if reply.status != 200 or reply.body is None:
-        err = (
-            _reply_error(reply) if reply.status != 200 else UpstreamFailed("invalid engine answer")
-        )
-        await finish(
-            state, ctx, _ending(err.status), status=err.status, code=err.code, refund_all=True
-        )
-        raise _with_headers(err, headers)
+        if reply.status == 200:
+            err = UpstreamFailed("invalid engine answer")
+            await finish(state, ctx, Phase.FAILED, status=502, code=err.code, refund_all=True)
+            raise _with_headers(err, headers)
+        raise await _refused_reply(state, ctx, reply, headers)
     return await _deliver_body(state, ctx, reply.body, headers)
+
+
+def _reply_headers(ctx: RequestContext) -> dict[str, str]:
+    headers = {REQUEST_ID_HEADER: ctx.request_id}
+    if ctx.principal.synthetic and ctx.engine is not None:
+        headers[ENGINE_HEADER] = ctx.engine.name  # canary probes report results per engine
+    return headers
+
+
+def _screens_side(state: GatewayState) -> bool:
+    """Side fields need screening only when the guards can find something (the canary is on)."""
+    return not isinstance(state.hooks.guards, PassThroughFactory)
+
+
+def _open_guard(state: GatewayState, ctx: RequestContext) -> OpenGuard:
+    def open_guard() -> StreamGuard:
+        return state.hooks.guards.open(ctx.info())
+
+    return open_guard
+
+
+async def _refused_reply(
+    state: GatewayState, ctx: RequestContext, reply: UpstreamReply, headers: dict[str, str]
+) -> GatewayError:
+    """The error for an engine's non-200 answer; the engine's own message is screened too."""
+    err = _reply_error(reply)
+    if isinstance(err, PassThrough):
+        screened = screen(_open_guard(state, ctx)(), err.message)
+        if isinstance(screened, Cut):
+            return await _cut_error(state, ctx, screened, headers)
+        err.message, err.args = screened, (screened,)
+    await finish(state, ctx, _ending(err.status), status=err.status, code=err.code, refund_all=True)
+    return _with_headers(err, headers)
+
+
+async def _cut_error(
+    state: GatewayState, ctx: RequestContext, cut: Cut, headers: dict[str, str]
+) -> GatewayError:
+    await _report_cut(state, ctx, cut)
+    await finish(state, ctx, Phase.CUT, status=cut.status, code=cut.code)
+    err = GatewayError(cut.message, code=cut.code)
+    err.status = cut.status
+    return _with_headers(err, headers)
 
 
 async def _deliver_body(
     state: GatewayState, ctx: RequestContext, body: dict[str, Any], headers: dict[str, str]
 ) -> Response:
     usage = body.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        ctx.completion_tokens = usage["completion_tokens"]
+    if isinstance(usage, dict):
+        ctx.completion_tokens = _count(usage.get("completion_tokens"))
+        ctx.engine_prompt_tokens = _count(usage.get("prompt_tokens"))
     if not note_handoff(state, ctx, parse_handoff(body)):
         await finish(state, ctx, Phase.FAILED, status=502, code="handoff_mismatch")
         raise _with_headers(handoff_refused(), headers)
-    guard = state.hooks.guards.open(ctx.info())
-    result = relay_body(ctx.endpoint, body, guard)
-    if not isinstance(result, dict):
-        await _report_cut(state, ctx, result)
-        await finish(state, ctx, Phase.CUT, status=result.status, code=result.code)
-        err = GatewayError(result.message, code=result.code)
-        err.status = result.status
-        raise _with_headers(err, headers)
+    try:
+        result = relay_body(
+            ctx.endpoint, body, _open_guard(state, ctx), screen_side=_screens_side(state)
+        )
+    except InvalidUpstream as exc:
+        err = UpstreamFailed("the engine sent an invalid answer")
+        await finish(state, ctx, Phase.FAILED, status=502, code=err.code)
+        raise _with_headers(err, headers) from exc
+    if isinstance(result, Cut):
+        raise await _cut_error(state, ctx, result, headers)
     ctx.first_byte_s = ctx.elapsed_s()
     await finish(state, ctx, Phase.COMPLETED, status=200)
     return JSONResponse(result, headers=headers)
 
 
-async def _report_cut(state: GatewayState, ctx: RequestContext, cut: Any) -> None:
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+async def _report_cut(state: GatewayState, ctx: RequestContext, cut: Cut) -> None:
     if state.hooks.on_cut is not None:
         with anyio.CancelScope(shield=True):
             try:
@@ -163,7 +212,7 @@ def _with_headers(err: GatewayError, headers: dict[str, str]) -> GatewayError:
 async def _open_stream(
     state: GatewayState, ctx: RequestContext, call: UpstreamCall, *, wants_usage: bool
 ) -> Response:
-    headers = {REQUEST_ID_HEADER: ctx.request_id, "Cache-Control": "no-cache"}
+    headers = {**_reply_headers(ctx), "Cache-Control": "no-cache"}
     try:
         opened = await state.upstream_for(call.spec).stream(call)
     except UpstreamUnreachable as exc:
@@ -171,17 +220,15 @@ async def _open_stream(
         await finish(state, ctx, Phase.FAILED, status=502, code="upstream_error", refund_all=True)
         raise _with_headers(UpstreamFailed("the engine could not be reached"), headers) from exc
     if isinstance(opened, UpstreamReply):
-        err = _reply_error(opened)
-        await finish(
-            state, ctx, _ending(err.status), status=err.status, code=err.code, refund_all=True
-        )
-        raise _with_headers(err, headers)
+        raise await _refused_reply(state, ctx, opened, headers)
     ctx.advance(Phase.STREAMING)
     relay = StreamRelay(
         endpoint=ctx.endpoint,
-        guard=state.hooks.guards.open(ctx.info()),
+        open_guard=_open_guard(state, ctx),
         wants_usage=wants_usage,
         refuse_handoff_mismatch=state.settings.refuse_on_handoff_mismatch,
+        screen_side=_screens_side(state),
+        side_prefilter=getattr(state.hooks.guards, "side_prefilter", None),
     )
     events = _relay_events(state, ctx, opened, relay)
     return GuardedStreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -195,6 +242,8 @@ async def _relay_events(
         async for chunk in opened.chunks():
             for raw in splitter.feed(chunk):
                 step = relay.on_event(raw)
+                if relay.saw_text and ctx.first_token_s is None:
+                    ctx.first_token_s = ctx.elapsed_s() - (ctx.forwarded_s or 0.0)
                 for out in step.out:
                     if ctx.first_byte_s is None:
                         ctx.first_byte_s = ctx.elapsed_s()
@@ -222,6 +271,7 @@ async def _end_stream(
     state: GatewayState, ctx: RequestContext, relay: StreamRelay, end: Phase, code: str | None
 ) -> None:
     ctx.completion_tokens = relay.completion_tokens
+    ctx.engine_prompt_tokens = relay.prompt_tokens
     note_handoff(state, ctx, relay.handoff)
     if end is Phase.CUT and relay.cut is not None:
         await _report_cut(state, ctx, relay.cut)

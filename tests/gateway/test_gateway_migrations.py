@@ -8,10 +8,13 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
+import canary.findings  # noqa: F401  (the canary's tables share the gateway's metadata)
 from gateway.db.models import Base
 from gateway.db.session import current_revision, downgrade_database, make_engine, upgrade_database
 
 GATEWAY_TABLES = {"tenants", "api_keys", "request_audit", "engines", "engine_controls"}
+CANARY_TABLES = {"canary_findings", "canary_probe_runs"}
+ALL_TABLES = GATEWAY_TABLES | CANARY_TABLES
 
 
 @pytest.fixture(params=["sqlite_url", "postgres_url"])
@@ -27,15 +30,15 @@ def _tables(engine) -> set[str]:
 
 def test_upgrade_downgrade_upgrade(db_engine) -> None:
     upgrade_database(db_engine)
-    assert _tables(db_engine) == GATEWAY_TABLES
-    assert current_revision(db_engine) == "0006_create_engine_controls"
+    assert _tables(db_engine) == ALL_TABLES
+    assert current_revision(db_engine) == "0008_create_canary_probe_runs"
 
     downgrade_database(db_engine, "base")
     assert _tables(db_engine) == set()
     assert current_revision(db_engine) is None
 
     upgrade_database(db_engine)
-    assert _tables(db_engine) == GATEWAY_TABLES
+    assert _tables(db_engine) == ALL_TABLES
 
 
 def test_models_match_migrated_schema(db_engine) -> None:

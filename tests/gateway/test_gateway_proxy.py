@@ -272,12 +272,22 @@ async def test_request_hook_text_is_counted(make_settings, standin) -> None:
         )
         assert ok.status_code == 200  # 4 + 2 injected + 4 = 10
         assert standin.controls.seen_bodies[-1]["prompt"] == "a b c d injected marker"
-        over = await gw.client.post(
+        # 5 + 2 + 4 = 11 does not fit, 5 + 4 = 9 does: the hook's text is dropped, never the
+        # reason for a refusal.
+        plain = await gw.client.post(
             "/v1/completions",
             headers=bearer(key),
             json={"model": MODEL, "prompt": "a b c d e", "max_tokens": 4},
         )
+        assert plain.status_code == 200 and plain.json()["usage"]["prompt_tokens"] == 5
+        assert standin.controls.seen_bodies[-1]["prompt"] == "a b c d e"
+        over = await gw.client.post(
+            "/v1/completions",
+            headers=bearer(key),
+            json={"model": MODEL, "prompt": "a b c d e f g", "max_tokens": 4},
+        )
         assert over.status_code == 400
+        assert "7 in the prompt" in over.json()["error"]["message"]  # the client's own size
 
 
 async def test_handoff_proof_checked_and_audited(gateway, standin) -> None:

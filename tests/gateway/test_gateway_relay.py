@@ -62,7 +62,7 @@ def _run(relay: StreamRelay) -> tuple[bytes, Phase | None]:
 
 
 def test_relay_passes_bytes_and_drops_unrequested_usage() -> None:
-    relay = StreamRelay(endpoint=Endpoint.CHAT, guard=PassThroughGuard(), wants_usage=False)
+    relay = StreamRelay(endpoint=Endpoint.CHAT, open_guard=PassThroughGuard, wants_usage=False)
     out, end = _run(relay)
     assert out == STREAM.replace(
         b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,'
@@ -70,7 +70,7 @@ def test_relay_passes_bytes_and_drops_unrequested_usage() -> None:
         b"",
     )
     assert (end, relay.completion_tokens, relay.prompt_tokens) == (Phase.COMPLETED, 2, 3)
-    relay = StreamRelay(endpoint=Endpoint.CHAT, guard=PassThroughGuard(), wants_usage=True)
+    relay = StreamRelay(endpoint=Endpoint.CHAT, open_guard=PassThroughGuard, wants_usage=True)
     assert _run(relay)[0] == STREAM
 
 
@@ -88,7 +88,7 @@ class HoldAll:
 
 
 def test_relay_rewrites_only_changed_text_and_flushes_on_finish() -> None:
-    relay = StreamRelay(endpoint=Endpoint.CHAT, guard=HoldAll(), wants_usage=False)
+    relay = StreamRelay(endpoint=Endpoint.CHAT, open_guard=HoldAll, wants_usage=False)
     out, end = _run(relay)
     events = [e for e in out.decode().split("\n\n") if e]
     assert events[0] == ": keep-alive"  # "he" held back: nothing sent for that chunk
@@ -102,7 +102,9 @@ def test_relay_rewrites_only_changed_text_and_flushes_on_finish() -> None:
 
 
 def test_relay_errors_and_early_end() -> None:
-    relay = StreamRelay(endpoint=Endpoint.COMPLETIONS, guard=PassThroughGuard(), wants_usage=False)
+    relay = StreamRelay(
+        endpoint=Endpoint.COMPLETIONS, open_guard=PassThroughGuard, wants_usage=False
+    )
     step = relay.on_event(b'data: {"error": {"code": "engine_fault", "message": "x"}}\n\n')
     assert (step.end, step.code) == (Phase.FAILED, "engine_fault")
     step = relay.on_event(b"data: {nope\n\n")
@@ -113,8 +115,8 @@ def test_relay_errors_and_early_end() -> None:
 
 def test_relay_body_guard() -> None:
     body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}
-    assert relay_body(Endpoint.CHAT, body, PassThroughGuard()) is body
-    changed = relay_body(Endpoint.CHAT, body, HoldAll())
+    assert relay_body(Endpoint.CHAT, body, PassThroughGuard) is body
+    changed = relay_body(Endpoint.CHAT, body, HoldAll)
     assert isinstance(changed, dict) and changed["choices"][0]["message"]["content"] == "HI"
     assert body["choices"][0]["message"]["content"] == "hi"  # the original is not mutated
 

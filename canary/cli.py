@@ -1,0 +1,118 @@
+"""``kvguard canary``: run the probes against a gateway, or make a new canary key.
+
+``kvguard canary probe --gateway URL --once`` runs every probe kind once, prints a table, reports
+the results to the gateway and exits 0 only if every probe passed (CI and deploy gates); without
+``--once`` it repeats every ``KVGUARD_CANARY_PROBE_INTERVAL_S`` until interrupted. The canary key
+(``KVGUARD_CANARY_KEY``) and admin token (``KVGUARD_ADMIN_TOKEN``) are the gateway's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import uuid
+from typing import Any
+
+# Only light imports here: `kvguard --help` must not pay for httpx or pydantic-settings.
+
+EXIT_OK, EXIT_FAILED, EXIT_SETUP = 0, 1, 2
+
+
+def register(subparsers: Any) -> None:
+    canary = subparsers.add_parser("canary", help="canary probes and keys")
+    commands = canary.add_subparsers(dest="canary_command", required=True, metavar="ACTION")
+    probe = commands.add_parser(
+        "probe",
+        help="run the canary probes against a gateway",
+        description="Run synthetic canary tenants through a gateway: echo, capacity boundary, "
+        "cross-tenant pair and abort drill. Exit status 0 only if all pass.",
+    )
+    probe.add_argument(
+        "--gateway", default=None, help="gateway base URL (or KVGUARD_CANARY_GATEWAY_URL)"
+    )
+    probe.add_argument("--once", action="store_true", help="run once and exit (0 = all passed)")
+    probe.add_argument(
+        "--kind",
+        action="append",
+        default=None,
+        choices=["echo", "capacity", "cross_tenant", "abort"],
+        help="run only this probe kind (repeatable; default: all)",
+    )
+    probe.add_argument("--model", default=None, help="model to probe (default: the first served)")
+    probe.add_argument(
+        "--no-report", action="store_true", help="do not send results to the gateway"
+    )
+    probe.set_defaults(handler=run_probe)
+    key = commands.add_parser("new-key", help="print a fresh random canary key")
+    key.set_defaults(handler=run_new_key)
+
+
+def run_new_key(args: argparse.Namespace) -> int:
+    from canary.config import new_key
+
+    print(new_key())
+    return EXIT_OK
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from canary.config import CanarySettings
+
+    try:
+        settings = CanarySettings()
+    except ValidationError as exc:
+        print(f"kvguard canary: invalid settings: {exc}", file=sys.stderr)
+        return EXIT_SETUP
+    url = args.gateway or settings.canary_gateway_url
+    if not url:
+        print(
+            "kvguard canary: pass --gateway URL (or set KVGUARD_CANARY_GATEWAY_URL)",
+            file=sys.stderr,
+        )
+        return EXIT_SETUP
+    try:
+        return asyncio.run(_probe_loop(args, settings, url.rstrip("/")))
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+async def _probe_loop(args: argparse.Namespace, settings: Any, url: str) -> int:
+    while True:
+        status = await _probe_once(args, settings, url)
+        if args.once:
+            return status
+        await asyncio.sleep(settings.canary_probe_interval_s)
+
+
+async def _probe_once(args: argparse.Namespace, settings: Any, url: str) -> int:
+    import httpx
+
+    from canary.findings import ProbeKind
+    from canary.markers import MarkerCodec
+    from canary.probes import GatewayClient, ProbeRunner, ProbeSetupError, format_table
+
+    kinds = [ProbeKind(k) for k in (args.kind or [k.value for k in ProbeKind])]
+    async with httpx.AsyncClient(base_url=url, timeout=settings.canary_probe_timeout_s) as http:
+        gateway = GatewayClient(http, admin_token=settings.admin_secret())
+        runner = ProbeRunner(
+            gateway,
+            MarkerCodec(settings.keyring()),
+            tenant_prefix=settings.canary_probe_tenant_prefix,
+            model=args.model,
+        )
+        try:
+            results = await runner.run(kinds)
+        except (ProbeSetupError, httpx.HTTPError) as exc:
+            print(f"kvguard canary: probes could not run: {exc}", file=sys.stderr, flush=True)
+            return EXIT_SETUP
+        print(format_table(results), flush=True)
+        reported = True
+        if not args.no_report:
+            try:
+                await gateway.report(uuid.uuid4().hex, results)
+            except (ProbeSetupError, httpx.HTTPError) as exc:
+                print(f"kvguard canary: results not reported: {exc}", file=sys.stderr, flush=True)
+                reported = False
+    return EXIT_OK if reported and all(r.passed for r in results) else EXIT_FAILED

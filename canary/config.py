@@ -1,0 +1,100 @@
+"""The canary's one settings class (``KVGUARD_CANARY_*``), read by the gateway's firewall and by
+``kvguard canary probe``; built in ``main()``/lifespan, never at import.
+
+Keys: ``KVGUARD_CANARY_KEY`` (at least 32 bytes of UTF-8) issues new markers under key id
+``KVGUARD_CANARY_KEY_ID``; ``KVGUARD_CANARY_PREVIOUS_KEYS`` (JSON ``{"<id>": "<key>"}``) still
+verify, so markers issued before a rotation stay attributable until their id is dropped. To
+rotate: move the current key into the previous keys, set a new key under a new id, restart the
+replicas one by one (every replica verifies both ids throughout). Outside development mode a
+missing key, or the development default, is refused at start.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Self
+
+from pydantic import Field, SecretStr, model_validator
+
+from canary.markers import MAX_KEY_ID, MIN_KEY_BYTES, MarkerKeyring
+from gateway.config import DEV_ADMIN_TOKEN
+from kvguard.settings import KvguardSettings, RunMode, require_real_secret
+
+DEV_CANARY_KEY = "kvguard-dev-canary-key-known-to-everyone"
+
+KeyId = Annotated[int, Field(ge=0, le=MAX_KEY_ID)]
+
+
+class CanarySettings(KvguardSettings):
+    """Marker keys, firewall policy, lower-severity checks and the probe runner."""
+
+    canary_enabled: bool = True
+    canary_key: SecretStr | None = None
+    canary_key_id: KeyId = 1
+    canary_previous_keys: dict[KeyId, SecretStr] = Field(default_factory=dict)
+
+    canary_quarantine_on_cut: bool = Field(
+        default=True,
+        description="take the engine out of routing when the firewall cuts a stream (an admin "
+        "clears it); off only where an engine must keep serving while findings are reviewed",
+    )
+    canary_inject_completions: bool = Field(
+        default=True,
+        description="also mark /v1/completions prompts (a reference line before the prompt)",
+    )
+    canary_record_ttl_s: float = Field(default=86_400.0, gt=0)
+    canary_tag_refresh_s: float = Field(default=30.0, gt=0)
+
+    canary_usage_check: bool = True
+    canary_ttft_check: bool = True
+    canary_ttft_min_prompt_tokens: int = Field(default=256, gt=0)
+    canary_ttft_ratio: float = Field(default=0.2, gt=0, lt=1)
+    canary_ttft_history: int = Field(default=200, ge=10)
+    canary_ttft_min_samples: int = Field(default=20, ge=5)
+    canary_finding_interval_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="lower-severity findings: at most one stored per engine and kind per "
+        "interval (the metric counts every one)",
+    )
+
+    canary_gateway_url: str | None = None
+    admin_token: SecretStr | None = None
+    canary_probe_interval_s: float = Field(default=60.0, gt=0)
+    canary_probe_timeout_s: float = Field(default=60.0, gt=0)
+    canary_probe_tenant_prefix: str = Field(
+        default="canary-probe", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$"
+    )
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> Self:
+        require_real_secret("canary_key", self.canary_key, DEV_CANARY_KEY, self.mode)
+        require_real_secret("admin_token", self.admin_token, DEV_ADMIN_TOKEN, self.mode)
+        if self.canary_key_id in self.canary_previous_keys:
+            raise ValueError("KVGUARD_CANARY_KEY_ID must differ from every previous key's id")
+        for key_id, key in self._secrets().items():
+            if len(key) < MIN_KEY_BYTES:
+                raise ValueError(f"canary key {key_id} must be at least {MIN_KEY_BYTES} bytes")
+            if self.mode is not RunMode.DEVELOPMENT and key == DEV_CANARY_KEY.encode():
+                raise ValueError(f"canary key {key_id} is the development default")
+        return self
+
+    def _secrets(self) -> dict[int, bytes]:
+        current = self.canary_key.get_secret_value() if self.canary_key else DEV_CANARY_KEY
+        keys = {k: v.get_secret_value().encode() for k, v in self.canary_previous_keys.items()}
+        keys[self.canary_key_id] = current.encode()
+        return keys
+
+    def keyring(self) -> MarkerKeyring:
+        """The current key (issues) and every previous key (still verifies)."""
+        return MarkerKeyring(self._secrets(), current=self.canary_key_id)
+
+    def admin_secret(self) -> str:
+        if self.admin_token is not None and self.admin_token.get_secret_value():
+            return self.admin_token.get_secret_value()
+        return DEV_ADMIN_TOKEN
+
+
+def new_key() -> str:
+    """A fresh random canary key (64 URL-safe characters, 384 bits)."""
+    return secrets.token_urlsafe(48)

@@ -1,0 +1,96 @@
+"""Every Prometheus metric the canary exports: names in one place.
+
+The gateway's ``/metrics`` serves them (``CanaryMetrics`` registers on the gateway's registry when
+the canary starts). Labels carry ids (tenant id, engine name, kinds), never content. Coverage of a
+tenant = ``requests_total{marked="true"}`` / all of its ``requests_total``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+FINDINGS_TOTAL = "kvguard_canary_findings_total"
+REQUESTS_TOTAL = "kvguard_canary_requests_total"
+MARKERS_INJECTED_TOTAL = "kvguard_canary_markers_injected_total"
+CUTS_TOTAL = "kvguard_canary_cuts_total"
+QUARANTINES_TOTAL = "kvguard_canary_quarantines_total"
+RECORD_ERRORS_TOTAL = "kvguard_canary_record_errors_total"
+PROBE_RESULTS_TOTAL = "kvguard_canary_probe_results_total"
+PROBE_PASSING = "kvguard_canary_probe_passing"
+PROBE_LAST_RUN = "kvguard_canary_probe_last_run_timestamp_seconds"
+
+METRIC_NAMES = (
+    FINDINGS_TOTAL,
+    REQUESTS_TOTAL,
+    MARKERS_INJECTED_TOTAL,
+    CUTS_TOTAL,
+    QUARANTINES_TOTAL,
+    RECORD_ERRORS_TOTAL,
+    PROBE_RESULTS_TOTAL,
+    PROBE_PASSING,
+    PROBE_LAST_RUN,
+)
+
+
+def _name(full: str) -> str:
+    """prometheus_client appends ``_total`` to counters itself."""
+    return full.removesuffix("_total")
+
+
+class CanaryMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.findings = Counter(
+            _name(FINDINGS_TOTAL),
+            "Isolation findings by kind and severity",
+            ["kind", "severity"],
+            registry=r,
+        )
+        self.requests = Counter(
+            _name(REQUESTS_TOTAL),
+            "Tenant requests seen by the canary, by whether they carried a marker",
+            ["tenant", "marked"],
+            registry=r,
+        )
+        self.injected = Counter(
+            _name(MARKERS_INJECTED_TOTAL),
+            "Markers the gateway injected into tenant requests",
+            ["tenant"],
+            registry=r,
+        )
+        self.cuts = Counter(
+            _name(CUTS_TOTAL),
+            "Responses the leak firewall stopped, by engine and finding kind",
+            ["engine", "kind"],
+            registry=r,
+        )
+        self.quarantines = Counter(
+            _name(QUARANTINES_TOTAL),
+            "Engines taken out of routing by the canary",
+            ["engine"],
+            registry=r,
+        )
+        self.record_errors = Counter(
+            _name(RECORD_ERRORS_TOTAL),
+            "Marker issue records that could not be written or read",
+            registry=r,
+        )
+        self._probe_metrics(r)
+
+    def _probe_metrics(self, r: CollectorRegistry) -> None:
+        self.probe_results = Counter(
+            _name(PROBE_RESULTS_TOTAL),
+            "Probe results by kind, engine and result (pass/fail)",
+            ["kind", "engine", "result"],
+            registry=r,
+        )
+        self.probe_passing = Gauge(
+            PROBE_PASSING,
+            "1 when the latest probe of this kind on this engine passed",
+            ["kind", "engine"],
+            registry=r,
+        )
+        self.probe_last_run = Gauge(
+            PROBE_LAST_RUN, "When a probe of this kind last reported", ["kind"], registry=r
+        )

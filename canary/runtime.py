@@ -1,0 +1,292 @@
+"""The canary inside a gateway: injection, the leak firewall, findings, quarantine, metrics.
+
+``CanaryRuntime(settings).hooks()`` is what ``create_app(settings, hooks=...)`` takes
+(``kvguard gateway`` builds it from ``KVGUARD_CANARY_*``). Lifecycle:
+
+1. built before the app (pure: keys, codec, ledger, tag index, metrics with their own registry);
+2. ``start(state)`` in the gateway's lifespan: metrics join the gateway's ``/metrics``, the marker
+   records store opens (Redis when ``KVGUARD_REDIS_URL`` is set, else in-process), the tag index
+   is loaded from the tenants table and refreshed every ``canary_tag_refresh_s``;
+3. per request: ``MarkerInjector.prepare`` -> ``LeakFirewall.open`` (per choice) ->
+   ``on_cut`` (a firewall cut: quarantine the engine, store critical/high findings, metrics, one
+   log line of ids) -> ``on_finish`` (ledger entry dropped, record completed with the engine,
+   lower-severity checks);
+4. ``stop()``: record writes drained, refresh task stopped, store closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from prometheus_client import CollectorRegistry
+from sqlalchemy import select
+
+from canary.anomalies import Anomaly, FirstTokenCalibrator, usage_anomaly
+from canary.config import CanarySettings
+from canary.findings import (
+    Action,
+    Evidence,
+    FindingKind,
+    FindingSeverity,
+    NewFinding,
+    store_finding,
+)
+from canary.firewall import CanaryCut, LeakFirewall, TagIndex
+from canary.injection import MarkerInjector, MarkerLedger
+from canary.markers import MarkerCodec
+from canary.metrics import CanaryMetrics
+from canary.records import MarkerRecord, MemoryRecordStore, RecordStore, RedisRecordStore
+from canary.scanner import Finding, Severity
+from gateway.db.models import Tenant
+from gateway.db.session import run_in_session
+from gateway.hooks import Cut, GatewayHooks, RequestInfo, RequestReport
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+
+log = logging.getLogger("kvguard.canary")
+
+
+class _Forward:
+    """Serves a private registry's metrics from another registry (the gateway's)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Any:
+        return self._registry.collect()
+
+
+class CanaryRuntime:
+    def __init__(
+        self,
+        settings: CanarySettings,
+        *,
+        random: Callable[[], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.codec = MarkerCodec(settings.keyring())
+        self.metrics = CanaryMetrics()
+        self.ledger = MarkerLedger()
+        self.tags = TagIndex(self.codec)
+        self.injector = MarkerInjector(
+            self.codec,
+            ledger=self.ledger,
+            records=lambda: self._store,
+            metrics=self.metrics,
+            inject_completions=settings.canary_inject_completions,
+            random=random,
+        )
+        self.firewall = LeakFirewall(self.codec, ledger=self.ledger, tags=self.tags)
+        self.first_token = FirstTokenCalibrator(
+            min_prompt_tokens=settings.canary_ttft_min_prompt_tokens,
+            ratio=settings.canary_ttft_ratio,
+            history=settings.canary_ttft_history,
+            min_samples=settings.canary_ttft_min_samples,
+        )
+        self._clock = clock
+        self._last_low: dict[tuple[str, FindingKind], float] = {}
+        self._state: GatewayState | None = None
+        self._store: RecordStore | None = None
+        self._refresher: asyncio.Task[None] | None = None
+
+    def hooks(self) -> GatewayHooks:
+        from canary.api import build_router
+
+        return GatewayHooks(
+            request_hooks=[self.injector],
+            guards=self.firewall,
+            on_cut=self.on_cut,
+            on_finish=self.on_finish,
+            services=[self],
+            routers=[build_router(self.metrics)],
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self, state: GatewayState) -> None:
+        self._state = state
+        state.metrics.registry.register(_Forward(self.metrics.registry))
+        ttl = self.settings.canary_record_ttl_s
+        url = state.settings.redis_url
+        self._store = RedisRecordStore(url=url, ttl_s=ttl) if url else MemoryRecordStore(ttl_s=ttl)
+        await self.refresh_tags()
+        self._refresher = asyncio.create_task(self._refresh_loop(), name="canary-tag-refresh")
+
+    async def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        await self.injector.drain()
+        if self._store is not None:
+            await self._store.close()
+
+    async def refresh_tags(self) -> None:
+        state = self._require_state()
+        ids = await run_in_session(state.sessions, lambda s: list(s.scalars(select(Tenant.id))))
+        await anyio.to_thread.run_sync(self.tags.replace, ids)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.canary_tag_refresh_s)
+            try:
+                await self.refresh_tags()
+            except Exception:
+                log.exception("canary: tenant tag refresh failed; keeping the previous index")
+
+    def _require_state(self) -> GatewayState:
+        if self._state is None:
+            raise RuntimeError("the canary runtime has not been started")
+        return self._state
+
+    # -- a cut: the leak firewall stopped a response --------------------------------------------
+
+    async def on_cut(self, info: RequestInfo, cut: Cut) -> None:
+        if not isinstance(cut, CanaryCut):
+            return
+        state = self._require_state()
+        engine = info.engine or "unknown"
+        quarantine = self.settings.canary_quarantine_on_cut and info.engine is not None
+        if quarantine and info.engine is not None:
+            reason = f"canary: isolation finding on request {info.request_id}"
+            await state.quarantine(info.engine, reason=reason)
+            self.metrics.quarantines.labels(engine=engine).inc()
+        action = Action.CUT_AND_QUARANTINED if quarantine else Action.CUT
+        for finding in cut.findings:
+            record = await self._record_of(finding)
+            new = _isolation_finding(info, finding, record, action)
+            row_id = await _store(state, new)
+            self.metrics.findings.labels(kind=new.kind.value, severity=new.severity.value).inc()
+            self.metrics.cuts.labels(engine=engine, kind=new.kind.value).inc()
+            log.error(
+                "canary isolation finding %s: kind=%s severity=%s evidence=%s engine=%s "
+                "observer_tenant=%s observer_request=%s victim_tenant=%s victim_request=%s "
+                "action=%s",
+                row_id,
+                new.kind.value,
+                new.severity.value,
+                new.evidence.value,
+                new.engine,
+                new.observer_tenant_id,
+                new.observer_request_id,
+                new.victim_tenant_id,
+                new.victim_request_id,
+                new.action.value,
+            )
+
+    async def _record_of(self, finding: Finding) -> MarkerRecord | None:
+        if finding.victim_nonce is None or self._store is None:
+            return None
+        try:
+            return await self._store.get(finding.victim_nonce)
+        except Exception as exc:
+            self.metrics.record_errors.inc()
+            log.warning("canary: marker record lookup failed: %s", exc)
+            return None
+
+    # -- the end of every request ---------------------------------------------------------------
+
+    async def on_finish(self, report: RequestReport) -> None:
+        info = report.info
+        markers = self.ledger.pop(info.request_id)
+        if info.engine is None:
+            return
+        for nonce in markers.own | markers.carried:
+            self.injector.record(nonce, info, engine=info.engine)
+        for kind, anomaly in self._anomalies(report, info.engine):
+            await self._low_finding(report, kind, anomaly)
+
+    def _anomalies(self, report: RequestReport, engine: str) -> list[tuple[FindingKind, Anomaly]]:
+        found: list[tuple[FindingKind, Anomaly]] = []
+        gateway_count, engine_count = report.prompt_tokens, report.engine_prompt_tokens
+        if (
+            self.settings.canary_usage_check
+            and gateway_count is not None
+            and engine_count is not None
+        ):
+            usage = usage_anomaly(
+                gateway_count=gateway_count, engine_count=engine_count, exact=report.exact_count
+            )
+            if usage is not None:
+                found.append((FindingKind.USAGE_MISMATCH, usage))
+        if (
+            self.settings.canary_ttft_check
+            and report.first_token_s is not None
+            and gateway_count is not None
+        ):
+            fast = self.first_token.observe(
+                engine, prompt_tokens=gateway_count, first_token_s=report.first_token_s
+            )
+            if fast is not None:
+                found.append((FindingKind.FAST_FIRST_TOKEN, fast))
+        return found
+
+    async def _low_finding(
+        self, report: RequestReport, kind: FindingKind, anomaly: Anomaly
+    ) -> None:
+        info = report.info
+        engine = info.engine or "unknown"
+        self.metrics.findings.labels(kind=kind.value, severity=FindingSeverity.LOW.value).inc()
+        now = self._clock()
+        last = self._last_low.get((engine, kind))
+        if last is not None and now - last < self.settings.canary_finding_interval_s:
+            return  # counted, not stored: one row per engine and kind per interval
+        self._last_low[(engine, kind)] = now
+        new = NewFinding(
+            kind=kind,
+            severity=FindingSeverity.LOW,
+            evidence=Evidence.MEASURED,
+            action=Action.RECORDED,
+            observer_tenant_id=info.tenant_id,
+            engine=info.engine,
+            observer_request_id=info.request_id,
+            detail=anomaly.detail,
+        )
+        row_id = await _store(self._require_state(), new)
+        log.warning(
+            "canary finding %s: kind=%s severity=low engine=%s tenant=%s request=%s",
+            row_id,
+            kind.value,
+            info.engine,
+            info.tenant_id,
+            info.request_id,
+        )
+
+
+async def _store(state: GatewayState, finding: NewFinding) -> int:
+    return await run_in_session(state.sessions, lambda s: store_finding(s, finding).id)
+
+
+def _isolation_finding(
+    info: RequestInfo, finding: Finding, record: MarkerRecord | None, action: Action
+) -> NewFinding:
+    confirmed = finding.severity is Severity.CONFIRMED
+    return NewFinding(
+        kind=FindingKind(finding.kind.value),
+        severity=FindingSeverity.CRITICAL if confirmed else FindingSeverity.HIGH,
+        evidence=Evidence.CONFIRMED if confirmed else Evidence.SUSPECTED,
+        action=action,
+        observer_tenant_id=info.tenant_id,
+        engine=info.engine,
+        observer_request_id=info.request_id,
+        victim_tenant_id=finding.victim_tenant or (record.tenant_id if record else None),
+        victim_request_id=record.request_id if record else None,
+        victim_engine=record.engine if record else None,
+        key_id=finding.key_id,
+    )
+
+
+def build_hooks(settings: CanarySettings) -> GatewayHooks | None:
+    """The gateway's canary hooks from settings (None when the canary is turned off)."""
+    if not settings.canary_enabled:
+        log.warning("canary disabled (KVGUARD_CANARY_ENABLED=false): responses are not scanned")
+        return None
+    return CanaryRuntime(settings).hooks()

@@ -1,0 +1,1 @@
+"""Grafana dashboards and Prometheus alert rules of kvguard, as code (see ``dashboards.build``)."""

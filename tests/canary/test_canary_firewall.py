@@ -1,0 +1,272 @@
+"""The leak firewall through the gateway's full response path, in process: upstream SSE bytes ->
+``SseSplitter`` -> ``StreamRelay`` (per-choice and side guards) -> ``LeakFirewall`` guards ->
+the bytes a client gets. Recall and false positives are measured on a corpus."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+
+from canary.firewall import CanaryCut, LeakFirewall, TagIndex
+from canary.injection import MarkerLedger, RequestMarkers
+from canary.markers import MarkerCodec, MarkerKeyring, encode_tag
+from canary.scanner import FindingKind, Severity
+from gateway.hooks import RequestInfo
+from gateway.lifecycle import Phase
+from gateway.proxy.relay import KEEP_ALIVE, InvalidUpstream, StreamRelay, relay_body
+from gateway.upstream.base import Endpoint
+from gateway.upstream.sse import SseSplitter
+
+CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32)), 2: bytes(range(40, 80))}, current=2))
+OTHER_KEY = MarkerCodec(MarkerKeyring({2: bytes(range(1, 33))}, current=2))
+TENANTS = [f"tn_{i:04d}" for i in range(50)]
+OWNER = TENANTS[0]
+B32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
+
+
+def firewall(own: frozenset[bytes] = frozenset()) -> tuple[LeakFirewall, RequestInfo]:
+    ledger = MarkerLedger()
+    ledger.put("r1", RequestMarkers(own=own))
+    tags = TagIndex(CODEC)
+    tags.replace(TENANTS)
+    info = RequestInfo("r1", OWNER, "m", "chat.completions", False, 0.0, engine="e1")
+    return LeakFirewall(CODEC, ledger=ledger, tags=tags), info
+
+
+def events(pieces: list[str], *, index: int = 0) -> bytes:
+    out = b""
+    for piece in pieces:
+        chunk = {"id": "c1", "choices": [{"index": index, "delta": {"content": piece}}]}
+        out += f"data: {json.dumps(chunk)}\n\n".encode()
+    done = {"id": "c1", "choices": [{"index": index, "delta": {}, "finish_reason": "stop"}]}
+    return out + f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n".encode()
+
+
+def relay(raw: bytes, *, own: frozenset[bytes] = frozenset(), byte_chunk: int = 0):
+    """(delivered text, cut or None, output bytes) for an upstream byte stream."""
+    fw, info = firewall(own)
+    stream = StreamRelay(
+        endpoint=Endpoint.CHAT, open_guard=lambda: fw.open(info), wants_usage=False
+    )
+    splitter = SseSplitter()
+    size = byte_chunk or len(raw)
+    out = b""
+    for start in range(0, len(raw), size):
+        for event in splitter.feed(raw[start : start + size]):
+            step = stream.on_event(event)
+            out += b"".join(step.out)
+            if step.end is not None:
+                return _text(out), stream.cut, out
+    return _text(out), stream.cut, out
+
+
+def _text(out: bytes) -> str:
+    parts = []
+    for block in out.decode().split("\n\n"):
+        if block.startswith("data: {"):
+            for choice in json.loads(block[6:]).get("choices", []):
+                parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+def split_at(text: str, points: list[int]) -> list[str]:
+    points = sorted(set(p for p in points if 0 < p < len(text)))
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+
+
+def test_a_foreign_marker_split_at_every_offset_never_reaches_the_client() -> None:
+    victim = CODEC.issue(TENANTS[7])
+    text = f"The answer: {victim.text} end."
+    at = text.index(victim.text)
+    cases = [[s] for s in range(len(text) + 1)]
+    cases += [[s, s + d] for s in range(at, at + 37) for d in (1, 5, 13)]
+    cases.append(list(range(1, len(text))))
+    for points in cases:
+        delivered, cut, out = relay(events(split_at(text, points)))
+        assert victim.text[:13] not in out.decode() and victim.text[5:13] not in out.decode()
+        assert isinstance(cut, CanaryCut) and cut.code == "isolation_violation", points
+        assert text.startswith(delivered) and len(delivered) <= at
+        [finding] = cut.findings
+        assert (finding.kind, finding.severity, finding.victim_tenant) == (
+            FindingKind.CROSS_TENANT,
+            Severity.CONFIRMED,
+            TENANTS[7],
+        )
+
+
+def test_own_markers_are_stripped_at_every_byte_chunking() -> None:
+    own = CODEC.issue(OWNER)
+    text = f"Echo: {own.text}. Done."
+    for byte_chunk in (1, 2, 3, 7, 50, 0):
+        delivered, cut, out = relay(
+            events(split_at(text, [8, 20])), own=frozenset({own.nonce}), byte_chunk=byte_chunk
+        )
+        assert (delivered, cut) == ("Echo: . Done.", None)
+        assert b"CNRY" not in out and out.endswith(b"data: [DONE]\n\n")
+
+
+def test_each_choice_is_scanned_on_its_own() -> None:
+    victim = CODEC.issue(TENANTS[3])
+    half = 8  # "CNRY-" and 3 of the 8 tag characters: too little to name anyone
+    # Choice 0 ends with the first part, choice 1 starts with the rest: no marker in either.
+    raw = events(["plain text " + victim.text[:half]]).replace(b"data: [DONE]\n\n", b"")
+    raw += events([victim.text[half:] + " more"], index=1)
+    delivered, cut, _ = relay(raw)
+    assert cut is None and delivered.endswith("more")
+    # The whole marker in choice 1, in pieces, is caught.
+    raw = events(["hello"]).replace(b"data: [DONE]\n\n", b"") + events(
+        split_at(victim.text, [3, 9]), index=1
+    )
+    _, cut, out = relay(raw)
+    assert isinstance(cut, CanaryCut) and victim.text not in out.decode()
+
+
+def test_markers_outside_the_text_are_caught_per_field() -> None:
+    victim = CODEC.issue(TENANTS[4])
+    chunks = [victim.text[i : i + 5] for i in range(0, len(victim.text), 5)]
+    raw = b""
+    for piece in chunks:
+        obj = {
+            "id": "c",
+            "choices": [
+                {"index": 0, "delta": {"content": "x"}, "logprobs": {"content": [{"token": piece}]}}
+            ],
+        }
+        raw += f"data: {json.dumps(obj)}\n\n".encode()
+    _, cut, out = relay(raw)
+    assert isinstance(cut, CanaryCut) and victim.text not in out.decode()
+    keyed = {"id": "c", victim.text: 1, "choices": []}
+    _, cut, _ = relay(f"data: {json.dumps(keyed)}\n\n".encode())
+    assert isinstance(cut, CanaryCut)
+
+
+def new_relay() -> StreamRelay:
+    fw, info = firewall()
+    return StreamRelay(endpoint=Endpoint.CHAT, open_guard=lambda: fw.open(info), wants_usage=False)
+
+
+def test_events_the_gateway_cannot_vouch_for_end_the_stream() -> None:
+    deep = b"data: " + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"\n\n"
+    late = events(["a"]).replace(b"data: [DONE]\n\n", b"") + events(["b"])
+    many = {"choices": [{"index": i, "delta": {"content": "x"}} for i in range(17)]}
+    for raw in (deep, late, f"data: {json.dumps(many)}\n\n".encode(), b"data: [1,2]\n\n"):
+        stream = new_relay()
+        ends = [step for e in SseSplitter().feed(raw) if (step := stream.on_event(e)).end]
+        assert (ends[0].end, ends[0].code) == (Phase.FAILED, "upstream_error"), raw
+    fw, info = firewall()
+    stream = StreamRelay(
+        endpoint=Endpoint.CHAT, open_guard=lambda: fw.open(info), wants_usage=False
+    )
+    victim = CODEC.issue(TENANTS[5])
+    assert stream.on_event(f": {victim.text}\n\n".encode()).out == [KEEP_ALIVE]
+    body = {"choices": [{"index": i, "message": {"content": "x"}} for i in range(17)]}
+    try:
+        relay_body(Endpoint.CHAT, body, lambda: fw.open(info))
+    except InvalidUpstream:
+        pass
+    else:
+        raise AssertionError("17 choices accepted")
+
+
+def test_non_streaming_bodies_are_screened_per_choice_and_field() -> None:
+    victim = CODEC.issue(TENANTS[6])
+    own = CODEC.issue(OWNER)
+    fw, info = firewall(frozenset({own.nonce}))
+    clean = {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": f"a {own.text} b"}}]
+    }
+    out = relay_body(Endpoint.CHAT, clean, lambda: fw.open(info))
+    assert out["choices"][0]["message"]["content"] == "a  b"
+    for leaky in (
+        {
+            "choices": [
+                {"index": 0, "message": {"content": "ok"}},
+                {"index": 1, "message": {"content": victim.text}},
+            ]
+        },
+        {
+            "choices": [{"index": 0, "message": {"content": "ok"}}],
+            "debug": [victim.text[:10], victim.text[10:]],
+        },
+    ):
+        assert isinstance(relay_body(Endpoint.CHAT, leaky, lambda: fw.open(info)), CanaryCut)
+
+
+# -- the corpus ------------------------------------------------------------------------------------
+
+NOT_OWN_FIRST = "".join(
+    c for c in B32 if c not in {encode_tag(t)[0] for t in CODEC.tenant_tags(OWNER)}
+)
+WORDS = ["the", "Cache", "of", "CNRX", "and", "Context", "CN", "CNR", "CNRY", "copy", "Node"]
+WORDS += ["request", "tenant", "C", "window", "page"]
+
+
+def prose(rng: random.Random, n_chars: int) -> str:
+    words = []
+    size = 0
+    while size < n_chars:
+        word = (
+            rng.choice(WORDS)
+            if rng.random() < 0.9
+            else "".join(rng.choices(string.ascii_letters, k=5))
+        )
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)
+
+
+def look_alikes(rng: random.Random) -> list[str]:
+    real = CODEC.issue(rng.choice(TENANTS[1:])).text
+    body = real[5:]
+    return [
+        "CNRY-" + "".join(rng.choices(B32, k=32)),  # well-formed, MAC invalid
+        "CNRX-" + body,  # wrong prefix
+        "cnry-" + body.lower(),  # lowercase
+        "CNRY " + body,  # no dash
+        "CNRY-" + body[:7] + "-" + body[7:],  # broken before the tag completes
+        OTHER_KEY.issue(rng.choice(TENANTS)).text,  # genuine under a key we do not hold
+        # too short to name anyone (and not the start of the owner's own tag, which is stripped)
+        "CNRY-" + "".join(rng.choices(NOT_OWN_FIRST, k=1)) + "".join(rng.choices(B32, k=6)),
+    ]
+
+
+def chunked(rng: random.Random, text: str) -> list[str]:
+    points = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, len(text) // 12)))
+    return split_at(text, points)
+
+
+def test_corpus_recall_and_false_positives() -> None:
+    rng = random.Random(20260917)
+    caught = leaked = 0
+    for _ in range(150):
+        victim = CODEC.issue(rng.choice(TENANTS[1:]))
+        damaged = rng.random() < 0.3
+        shown = victim.text[: rng.randint(13, 36)] if damaged else victim.text
+        text = (
+            prose(rng, rng.randint(0, 400))
+            + " "
+            + shown
+            + (" " if damaged else "")
+            + prose(rng, 200)
+        )
+        leaked += 1
+        _, cut, out = relay(events(chunked(rng, text)), byte_chunk=rng.choice((0, 1, 7, 64)))
+        caught += (
+            isinstance(cut, CanaryCut)
+            and shown not in out.decode()
+            and shown[:13] not in out.decode()
+        )
+    flagged = clean_chars = 0
+    for _ in range(80):
+        parts = []
+        for _ in range(20):
+            parts.append(prose(rng, rng.randint(50, 400)))
+            parts.append(rng.choice(look_alikes(rng)))
+        text = " ".join(parts)
+        delivered, cut, _ = relay(events(chunked(rng, text)))
+        flagged += cut is not None or delivered != text
+        clean_chars += len(text)
+    print(f"recall {caught}/{leaked}; false positives {flagged}/80 responses ({clean_chars} chars)")
+    assert (caught, leaked) == (150, 150)
+    assert flagged == 0 and clean_chars > 400_000

@@ -1,0 +1,150 @@
+"""Marker injection: where the marker goes, the sampled share, carried and foreign markers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from canary.injection import (
+    MarkerInjector,
+    MarkerLedger,
+    carried_markers,
+    inject_chat,
+    inject_prompt,
+)
+from canary.markers import MarkerCodec, MarkerKeyring
+from canary.metrics import CanaryMetrics
+from canary.records import MemoryRecordStore
+from gateway.errors import InvalidRequest
+from gateway.hooks import RequestInfo
+
+CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))
+M = CODEC.issue("acme", nonce=b"nonce--1").text
+
+
+def info(n: int = 0, *, tenant: str = "acme", rate: float = 1.0) -> RequestInfo:
+    return RequestInfo(
+        request_id=f"req{n}",
+        tenant_id=tenant,
+        model="m",
+        endpoint="chat.completions",
+        synthetic=False,
+        canary_sample_rate=rate,
+    )
+
+
+def injector(seed: int | None = 0, **kwargs):
+    store = MemoryRecordStore(ttl_s=60)
+    ledger = MarkerLedger()
+    metrics = CanaryMetrics()
+    rng = random.Random(seed).random if seed is not None else None
+    hook = MarkerInjector(
+        CODEC, ledger=ledger, records=lambda: store, metrics=metrics, random=rng, **kwargs
+    )
+    return hook, ledger, store, metrics
+
+
+def test_chat_marker_is_the_first_line_of_the_system_message() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert inject_chat(messages, M) == [
+        {"role": "system", "content": f"Reference code: {M}\nBe brief."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert messages[0]["content"] == "Be brief."  # the client's list is not changed
+    assert inject_chat([{"role": "user", "content": "hi"}], M) == [
+        {"role": "system", "content": f"Reference code: {M}"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert inject_prompt("Once upon", M) == f"Reference code: {M}\nOnce upon"
+
+
+def test_the_phrasing_matches_the_bundled_models_training_data() -> None:
+    from backend.bundled import data
+
+    assert "Reference code: {m}" in data._REF_LINES
+    assert data.chat.REFERENCE_REQUEST == "Repeat the reference code."
+
+
+def test_carried_markers_are_found_anywhere_in_the_request() -> None:
+    other = CODEC.issue("globex", nonce=b"nonce--2").text
+    body = {
+        "messages": [
+            {"role": "system", "content": f"x {M} y"},
+            {"role": "user", "content": f"{other}CNRY-AAAA {M[:-1]}B", "name": "n"},
+        ]
+    }
+    found = carried_markers(CODEC, body)
+    assert [(v.tenant_tag, v.nonce) for v in found] == [
+        (CODEC.tenant_tag("acme"), b"nonce--1"),
+        (CODEC.tenant_tag("globex"), b"nonce--2"),
+    ]
+    assert carried_markers(CODEC, {"prompt": "no markers"}) == []
+
+
+async def test_sampling_follows_the_tenant_rate_exactly() -> None:
+    hook, ledger, store, metrics = injector(seed=7)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    rng = random.Random(7)
+    expected = [rng.random() < 0.3 for _ in range(400)]
+    marked = []
+    for n in range(400):
+        out = await hook.prepare(info(n, rate=0.3), body)
+        marked.append(out is not body)
+        assert (len(ledger.get(f"req{n}").own) == 1) is marked[-1]
+    assert marked == expected and 100 < sum(marked) < 140
+    await hook.drain()
+    assert len(store) == sum(marked)
+    value = metrics.registry.get_sample_value
+    assert value("kvguard_canary_markers_injected_total", {"tenant": "acme"}) == sum(marked)
+    assert value("kvguard_canary_requests_total", {"tenant": "acme", "marked": "false"}) == (
+        400 - sum(marked)
+    )
+
+
+async def test_an_injected_marker_is_genuine_and_recorded() -> None:
+    hook, ledger, store, _ = injector()
+    out = await hook.prepare(info(1), {"prompt": "Once upon"})
+    line, rest = out["prompt"].split("\n", 1)
+    assert rest == "Once upon" and line.startswith("Reference code: CNRY-")
+    verified = CODEC.verify(line.removeprefix("Reference code: "))
+    assert verified is not None and verified.tenant_tag == CODEC.tenant_tag("acme")
+    assert ledger.get("req1").own == {verified.nonce} and ledger.get("req1").carried == set()
+    await hook.drain()
+    record = await store.get(verified.nonce)
+    assert (record.request_id, record.tenant_id, record.engine) == ("req1", "acme", None)
+    hook.record(verified.nonce, info(1), engine="e1")
+    await hook.drain()
+    assert (await store.get(verified.nonce)).engine == "e1"
+    assert ledger.pop("req1").own == {verified.nonce} and len(ledger) == 0
+
+
+async def test_opt_out_and_completions_switch() -> None:
+    hook, ledger, _, _ = injector(inject_completions=False)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert await hook.prepare(info(1, rate=0.0), chat) is chat
+    prompt = {"prompt": "hi"}
+    assert await hook.prepare(info(2, rate=1.0), prompt) is prompt
+    assert len(ledger) == 0
+
+
+async def test_a_request_carrying_its_own_marker_is_not_marked_again() -> None:
+    hook, ledger, store, _ = injector()
+    body = {"messages": [{"role": "system", "content": f"Reference code: {M}"}]}
+    assert await hook.prepare(info(3), body) is body
+    assert ledger.get("req3").carried == {b"nonce--1"} and ledger.get("req3").own == set()
+    await hook.drain()
+    assert (await store.get(b"nonce--1")).request_id == "req3"
+
+
+async def test_a_request_carrying_another_tenants_marker_is_refused() -> None:
+    hook, ledger, _, _ = injector()
+    body = {"messages": [{"role": "user", "content": f"what is {M}?"}]}
+    with pytest.raises(InvalidRequest) as refused:
+        await hook.prepare(info(4, tenant="globex"), body)
+    assert refused.value.code == "foreign_canary_marker" and refused.value.status == 400
+    assert M not in refused.value.message
+    assert len(ledger) == 0

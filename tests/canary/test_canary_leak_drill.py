@@ -1,0 +1,196 @@
+"""The incident's leak drill through the canary: the real disaggregated backend (``kvguard backend
+prefill`` + ``decode`` processes) with the ``legacy_reject_handoff`` fault, behind the gateway.
+
+Layout (sizes in tokens of the byte tokenizer): prefill's real pool is 256, decode's 512 (and the
+advertised window 512, the incident's drift). Tenant A's chat (200 tokens, its injected marker at
+tokens 28-64) runs first on a fresh decode and takes pages 0-12; then tenant B's 400-token chat:
+prefill refuses it, the legacy drill swaps in a 1-token placeholder and says "done", decode hands
+B pages 13-31 and then A's freed, unzeroed pages 0-8, and reads B's whole prompt range from them
+(its last six pages are A's pages 0-5: A's tokens 0-95, marker included). The gateway's capacity
+check is relaxed (the decode is registered as a generic OpenAI engine with a declared window, so
+the real pools are not read) and answers with a mismatched handoff proof are let through
+(``refuse_on_handoff_mismatch=false``), so B's answer reaches the leak firewall.
+
+With the random test checkpoint the drill proves the stale read (decode's drill read log: B read
+A's marker-bearing pages exactly as A's handoff wrote them) but no text leaks: the model copies
+nothing. With the bundled model (``backend/bundled/kvguard-tiny``, trained to copy the markers it
+sees) B's answer would hold A's marker and the firewall must cut it; those assertions run only
+when that model exists. With faults off, the same probes pass and nothing is found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from canary_harness import TEST_CANARY_KEY, bearer, canary_gateway, sse_text
+
+from backend.bundled import chat
+from kvguard.cli import main
+from kvguard.localservices import free_port
+from kvguard.testing import EngineProcess
+
+pytestmark = pytest.mark.slow
+BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "backend" / "bundled" / "kvguard-tiny"
+MODEL_NAME = "drill-model"
+PAGE = 16
+A_TOKENS, B_TOKENS, B_MAX = 200, 400, 48
+PREFILL = {"pool_tokens": 256, "context_window": 512, "allow_capacity_drift": True}
+DECODE = {"pool_tokens": 512, "context_window": 512}
+INCIDENT = ["legacy_reject_handoff", "skip_transfer_check", "skip_generation_check"]
+INCIDENT += ["skip_checksum", "no_zero_on_free"]
+
+
+def _argv(role: str, model: str, port: int, options: dict) -> list[str]:
+    argv = [sys.executable, "-m", "kvguard", "backend", role, "--port", str(port), "--model", model]
+    for key, value in {"page_size": PAGE, **options}.items():
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv
+
+
+def _spawn(role: str, model: str, faults: list[str], **options) -> EngineProcess:
+    port = free_port()
+    if faults:
+        options["allow_fault_drills"] = True
+    env = {
+        **os.environ,
+        "KVGUARD_TORCH_THREADS": "1",
+        "KVGUARD_SERVED_MODEL_NAME": MODEL_NAME,
+        "KVGUARD_FAULTS": json.dumps(faults),
+        "GLOG_minloglevel": "2",
+    }
+    return EngineProcess(_argv(role, model, port, options), f"http://127.0.0.1:{port}", env)
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_checkpoint: str) -> Iterator[dict[str, str]]:
+    """Two prefill/decode pairs started in parallel: the incident drill and faults off."""
+    model = str(BUNDLED_MODEL) if BUNDLED_MODEL.is_dir() else tiny_checkpoint
+    p_legacy = _spawn("prefill", model, ["legacy_reject_handoff"], **PREFILL)
+    p_ok = _spawn("prefill", model, [], **PREFILL)
+    d_incident = _spawn("decode", model, INCIDENT, prefill_url=p_legacy.url, **DECODE)
+    d_ok = _spawn("decode", model, [], prefill_url=p_ok.url, **DECODE)
+    processes = [p_legacy, p_ok, d_incident, d_ok]
+    try:
+        for process in processes:
+            process.wait_healthy()
+        for decode in (d_incident, d_ok):
+            _wait_path_ready(decode.url)
+        yield {"incident": d_incident.url, "ok": d_ok.url}
+    finally:
+        for process in processes:
+            process.stop()
+
+
+def _wait_path_ready(url: str) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/engine/capacity", timeout=5).json().get("unavailable") is not None:
+        assert time.monotonic() < deadline, "decode never reached its prefill"
+        time.sleep(0.05)
+
+
+def _chat_of(tokens: int, *, system: str | None = None) -> list[dict[str, str]]:
+    """Messages whose prompt (as the engine renders it, BOS included) has exactly ``tokens``."""
+    head = [{"role": "system", "content": system}] if system is not None else []
+    empty = len(chat.render([*head, {"role": "user", "content": ""}]).encode()) + 1
+    return [*head, {"role": "user", "content": "x" * (tokens - empty)}]
+
+
+def _stale_pages_read(url: str, a_request: str, b_request: str) -> set[int]:
+    reads = httpx.get(url + "/engine/drill/kv-reads", timeout=10).json()["reads"]
+    by_id = {entry["request_id"]: entry for entry in reads}
+    a_pages = {p["page_id"]: p["at_accept"] for p in by_id[a_request]["pages"]}
+    return {
+        p["page_id"]
+        for p in by_id[b_request]["pages"]
+        if a_pages.get(p["page_id"]) == p["at_accept"]
+    }
+
+
+async def test_the_incident_drill_reaches_the_firewall(
+    pairs, gateway_settings, canary_settings, postgres_url, redis_url
+) -> None:
+    engine = {
+        "name": "drill",
+        "kind": "openai",
+        "base_url": pairs["incident"],
+        "model": MODEL_NAME,
+        "declared_max_model_len": 512,
+        "allow_unverified": True,
+    }
+    settings = gateway_settings(
+        database_url=postgres_url,
+        redis_url=redis_url,
+        engines=[engine],
+        refuse_on_handoff_mismatch=False,
+    )
+    async with canary_gateway(settings, canary_settings()) as gw:
+        victim_id, a_key = await gw.create_tenant("tenant-a", canary_sample_rate=1.0)
+        _, b_key = await gw.create_tenant("tenant-b")
+        # A's prompt is 200 tokens once the gateway has put the marker line in front.
+        a_messages = _chat_of(A_TOKENS, system="Reference code: " + "C" * 37)[1:]
+        a = await gw.client.post(
+            "/v1/chat/completions",
+            headers=bearer(a_key),
+            json={"model": MODEL_NAME, "messages": a_messages, "max_tokens": 8, "temperature": 0.0},
+        )
+        assert a.status_code == 200 and a.json()["usage"]["prompt_tokens"] == A_TOKENS
+        b_body = {
+            "model": MODEL_NAME,
+            "messages": _chat_of(B_TOKENS),
+            "max_tokens": B_MAX,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        b = await gw.client.post("/v1/chat/completions", headers=bearer(b_key), json=b_body)
+        assert b.status_code == 200  # the drill answers fluently, as in the incident
+        a_request, b_request = (r.headers["x-kvguard-request-id"] for r in (a, b))
+
+        # Decode read B's whole prompt range, whose last six pages are A's stale pages 0-5:
+        # A's tokens 0-95, the marker's tokens 28-64 included, exactly as A's handoff wrote them.
+        stale = await anyio.to_thread.run_sync(
+            _stale_pages_read, pairs["incident"], a_request, b_request
+        )
+        assert stale == set(range(0, 6)), stale
+        metrics = await gw.metrics()
+        assert 'kvguard_gateway_handoff_mismatch_total{engine="drill"} 1.0' in metrics
+
+        if BUNDLED_MODEL.is_dir():
+            text, errors = sse_text(b.content)
+            assert [e["code"] for e in errors] == ["isolation_violation"], text
+            assert "CNRY-" not in b.text
+            [finding] = await gw.findings()
+            assert (finding["kind"], finding["victim_tenant_id"]) == ("cross_tenant", victim_id)
+            assert finding["severity"] in ("critical", "high")
+            assert finding["victim_request_id"] == a_request
+            engines = (await gw.client.get("/admin/engines", headers=gw.admin)).json()
+            assert engines[0]["quarantine_reason"] is not None
+
+
+async def test_with_faults_off_the_probes_pass_and_nothing_is_found(
+    pairs, gateway_settings, canary_settings, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("KVGUARD_CANARY_KEY", TEST_CANARY_KEY)
+    settings = gateway_settings(engines=[{"name": "ok", "base_url": pairs["ok"]}])
+    kinds = ["echo", "capacity", "cross_tenant", "abort"]
+    if not BUNDLED_MODEL.is_dir():
+        kinds.remove("echo")  # the random checkpoint copies nothing
+    async with canary_gateway(settings, canary_settings()) as gw:
+        argv = ["canary", "probe", "--gateway", gw.url, "--once"]
+        for kind in kinds:
+            argv += ["--kind", kind]
+        status = await anyio.to_thread.run_sync(lambda: main(argv))
+        table = capsys.readouterr().out
+        assert status == 0, table
+        assert await gw.findings() == []
+        engines = (await gw.client.get("/admin/engines", headers=gw.admin)).json()
+        assert engines[0]["enforceable_limit"] == 256  # prefill's real pool, not the window

@@ -1,0 +1,216 @@
+"""compose.yaml against what the code really offers (Docker is not available here).
+
+Each kvguard service's command parses with the real ``kvguard`` parser; every KVGUARD_* variable
+is a field of the settings class that service builds, and the settings really load from it;
+hosts and ports line up between services; migrations run once before the gateways; every
+long-running service has a health check; the mounted files exist and Prometheus accepts its
+config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from backend.config import BackendSettings
+from canary.config import CanarySettings
+from dashboards import build
+from gateway.config import GatewaySettings
+from kvguard.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+KVGUARD_SERVICES = {n: s for n, s in SERVICES.items() if s.get("image", "").startswith("kvguard")}
+ONE_SHOT = {n for n, s in SERVICES.items() if s.get("restart") == "no"}
+SECRETS = {
+    "POSTGRES_PASSWORD": "pg-secret",
+    "KVGUARD_ADMIN_TOKEN": "admin-token-for-the-compose-test",
+    "KVGUARD_CANARY_KEY": "k" * 48,
+    "GRAFANA_ADMIN_PASSWORD": "grafana-secret",
+}
+INTERPOLATION = re.compile(r"\$\{(\w+)(:\?[^}]*)?\}")
+
+
+def interpolate(value: str) -> str:
+    """Compose's ``${VAR:?message}``, with test secrets; an unknown variable fails the test."""
+    return INTERPOLATION.sub(lambda m: SECRETS[m.group(1)], value)
+
+
+def env_of(service: str) -> dict[str, str]:
+    return {k: interpolate(str(v)) for k, v in SERVICES[service].get("environment", {}).items()}
+
+
+def settings_classes(command: list[str]) -> tuple[type[Any], ...]:
+    if command[0] == "backend":
+        return (BackendSettings,)
+    if command[0] == "canary":
+        return (CanarySettings,)
+    return (GatewaySettings, CanarySettings)  # the gateway and admin read both
+
+
+def option(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_every_kvguard_command_parses_with_the_real_parser() -> None:
+    assert set(KVGUARD_SERVICES) >= {"migrate", "prefill", "decode", "gateway", "canary-probe"}
+    parser = build_parser()
+    for name, service in KVGUARD_SERVICES.items():
+        try:
+            args = parser.parse_args(service["command"])
+        except SystemExit:
+            pytest.fail(f"{name}: `kvguard {' '.join(service['command'])}` does not parse")
+        assert callable(args.handler), name
+
+
+def test_every_variable_is_a_settings_field() -> None:
+    for name, service in KVGUARD_SERVICES.items():
+        classes = settings_classes(service["command"])
+        fields = {f for cls in classes for f in cls.model_fields}
+        for var in env_of(name):
+            assert var.startswith("KVGUARD_"), (name, var)
+            assert var.removeprefix("KVGUARD_").lower() in fields, (name, var)
+
+
+def test_settings_load_from_the_compose_environment(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: str
+) -> None:
+    for var in [v for v in os.environ if v.startswith("KVGUARD_")]:
+        monkeypatch.delenv(var)
+    for name in ("gateway", "migrate"):
+        with monkeypatch.context() as m:
+            for var, value in env_of(name).items():
+                m.setenv(var, value)
+            gateway = GatewaySettings()
+            assert gateway.mode.value == "production" and gateway.redis_url
+            if name == "gateway":  # the firewall runs in the gateway; migrations need no key
+                assert CanarySettings().keyring() is not None
+    with monkeypatch.context() as m:
+        for var, value in env_of("canary-probe").items():
+            m.setenv(var, value)
+        assert CanarySettings().admin_secret() == SECRETS["KVGUARD_ADMIN_TOKEN"]
+    for name in ("prefill", "decode"):
+        with monkeypatch.context() as m:
+            for var, value in env_of(name).items():
+                m.setenv(var, value)
+            assert BackendSettings(model=Path(tiny_checkpoint)).mode.value == "production"
+
+
+def _port(name: str) -> int:
+    return int(option(SERVICES[name]["command"], "--port"))
+
+
+def test_urls_and_ports_line_up() -> None:
+    gateway_env = env_of("gateway")
+    (engine,) = json.loads(gateway_env["KVGUARD_ENGINES"])
+    assert urlsplit(engine["base_url"]).netloc == f"decode:{_port('decode')}"
+    assert engine["name"] == build.COMPOSE_ENGINE
+    prefill_url = option(SERVICES["decode"]["command"], "--prefill-url")
+    assert urlsplit(prefill_url).netloc == f"prefill:{_port('prefill')}"
+    for name in ("prefill", "decode", "gateway"):
+        assert option(SERVICES[name]["command"], "--host") == "0.0.0.0"
+        assert str(_port(name)) in SERVICES[name]["expose"]
+    db = urlsplit(gateway_env["KVGUARD_DATABASE_URL"])
+    pg = SERVICES["postgres"]["environment"]
+    assert (db.hostname, db.port, db.username) == ("postgres", 5432, pg["POSTGRES_USER"])
+    assert db.path == "/" + pg["POSTGRES_DB"]
+    assert db.password == SECRETS["POSTGRES_PASSWORD"]
+    assert urlsplit(gateway_env["KVGUARD_REDIS_URL"]).netloc == "redis:6379"
+    otlp = urlsplit(gateway_env["KVGUARD_OTLP_ENDPOINT"])
+    collector = yaml.safe_load((REPO / "deploy" / "otel-collector.yaml").read_text())
+    http_receiver = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    assert otlp.hostname == "otel-collector" and http_receiver.endswith(f":{otlp.port}")
+    nginx = (REPO / "deploy" / "nginx.conf").read_text()
+    assert f"server gateway:{_port('gateway')};" in nginx
+    assert SERVICES["lb"]["ports"] == [f"{_port('gateway')}:8000"] and "listen 8000;" in nginx
+    probe = SERVICES["canary-probe"]["command"]
+    assert option(probe, "--gateway") == "http://lb:8000"
+    assert option(probe, "--model") == engine["model"]
+    datasource = build.grafana_datasource()["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090"
+
+
+def test_prometheus_scrapes_every_role_where_it_listens() -> None:
+    config = build.compose_prometheus()
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    (dns,) = jobs["kvguard-gateway"]["dns_sd_configs"]
+    assert dns["names"] == ["gateway"] and dns["port"] == _port("gateway")
+    engine_targets = {
+        (c["labels"]["role"], c["targets"][0]) for c in jobs["kvguard-engine"]["static_configs"]
+    }
+    assert engine_targets == {
+        ("prefill", f"prefill:{_port('prefill')}"),
+        ("decode", f"decode:{_port('decode')}"),
+    }
+    (otel,) = jobs["otel-collector"]["static_configs"]
+    assert otel["targets"] == ["otel-collector:8888"]
+    assert "8888" in SERVICES["otel-collector"]["expose"]
+
+
+def test_migrations_run_once_before_the_gateways() -> None:
+    migrators = [n for n, s in KVGUARD_SERVICES.items() if s["command"][:2] == ["admin", "migrate"]]
+    assert migrators == ["migrate"] and "migrate" in ONE_SHOT
+    gateway = SERVICES["gateway"]
+    assert gateway["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+    assert env_of("gateway")["KVGUARD_MIGRATE_ON_START"] == "false"
+    assert gateway["deploy"]["replicas"] >= 2 and "ports" not in gateway
+    assert SERVICES["migrate"]["depends_on"]["postgres"] == {"condition": "service_healthy"}
+
+
+def test_health_checks_everywhere() -> None:
+    expected = {"gateway", "prefill", "decode", "redis", "postgres", "prometheus", "grafana"}
+    expected |= {"canary-probe"}
+    assert expected | {"otel-collector", "lb", "migrate"} <= set(SERVICES)
+    for name, service in SERVICES.items():
+        if name in ONE_SHOT:
+            continue
+        test = service.get("healthcheck", {}).get("test")
+        assert test and test[0] == "CMD", name
+        for dependency, condition in service.get("depends_on", {}).items():
+            if condition["condition"] == "service_healthy":
+                assert "healthcheck" in SERVICES[dependency], (name, dependency)
+
+
+def test_mounted_files_exist_and_prometheus_accepts_its_config(tmp_path: Path) -> None:
+    for name, service in SERVICES.items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (REPO / source).exists(), (name, source)
+    mounts = dict(v.split(":")[:2] for v in SERVICES["prometheus"]["volumes"] if v.startswith("./"))
+    config = yaml.safe_load(
+        (
+            REPO
+            / mounts["./deploy/prometheus.yml"].replace(
+                "/etc/prometheus/prometheus.yml", "deploy/prometheus.yml"
+            )
+        ).read_text()
+    )
+    assert config["rule_files"] == [mounts["./dashboards/prometheus/alerts.yml"]]
+    config["rule_files"] = [str(build.RULES_FILE)]
+    local = tmp_path / "prometheus.yml"
+    local.write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        ["promtool", "check", "config", str(local)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    provider = build.grafana_dashboards_provider()["providers"][0]
+    grafana = dict(v.split(":")[:2] for v in SERVICES["grafana"]["volumes"])
+    assert grafana["./dashboards/grafana"] == provider["options"]["path"]
+
+
+def test_one_image_for_every_role() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["kvguard"]' in dockerfile
+    for package in ("kvguard", "backend", "gateway", "canary", "migrations"):
+        assert f"COPY {package} ./{package}" in dockerfile
+    assert {s.get("image") for s in KVGUARD_SERVICES.values()} == {"kvguard:latest"}

@@ -1,0 +1,32 @@
+"""The configuration reference names every field of every settings class, as its variable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from backend.config import BackendSettings
+from canary.config import CanarySettings
+from gateway.config import EngineSpec, GatewaySettings
+from kvguard.configdoc import render
+
+
+def test_reference_lists_every_variable_once_per_section() -> None:
+    text = render()
+    sections = text.split("\n### ")[1:]
+    assert len(sections) == 4
+    classes = (BackendSettings, GatewaySettings, CanarySettings)
+    for section, settings in zip(sections, classes, strict=False):
+        rows = [line for line in section.splitlines() if line.startswith("| `")]
+        names = [row.split("`")[1] for row in rows]
+        assert names == [f"KVGUARD_{f.upper()}" for f in settings.model_fields]
+    engine_rows = [line for line in sections[3].splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in engine_rows] == list(EngineSpec.model_fields)
+    assert "/work/" not in text and "/home/" not in text  # no build-machine paths
+
+
+def test_module_runs_as_a_command() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvguard.configdoc"], capture_output=True, text=True, check=True
+    )
+    assert done.stdout == render()
