@@ -24,7 +24,7 @@ from gateway.config import GatewaySettings
 from gateway.db.session import make_engine, make_session_factory, upgrade_database
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
-from gateway.errors import BodyGuardMiddleware, install_error_handlers
+from gateway.errors import install_error_handlers
 from gateway.hooks import GatewayHooks
 from gateway.limits.base import Limiter
 from gateway.limits.memory_limiter import MemoryLimiter
@@ -36,6 +36,7 @@ from gateway.state import GatewayState
 from gateway.tracing import Tracing
 from gateway.upstream.direct import DirectUpstream
 from gateway.upstream.litellm_client import LiteLLMUpstream
+from kvguard.http_edge import BodyGuardMiddleware
 
 log = logging.getLogger("kvguard.gateway")
 

@@ -19,9 +19,10 @@ from fastapi import FastAPI
 
 from backend.config import BackendSettings
 from backend.server import routes_drill, routes_handoff, routes_openai, routes_ops
-from backend.server.errors import BodyGuardMiddleware, install_error_handlers
+from backend.server.errors import install_error_handlers
 from backend.server.roles import RoleRuntime, build_decode, build_prefill, build_unified
 from backend.server.schema import Role
+from kvguard.http_edge import BodyGuardMiddleware
 
 _BUILDERS = {Role.UNIFIED: build_unified, Role.PREFILL: build_prefill, Role.DECODE: build_decode}
 
