@@ -162,9 +162,13 @@ async def test_the_incident_drill_reaches_the_firewall(
         )
         assert stale == set(range(0, 6)), stale
         metrics = await gw.metrics()
-        assert 'kvguard_gateway_handoff_mismatch_total{engine="drill"} 1.0' in metrics
-
-        if BUNDLED_MODEL.is_dir():
+        if not BUNDLED_MODEL.is_dir():
+            # The random checkpoint copies nothing, so the stream runs to its end and the
+            # gateway audits the handoff proof there: reserved != transferred.
+            assert 'kvguard_gateway_handoff_mismatch_total{engine="drill"} 1.0' in metrics
+        else:
+            # The bundled model turns A's stale pages into A's marker: the firewall cuts the
+            # stream before the proof at its end arrives.
             text, errors = sse_text(b.content)
             assert [e["code"] for e in errors] == ["isolation_violation"], text
             assert "CNRY-" not in b.text

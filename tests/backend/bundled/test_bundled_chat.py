@@ -1,0 +1,43 @@
+"""The bundled model's chat template: exact rendering and the alignment the copy circuit needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.bundled import chat
+
+
+def test_render_is_the_documented_transcript_ending_with_the_cue() -> None:
+    messages = [
+        {"role": "system", "content": "Reference code: X"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "Repeat the reference code."},
+    ]
+    assert chat.render(messages) == (
+        "<|system|>\nReference code: X\n"
+        "<|user|>\ngently: hi\n"
+        "<|assistant|>\nhi\n"
+        "<|user|>\ngently: Repeat the reference code.\n"
+        "<|assistant|>\nexactly: "
+    )
+
+
+def test_developer_role_renders_as_system_and_unknown_roles_are_refused() -> None:
+    assert chat.render([{"role": "developer", "content": "x"}]).startswith("<|system|>\nx\n")
+    with pytest.raises(ValueError, match="unsupported chat role 'tool'"):
+        chat.render([{"role": "tool", "content": "x"}])
+
+
+def test_cue_shares_its_last_nine_bytes_with_repeat_exactly_and_five_with_a_user_turn() -> None:
+    # the copy circuit compares the last 9 bytes (5 exactly, 4 by bucket): "Repeat exactly: <text>"
+    # must be the only full match, an ordinary user line the next best one
+    cue = chat.ASSISTANT_CUE
+    assert cue[-9:] == chat.REPEAT_PREFIX[-9:]
+    assert chat.USER_HEADER[-5:] == cue[-5:]
+    assert chat.USER_HEADER[-6] != cue[-6]
+    assert "exactly: " not in chat.render_message("assistant", "earlier reply")
+
+
+def test_empty_conversation_is_just_the_cue() -> None:
+    assert chat.render([]) == chat.ASSISTANT_CUE
