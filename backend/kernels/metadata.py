@@ -25,6 +25,7 @@ class AttentionMetadata:
     kv_lens: torch.Tensor  # [B] int32: tokens in the cache after this step's writes
     block_tables: torch.Tensor  # [B, max_pages] int32: page ids of each sequence, in order
     slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset for each new token
+    token_positions: torch.Tensor  # [T] int64: absolute position of each query token
     page_size: int
     # Host copies of the lengths, so planning a launch never waits on the device.
     query_lens_host: tuple[int, ...]
@@ -52,7 +53,7 @@ class AttentionMetadata:
 
     def positions(self) -> torch.Tensor:
         """[T] int64 absolute positions of the query tokens (what RoPE needs)."""
-        return _positions(self.query_lens_host, self.kv_lens_host).to(self.slot_mapping.device)
+        return self.token_positions
 
     @classmethod
     def build(
@@ -82,6 +83,7 @@ class AttentionMetadata:
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
             block_tables=table.to(device),
             slot_mapping=slots.to(device),
+            token_positions=pos.to(device),
             page_size=page_size,
             query_lens_host=tuple(query_lens),
             kv_lens_host=tuple(kv_lens),

@@ -65,6 +65,11 @@ class KVCache:
     def device(self) -> torch.device:
         return self.k.device
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K plus V bytes of one token in one layer (what attention reads per key)."""
+        return 2 * self.num_kv_heads * self.head_dim * self.k.element_size()
+
     @staticmethod
     def bytes_per_page(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

@@ -48,18 +48,31 @@ class _Step:
     plan: AttentionPlan | None  # the reference path's plan, prepared once for all layers
 
 
+def _in_out(weight: torch.Tensor) -> torch.Tensor:
+    """An HF ``[out, in]`` projection stored ``[in, out]``, for ``x @ w``.
+
+    Why: on CPU (MKL, fp32) a decode step of 1-2 tokens is a matrix-vector product, and it reads
+    the weights ~30% faster in this layout (measured on a 2-core EPYC, one thread: the 151 MB of
+    projections of a 38M model in 9.6 ms instead of 13.6 ms). From 4 to 32 rows it is 4-13%
+    slower, at prefill sizes (256 rows) even. Single requests are where batching cannot help, so
+    they get the fast path.
+    """
+    return weight.t().contiguous()
+
+
 class _DecoderLayer(nn.Module):
-    """Weights of one layer; Q/K/V and gate/up are fused so each is a single matmul."""
+    """Weights of one layer, each ``[in, out]`` (see ``_in_out``); Q/K/V and gate/up are fused
+    so each is a single matmul."""
 
     def __init__(self, state: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         qkv = [state[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")]
-        self.register_buffer("qkv", torch.cat(qkv, 0))
-        self.register_buffer("o", state[attn + "o_proj.weight"])
+        self.register_buffer("qkv", _in_out(torch.cat(qkv, 0)))
+        self.register_buffer("o", _in_out(state[attn + "o_proj.weight"]))
         gate_up = [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]
-        self.register_buffer("gate_up", torch.cat(gate_up, 0))
-        self.register_buffer("down", state[mlp + "down_proj.weight"])
+        self.register_buffer("gate_up", _in_out(torch.cat(gate_up, 0)))
+        self.register_buffer("down", _in_out(state[mlp + "down_proj.weight"]))
         self.register_buffer("input_norm", state[prefix + "input_layernorm.weight"])
         self.register_buffer("post_norm", state[prefix + "post_attention_layernorm.weight"])
 
@@ -82,7 +95,8 @@ class LlamaModel(nn.Module):
         embed = state["model.embed_tokens.weight"]
         self.register_buffer("embed", embed)
         self.register_buffer("norm", state["model.norm.weight"])
-        head = embed if config.tie_word_embeddings else state["lm_head.weight"]
+        # [hidden, vocab]; tied, it is a view of the embedding (no second copy)
+        head = embed.t() if config.tie_word_embeddings else _in_out(state["lm_head.weight"])
         self.register_buffer("lm_head", head)
         # HF's default RoPE frequencies, computed exactly as transformers does.
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
@@ -138,16 +152,17 @@ class LlamaModel(nn.Module):
                 f"{self.config.max_position_embeddings} (max_position_embeddings)"
             )
         backend = attention_backend or default_backend(input_ids.device)
-        step = _Step(
-            metadata, kv_cache, backend, plan_attention(metadata) if backend == "torch" else None
-        )
+        plan = None
+        if backend == "torch":
+            plan = plan_attention(metadata, kv_bytes_per_token=kv_cache.kv_bytes_per_token)
+        step = _Step(metadata, kv_cache, backend, plan)
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
             hidden = self._layer(i, cast(_DecoderLayer, layer), hidden, cos, sin, step)
         if not all_logits and metadata.num_tokens != metadata.num_seqs:
             hidden = hidden[metadata.last_token_indices()]
-        return F.linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
+        return (self._rms_norm(hidden, self.norm) @ self.lm_head).float()
 
     def _layer(
         self,
@@ -161,7 +176,7 @@ class LlamaModel(nn.Module):
         c = self.config
         heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         tokens = hidden.shape[0]
-        qkv = F.linear(self._rms_norm(hidden, layer.input_norm), layer.qkv)
+        qkv = self._rms_norm(hidden, layer.input_norm) @ layer.qkv
         # RoPE on Q and K together: they are adjacent heads of the fused projection.
         qk = _apply_rope(
             qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos, sin
@@ -173,9 +188,9 @@ class LlamaModel(nn.Module):
         attn = paged_attention(
             q, k_pages, v_pages, step.metadata, self.scale, step.backend, step.plan
         )
-        hidden = hidden + F.linear(attn.reshape(tokens, heads * head_dim), layer.o)
-        gate, up = F.linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up).chunk(2, -1)
-        return hidden + F.linear(F.silu(gate) * up, layer.down)
+        hidden = hidden + attn.reshape(tokens, heads * head_dim) @ layer.o
+        gate, up = (self._rms_norm(hidden, layer.post_norm) @ layer.gate_up).chunk(2, -1)
+        return hidden + (F.silu(gate) * up) @ layer.down
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         eps = self.config.rms_norm_eps

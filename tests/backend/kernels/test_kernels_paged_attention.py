@@ -57,7 +57,9 @@ def naive_attention(q, k_cache, v_cache, query_lens, kv_lens, tables, page_size,
     ("query_lens", "kv_lens", "groups"),
     [
         ([1, 1, 1], [1, 9, 30], 1),  # decodes only, one of them at position 0
-        ([7], [7], 1),  # a whole prompt in one chunk
+        ([7], [7], 1),  # a whole prompt in one chunk (SDPA's own causal mask, no explicit one)
+        ([5, 5], [5, 5], 1),  # fresh prompts of one length: one causal group
+        ([1, 1], [9, 9], 1),  # decodes of one length: no mask at all
         # a chunk after context and a fresh prompt, padded into one group, plus the decodes
         ([5, 1, 12, 1], [13, 4, 12, 27], 2),
         # lengths too uneven to pad: each chunk is its own group
@@ -164,3 +166,57 @@ def test_backend_defaults_to_triton_on_cuda_and_torch_elsewhere():
     cache = torch.zeros(1, 4, 1, 8)
     with pytest.raises(ValueError, match="unknown attention backend"):
         paged_attention(torch.zeros(1, 1, 8), cache, cache, md, 1.0, backend="cuda")
+
+
+def test_decodes_of_very_different_lengths_split_into_groups_and_keep_token_order():
+    """With kv_bytes_per_token, decodes are grouped by length (no padding 3 keys to 200); the
+    output still lands on each token's own row."""
+    torch.manual_seed(0)
+    page_size, num_pages, heads, kv_heads, head_dim = 4, 128, 4, 2, 8
+    k_cache = torch.randn(num_pages, page_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_pages, page_size, kv_heads, head_dim)
+    kv_lens = [3, 200, 5, 190]
+    tables = scattered_tables(kv_lens, page_size, num_pages, seed=3)
+    md = AttentionMetadata.build(
+        query_lens=[1] * 4, kv_lens=kv_lens, block_tables=tables, page_size=page_size
+    )
+    q = torch.randn(4, heads, head_dim)
+    # a group costs 1 MiB / 64 KiB = 16 padded keys here, so splitting saves work
+    plan = plan_attention(md, kv_bytes_per_token=1 << 16)
+    assert sorted(tuple(g.slots.shape) for g in plan.groups) == [(2, 5), (2, 200)]
+    assert plan_attention(md).groups[0].slots.shape == (4, 200)  # without it: one group
+
+    got = paged_attention(q, k_cache, v_cache, md, 0.3, backend="torch", plan=plan)
+
+    want = naive_attention(q, k_cache, v_cache, [1] * 4, kv_lens, tables, page_size, 0.3)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_grouping_is_optimal_for_its_cost_model():
+    """Lengths 100, 99, 98, 10, 9: two groups ({100, 99, 98}, {10, 9}) beat one or three."""
+    kv_lens = [10, 100, 9, 99, 98]
+    tables = [list(range(i * 25, i * 25 + 25)) for i in range(5)]
+    md = AttentionMetadata.build(
+        query_lens=[1] * 5, kv_lens=kv_lens, block_tables=tables, page_size=4
+    )
+    plan = plan_attention(md, kv_bytes_per_token=(1 << 20) // 50)  # a group costs 50 padded keys
+    assert [tuple(g.slots.shape) for g in plan.groups] == [(3, 100), (2, 10)]
+    assert [g.tokens.flatten().tolist() for g in plan.groups] == [[1, 3, 4], [0, 2]]
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "kv_lens", "masked", "causal"),
+    [
+        ([7, 7], [7, 7], False, True),  # fresh prompts of one length
+        ([1, 1], [9, 9], False, False),  # decodes of one length
+        ([1, 1], [9, 8], True, False),  # padded keys need the mask
+        ([3], [7], True, False),  # a chunk after context: causal, but offset by the context
+    ],
+)
+def test_groups_without_padding_need_no_explicit_mask(query_lens, kv_lens, masked, causal):
+    tables = [[0, 1, 2], [3, 4, 5]][: len(query_lens)]
+    md = AttentionMetadata.build(
+        query_lens=query_lens, kv_lens=kv_lens, block_tables=tables, page_size=4
+    )
+    (group,) = plan_attention(md).groups
+    assert (group.mask is not None, group.causal) == (masked, causal)
