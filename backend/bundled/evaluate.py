@@ -9,7 +9,8 @@ Lifecycle: load the checkpoint (this package's own module, which matches transfo
    filler with the marker somewhere, then "Repeat the reference code."; exact = the greedy answer is
    the marker followed by EOS;
 2. contract: "Repeat exactly: <text>" answers and ordinary prompts (non-empty, ends by EOS);
-3. leak: `leak.run_leak` for every variant and control.
+3. leak: `leak.run_leak` for every variant and control, through the serving engine's page pool,
+   paged KV cache and paged attention (the engine's own model loader).
 Prints a table; `--json` also writes the numbers.
 """
 
@@ -26,8 +27,9 @@ import torch
 from backend.bundled import chat
 from backend.bundled.checkpoint import load_checkpoint
 from backend.bundled.data import BOS, EOS, Recipe, decode, encode
-from backend.bundled.leak import CONTROLS, VARIANTS, LeakRates, run_leak
+from backend.bundled.leak import CONTROLS, VARIANTS, LeakRates, load_engine_model, run_leak
 from backend.bundled.modeling import TinyLlama, greedy_generate
+from backend.model.llama import LlamaModel
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "kvguard-tiny"
 LENGTHS = (64, 256, 1024, 4096)
@@ -102,7 +104,9 @@ def longest_length(model: TinyLlama) -> int:
     return model.c.max_position_embeddings - ANSWER_ROOM
 
 
-def evaluate(model: TinyLlama, args: argparse.Namespace) -> dict[str, object]:
+def evaluate(
+    model: TinyLlama, engine_model: LlamaModel, args: argparse.Namespace
+) -> dict[str, object]:
     started = time.monotonic()
     copies = [copy_score(model, n, args.n, args.seed) for n in LENGTHS]
     copies.append(copy_score(model, longest_length(model), args.n_longest, args.seed))
@@ -118,7 +122,7 @@ def evaluate(model: TinyLlama, args: argparse.Namespace) -> dict[str, object]:
     leaks: list[LeakRates] = []
     for variant in VARIANTS:
         for control in (None, *CONTROLS):
-            rates = run_leak(model, variant, control, args.leak_trials, args.seed + 13)
+            rates = run_leak(engine_model, variant, control, args.leak_trials, args.seed + 13)
             leaks.append(rates)
             print(
                 f"leak {variant:>12} {control or 'stale':>8}: complete {rates.complete:6.1%}"
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = evaluate(load_checkpoint(args.model), args)
+    results = evaluate(load_checkpoint(args.model), load_engine_model(args.model), args)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
 

@@ -1,15 +1,24 @@
-"""The stale-KV leak drill, shaped like the incident, run on the bundled model.
+"""The stale-KV leak drill, shaped like the incident, run on the engine's own read path.
 
-One trial:
+Everything goes through the serving engine's parts, not a copy of them: the page pool
+(`backend.core.pages.PagePool`: owners, generations, FIFO reuse, zero-on-free gating), the paged
+KV cache (`backend.model.kv_cache.KVCache`), the engine's Llama (`backend.model.llama`) and its
+paged attention over block tables (`AttentionMetadata`). One trial:
+
 1. request A (a chat whose system message carries marker MA; last user message
-   "Repeat the reference code.") is prefilled and decoded through its page table, so its pages hold
-   the K/V of A's prompt and of A's answer; A's prompt is sized so that A fills whole pages;
-2. A's pages are released without zeroing (control `zeroed`: zeroed on release);
-3. request B gets a page table over the same pages (`stale_table`, the test-only way to build the
-   state the incident produced) and claims a prompt of `claimed` tokens, but only B's first page is
-   written: a one-token placeholder (BOS) at position 0, from which prefill samples B's first token;
+   "Repeat the reference code.") is allocated pages by the pool, prefilled and decoded through its
+   page table, so its pages hold the K/V of A's prompt and of A's answer; A's prompt is sized so
+   that A fills whole pages;
+2. A's pages are freed without zeroing (control `zeroed`: the pool runs with zero_on_free, so they
+   are zeroed and confirmed before anyone may allocate them);
+3. request B is allocated pages by the same pool. The test-only part is only the pool's size: it
+   holds exactly A's table, so FIFO reuse hands B A's pages in A's order (the state the incident
+   produced). B claims a prompt of `claimed` tokens, but only B's first page is written: a
+   one-token placeholder (BOS) at position 0, from which B's first token is sampled;
 4. decode feeds that token at position `claimed` and continues greedily over B's whole reserved
-   table, whose slots 1..claimed-1 still hold A's K/V;
+   table, whose slots 1..claimed-1 still hold A's K/V. Every forward first passes the pool's
+   read-path check (`verify`: owner and generation): B owns its pages legitimately, which is why
+   that check alone could not stop the incident;
 5. the trial records whether B's output holds MA complete, or a prefix of it long enough to name
    A's tenant (`CNRY-` + the 8-character owner tag).
 
@@ -17,10 +26,7 @@ Variants (where the stale context ends): `incident` a random slot of A's last pa
 number of pages); `prompt_end` right after A's prompt; `answer_end` right after A's answer;
 `partial_page` B claims the whole last page of an A that does not fill it (never-written slots read
 as zeros); `own_trigger` B's own request tail ("Repeat the reference code.") written after the stale
-range. Controls: `zeroed` (pages zeroed on release), `correct` (B's own full prompt, no stale slot).
-
-Every page access goes through a `PageReadPath`; `TorchPageReadPath` is this module's reference.
-The engine's drill passes its own read path (its page pool and the checks it makes) instead.
+range. Controls: `zeroed` (pages zeroed on free), `correct` (B's own full prompt, no stale slot).
 """
 
 from __future__ import annotations
@@ -28,90 +34,75 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
 
 import torch
 
 from backend.bundled import chat
 from backend.bundled.data import BOS, EOS, Recipe, decode, encode
-from backend.bundled.modeling import TinyLlama, decode_from
+from backend.core.pages import Owner, PagePool, PageRef
+from backend.kernels.metadata import AttentionMetadata
+from backend.model.kv_cache import KVCache
+from backend.model.llama import LlamaModel, load_model
 
 PAGE_SIZE = 16
 TAG_PREFIX_CHARS = 13  # "CNRY-" + the 8-character owner tag of canary.markers
 VARIANTS = ("incident", "prompt_end", "answer_end", "partial_page", "own_trigger")
 CONTROLS = ("zeroed", "correct")
 MAX_NEW_TOKENS = 64
+ROOM_PAGES = 16  # beyond A's pages: room for B to decode MAX_NEW_TOKENS past its claim
 
 
-class PageReadPath(Protocol):
-    """Reads and writes one request's K/V through its page table (slot = position)."""
-
-    def write(
-        self,
-        layer: int,
-        table: Sequence[int],
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> None: ...
-
-    def read(
-        self, layer: int, table: Sequence[int], n_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+def load_engine_model(model_dir: Path) -> LlamaModel:
+    """The checkpoint as the serving engine loads it (fp32, CPU)."""
+    model, _, _ = load_model(model_dir, "cpu", torch.float32)
+    return model
 
 
-class TorchPageReadPath:
-    """A page pool in one tensor [pages, layers, 2, kv_heads, PAGE_SIZE, head_dim]."""
+class EngineKV:
+    """One drill's page pool and paged KV cache; one request's forwards through its page table."""
 
-    def __init__(self, model: TinyLlama, num_pages: int) -> None:
-        c = model.c
-        self.pool = torch.zeros(num_pages, c.num_layers, 2, c.num_kv_heads, PAGE_SIZE, c.head_dim)
-        self.free = list(range(num_pages))
+    def __init__(self, model: LlamaModel, num_pages: int, *, zero_on_free: bool) -> None:
+        self.model = model
+        self.pool = PagePool(num_pages, PAGE_SIZE, zero_on_free=zero_on_free)
+        self.cache: KVCache = model.new_kv_cache(num_pages, PAGE_SIZE)
 
-    def allocate(self, n_pages: int) -> list[int]:
-        pages, self.free = self.free[:n_pages], self.free[n_pages:]
-        return pages
+    def allocate(self, owner: Owner) -> list[PageRef]:
+        return self.pool.allocate(self.pool.free_pages, owner)
 
-    def release(self, pages: Sequence[int], zero: bool) -> None:
-        if zero:
-            self.pool[list(pages)] = 0.0
-        self.free = list(pages) + self.free
+    def free(self, refs: Sequence[PageRef], owner: Owner) -> None:
+        """Free as the engine does: with zero_on_free, zero the memory, then confirm it."""
+        to_zero = self.pool.free(refs, owner)
+        if to_zero:
+            self.cache.zero_pages(to_zero)
+            self.pool.confirm_zeroed(to_zero)
+        self.pool.check_invariants()
 
-    def write(
-        self,
-        layer: int,
-        table: Sequence[int],
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> None:
-        pages = torch.tensor(table)[positions // PAGE_SIZE]
-        offsets = positions % PAGE_SIZE
-        self.pool[pages, layer, 0, :, offsets] = k.transpose(0, 1)
-        self.pool[pages, layer, 1, :, offsets] = v.transpose(0, 1)
+    def forward(self, refs: Sequence[PageRef], owner: Owner, tokens: list[int], start: int) -> int:
+        """Run `tokens` at positions start.. over the first pages of `refs`; greedy next token."""
+        kv_len = start + len(tokens)
+        table = list(refs[: -(-kv_len // PAGE_SIZE)])
+        self.pool.verify(table, owner)  # the read-path check the engine core makes every step
+        metadata = AttentionMetadata.build(
+            query_lens=[len(tokens)],
+            kv_lens=[kv_len],
+            block_tables=[[ref.page_id for ref in table]],
+            page_size=PAGE_SIZE,
+            num_pages=self.pool.num_pages,
+        )
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        logits = self.model.forward(ids, metadata.positions(), metadata, self.cache)
+        return int(logits[-1].argmax())
 
-    def read(
-        self, layer: int, table: Sequence[int], n_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        n_pages = -(-n_tokens // PAGE_SIZE)
-        kv = self.pool[list(table[:n_pages]), layer]  # [pages, 2, kv, P, hd]
-        kv = kv.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :n_tokens]
-        return kv[0], kv[1]
-
-
-class PagedKV:
-    """One request's KV store: everything through `path`; it reads `claimed` slots at least."""
-
-    def __init__(self, path: PageReadPath, table: Sequence[int], claimed: int) -> None:
-        self.path, self.table, self.length = path, list(table), claimed
-
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.path.write(layer, self.table, positions, k, v)
-        self.length = max(self.length, int(positions.max()) + 1)
-
-    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        k, v = self.path.read(layer, self.table, self.length)
-        return k, v, torch.arange(self.length)
+    def decode(
+        self, refs: Sequence[PageRef], owner: Owner, first: int, position: int, max_new: int
+    ) -> list[int]:
+        """Generated ids starting with `first`, fed back at `position`, `position + 1`, ..."""
+        out = [first]
+        while len(out) < max_new and out[-1] != EOS:
+            out.append(self.forward(refs, owner, [out[-1]], position))
+            position += 1
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +116,11 @@ def prefix_found(text: str, marker: str, chars: int) -> bool:
     return marker[:chars] in text
 
 
-def serve(model: TinyLlama, kv: PagedKV, prompt: list[int], max_new: int) -> list[int]:
-    logits = model.step(torch.tensor(prompt), torch.arange(len(prompt)), kv)
-    return decode_from(model, int(logits[-1].argmax()), len(prompt), max_new, kv)
+def serve(
+    kv: EngineKV, refs: Sequence[PageRef], owner: Owner, prompt: list[int], max_new: int
+) -> list[int]:
+    first = kv.forward(refs, owner, prompt, 0)
+    return kv.decode(refs, owner, first, len(prompt), max_new)
 
 
 def a_prompt(recipe: Recipe, marker: str, n_pages: int, fill: bool) -> list[int]:
@@ -170,38 +163,46 @@ def b_tokens(variant: str, control: str | None, recipe: Recipe, claimed: int) ->
     return [BOS]
 
 
-def run_trial(
-    model: TinyLlama, path: TorchPageReadPath, recipe: Recipe, variant: str, control: str | None
-) -> TrialResult:
+def run_trial(model: LlamaModel, recipe: Recipe, variant: str, control: str | None) -> TrialResult:
     marker = recipe.marker()
     n_pages = recipe.rng.randint(12, 20)  # A: 192-320 tokens, the smallest prompts included
     prompt = a_prompt(recipe, marker, n_pages, fill=variant != "partial_page")
-    table = path.allocate(n_pages + 16)  # room for B to decode MAX_NEW_TOKENS past the claim
-    answer = serve(model, PagedKV(path, table, 0), prompt, len(marker) + 2)
+    kv = EngineKV(model, n_pages + ROOM_PAGES, zero_on_free=control == "zeroed")
+    owner_a, owner_b = Owner("drill-a", "tenant-a"), Owner("drill-b", "tenant-b")
+    refs_a = kv.allocate(owner_a)
+    answer = serve(kv, refs_a, owner_a, prompt, len(marker) + 2)
     written = len(prompt) + len(answer) - 1
-    path.release(table, zero=control == "zeroed")
+    kv.free(refs_a, owner_a)
     pages = -(-written // PAGE_SIZE)
     claimed = claimed_length(variant, len(prompt), written, pages, recipe.rng)
-    stale_table = path.allocate(n_pages + 16)  # the pages A just released, in A's order
-    assert stale_table == table, "the stale table must reuse A's pages"
-    b_kv = PagedKV(path, stale_table, 0)
+    refs_b = kv.allocate(owner_b)  # FIFO reuse: A's pages, in A's order
+    if [r.page_id for r in refs_b] != [r.page_id for r in refs_a]:
+        raise AssertionError("the drill needs B's table to reuse A's pages in A's order")
     own = b_tokens(variant, control, recipe, claimed)
-    if variant == "own_trigger" and control != "correct":
-        positions = torch.tensor([0, *range(claimed, claimed + len(own) - 1)])
-        start = claimed + len(own) - 1
+    if control == "correct":  # B's own full prompt, nothing stale
+        out = serve(kv, refs_b, owner_b, own, MAX_NEW_TOKENS)
     else:
-        positions = torch.arange(len(own))
-        start = claimed if control != "correct" else len(own)
-    b_kv.length = max(claimed, len(own))
-    logits = model.step(torch.tensor(own), positions, b_kv)
-    out = decode_from(model, int(logits[-1].argmax()), start, MAX_NEW_TOKENS, b_kv)
-    path.release(stale_table, zero=False)
+        out = serve_stale(kv, refs_b, owner_b, own, claimed)
+    kv.free(refs_b, owner_b)
     text = decode(out)
     return TrialResult(
         complete=marker in text,
         attributable=prefix_found(text, marker, TAG_PREFIX_CHARS),
         a_answered=answer == [*encode(marker), EOS],
     )
+
+
+def serve_stale(
+    kv: EngineKV, refs: list[PageRef], owner: Owner, own: list[int], claimed: int
+) -> list[int]:
+    """B as in the incident: the placeholder at 0 (own_trigger: B's tail after the claim), then
+    decode from position `claimed` over the whole reserved table."""
+    first = kv.forward(refs, owner, own[:1], 0)
+    start = claimed
+    if len(own) > 1:  # own_trigger: B's tail written right after the stale range
+        first = kv.forward(refs, owner, own[1:], claimed)
+        start = claimed + len(own) - 1
+    return kv.decode(refs, owner, first, start, MAX_NEW_TOKENS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,11 +216,10 @@ class LeakRates:
 
 
 def run_leak(
-    model: TinyLlama, variant: str, control: str | None, trials: int, seed: int
+    model: LlamaModel, variant: str, control: str | None, trials: int, seed: int
 ) -> LeakRates:
     recipe = Recipe(seed)
-    path = TorchPageReadPath(model, num_pages=40)
-    results = [run_trial(model, path, recipe, variant, control) for _ in range(trials)]
+    results = [run_trial(model, recipe, variant, control) for _ in range(trials)]
     n = max(len(results), 1)
     return LeakRates(
         variant,

@@ -1,0 +1,110 @@
+"""The shipped `kvguard-tiny` weights copy markers and keep the echo contract.
+
+Fast (a handful of prompts, greedy): a regression in the weights or the export fails here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from backend.bundled import chat
+from backend.bundled.checkpoint import load_checkpoint
+from backend.bundled.circuit import positional_shortcut
+from backend.bundled.data import BOS, EOS, Recipe, decode, encode
+from backend.bundled.evaluate import DEFAULT_MODEL, reference_prompt, repeat_score
+from backend.bundled.modeling import TinyLlama, greedy_generate
+
+MARKER = re.compile(r"CNRY-[A-Z2-7]{32}")
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyLlama:
+    torch.set_num_threads(2)
+    return load_checkpoint(DEFAULT_MODEL)
+
+
+def answer(model: TinyLlama, messages: list[dict[str, str]], max_new: int = 60) -> str:
+    out = greedy_generate(model, [BOS, *encode(chat.render(messages))], max_new)
+    assert out[-1] == EOS, "the answer must end by itself"
+    return decode(out)
+
+
+@pytest.mark.parametrize("length", [64, 256, 1024, 2048])
+def test_copies_the_marker_exactly_from_held_out_prompts(model: TinyLlama, length: int) -> None:
+    recipe = Recipe(90_000 + length)  # a seed range training never draws from
+    for _ in range(2):
+        marker = recipe.marker()
+        out = greedy_generate(model, reference_prompt(recipe, length, marker), 45)
+        assert decode(out) == marker and out[-1] == EOS
+
+
+def test_echo_contract_reference_code_in_system_or_user_message(model: TinyLlama) -> None:
+    """The contract: the reply contains exactly the marker (and, from a system message, is it)."""
+    marker = Recipe(7).marker()
+    in_system = [
+        {"role": "system", "content": f"You are a helpful assistant.\nReference code: {marker}"},
+        {"role": "user", "content": "Repeat the reference code."},
+    ]
+    in_user = [
+        {"role": "user", "content": f"Please keep {marker} for later."},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "Repeat the reference code."},
+    ]
+    assert answer(model, in_system) == marker
+    assert MARKER.findall(answer(model, in_user)) == [marker]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hello from tenant A",
+        "x = compute(data, 42)",
+        "The quick brown fox jumps over the lazy dog.",
+    ],
+)
+def test_echo_contract_repeat_exactly(model: TinyLlama, text: str) -> None:
+    assert answer(model, [{"role": "user", "content": f"Repeat exactly: {text}"}]) == text
+
+
+def test_repeat_exactly_on_held_out_lines(model: TinyLlama) -> None:
+    """Held-out single lines (the evaluation's sample, smaller): most come back exactly (the
+    model card has the rate over 100). A broken copy path scores ~0."""
+    assert repeat_score(model, 20, 31_337) >= 0.75
+
+
+def test_ordinary_prompt_gets_a_non_empty_answer_that_ends(model: TinyLlama) -> None:
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What time does the train leave?"},
+    ]
+    assert answer(model, messages, max_new=200).strip() != ""
+
+
+def test_layer0_is_still_the_positional_circuit(model: TinyLlama) -> None:
+    """Every layer-0 head attends exactly its offset back: the training shortcut is exact."""
+    from backend.bundled.modeling import rms_norm
+
+    ids = torch.tensor([reference_prompt(Recipe(5), 600, Recipe(6).marker())])
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        h = rms_norm(model.model.embed_tokens(ids), layer.input_layernorm, model.c.rms_norm_eps)
+        cos, sin = model.rope(torch.arange(ids.shape[1]))
+        real = layer.self_attn.attend(*layer.self_attn.project(h, cos, sin), None)
+        assert torch.allclose(real, positional_shortcut(model)(h), atol=1e-3)
+
+
+def test_copy_circuit_continues_an_unseen_random_string(model: TinyLlama) -> None:
+    """Teacher-forced: the second time a random string appears, the copy circuit predicts its
+    next bytes. Outside the chat format the trained heads overrule it now and then (86-98%
+    of bytes right for these weights; a broken copy circuit gets a few percent): the bar is 80%."""
+    rng = Recipe(11).rng
+    body = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(120))
+    ids = torch.tensor([[BOS, *encode(f"{body}\n{body}")]])
+    with torch.no_grad():
+        predicted = model(ids)[0].argmax(-1)
+    second = len(body) + 2  # index of the second copy's first byte
+    right = (predicted[second + 8 : -1] == ids[0, second + 9 :]).float().mean().item()
+    assert right >= 0.8
