@@ -15,6 +15,12 @@ Queues, each holding requests of exactly the states named (checked, never assume
 5. ``abort`` / ``fail``: ABORTED / FAILED from any live state. Pages of a request that is part of
    the step in flight (scheduled, not yet postprocessed) may still be written by the runner, so
    they are quarantined and released at that step's ``postprocess``; otherwise they are freed.
+6. ``add_prefilled`` (decode role): a request whose prompt K/V was computed elsewhere and verified
+   enters here AWAITING_KV, holding its whole page table, with its first token; it moves
+   AWAITING_KV -> DECODING (joins running) or AWAITING_KV -> FINISHED (the first token ends it and
+   its pages are freed). The role keeps such a request, and its pages, in its own queues until
+   then; ``free_reserved`` / ``release_reserved_quarantine`` return those pages through this
+   scheduler so that zeroing still goes out in ``SchedulerOutput.pages_to_zero``.
 
 Pages are reserved whole at admission, so a running request never asks for another page and
 nothing is ever preempted: the schedule is deterministic and a page changes hands only when its
@@ -28,7 +34,7 @@ Not thread-safe: the engine loop calls everything, and applies aborts between it
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from backend.core.admission import CapacityLimits, admit
 from backend.core.errors import (
@@ -89,6 +95,10 @@ class Scheduler:
     @property
     def limits(self) -> CapacityLimits:
         return self._limits
+
+    @property
+    def max_running(self) -> int:
+        return self._max_running
 
     @property
     def num_waiting(self) -> int:
@@ -159,20 +169,58 @@ class Scheduler:
         self._forget(request)
         return request
 
-    def check_invariants(self) -> None:
-        """Raise ``InvariantViolation`` if queues, states, page tables and the pool disagree."""
+    def add_prefilled(self, request: Request, first_token: int) -> StepResult:
+        """Enter an AWAITING_KV request whose prompt K/V was written and verified elsewhere.
+
+        The request must hold its whole page table (prompt + max_tokens), every page still its
+        own at the generation it was given, and there must be a running slot; ``first_token`` is
+        the token sampled at the end of the prompt. It then moves AWAITING_KV -> DECODING and
+        joins the running batch, or AWAITING_KV -> FINISHED (STOP/LENGTH) with its pages freed.
+
+        Raises ``InvalidTransition`` (not AWAITING_KV), ``DuplicateRequestId``,
+        ``StepProtocolError`` (bad token), ``IsolationError`` (a page is no longer the request's)
+        or ``InvariantViolation`` (partial page table, no running slot); on any refusal nothing
+        changes and the caller still holds the request and its pages.
+        """
+        self._check_prefilled(request, first_token)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.output_ids.append(first_token)
+        reason = self._finish_reason(request, first_token)
+        if reason is not None:
+            self._release_pages(request, strict=True)
+            request.transition(RequestState.FINISHED, finish_reason=reason)
+        else:
+            request.transition(RequestState.DECODING)
+            self._live[request.request_id] = request
+            self._running.append(request)
+        return StepResult(request.request_id, first_token, request.state, request.finish_reason)
+
+    def free_reserved(self, refs: Sequence[PageRef], owner: Owner) -> None:
+        """Free pages a role holds outside these queues (no write can reach them any more)."""
+        self._to_zero.extend(self._pool.free(refs, owner))
+
+    def release_reserved_quarantine(self, refs: Sequence[PageRef], owner: Owner) -> None:
+        """Release pages a role quarantined outside these queues (generations are bumped)."""
+        self._to_zero.extend(self._pool.release_quarantined(refs, owner))
+
+    def check_invariants(self, *, held_outside: int = 0, quarantined_outside: int = 0) -> None:
+        """Raise ``InvariantViolation`` if queues, states, page tables and the pool disagree.
+
+        ``held_outside`` / ``quarantined_outside``: pages a role holds or quarantines in its own
+        queues (decode's AWAITING_KV reservations and drains), which the pool counts too.
+        """
         self._pool.check_invariants()
-        problems = [p for r in self._waiting for p in self._waiting_problems(r)]
+        problems = [p for r in self._waiting for p in waiting_problems(r)]
         problems += [p for r in self._running for p in self._running_problems(r)]
         queued = [r.request_id for r in self._waiting] + [r.request_id for r in self._running]
         if len(queued) != len(set(queued)) or set(queued) != set(self._live):
             problems.append("live requests are not exactly waiting + running, once each")
         if len(self._running) > self._max_running:
             problems.append(f"{len(self._running)} running > max_running {self._max_running}")
-        held = sum(len(r.page_table) for r in self._running)
+        held = held_outside + sum(len(r.page_table) for r in self._running)
         if self._pool.owned_pages != held:
             problems.append(f"pool has {self._pool.owned_pages} owned pages, tables hold {held}")
-        quarantined = sum(len(refs) for _, refs in self._step_quarantine)
+        quarantined = quarantined_outside + sum(len(refs) for _, refs in self._step_quarantine)
         if self._pool.quarantined_pages != quarantined:
             actual = self._pool.quarantined_pages
             problems.append(f"{actual} pages quarantined, the scheduler knows {quarantined}")
@@ -325,23 +373,37 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    # -- invariants ---------------------------------------------------------------------------
+    def _check_prefilled(self, request: Request, first_token: int) -> None:
+        if request.state is not RequestState.AWAITING_KV:
+            raise InvalidTransition(
+                "request",
+                request.request_id,
+                request.state,
+                RequestState.DECODING,
+                "only a request awaiting KV can enter prefilled",
+            )
+        if request.request_id in self._live:
+            raise DuplicateRequestId(request.request_id)
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or first_token < 0:
+            raise StepProtocolError(f"first token for {request.request_id!r} is not a token id")
+        if request.num_computed_tokens or request.output_ids:
+            raise InvariantViolation(f"prefilled {request!r} already has progress")
+        if len(request.page_table) != self._pool.pages_for(request.max_total_tokens):
+            raise InvariantViolation(f"prefilled {request!r} holds a partial page table")
+        self._pool.verify(request.page_table, request.owner)
+        if len(self._running) >= self._max_running:
+            raise InvariantViolation(
+                f"no running slot for prefilled {request!r} (max_running {self._max_running})"
+            )
 
-    @staticmethod
-    def _waiting_problems(request: Request) -> list[str]:
-        if request.state is not RequestState.WAITING:
-            return [f"{request!r} is in the waiting queue"]
-        if request.page_table or request.num_computed_tokens or request.output_ids:
-            return [f"waiting {request!r} already has pages or progress"]
-        return []
+    # -- invariants ---------------------------------------------------------------------------
 
     def _running_problems(self, request: Request) -> list[str]:
         if request.state not in _RUNNING:
             return [f"{request!r} is in the running queue"]
-        if len(request.page_table) != self._pool.pages_for(request.max_total_tokens):
-            return [f"{request!r} holds a partial page table"]
-        if not all(self._pool.is_current(ref, request.owner) for ref in request.page_table):
-            return [f"{request!r} holds a page reference the pool does not confirm"]
+        problems = page_table_problems(request, self._pool)
+        if problems:
+            return problems
         prompt, outputs = request.num_prompt_tokens, request.num_output_tokens
         if request.state is RequestState.PREFILLING:
             consistent = outputs == 0 and 0 <= request.num_computed_tokens < prompt
@@ -377,3 +439,21 @@ class Scheduler:
             self._running.remove(request)
         else:
             self._waiting.remove(request)
+
+
+def waiting_problems(request: Request) -> list[str]:
+    """What is wrong with ``request`` sitting in a queue of requests that hold nothing yet."""
+    if request.state is not RequestState.WAITING:
+        return [f"{request!r} is in a waiting queue"]
+    if request.page_table or request.num_computed_tokens or request.output_ids:
+        return [f"waiting {request!r} already has pages or progress"]
+    return []
+
+
+def page_table_problems(request: Request, pool: PagePool) -> list[str]:
+    """What is wrong with the whole page table a reserved request must hold."""
+    if len(request.page_table) != pool.pages_for(request.max_total_tokens):
+        return [f"{request!r} holds a partial page table"]
+    if not all(pool.is_current(ref, request.owner) for ref in request.page_table):
+        return [f"{request!r} holds a page reference the pool does not confirm"]
+    return []

@@ -203,10 +203,15 @@ class DecodeEngineCore(EngineCore):
         proof = self._proof(handoff, result, verdict)
         outcome = StepOutcome(proofs={request_id: proof})
         if verdict.accepted:
+            assert result.first_token is not None  # an OK result always carries it
+            try:
+                step = self.decode.accept(request_id, result.first_token)
+            except KvguardError as refused:
+                outcome.failed.append(self._not_accepted(request_id, handoff, refused))
+                self._reserve()
+                return outcome
             handoff.machine.advance(_S.ACCEPTED)
             del self._handoffs[request_id]
-            assert result.first_token is not None  # an OK result always carries it
-            step = self.decode.accept(request_id, result.first_token)
             outcome.results.append(step)
             self._log_accept(request_id, handoff)
             self._count(HandoffOutcome.OK.value)
@@ -220,6 +225,17 @@ class DecodeEngineCore(EngineCore):
             self._count(result.outcome.value)
         self._reserve()
         return outcome
+
+    def _not_accepted(self, request_id: str, handoff: _Handoff, error: KvguardError) -> Request:
+        """The scheduler refused a verified request's entry (a bug, never a client's): prefill is
+        quiescent, so the request fails with that error and its pages are freed, not left held."""
+        log.error("handoff %s verified but not accepted: %s", request_id, error.code)
+        handoff.machine.advance(_S.RELEASED)
+        del self._handoffs[request_id]
+        self._count(HandoffOutcome.FAILED.value)
+        return self.decode.end_awaiting(
+            request_id, RequestState.FAILED, error, release=Release.FREE
+        )
 
     def lost(self, request_id: str, error: KvguardError) -> StepOutcome | None:
         """No readable result will come (timeout, peer lost, unreadable reply): fail and drain."""

@@ -8,16 +8,17 @@ Lifecycle of a request on decode, as queues (each holds requests of exactly the 
    max_tokens and a running slot, then it is AWAITING_KV. Nobody overtakes a head that does not fit.
 3. awaiting (AWAITING_KV): the pages are held but unreadable by intent: no step schedules them.
    ``accept`` moves a request whose KV was verified to DECODING (the base scheduler's running
-   queue) or straight to FINISHED when the first token ends it. ``end_awaiting`` makes it terminal
-   and hands its page references to the caller, who decides between freeing and quarantine.
+   queue, through ``Scheduler.add_prefilled``) or straight to FINISHED when the first token ends
+   it. ``end_awaiting`` makes it terminal and hands its page references to the caller, who
+   decides between freeing and quarantine.
 4. draining: pages quarantined after an abort or a lost handoff, until ``release_drain``, which
    bumps their generations and frees them (zeroing them with zero_on_free).
 5. running (DECODING): the base ``Scheduler`` steps them exactly as in the unified engine.
 
-Why a subclass that touches the base's queues: the base has no public way to enter a request
-whose prompt KV came from elsewhere. The seam used is small (``_live``, ``_running``,
-``_max_running``, ``_to_zero``, the per-request invariant helpers); if ``Scheduler`` grows an
-``add_prefilled`` entry point this class shrinks to the handoff queues. Pure bookkeeping.
+A subclass only so the engine core can drive it as its ``Scheduler``; it uses the base's public
+API alone (``add_prefilled``, ``free_reserved``, ``release_reserved_quarantine``, the pool, and
+``check_invariants`` told what these queues hold), so the base's queues stay the base's. Pure
+bookkeeping.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from backend.core.errors import (
 from backend.core.messages import StepResult
 from backend.core.pages import Owner, PagePool, PageRef
 from backend.core.request import Request, RequestState
-from backend.core.scheduler import Scheduler
+from backend.core.scheduler import Scheduler, page_table_problems, waiting_problems
 
 
 class Release(StrEnum):
@@ -84,7 +85,7 @@ class DecodeScheduler(Scheduler):
         return self._awaiting.get(request_id)
 
     def get(self, request_id: str) -> Request | None:
-        found = self._live.get(request_id) or self._awaiting.get(request_id)
+        found = super().get(request_id) or self._awaiting.get(request_id)
         if found is None:
             found = next((r for r in self._kv_waiting if r.request_id == request_id), None)
         return found
@@ -99,7 +100,7 @@ class DecodeScheduler(Scheduler):
         try:
             if self.get(request.request_id) is not None:
                 raise DuplicateRequestId(request.request_id)
-            admit(request.num_prompt_tokens, request.sampling.max_tokens, self._limits)
+            admit(request.num_prompt_tokens, request.sampling.max_tokens, self.limits)
         except KvguardError as error:
             request.transition(RequestState.REJECTED, error)
             raise
@@ -110,14 +111,15 @@ class DecodeScheduler(Scheduler):
     def reserve_ready(self) -> list[Request]:
         """Reserve pages for waiting requests, FIFO; returns the ones now AWAITING_KV."""
         reserved: list[Request] = []
+        pool = self.pool
         while self._kv_waiting:
             request = self._kv_waiting[0]
-            if len(self._running) + len(self._awaiting) >= self._max_running:
+            if self.num_running + len(self._awaiting) >= self.max_running:
                 break
-            needed = self._pool.pages_for(request.max_total_tokens)
-            if needed > self._pool.free_pages:
+            needed = pool.pages_for(request.max_total_tokens)
+            if needed > pool.free_pages:
                 break
-            request.page_table = tuple(self._pool.allocate(needed, request.owner))
+            request.page_table = tuple(pool.allocate(needed, request.owner))
             request.transition(RequestState.AWAITING_KV)
             self._kv_waiting.popleft()
             self._awaiting[request.request_id] = request
@@ -136,20 +138,15 @@ class DecodeScheduler(Scheduler):
     # -- 3. the handoff's end -----------------------------------------------------------------
 
     def accept(self, request_id: str, first_token: int) -> StepResult:
-        """KV verified: the prompt is computed and ``first_token`` is the first output."""
-        request = self._take_awaiting(request_id)
-        request.num_computed_tokens = request.num_prompt_tokens
-        request.output_ids.append(first_token)
-        reason = self._finish_reason(request, first_token)
-        if reason is not None:
-            self._to_zero.extend(self._pool.free(request.page_table, request.owner))
-            request.page_table = ()
-            request.transition(RequestState.FINISHED, finish_reason=reason)
-        else:
-            request.transition(RequestState.DECODING)
-            self._live[request.request_id] = request
-            self._running.append(request)
-        return StepResult(request_id, first_token, request.state, request.finish_reason)
+        """KV verified: the prompt is computed and ``first_token`` is the first output.
+
+        If the base refuses the entry (a page went stale, a bad token), the request stays
+        awaiting with its pages, so the caller can still end it with ``end_awaiting``.
+        """
+        request = self._awaiting_request(request_id)
+        result = self.add_prefilled(request, first_token)
+        del self._awaiting[request_id]
+        return result
 
     def end_awaiting(
         self,
@@ -168,9 +165,9 @@ class DecodeScheduler(Scheduler):
         request.transition(to, error)
         refs, request.page_table = request.page_table, ()
         if release is Release.FREE:
-            self._to_zero.extend(self._pool.free(refs, request.owner))
+            self.free_reserved(refs, request.owner)
         else:
-            self._pool.quarantine(refs, request.owner)
+            self.pool.quarantine(refs, request.owner)
             self._draining[request_id] = (request.owner, refs)
         return request
 
@@ -180,41 +177,37 @@ class DecodeScheduler(Scheduler):
     def release_drain(self, request_id: str) -> int:
         """Bump generations and free; returns how many pages left quarantine."""
         owner, refs = self._draining.pop(request_id)
-        self._to_zero.extend(self._pool.release_quarantined(refs, owner))
+        self.release_reserved_quarantine(refs, owner)
         return len(refs)
 
     # -- checks -------------------------------------------------------------------------------
 
-    def check_invariants(self) -> None:
-        self._pool.check_invariants()
-        problems = [p for r in self._kv_waiting for p in self._waiting_problems(r)]
-        problems += [p for r in self._running for p in self._running_problems(r)]
+    def check_invariants(self, *, held_outside: int = 0, quarantined_outside: int = 0) -> None:
+        """The base's checks, told about the pages these queues hold, plus the queues' own."""
+        problems = [p for r in self._kv_waiting for p in waiting_problems(r)]
         problems += [p for r in self._awaiting.values() for p in self._awaiting_problems(r)]
-        if set(self._live) != {r.request_id for r in self._running}:
-            problems.append("live requests are not exactly the running ones")
-        if len(self._running) + len(self._awaiting) > self._max_running:
+        if self.num_running + len(self._awaiting) > self.max_running:
             problems.append("more running + awaiting requests than max_running")
-        held = sum(len(r.page_table) for r in [*self._running, *self._awaiting.values()])
-        if self._pool.owned_pages != held:
-            problems.append(f"pool has {self._pool.owned_pages} owned pages, tables hold {held}")
-        quarantined = sum(len(refs) for _, refs in self._draining.values())
-        quarantined += sum(len(refs) for _, refs in self._step_quarantine)
-        if self._pool.quarantined_pages != quarantined:
-            problems.append(f"{self._pool.quarantined_pages} quarantined, known {quarantined}")
         if problems:
             raise InvariantViolation("decode scheduler: " + "; ".join(problems[:8]))
+        super().check_invariants(
+            held_outside=held_outside + sum(len(r.page_table) for r in self._awaiting.values()),
+            quarantined_outside=quarantined_outside
+            + sum(len(refs) for _, refs in self._draining.values()),
+        )
 
     def _awaiting_problems(self, request: Request) -> list[str]:
         if request.state is not RequestState.AWAITING_KV:
             return [f"{request!r} is in the awaiting queue"]
-        if len(request.page_table) != self._pool.pages_for(request.max_total_tokens):
-            return [f"{request!r} holds a partial page table"]
-        if not all(self._pool.is_current(ref, request.owner) for ref in request.page_table):
-            return [f"{request!r} holds a page reference the pool does not confirm"]
-        return []
+        return page_table_problems(request, self.pool)
 
-    def _take_awaiting(self, request_id: str) -> Request:
-        request = self._awaiting.pop(request_id, None)
+    def _awaiting_request(self, request_id: str) -> Request:
+        request = self._awaiting.get(request_id)
         if request is None:
             raise InvariantViolation(f"request {request_id!r} is not awaiting KV")
+        return request
+
+    def _take_awaiting(self, request_id: str) -> Request:
+        request = self._awaiting_request(request_id)
+        del self._awaiting[request_id]
         return request

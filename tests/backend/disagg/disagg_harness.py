@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from backend.bundled import chat as chat_format
 from kvguard.localservices import free_port
 
 MODEL = "tiny-llama"
@@ -165,6 +166,24 @@ def complete(
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     headers = {"X-Kvguard-Request-Id": request_id, "X-Kvguard-Tenant": tenant}
     return httpx.post(role.url + "/v1/completions", json=body, headers=headers, timeout=60)
+
+
+def chat(
+    role: Role,
+    messages: list[dict[str, str]],
+    *,
+    max_tokens: int,
+    request_id: str,
+    tenant: str = "tenant-a",
+) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    headers = {"X-Kvguard-Request-Id": request_id, "X-Kvguard-Tenant": tenant}
+    return httpx.post(role.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def chat_tokens(messages: list[dict[str, str]]) -> int:
+    """Prompt tokens of ``messages`` as the engine renders them (byte tokenizer, BOS included)."""
+    return len(chat_format.render(messages).encode()) + 1
 
 
 def prompt_of(n_tokens: int, fill: str = "a") -> str:

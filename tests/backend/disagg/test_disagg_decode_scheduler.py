@@ -7,7 +7,12 @@ import random
 import pytest
 
 from backend.core.admission import CapacityLimits
-from backend.core.errors import ContextLengthExceeded, DuplicateRequestId, InvariantViolation
+from backend.core.errors import (
+    ContextLengthExceeded,
+    DuplicateRequestId,
+    InvariantViolation,
+    StepProtocolError,
+)
 from backend.core.pages import PagePool, PageState
 from backend.core.request import FinishReason, Request, RequestState, SamplingParams
 from backend.disagg.decode_scheduler import DecodeScheduler, Release
@@ -153,3 +158,27 @@ def test_random_operations_keep_the_books_consistent() -> None:
                 )
             sched.reserve_ready()
             sched.check_invariants()
+
+
+def test_a_refused_accept_leaves_the_request_awaiting_so_it_can_still_end() -> None:
+    """``accept`` enters through ``Scheduler.add_prefilled``: a refusal changes nothing, and the
+    caller ends the request, its pages freed, exactly as for a refused handoff."""
+    sched = build(zero=True)
+    a = req("a", 5, 3)
+    sched.add(a)
+    sched.reserve_ready()
+    pages = [ref.page_id for ref in a.page_table]
+    with pytest.raises(StepProtocolError):
+        sched.accept("a", -1)
+    assert (a.state, a.output_ids, sched.num_awaiting, sched.num_running) == (
+        S.AWAITING_KV,
+        [],
+        1,
+        0,
+    )
+    sched.check_invariants()
+    error = StepProtocolError("bad first token")
+    sched.end_awaiting("a", S.FAILED, error, release=Release.FREE)
+    assert (a.state, a.error, a.page_table, sched.num_awaiting) == (S.FAILED, error, (), 0)
+    assert [sched.pool.page(p).state for p in pages] == [PageState.PENDING_ZERO] * len(pages)
+    sched.check_invariants()

@@ -1,39 +1,55 @@
 """The incident, reproduced with real processes and real Mooncake TCP transfers -- and each defence
 shown to stop it on its own.
 
-Configuration throughout (the incident's): the advertised window (384 tokens) is larger than the
-prefill role's real pool (128 tokens; start-up allowed only with --allow-capacity-drift). Tenant A
-sends a 100-token prompt, then tenant B a 304-token prompt: B fits decode's pool (384) but not
-prefill's. Decode hands out free pages first-in first-out from a pool of 24: A gets pages 0-6, B
-gets 7-23 and then A's freed 0-2, so B's last two (full) prompt pages are A's first two, and a B
-that is wrongly served reads A's stale KV there. Until the bundled model exists, "reads" is
-shown by page fingerprints in decode's drill read log (content hashes, never content).
+Configuration throughout (the incident's): the advertised window (512 tokens) is larger than the
+prefill role's real pool (256 tokens; start-up allowed only with --allow-capacity-drift). Every role
+runs the bundled model (``backend/bundled/kvguard-tiny``), which copies the canary marker it sees.
+
+Tenant A sends a 200-token chat whose system message carries a marker MA (tokens 28-64) and whose
+last user message is ``Repeat the reference code.``, with max_tokens 48, so it answers with MA.
+Then tenant B sends a 400-token chat: it fits decode's pool (512) but not prefill's. Decode hands
+out free pages first-in first-out from a pool of 32: A gets pages 0-15, B gets 16-31 and then A's
+freed 0-11, so B's last nine prompt pages are A's pages 0-8 (A's tokens 0-143, MA included). A B
+that is wrongly served reads A's stale KV there -- shown by page fingerprints in decode's drill
+read log (content hashes, never content) -- and the model turns it into text: B's answer holds MA.
+This is the canary leak drill's recipe (``tests/canary/test_canary_leak_drill.py``) without the
+gateway in front.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
-from typing import Any
 
+import httpx
 import pytest
 from disagg_harness import (
     PAGE,
     Role,
     capacity,
-    complete,
+    chat,
+    chat_tokens,
     decode,
     faults,
     kv_reads,
     metric,
     prefill,
-    prompt_of,
     running,
 )
 
-A_TOKENS, B_TOKENS, MAX_TOKENS = 100, 304, 8
+from backend.bundled.chat import REFERENCE_REQUEST
+from backend.config import BUNDLED_MODEL_DIR
+
+A_TOKENS, B_TOKENS, MAX_TOKENS = 200, 400, 48
+PREFILL_POOL, DECODE_POOL_TOKENS = 256, 512
 SKIP_ALL = ("skip_transfer_check", "skip_generation_check", "skip_checksum")
-MISCONFIGURED = {"pool_tokens": 128, "context_window": 384, "allow_capacity_drift": True}
-DECODE_POOL = {"pool_tokens": 384, "context_window": 384}
+MISCONFIGURED = {"pool_tokens": PREFILL_POOL, "context_window": 512, "allow_capacity_drift": True}
+DECODE_POOL = {"pool_tokens": DECODE_POOL_TOKENS, "context_window": 512}
+# A fresh marker per run (CNRY- + 32 base32): B can hold it only by reading A's KV.
+MA = "CNRY-" + "".join(secrets.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567") for _ in range(32))
+# Enough of MA to attribute it (CNRY- + 11 random base32 characters: 55 bits, never by chance);
+# the model copies all of it today, but a partial copy is already the leak.
+LEAK_PREFIX = 16
 
 P_LEGACY = prefill(faults("legacy_reject_handoff"), allow_fault_drills=True, **MISCONFIGURED)
 P_FIXED = prefill(allow_fault_drills=True, **MISCONFIGURED)
@@ -73,21 +89,41 @@ D_ZERO_ONLY = _decode(P_LEGACY, "legacy_reject_handoff", *SKIP_ALL)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def processes(tiny_checkpoint: str) -> Iterator[None]:
+def processes() -> Iterator[None]:
     roles = [P_LEGACY, P_FIXED, D_INCIDENT, D_FIXED, D_ZERO_ONLY, *ALONE.values()]
-    with running(tiny_checkpoint, *roles):
+    with running(str(BUNDLED_MODEL_DIR), *roles):
         yield
 
 
-def _a_then_b(role: Role) -> tuple[Any, Any]:
-    a = complete(
-        role, prompt_of(A_TOKENS, "a"), max_tokens=MAX_TOKENS, request_id="req-a", tenant="tenant-a"
-    )
+def _a_chat() -> list[dict[str, str]]:
+    """A's 200-token chat: MA in the system message, filler after it, then the reference ask."""
+    head = f"Reference code: {MA} "
+    messages = [
+        {"role": "system", "content": head},
+        {"role": "user", "content": REFERENCE_REQUEST},
+    ]
+    filler = "the quick brown fox jumps over the lazy dog " * 8
+    messages[0]["content"] = head + filler[: A_TOKENS - chat_tokens(messages)]
+    assert chat_tokens(messages) == A_TOKENS
+    return messages
+
+
+def _b_chat() -> list[dict[str, str]]:
+    """B's 400-token chat: one user message of filler, no marker anywhere."""
+    empty = chat_tokens([{"role": "user", "content": ""}])
+    return [{"role": "user", "content": "x" * (B_TOKENS - empty)}]
+
+
+def _text(response: httpx.Response) -> str:
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def _a_then_b(role: Role) -> tuple[httpx.Response, httpx.Response]:
+    a = chat(role, _a_chat(), max_tokens=MAX_TOKENS, request_id="req-a", tenant="tenant-a")
     assert a.status_code == 200, a.text
     assert a.json()["kvguard"]["handoff"]["outcome"] == "ok"
-    b = complete(
-        role, prompt_of(B_TOKENS, "b"), max_tokens=MAX_TOKENS, request_id="req-b", tenant="tenant-b"
-    )
+    assert MA in _text(a), "the bundled model no longer repeats the reference code"
+    b = chat(role, _b_chat(), max_tokens=MAX_TOKENS, request_id="req-b", tenant="tenant-b")
     return a, b
 
 
@@ -102,9 +138,11 @@ def _stale_pages_read(role: Role) -> dict[int, str]:
     }
 
 
-def test_incident_reproduced_b_gets_200_and_reads_a_stale_pages() -> None:
+def test_incident_reproduced_b_gets_200_with_a_marker_from_a_stale_pages() -> None:
     _, b = _a_then_b(D_INCIDENT)
     assert b.status_code == 200, b.text
+    # The incident, at the text level: B's fluent answer carries A's marker.
+    assert MA[:LEAK_PREFIX] in _text(b), "B's answer does not hold A's marker"
     body = b.json()
     assert body["usage"]["prompt_tokens"] == B_TOKENS  # billed as if the prompt was computed
     proof = body["kvguard"]["handoff"]
@@ -112,8 +150,8 @@ def test_incident_reproduced_b_gets_200_and_reads_a_stale_pages() -> None:
     assert (proof["reserved_tokens"], proof["transferred_tokens"]) == (B_TOKENS, 1)
     assert sorted(proof["skipped_checks"]) == ["checksum", "page_generations", "transfer_range"]
     stale = _stale_pages_read(D_INCIDENT)
-    assert set(stale) == {0, 1}, f"B should have read A's pages: {kv_reads(D_INCIDENT)['req-b']}"
-    # Prefill wrote one placeholder page; decode read all 19 prompt pages anyway.
+    assert set(stale) == set(range(9)), f"B should have read A's pages: {kv_reads(D_INCIDENT)}"
+    # Prefill wrote one placeholder page; decode read all 25 prompt pages anyway.
     assert len(kv_reads(D_INCIDENT)["req-b"]["pages"]) == -(-B_TOKENS // PAGE)
     assert metric(D_INCIDENT, "kvguard_engine_handoff_transfer_mismatch_total") == 1
     cap = capacity(D_INCIDENT)
@@ -123,16 +161,17 @@ def test_incident_reproduced_b_gets_200_and_reads_a_stale_pages() -> None:
 
 def test_faults_off_b_gets_400_and_decode_reads_nothing() -> None:
     cap = capacity(D_FIXED)
-    assert cap["max_request_tokens"] == 128  # the pair's real limit, not decode's 384
-    assert {r["role"]: r["pool_tokens"] for r in cap["roles"]} == {"decode": 384, "prefill": 128}
+    assert cap["max_request_tokens"] == PREFILL_POOL  # the pair's real limit, not decode's 512
+    pools = {r["role"]: r["pool_tokens"] for r in cap["roles"]}
+    assert pools == {"decode": DECODE_POOL_TOKENS, "prefill": PREFILL_POOL}
     prefill_handoffs = metric(P_FIXED, "kvguard_engine_handoffs_total", outcome="ok")
     _, b = _a_then_b(D_FIXED)
     assert b.status_code == 400
     error = b.json()["error"]
     assert error["code"] == "context_length_exceeded"
-    assert "maximum request length is 128 tokens" in error["message"]
+    assert f"maximum request length is {PREFILL_POOL} tokens" in error["message"]
     assert "req-b" not in kv_reads(D_FIXED)
-    assert capacity(D_FIXED)["free_pages"] == 384 // PAGE
+    assert capacity(D_FIXED)["free_pages"] == DECODE_POOL_TOKENS // PAGE
     # Refused before any page was reserved anywhere: prefill only ever saw A.
     assert metric(P_FIXED, "kvguard_engine_handoffs_total", outcome="ok") == prefill_handoffs + 1
     assert metric(P_FIXED, "kvguard_engine_handoffs_total", outcome="rejected") == 0
@@ -146,14 +185,14 @@ def test_each_defence_alone_stops_the_drill(defence: str) -> None:
     body = b.json()
     if defence in ("cross_role_admission", "explicit_outcome"):
         assert b.status_code == 400 and body["error"]["code"] == "context_length_exceeded"
-        assert "maximum request length is 128 tokens" in body["error"]["message"]
+        assert f"maximum request length is {PREFILL_POOL} tokens" in body["error"]["message"]
     else:
         assert b.status_code == 502 and body["error"]["code"] == "kv_handoff_refused"
         assert body["kvguard"]["handoff"]["failed_check"] == defence
         assert metric(role, "kvguard_engine_handoff_refusals_total", check=defence) == 1
     assert "req-b" not in kv_reads(role)
     cap = capacity(role)
-    assert (cap["free_pages"], cap["quarantined_pages"]) == (384 // PAGE, 0)
+    assert (cap["free_pages"], cap["quarantined_pages"]) == (DECODE_POOL_TOKENS // PAGE, 0)
 
 
 def test_zero_on_free_alone_answers_but_b_reads_no_stale_kv() -> None:
@@ -161,3 +200,4 @@ def test_zero_on_free_alone_answers_but_b_reads_no_stale_kv() -> None:
     _, b = _a_then_b(D_ZERO_ONLY)
     assert b.status_code == 200
     assert _stale_pages_read(D_ZERO_ONLY) == {}
+    assert MA[:LEAK_PREFIX] not in _text(b)
