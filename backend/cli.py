@@ -98,6 +98,7 @@ def _serve(args: argparse.Namespace, role_name: str) -> int:
     from backend.server.app import create_app
     from backend.server.schema import Role
     from backend.transport.base import TransportUnavailable
+    from kvguard.http_edge import server_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per handoff call otherwise
@@ -113,5 +114,8 @@ def _serve(args: argparse.Namespace, role_name: str) -> int:
     ) as exc:
         print(f"kvguard backend {role_name}: cannot start: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    config = server_config(
+        app, host=settings.host, port=settings.port, header_timeout_s=settings.header_timeout_s
+    )
+    uvicorn.Server(config).run()
     return 0

@@ -45,7 +45,16 @@ class BackendSettings(KvguardSettings):
     device: str = "cpu"
     torch_threads: int | None = Field(default=None, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    header_timeout_s: float = Field(
+        default=15.0, gt=0, description="a client must send its whole request head within this"
+    )
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="a client must send its whole request body within this"
+    )
     request_timeout_s: float = Field(default=600.0, gt=0)
+    otlp_endpoint: str | None = Field(
+        default=None, description="OTLP/HTTP collector for the engine's spans (unset: no spans)"
+    )
 
     # -- disaggregation: the prefill and decode roles (backend.disagg) ------------------------
     prefill_url: str | None = Field(default=None, description="decode: the prefill role's URL")

@@ -150,7 +150,11 @@ def create_app(
 
     app = FastAPI(title="kvguard gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodyGuardMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyGuardMiddleware,
+        max_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
     for router in (openai.router, tenant.router, admin.router, health.router):
         app.include_router(router)
     for extra in hooks.routers if hooks is not None else []:

@@ -106,6 +106,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from canary.runtime import build_hooks
     from gateway.app import create_app
     from gateway.config import GatewaySettings, parse_engine_arg
+    from kvguard.http_edge import server_config
 
     env = GatewaySettings()
     overrides: dict[str, Any] = {"engines": [*env.engines, *map(parse_engine_arg, args.engine)]}
@@ -115,11 +116,12 @@ def run_gateway(args: argparse.Namespace) -> int:
         overrides["port"] = args.port
     settings = GatewaySettings(**overrides)
     hooks = build_hooks(CanarySettings())  # the leak firewall: on unless KVGUARD_CANARY_ENABLED=0
-    config = uvicorn.Config(
+    config = server_config(
         create_app(settings, hooks=hooks),
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
+        header_timeout_s=settings.header_timeout_s,
     )
     uvicorn.Server(config).run()
     return 0

@@ -134,6 +134,12 @@ class GatewaySettings(KvguardSettings):
         "off only for drills that must let such an answer reach the canary firewall",
     )
     max_body_bytes: int = Field(default=8 * MiB, gt=0)
+    header_timeout_s: float = Field(
+        default=15.0, gt=0, description="a client must send its whole request head within this"
+    )
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="a client must send its whole request body within this"
+    )
     default_max_tokens: int = Field(default=16, gt=0)
     key_last_used_interval_s: float = Field(default=60.0, ge=0)
     auth_cache_ttl_s: float = Field(

@@ -22,6 +22,7 @@ from backend.server import routes_drill, routes_handoff, routes_openai, routes_o
 from backend.server.errors import install_error_handlers
 from backend.server.roles import RoleRuntime, build_decode, build_prefill, build_unified
 from backend.server.schema import Role
+from backend.server.tracing import install_tracing
 from kvguard.http_edge import BodyGuardMiddleware
 
 _BUILDERS = {Role.UNIFIED: build_unified, Role.PREFILL: build_prefill, Role.DECODE: build_decode}
@@ -46,9 +47,16 @@ def create_app(settings: BackendSettings, role: Role = Role.UNIFIED) -> FastAPI:
     app = FastAPI(title=f"kvguard backend ({role.value})", lifespan=lifespan)
     app.state.service = service
     app.state.prefill = runtime.prefill
-    app.add_middleware(BodyGuardMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyGuardMiddleware,
+        max_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
     install_error_handlers(app)
     _mount(app, runtime, role, settings)
+    provider = install_tracing(app, role=role.value, otlp_endpoint=settings.otlp_endpoint)
+    if provider is not None:
+        runtime.closers.append(provider.shutdown)  # flushes the spans still batched
     return app
 
 

@@ -6,6 +6,8 @@ and a stable ``code``; nothing a client sends may produce a 500 or a hang.
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -13,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.core.errors import KvguardError
 from kvguard.http_edge import error_body, validation_message
+
+log = logging.getLogger("kvguard.engine")
 
 
 def error_response(
@@ -47,3 +51,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, str(exc.detail), code=code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        # An engine bug: the client still gets the usual error shape (not Starlette's plain-text
+        # 500), and the message names nothing internal; the traceback goes to the log only.
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(
+            500, "internal engine error", code="internal_error", type_="server_error"
+        )

@@ -2,6 +2,8 @@
 
 Unknown fields are refused (a typo must not silently change behaviour); every numeric field has
 bounds, so a negative or huge ``max_tokens`` is a 400 with the field named, not an engine error.
+A temperature above 0 but below ``MIN_SAMPLING_TEMPERATURE`` is served greedily (its limit):
+dividing float32 logits by it overflows to inf and would fail the whole batch's step.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_CEILING = 1 << 20
+MIN_SAMPLING_TEMPERATURE = 1e-3
 
 
 class StreamOptions(BaseModel):
@@ -32,6 +35,11 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     user: str | None = Field(default=None, max_length=256)
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_below_floor(cls, value: float) -> float:
+        return 0.0 if value < MIN_SAMPLING_TEMPERATURE else value
 
     @field_validator("stop")
     @classmethod

@@ -12,6 +12,9 @@ from gateway.db.models import ApiKey, Tenant
 from gateway.lifecycle import TenantStatus
 
 PositiveLimit = Annotated[int, Field(gt=0, le=1 << 40)] | None
+# now + the lifetime must stay a datetime (year <= 9999): unbounded, it was an OverflowError (500)
+MAX_KEY_LIFETIME_S = 100 * 365 * 24 * 3600
+KeyLifetime = Annotated[int, Field(gt=0, le=MAX_KEY_LIFETIME_S)] | None
 TenantName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.@-]+$")]
 
 
@@ -31,7 +34,7 @@ class TenantCreate(LimitsIn):
     canary_sample_rate: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     synthetic: bool = False
     key_name: str | None = Field(default=None, max_length=64)
-    key_expires_in_s: Annotated[int, Field(gt=0)] | None = None
+    key_expires_in_s: KeyLifetime = None
 
 
 class TenantUpdate(_Closed):
@@ -48,7 +51,7 @@ class TenantUpdate(_Closed):
 
 class KeyCreate(_Closed):
     name: str | None = Field(default=None, max_length=64)
-    expires_in_s: Annotated[int, Field(gt=0)] | None = None
+    expires_in_s: KeyLifetime = None
 
 
 class TenantOut(BaseModel):

@@ -1,0 +1,290 @@
+"""The authorization matrix: every gateway endpoint x every kind of credential.
+
+The real gateway (with the canary's routes, as ``kvguard gateway`` serves it) on 127.0.0.1, with
+PostgreSQL and Redis. The endpoint list comes from the app's own routes: an endpoint added without
+a row in ``MATRIX`` fails ``test_every_endpoint_has_a_matrix_row``.
+
+Credentials: none, a malformed token, a well-formed unknown key, a revoked key, a disabled
+tenant's key, the other tenant's key, the admin token, the tenant's own key. Expected: tenant
+endpoints accept only live tenant keys (never the admin token), admin endpoints only the admin
+token (never a tenant key), public endpoints anything; and a tenant endpoint answers about the
+caller's own tenant only, whatever it is asked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.routing import APIRoute
+from hostile_harness import (
+    ENGINE_MODEL,
+    ServedGateway,
+    gateway_settings,
+    openai_error,
+    served_gateway,
+)
+from starlette.routing import Route
+
+from canary.findings import (
+    Action,
+    Evidence,
+    FindingKind,
+    FindingSeverity,
+    NewFinding,
+    store_finding,
+)
+from gateway.db.session import session_scope
+from kvguard.testing import EngineProcess
+
+PUBLIC, TENANT, ADMIN = "public", "tenant", "admin"
+THROWAWAY_ENGINE = "matrix-engine"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One endpoint: who may call it, a request that is valid for that caller, its status."""
+
+    kind: str
+    status: int  # what the rightful caller gets for this request
+    json: dict[str, Any] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _chat() -> dict[str, Any]:
+    return {"model": ENGINE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+# Order matters for the admin calls that change state: the throwaway engine is registered first
+# and removed last; the throwaway tenant's key is revoked after everything else used it.
+MATRIX: dict[tuple[str, str], Call] = {
+    ("GET", "/health"): Call(PUBLIC, 200),
+    ("GET", "/metrics"): Call(PUBLIC, 200),
+    ("GET", "/openapi.json"): Call(PUBLIC, 200),
+    ("GET", "/docs"): Call(PUBLIC, 200),
+    ("GET", "/docs/oauth2-redirect"): Call(PUBLIC, 200),
+    ("GET", "/redoc"): Call(PUBLIC, 200),
+    ("GET", "/v1/models"): Call(TENANT, 200),
+    ("POST", "/v1/chat/completions"): Call(TENANT, 200, json=_chat()),
+    (
+        "POST",
+        "/v1/completions",
+    ): Call(TENANT, 200, json={"model": ENGINE_MODEL, "prompt": "hi", "max_tokens": 2}),
+    ("GET", "/v1/usage"): Call(TENANT, 200),
+    ("GET", "/v1/canary/findings"): Call(TENANT, 200),
+    ("POST", "/admin/tenants"): Call(ADMIN, 201, json={"name": "matrix-new"}),
+    ("GET", "/admin/tenants"): Call(ADMIN, 200),
+    ("GET", "/admin/tenants/{ref}"): Call(ADMIN, 200),
+    ("PATCH", "/admin/tenants/{ref}"): Call(ADMIN, 200, json={"requests_per_minute": 1000}),
+    ("POST", "/admin/tenants/{ref}/keys"): Call(ADMIN, 201, json={"name": "extra"}),
+    ("GET", "/admin/tenants/{ref}/keys"): Call(ADMIN, 200),
+    ("GET", "/admin/tenants/{ref}/usage"): Call(ADMIN, 200),
+    ("GET", "/admin/engines"): Call(ADMIN, 200),
+    (
+        "POST",
+        "/admin/engines",
+    ): Call(
+        ADMIN,
+        201,
+        json={
+            "name": THROWAWAY_ENGINE,
+            "kind": "openai",
+            "base_url": "http://127.0.0.1:9",
+            "model": "matrix-model",
+            "declared_max_model_len": 64,
+        },
+    ),
+    ("PUT", "/admin/engines/{name}/override"): Call(ADMIN, 200, json={"allow_unsafe": False}),
+    ("POST", "/admin/engines/{name}/quarantine"): Call(ADMIN, 200, json={"reason": "matrix"}),
+    ("DELETE", "/admin/engines/{name}/quarantine"): Call(ADMIN, 200),
+    ("DELETE", "/admin/engines/{name}"): Call(ADMIN, 204),
+    ("GET", "/admin/canary/findings"): Call(ADMIN, 200),
+    ("GET", "/admin/canary/probe-runs"): Call(ADMIN, 200),
+    (
+        "POST",
+        "/admin/canary/probe-runs",
+    ): Call(
+        ADMIN,
+        201,
+        json={
+            "run_id": "matrix",
+            "results": [
+                {
+                    "kind": "echo",
+                    "expected": "e",
+                    "observed": "o",
+                    "passed": True,
+                    "duration_ms": 1.0,
+                    "started_at": "2026-01-01T00:00:00Z",
+                }
+            ],
+        },
+    ),
+    ("POST", "/admin/keys/{prefix}/revoke"): Call(ADMIN, 200),
+}
+
+
+@dataclass
+class World:
+    gateway: ServedGateway
+    tenant_a: str
+    key_a: str
+    tenant_b: str
+    key_b: str
+    throwaway_tenant: str
+    throwaway_prefix: str
+    credentials: dict[str, str | None]
+
+    def path(self, template: str) -> str:
+        return template.format(
+            ref=self.throwaway_tenant, name=THROWAWAY_ENGINE, prefix=self.throwaway_prefix
+        )
+
+    def call(self, method: str, template: str, token: str | None, **kw: Any) -> httpx.Response:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        return httpx.request(
+            method, self.gateway.url + self.path(template), headers=headers, timeout=60, **kw
+        )
+
+
+def _world(gateway: ServedGateway) -> World:
+    admin = gateway.settings.admin_secret()
+    tenant_a, key_a = gateway.create_tenant("tenant-a")
+    tenant_b, key_b = gateway.create_tenant("tenant-b")
+    throwaway, _ = gateway.create_tenant("throwaway")
+    r = httpx.post(f"{gateway.url}/admin/tenants/{tenant_a}/keys", json={}, headers=gateway.admin)
+    revoked = r.json()["key"]
+    r = httpx.post(f"{gateway.url}/admin/keys/{r.json()['prefix']}/revoke", headers=gateway.admin)
+    assert r.status_code == 200, r.text
+    disabled_tenant, disabled_key = gateway.create_tenant("disabled")
+    r = httpx.patch(
+        f"{gateway.url}/admin/tenants/{disabled_tenant}",
+        json={"status": "disabled"},
+        headers=gateway.admin,
+    )
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{gateway.url}/admin/tenants/{throwaway}/keys", json={}, headers=gateway.admin)
+    credentials: dict[str, str | None] = {
+        "none": None,
+        "malformed": "not-a-key",
+        "unknown": "kvg_000000000000_" + "0" * 64,
+        "revoked": revoked,
+        "disabled": disabled_key,
+        "other tenant": key_b,
+        "admin": admin,
+        "own": key_a,
+    }
+    return World(
+        gateway, tenant_a, key_a, tenant_b, key_b, throwaway, r.json()["prefix"], credentials
+    )
+
+
+@pytest.fixture
+def world(postgres_url: str, redis_url: str, engine: EngineProcess) -> Iterator[World]:
+    settings = gateway_settings(postgres_url, engine.url, redis_url=redis_url)
+    with served_gateway(settings) as gateway:
+        yield _world(gateway)
+
+
+def _routes(routes: list[Any], prefix: str = "") -> set[tuple[str, str]]:
+    """(method, path) of every route, walking included routers (FastAPI keeps them nested)."""
+    found: set[tuple[str, str]] = set()
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            found |= _routes(included.routes, prefix + route.include_context.prefix)
+        elif isinstance(route, APIRoute | Route):
+            found |= {(m, prefix + route.path) for m in route.methods or () if m != "HEAD"}
+    return found
+
+
+def test_every_endpoint_has_a_matrix_row(world: World) -> None:
+    app = world.gateway.app
+    routes = _routes(app.routes)
+    documented = {(m.upper(), p) for p, ops in app.openapi()["paths"].items() for m in ops}
+    assert documented <= routes  # the walk sees at least what the schema documents
+    assert routes == set(MATRIX)
+
+
+def _refused(response: httpx.Response, status: int, code: str, who: str, where: str) -> None:
+    assert response.status_code == status, (who, where, response.status_code, response.text)
+    assert openai_error(response)["code"] == code, (who, where)
+
+
+def test_the_matrix(world: World) -> None:
+    """Wrong credentials first (they must change nothing), then each rightful caller."""
+    for (method, template), call in MATRIX.items():
+        where = f"{method} {template}"
+        for who, token in world.credentials.items():
+            if call.kind == PUBLIC or (call.kind, who) in (
+                (TENANT, "own"),
+                (TENANT, "other tenant"),
+                (ADMIN, "admin"),
+            ):
+                continue
+            r = world.call(method, template, token, json=call.json, params=call.params)
+            if who == "disabled" and call.kind == TENANT:
+                _refused(r, 403, "tenant_disabled", who, where)
+            else:
+                _refused(r, 401, "invalid_api_key", who, where)
+    for (method, template), call in MATRIX.items():
+        callers = {PUBLIC: list(world.credentials), TENANT: ["own", "other tenant"]}
+        for who in callers.get(call.kind, ["admin"]):
+            r = world.call(method, template, world.credentials[who], json=call.json)
+            assert r.status_code == call.status, (who, method, template, r.text[:300])
+
+
+def _until(predicate: Any, timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def test_tenant_endpoints_never_reveal_another_tenants_data(world: World) -> None:
+    # tenant A makes traffic (audit rows -> usage) and is the victim of a stored finding
+    for _ in range(2):
+        r = world.call("POST", "/v1/chat/completions", world.key_a, json=_chat())
+        assert r.status_code == 200, r.text
+    finding = NewFinding(
+        kind=FindingKind.CROSS_TENANT,
+        severity=FindingSeverity.CRITICAL,
+        evidence=Evidence.CONFIRMED,
+        action=Action.CUT,
+        observer_tenant_id=world.tenant_b,
+        engine="tiny",
+        observer_request_id="req-observer",
+        victim_tenant_id=world.tenant_a,
+        victim_request_id="req-victim-a",
+    )
+    with session_scope(world.gateway.app.state.gateway.sessions) as session:
+        store_finding(session, finding)  # the canary's own store, on the gateway's database
+
+    def usage(key: str, **params: Any) -> dict[str, Any]:
+        r = world.call("GET", "/v1/usage", key, params=params)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    own = _until(lambda: (u := usage(world.key_a))["requests"] >= 2 and u)
+    assert own and own["tenant_id"] == world.tenant_a and own["requests"] == 2
+    # B, asking every way it could for A's data, gets its own (empty) account
+    for params in ({}, {"tenant_id": world.tenant_a}, {"tenant": world.tenant_a}):
+        theirs = usage(world.key_b, **params)
+        assert theirs["tenant_id"] == world.tenant_b and theirs["requests"] == 0, params
+    r = world.call("GET", "/v1/canary/findings", world.key_a)
+    assert [f["victim_request_id"] for f in r.json()] == ["req-victim-a"]
+    assert "observer_tenant_id" not in r.json()[0]  # the victim does not learn who received it
+    for params in ({}, {"tenant": world.tenant_a}, {"victim_tenant_id": world.tenant_a}):
+        r = world.call("GET", "/v1/canary/findings", world.key_b, params=params)
+        assert r.status_code == 200 and r.json() == [], (params, r.text)
+    # and nothing B can reach on a tenant endpoint names tenant A
+    for (method, template), call in MATRIX.items():
+        if call.kind == TENANT:
+            r = world.call(method, template, world.key_b, json=call.json)
+            assert world.tenant_a not in r.text and "tenant-a" not in r.text, template

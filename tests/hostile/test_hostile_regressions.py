@@ -1,0 +1,65 @@
+"""Bugs the fuzzers found, pinned: each was a 500 from a request any admin or tenant could send."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from hostile_harness import ServedGateway, openai_error
+
+from gateway.api.schemas_admin import MAX_KEY_LIFETIME_S
+
+
+@pytest.mark.parametrize("lifetime", [MAX_KEY_LIFETIME_S + 1, 10**12, 2**63])
+def test_a_key_lifetime_past_year_9999_is_400_not_500(
+    gateway: ServedGateway, lifetime: int
+) -> None:
+    """now + timedelta(seconds=lifetime) overflowed datetime: OverflowError, a 500."""
+    r = httpx.post(
+        gateway.url + "/admin/tenants",
+        json={"name": "long-lived", "key_expires_in_s": lifetime},
+        headers=gateway.admin,
+    )
+    assert r.status_code == 400, r.text
+    assert openai_error(r)["param"] == "key_expires_in_s"
+    tenant, _ = gateway.create_tenant("acme")
+    r = httpx.post(
+        f"{gateway.url}/admin/tenants/{tenant}/keys",
+        json={"expires_in_s": lifetime},
+        headers=gateway.admin,
+    )
+    assert r.status_code == 400, r.text
+    assert openai_error(r)["param"] == "expires_in_s"
+
+
+def test_the_longest_allowed_key_lifetime_works(gateway: ServedGateway) -> None:
+    tenant, _ = gateway.create_tenant("acme")
+    r = httpx.post(
+        f"{gateway.url}/admin/tenants/{tenant}/keys",
+        json={"expires_in_s": MAX_KEY_LIFETIME_S},
+        headers=gateway.admin,
+    )
+    assert r.status_code == 201, r.text
+    key = r.json()["key"]
+    r = httpx.get(gateway.url + "/v1/usage", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+
+
+async def test_an_engine_bug_is_an_openai_style_500_without_internals(tiny_checkpoint: str) -> None:
+    """Starlette's default answer to an unhandled error is a plain-text 500: not the error shape
+    clients (and the gateway) parse. A route that raises stands in for any engine bug."""
+    from backend.config import BackendSettings
+    from backend.server.app import create_app
+
+    app = create_app(BackendSettings(model=tiny_checkpoint, pool_tokens=256))
+
+    def boom() -> None:
+        raise RuntimeError("secret internal detail")
+
+    app.add_api_route("/boom", boom)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+        r = await client.get("/boom")
+    assert r.status_code == 500
+    error = openai_error(r)
+    assert (error["code"], error["type"]) == ("internal_error", "server_error")
+    assert "secret" not in r.text
