@@ -14,6 +14,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvguard.http_edge import error_body, validation_message
@@ -105,6 +107,10 @@ class LimiterDown(ServiceUnavailable):
     code = "limiter_unavailable"
 
 
+class DatabaseDown(ServiceUnavailable):
+    code = "database_unavailable"
+
+
 class PassThrough(GatewayError):
     """An engine's own OpenAI-style error, relayed with its status (e.g. its 400s)."""
 
@@ -128,6 +134,16 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse(error_body(str(exc.detail), code=code), exc.status_code)
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(PoolTimeout)
+    async def _database_down(request: Request, exc: Exception) -> JSONResponse:
+        # The database is unreachable (refused, reset, pool exhausted): the client's request is
+        # fine and may be retried, so a 503 with a stable code, not a 500 "gateway bug".
+        # The class name only: the message can hold SQL parameters (key prefixes, ids).
+        name = type(exc).__name__
+        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, name)
+        return DatabaseDown("The gateway's database is unavailable; retry later.").response()
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

@@ -7,8 +7,10 @@ Redis Cluster. Buckets expire after two idle windows (a full bucket needs no sta
 
 Leases carry deadlines; this process refreshes the ones it holds every third of the lease time,
 so a gateway that dies frees its slots within one lease time. Any Redis error raises
-``LimiterUnavailable`` from ``admit`` (the caller fails closed); ``release`` logs and relies on
-the deadline.
+``LimiterUnavailable`` from ``admit`` (the caller fails closed). A ``release`` that fails (Redis
+unreachable) is kept and retried before the next admit and on every refresh, so the tenant gets
+its slots back as soon as Redis answers again instead of a lease time later; the deadline stays
+the backstop.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import logging
 import uuid
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.domain import TenantPlan
@@ -123,14 +128,23 @@ class RedisLimiter(Limiter):
     backend = "redis"
 
     def __init__(self, *, url: str, lease_s: float, timeout_s: float = 0.5) -> None:
+        # One retry on a broken connection: after an outage the pool still holds connections
+        # the server side has dropped, and each would fail one admit with a spurious 503. A retry
+        # is safe here: a lease is added under its own id (ZADD again is a no-op) and a release
+        # removes it by id; at worst a replayed admit charges its rate buckets twice.
         self._client = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
         )
         self._lease_ms = int(lease_s * 1000)
         self._admit = self._client.register_script(ADMIT_LUA)
         self._release = self._client.register_script(RELEASE_LUA)
         self._refresh = self._client.register_script(REFRESH_LUA)
         self._held: dict[str, Lease] = {}
+        self._unreleased: dict[str, tuple[Lease, int]] = {}  # lease id -> (lease, unused tokens)
         self._refresher: asyncio.Task[None] | None = None
 
     async def admit(self, *, tenant_id: str, plan: TenantPlan, tokens: int) -> Lease | Refusal:
@@ -144,6 +158,8 @@ class RedisLimiter(Limiter):
             str(self._lease_ms),
             str(WINDOW_MS),
         ]
+        with contextlib.suppress(RedisError, OSError):
+            await self._retry_releases()  # first give back slots a past outage kept
         try:
             result = await self._admit(keys=list(_keys(tenant_id)), args=args)
         except (RedisError, OSError) as exc:
@@ -159,14 +175,25 @@ class RedisLimiter(Limiter):
 
     async def release(self, lease: Lease, *, unused_tokens: int) -> None:
         self._held.pop(lease.lease_id, None)
-        requests_key, tokens_key, leases_key = _keys(lease.tenant_id)
-        args = [_arg(lease.plan.tokens_per_minute), str(max(0, unused_tokens)), lease.lease_id]
         try:
-            await self._release(keys=[tokens_key, leases_key], args=[*args, str(WINDOW_MS)])
+            await self._release_one(lease, unused_tokens)
         except (RedisError, OSError):
+            # Kept for a retry: without it the slot stays taken until the lease's deadline.
+            self._unreleased[lease.lease_id] = (lease, unused_tokens)
             log.warning(
-                "lease release failed for tenant %s; it expires on its own", lease.tenant_id
+                "lease release failed for tenant %s; retrying when Redis answers", lease.tenant_id
             )
+
+    async def _release_one(self, lease: Lease, unused_tokens: int) -> None:
+        _, tokens_key, leases_key = _keys(lease.tenant_id)
+        args = [_arg(lease.plan.tokens_per_minute), str(max(0, unused_tokens)), lease.lease_id]
+        await self._release(keys=[tokens_key, leases_key], args=[*args, str(WINDOW_MS)])
+
+    async def _retry_releases(self) -> None:
+        """Releases that failed earlier, oldest first; raises (keeping the rest) on an error."""
+        for lease_id, (lease, unused_tokens) in list(self._unreleased.items()):
+            await self._release_one(lease, unused_tokens)
+            self._unreleased.pop(lease_id, None)
 
     async def healthy(self) -> bool:
         try:
@@ -192,6 +219,7 @@ class RedisLimiter(Limiter):
             await asyncio.sleep(self._lease_ms / 3000)
             try:
                 await self.refresh_held()
+                await self._retry_releases()
             except (RedisError, OSError):
                 log.warning("lease refresh failed; retrying")
 

@@ -6,7 +6,8 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
 2. hooks: request hooks may rewrite the upstream body (canary markers are counted like text);
 3. count: exact prompt tokens from the engine's own tokenizer;
 4. fit: prompt + max_tokens <= min(window, every role's real pool, engine limits, plan cap)
-   on at least one engine (400 ``context_length_exceeded`` stating the real limit and the size);
+   on at least one engine (400 ``context_length_exceeded`` stating the real limit and the size;
+   if engines turned unavailable while the prompt was counted, route again: 503, never a 400);
    a request that fits only without what the hooks added is sent as the client wrote it;
 5. limits: one atomic take of request, tokens and a concurrency lease (429 + Retry-After; 503 if
    the shared limiter is down, unless configured to fail open);
@@ -66,6 +67,12 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
         size, fitting = await _measure(state, routable, plain_body, ctx, max_tokens, plan_cap)
     ctx.prompt_tokens, ctx.max_tokens = size.prompt_tokens, max_tokens
     if not fitting:
+        # Counting awaited the engine: an engine that became unavailable meanwhile now reports
+        # a limit of 0. That is a 503 (route again), never a "too long" 400 the client would
+        # not retry.
+        routable = route(state, ctx.model)
+        fitting = _fitting(routable, size, plan_cap)
+    if not fitting:
         raise too_long(routable, size, plan_cap, param=_param(body))
     ctx.lease = await take_lease(state, ctx, size)
     ctx.advance(Phase.ADMITTED)
@@ -83,8 +90,13 @@ async def _measure(
 ) -> tuple[RequestSize, list[EngineRecord]]:
     prompt_tokens = await count_prompt(state, routable, body, ctx)
     size = RequestSize(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
-    fitting = [r for r in routable if r.snapshot is not None and fits(r.snapshot, size, plan_cap)]
-    return size, fitting
+    return size, _fitting(routable, size, plan_cap)
+
+
+def _fitting(
+    routable: list[EngineRecord], size: RequestSize, plan_cap: int | None
+) -> list[EngineRecord]:
+    return [r for r in routable if r.snapshot is not None and fits(r.snapshot, size, plan_cap)]
 
 
 def route(state: GatewayState, model: str) -> list[EngineRecord]:

@@ -3,7 +3,9 @@
 Lifecycle: the request path calls ``record()``/``touch_key()`` (no I/O, never blocks) -> a
 background task flushes every ``flush_interval_s`` in a worker thread -> ``close()`` flushes what
 is left at shutdown. A crash loses at most one interval of rows; a failed flush keeps its rows for
-the next try (bounded: beyond ``max_pending`` the oldest are dropped and counted).
+the next try (bounded: beyond ``max_pending`` the oldest are dropped and counted). A flush that
+failed may still have committed (the connection broke after the commit, before its answer), so
+the retry skips the rows the database already has: one row per request, even across an outage.
 
 An ``AuditRecord`` holds metadata only: ids, counts, outcome, timings. No text field exists.
 """
@@ -18,6 +20,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 
 import anyio
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from gateway.db.models import RequestAudit
@@ -25,6 +28,7 @@ from gateway.db.session import session_scope
 from gateway.services.keys import touch_keys
 
 log = logging.getLogger("kvguard.gateway.audit")
+_ID_CHUNK = 500  # request ids per lookup (bounded statement size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,7 @@ class AuditWriter:
         self._interval = flush_interval_s
         self._pending: deque[AuditRecord] = deque(maxlen=max_pending)
         self._touched: dict[int, datetime] = {}
+        self._uncertain: set[str] = set()  # request ids whose failed flush may have committed
         self._lock = asyncio.Lock()
         self._on_drop = on_drop
 
@@ -88,15 +93,22 @@ class AuditWriter:
             touched, self._touched = self._touched, {}
             if not rows and not touched:
                 return
+            uncertain = frozenset(self._uncertain)
             try:
-                await anyio.to_thread.run_sync(self._write, list(rows), touched)
+                await anyio.to_thread.run_sync(self._write, list(rows), touched, uncertain)
             except BaseException:
                 self._pending.extendleft(reversed(rows))  # retried next time (oldest first)
+                self._uncertain.update(row.request_id for row in rows)
                 self._touched = {**touched, **self._touched}
                 raise
+            self._uncertain.clear()  # every uncertain row was in this batch (or was dropped)
 
-    def _write(self, rows: list[AuditRecord], touched: dict[int, datetime]) -> None:
+    def _write(
+        self, rows: list[AuditRecord], touched: dict[int, datetime], uncertain: frozenset[str]
+    ) -> None:
         with session_scope(self._factory) as session:
+            if uncertain:
+                rows = _not_yet_written(session, rows, uncertain)
             session.add_all(RequestAudit(**asdict(row)) for row in rows)
             touch_keys(session, last_used=touched)
 
@@ -105,3 +117,16 @@ class AuditWriter:
             await self.flush()
         except Exception:
             log.exception("final audit flush failed; %d rows lost", len(self._pending))
+
+
+def _not_yet_written(
+    session: Session, rows: list[AuditRecord], uncertain: frozenset[str]
+) -> list[AuditRecord]:
+    """``rows`` without those of ``uncertain`` ids the database already holds."""
+    ids = [row.request_id for row in rows if row.request_id in uncertain]
+    found: set[str] = set()
+    for start in range(0, len(ids), _ID_CHUNK):
+        chunk = ids[start : start + _ID_CHUNK]
+        query = select(RequestAudit.request_id).where(RequestAudit.request_id.in_(chunk))
+        found.update(session.scalars(query))
+    return [row for row in rows if row.request_id not in found]
