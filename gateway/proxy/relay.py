@@ -8,8 +8,10 @@
   guard sees one text stream in order); a chunk whose texts all pass unchanged passes byte for
   byte, a changed text (held back or released) is re-serialised with only the texts replaced;
 - every other string of an event (ids, names, keys, error messages, extension fields) goes
-  through the side guards (``gateway.proxy.side``): they can only cut, never rewrite, so a foreign
-  marker an engine hides outside the text still never reaches the client complete;
+  through the side guards (``gateway.proxy.side``), so a foreign marker an engine hides outside
+  the text still never reaches the client complete; the side fields the model writes (reasoning,
+  refusal, tool-call arguments, logprobs tokens) are rewritten like the text (the event is then
+  re-serialised) and what their guards still hold goes out as one chunk before ``[DONE]``;
 - a choice's guard is finished on the chunk carrying its ``finish_reason`` (its held-back tail
   joins that chunk), or at ``[DONE]`` as a chunk of its own;
 - a ``Cut`` becomes an OpenAI-style error event and ends the stream;
@@ -38,7 +40,7 @@ from gateway.errors import error_body
 from gateway.hooks import Cut, Emit, StreamGuard
 from gateway.lifecycle import Phase
 from gateway.proxy.context import HandoffProof, parse_handoff
-from gateway.proxy.side import InvalidSide, SideScreen
+from gateway.proxy.side import InvalidSide, Rewritten, SideScreen, tail_chunk
 from gateway.upstream.base import Endpoint
 from gateway.upstream.sse import DONE, encode_event
 
@@ -81,6 +83,7 @@ class StreamRelay:
     handoff: HandoffProof | None = None
     cut: Cut | None = None
     saw_text: bool = False
+    text_events: int = 0  # events carrying any choice text (the token clock's ticks)
     _guards: dict[int, StreamGuard] = field(default_factory=dict, repr=False)
     _finished: set[int] = field(default_factory=set)
     _side: SideScreen | None = field(default=None, repr=False)
@@ -98,13 +101,16 @@ class StreamRelay:
             obj = None
         if not isinstance(obj, dict):
             return self._invalid()
+        rewritten = False
         if self.screen_side:
             try:
                 side = self._screen_side(obj, data)
             except InvalidSide:
                 return self._invalid()
-            if side is not None:
+            if isinstance(side, Step):
                 return side
+            if side is not None:
+                obj, canonical, rewritten = side.obj, False, True
         if "error" in obj:
             return Step([raw if canonical else encode_event(obj)], Phase.FAILED, _error_code(obj))
         self._note(obj)
@@ -119,7 +125,7 @@ class StreamRelay:
             keep = self.wants_usage or "usage" not in obj
             return Step([raw if canonical else encode_event(obj)] if keep else [])
         try:
-            return self._on_chunk(raw if canonical else None, obj, choices)
+            return self._on_chunk(raw if canonical else None, obj, choices, rewritten=rewritten)
         except InvalidUpstream:
             return self._invalid()
 
@@ -150,11 +156,11 @@ class StreamRelay:
                 self.prompt_tokens = usage["prompt_tokens"]
         self.handoff = parse_handoff(obj) or self.handoff
 
-    def _screen_side(self, obj: dict[str, Any], data: str) -> Step | None:
+    def _screen_side(self, obj: dict[str, Any], data: str) -> Step | Rewritten | None:
         if self._side is None:
             self._side = SideScreen(self.open_guard, prefilter=self.side_prefilter)
         verdict = self._side.feed(obj, raw=data)
-        return None if verdict is None else self._cut(verdict)
+        return self._cut(verdict) if isinstance(verdict, Cut) else verdict
 
     def _guard(self, index: int) -> StreamGuard:
         guard = self._guards.get(index)
@@ -164,7 +170,9 @@ class StreamRelay:
             guard = self._guards[index] = self.open_guard()
         return guard
 
-    def _on_chunk(self, raw: bytes | None, obj: dict[str, Any], choices: Any) -> Step:
+    def _on_chunk(
+        self, raw: bytes | None, obj: dict[str, Any], choices: Any, *, rewritten: bool = False
+    ) -> Step:
         if not isinstance(choices, list) or len(choices) > MAX_CHOICES:
             raise InvalidUpstream("choices is not a short list")
         texts: list[str] = []
@@ -180,10 +188,12 @@ class StreamRelay:
             texts.append(text)
             released.append(verdict.text)
             finishing = finishing or ends
+        if any(texts):
+            self.text_events += 1
         self._template = obj
         if raw is not None and released == texts:
             return Step([raw])
-        if not any(released) and not finishing and "usage" not in obj:
+        if not any(released) and not finishing and not rewritten and "usage" not in obj:
             return Step([])  # everything held back: nothing to send yet
         return Step([encode_event(_with_texts(self.endpoint, obj, released))])
 
@@ -215,8 +225,10 @@ class StreamRelay:
                 out.append(encode_event(_tail_chunk(self.endpoint, self._template, index, tail)))
         if self._side is not None:
             side = self._side.finish()
-            if side is not None:
+            if isinstance(side, Cut):
                 return self._cut(side)
+            if side and self._template is not None:
+                out.append(encode_event(tail_chunk(self._template, side)))
         return Step([*out, done], Phase.COMPLETED)
 
 
@@ -237,13 +249,13 @@ def relay_body(
     Raises ``InvalidUpstream`` for an answer the gateway cannot vouch for.
     """
     if screen_side:
-        side_screen = SideScreen(open_guard)
         try:
-            side = side_screen.feed(body) or side_screen.finish()
+            screened = SideScreen(open_guard).screen_body(body)
         except InvalidSide as exc:
             raise InvalidUpstream(str(exc)) from exc
-        if side is not None:
-            return side
+        if isinstance(screened, Cut):
+            return screened
+        body = screened
     choices = body.get("choices")
     if not isinstance(choices, list):
         return body

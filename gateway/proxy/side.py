@@ -5,10 +5,19 @@ the response guards. Every other string an engine sends reaches the client as is
 finish reasons, error messages, usage, extension fields, logprobs tokens. A ``SideScreen`` runs
 each of them through a guard too, one guard per *field path* (``x.y.*.z``, list positions
 folded into ``*``; all keys form one more path), fed in order across events, so a value split
-over many events or list items (a token per event) is seen whole. A side guard can only cut,
-never rewrite: a foreign marker in any field never reaches the client complete (a fragment of
-it may, in a field the client would have to reassemble). Its own markers are not stripped there:
-an engine never copies prompt text into those fields by itself.
+over many events or list items (a token per event) is seen whole: a foreign marker in any field
+never reaches the client complete (a fragment of it may, in a field the client would have to
+reassemble).
+
+Most side guards can only cut. The side fields that carry text the model wrote (``REWRITE_PATHS``:
+reasoning, refusal, tool-call arguments, logprobs tokens) are *rewritten* with what their guard
+delivers, exactly like the text, so the tenant's own marker is stripped there too: a reasoning
+model, a tool call or the logprobs echo prompt text as readily as the answer does. A rewritten
+logprobs token gets its ``bytes`` recomputed, so the marker does not survive as integers. What a
+rewrite guard still holds at the end (``finish``) comes back as ``SideTail``s: appended to the
+last value at that path (non-streaming, ``screen_body``) or sent as one more chunk before
+``[DONE]`` (streaming, ``tail_chunk``). Left cut-only: object keys (the completions endpoint's
+``top_logprobs`` maps tokens as keys) and identifiers, whose values must not shift between events.
 
 At most ``MAX_PATHS`` paths per response: an engine inventing field names without end is refused
 (``InvalidSide``) rather than given unbounded guards.
@@ -16,22 +25,69 @@ At most ``MAX_PATHS`` paths per response: an engine inventing field names withou
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.hooks import Cut, StreamGuard
+from gateway.hooks import Cut, Emit, StreamGuard
 
 MAX_PATHS = 64
 KEYS_PATH = "<keys>"
 TEXT_PATHS = frozenset({"choices.*.delta.content", "choices.*.message.content", "choices.*.text"})
+_MODEL_TEXT = (
+    "{m}.reasoning_content",
+    "{m}.reasoning",
+    "{m}.refusal",
+    "{m}.tool_calls.*.function.arguments",
+    "{m}.function_call.arguments",
+)
+_LOGPROB_TOKENS = (
+    "logprobs.content.*.token",
+    "logprobs.content.*.top_logprobs.*.token",
+    "logprobs.refusal.*.token",
+    "logprobs.refusal.*.top_logprobs.*.token",
+    "logprobs.tokens.*",
+)
+REWRITE_PATHS = frozenset(
+    [f"choices.*.{p.format(m=m)}" for p in _MODEL_TEXT for m in ("delta", "message")]
+    + [f"choices.*.{p}" for p in _LOGPROB_TOKENS]
+)
+_NOT_CUT_ONLY = TEXT_PATHS | REWRITE_PATHS
+# Every rewritable path has one of these keys: an event whose JSON text has none of them (and no
+# escape that could spell one) is not walked a second time.
+_REWRITE_KEYS = ("reasoning", "refusal", "arguments", "logprobs")
+
+Location = tuple[str | int, ...]  # dict keys and list positions from the event's root
 
 
 class InvalidSide(ValueError):
     """Too many distinct field paths in one response."""
 
 
+@dataclass(frozen=True, slots=True)
+class Rewritten:
+    """A copy of the event with its rewritable side fields replaced by what the guards deliver."""
+
+    obj: dict[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SideTail:
+    """Text a rewrite guard still held at the end of the answer.
+
+    ``location``: the last value seen at its path; ``identities``: the ``index`` of each list
+    element on the way there (a choice's, a tool call's; None for elements without one).
+    """
+
+    location: Location
+    identities: tuple[int | None, ...]
+    text: str = field(repr=False)
+
+
 def side_fields(obj: dict[str, Any]) -> dict[str, list[str]]:
-    """path -> the strings at that path, in document order, leaving out the choices' texts."""
+    """path -> the strings at that path, in document order, leaving out the choices' texts and the
+    rewritable side fields (``rewrite_sites``)."""
     fields: dict[str, list[str]] = {KEYS_PATH: []}
     try:
         _visit_dict(obj, "", fields)
@@ -46,7 +102,7 @@ def _visit_dict(value: dict[str, Any], path: str, fields: dict[str, list[str]]) 
     for key, item in value.items():
         if isinstance(item, str):
             inner = prefix + key
-            if inner not in TEXT_PATHS:
+            if inner not in _NOT_CUT_ONLY:
                 fields.setdefault(inner, []).append(item)
         elif isinstance(item, dict):
             _visit_dict(item, prefix + key, fields)
@@ -58,12 +114,93 @@ def _visit_list(value: list[Any], path: str, fields: dict[str, list[str]]) -> No
     inner = f"{path}.*"
     for item in value:
         if isinstance(item, str):
-            if inner not in TEXT_PATHS:
+            if inner not in _NOT_CUT_ONLY:
                 fields.setdefault(inner, []).append(item)
         elif isinstance(item, dict):
             _visit_dict(item, inner, fields)
         elif isinstance(item, list):
             _visit_list(item, inner, fields)
+
+
+def rewrite_sites(obj: dict[str, Any]) -> list[tuple[str, Location, str]]:
+    """(path, location, value) of every rewritable string, in document order."""
+    sites: list[tuple[str, Location, str]] = []
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        try:
+            for position, choice in enumerate(choices):
+                _sites(choice, "choices.*", ("choices", position), sites)
+        except RecursionError as exc:
+            raise InvalidSide("an answer nested too deeply") from exc
+    return sites
+
+
+def _sites(value: Any, path: str, at: Location, out: list[tuple[str, Location, str]]) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _sites(item, f"{path}.{key}", (*at, key), out)
+    elif isinstance(value, list):
+        for position, item in enumerate(value):
+            _sites(item, f"{path}.*", (*at, position), out)
+    elif isinstance(value, str) and path in REWRITE_PATHS:
+        out.append((path, at, value))
+
+
+def _identities(obj: Any, location: Location) -> tuple[int | None, ...]:
+    found: list[int | None] = []
+    for step in location:
+        obj = obj[step]
+        if isinstance(step, int):
+            index = obj.get("index") if isinstance(obj, dict) else None
+            found.append(index if isinstance(index, int) else None)
+    return tuple(found)
+
+
+def set_at(obj: Any, location: Location, text: str) -> None:
+    """Put ``text`` at ``location``; a logprobs token's ``bytes`` follow its new text."""
+    container = obj
+    for step in location[:-1]:
+        container = container[step]
+    last = location[-1]
+    container[last] = text
+    if last == "token" and isinstance(container, dict) and isinstance(container.get("bytes"), list):
+        container["bytes"] = list(text.encode())
+
+
+def _append_at(obj: Any, location: Location, text: str) -> None:
+    value = obj
+    for step in location:
+        value = value[step]
+    set_at(obj, location, value + text)
+
+
+def tail_chunk(template: dict[str, Any], tails: list[SideTail]) -> dict[str, Any]:
+    """One streaming chunk carrying the tails, shaped like the events they came from: on the way
+    to each, every list holds elements that keep only their ``index`` (a choice, a tool call)."""
+    chunk: dict[str, Any] = {k: v for k, v in template.items() if k not in ("choices", "usage")}
+    for tail in tails:
+        node: Any = chunk
+        identities = iter(tail.identities)
+        for step, following in zip(tail.location, tail.location[1:], strict=False):
+            if isinstance(step, int):
+                node = _element(node, next(identities))
+            else:
+                node = node.setdefault(step, [] if isinstance(following, int) else {})
+        last = tail.location[-1]
+        if isinstance(last, int):
+            node.append(tail.text)  # a list of token strings (completions logprobs)
+        else:
+            node[last] = node.get(last, "") + tail.text
+    return chunk
+
+
+def _element(items: list[Any], identity: int | None) -> dict[str, Any]:
+    if identity is not None:
+        for item in items:
+            if item.get("index") == identity:
+                return item
+    items.append({} if identity is None else {"index": identity})
+    return items[-1]
 
 
 class SideScreen:
@@ -72,8 +209,8 @@ class SideScreen:
     Two optional capabilities of the guards make this cheap (the leak firewall has both):
 
     - a guard's ``skippable(text) -> bool``: True means feeding the text now could change nothing
-      the guard will ever report (the firewall: it holds nothing back and the text has no ``C``,
-      which every marker starts with), so such a value costs one call, not a scan;
+      the guard will ever report or deliver (the firewall: it holds nothing back and the text has
+      no ``C``, which every marker starts with), so such a value costs one call, not a scan;
     - the factory's ``prefilter(raw_json) -> bool``: False means no string decoded from that JSON
       text can matter to an idle guard, so while no guard holds text back the event is not even
       walked (the firewall: neither ``C`` nor its ``\\u0043`` escape occurs in it).
@@ -91,24 +228,48 @@ class SideScreen:
         self._max = max_paths
         self._guards: dict[str, tuple[StreamGuard, Callable[[str], bool] | None]] = {}
         self._holding: set[str] = set()  # paths whose guard may hold text back
+        self._last: dict[str, tuple[Location, tuple[int | None, ...]]] = {}  # rewrite paths
 
-    def feed(self, obj: dict[str, Any], *, raw: str | None = None) -> Cut | None:
+    def feed(self, obj: dict[str, Any], *, raw: str | None = None) -> Cut | Rewritten | None:
+        """A Cut, the event rewritten (only when a rewritable field changed), or None."""
         idle = not self._holding
         if idle and raw is not None and self._prefilter is not None and not self._prefilter(raw):
             return None
         for path, values in side_fields(obj).items():
-            guard, skippable = self._guard(path)
             for value in values:
-                if not value or (skippable is not None and skippable(value)):
-                    continue
-                verdict = guard.feed(value)
+                verdict = self._feed(path, value)
                 if isinstance(verdict, Cut):
                     return verdict
-                if skippable is None or not skippable(""):
-                    self._holding.add(path)
-                else:
-                    self._holding.discard(path)
-        return None
+        if raw is not None and "\\u" not in raw and not any(k in raw for k in _REWRITE_KEYS):
+            return None
+        changes: list[tuple[Location, str]] = []
+        for path, location, value in rewrite_sites(obj):
+            verdict = self._feed(path, value)
+            if isinstance(verdict, Cut):
+                return verdict
+            if verdict is not None:
+                self._last[path] = (location, _identities(obj, location))
+                if verdict.text != value:
+                    changes.append((location, verdict.text))
+        if not changes:
+            return None
+        changed = copy.deepcopy(obj)
+        for location, text in changes:
+            set_at(changed, location, text)
+        return Rewritten(changed)
+
+    def _feed(self, path: str, value: str) -> Emit | Cut | None:
+        """The guard's verdict on ``value``, or None when it was skipped (delivered as is)."""
+        guard, skippable = self._guard(path)
+        if not value or (skippable is not None and skippable(value)):
+            return None
+        verdict = guard.feed(value)
+        if isinstance(verdict, Emit):
+            if skippable is None or not skippable(""):
+                self._holding.add(path)
+            else:
+                self._holding.discard(path)
+        return verdict
 
     def _guard(self, path: str) -> tuple[StreamGuard, Callable[[str], bool] | None]:
         entry = self._guards.get(path)
@@ -119,11 +280,31 @@ class SideScreen:
             entry = self._guards[path] = (guard, getattr(guard, "skippable", None))
         return entry
 
-    def finish(self) -> Cut | None:
+    def finish(self) -> Cut | list[SideTail]:
+        """A Cut, or the rewritable fields' held-back tails (cut-only fields deliver nothing)."""
         guards, self._guards = self._guards, {}
         self._holding = set()
-        for guard, _ in guards.values():
+        tails: list[SideTail] = []
+        for path, (guard, _) in guards.items():
             verdict = guard.finish()
             if isinstance(verdict, Cut):
                 return verdict
-        return None
+            last = self._last.get(path)
+            if verdict.text and last is not None:
+                tails.append(SideTail(last[0], last[1], verdict.text))
+        return tails
+
+    def screen_body(self, body: dict[str, Any]) -> Cut | dict[str, Any]:
+        """A whole non-streaming answer: a Cut, or the body (a changed copy if anything changed)."""
+        verdict = self.feed(body)
+        if isinstance(verdict, Cut):
+            return verdict
+        tails = self.finish()
+        if isinstance(tails, Cut):
+            return tails
+        out = body if verdict is None else verdict.obj
+        if tails:
+            out = copy.deepcopy(out) if verdict is None else out
+            for tail in tails:
+                _append_at(out, tail.location, tail.text)
+        return out
