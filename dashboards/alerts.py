@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from backend import metrics as em
 from canary import metrics as cm
-from dashboards.spec import CANARY_COVERAGE_TARGET, AlertRule, share, total
+from dashboards.spec import CANARY_COVERAGE_TARGET, AlertRule, events, share, total
 from gateway import metrics as gm
 
 _COVERAGE_15M = share(cm.REQUESTS_TOTAL, "tenant", 'marked="true"', window="15m")
@@ -12,8 +12,7 @@ _COVERAGE_15M = share(cm.REQUESTS_TOTAL, "tenant", 'marked="true"', window="15m"
 ALERTS = (
     AlertRule(
         name="KvguardCrossTenantFinding",
-        expr="sum by (kind, severity) "
-        f'(increase({cm.FINDINGS_TOTAL}{{severity="critical"}}[5m])) > 0',
+        expr=events(cm.FINDINGS_TOTAL, "kind, severity", "5m", 'severity="critical"'),
         severity="critical",
         summary="A response carried another tenant's (or request's) canary marker",
         first_response="Treat as a data-exposure incident. The firewall cut the stream and (by "
@@ -23,7 +22,7 @@ ALERTS = (
     ),
     AlertRule(
         name="KvguardLeakFirewallCut",
-        expr=f"sum by (engine, kind) (increase({cm.CUTS_TOTAL}[5m])) > 0",
+        expr=events(cm.CUTS_TOTAL, "engine, kind", "5m"),
         severity="critical",
         summary="The leak firewall cut a response stream on an engine",
         first_response="Same as KvguardCrossTenantFinding: the engine that served the stream is "
@@ -56,11 +55,14 @@ ALERTS = (
     ),
     AlertRule(
         name="KvguardHandoffProofFailure",
-        expr=(
-            f"sum by (engine) (increase({total(em.HANDOFF_TRANSFER_MISMATCH)}[5m])) > 0 "
-            f"or sum by (engine) (increase({total(em.HANDOFF_CHECKSUM_FAILURES)}[5m])) > 0 "
-            f"or sum by (engine) (increase({total(em.ISOLATION_ERRORS)}[5m])) > 0 "
-            f"or sum by (engine) (increase({gm.HANDOFF_MISMATCH_TOTAL}[5m])) > 0"
+        expr=" or ".join(
+            events(name, "engine", "5m")
+            for name in (
+                total(em.HANDOFF_TRANSFER_MISMATCH),
+                total(em.HANDOFF_CHECKSUM_FAILURES),
+                total(em.ISOLATION_ERRORS),
+                gm.HANDOFF_MISMATCH_TOTAL,
+            )
         ),
         severity="critical",
         summary="A prefill->decode handoff failed its proof (range, generation or checksum)",

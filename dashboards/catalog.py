@@ -1,8 +1,6 @@
-"""The four dashboards and the alert rules, built from the metric-name modules.
+"""The four dashboards, built from the metric-name modules (alert rules: ``dashboards.alerts``).
 
-Panels whose data does not exist yet are left out rather than given invented names: per-tenant
-TTFT and inter-token latency (the gateway's TTFT histogram is labelled by engine only, and no
-inter-token histogram is exported).
+A panel is added only for data some module really exports; names are never invented here.
 """
 
 from __future__ import annotations
@@ -17,6 +15,8 @@ from dashboards.spec import (
     Panel,
     _q,
     _quantiles,
+    event_count,
+    events_in,
     share,
     total,
 )
@@ -24,8 +24,8 @@ from gateway import metrics as gm
 
 
 def _inc(by: str, metric: str, matcher: str = ENGINE) -> str:
-    """Per-interval increase of a counter, summed by ``by``."""
-    return f"sum by ({by}) (increase({metric}{{{matcher}}}[{RI}]))"
+    """Per-interval events of a counter (first samples included), summed by ``by``."""
+    return f"sum by ({by}) ({events_in(metric, RI, matcher)})"
 
 
 COVERAGE = share(cm.REQUESTS_TOTAL, "tenant", 'marked="true"', TENANT)
@@ -38,12 +38,7 @@ ISOLATION = Dashboard(
     panels=(
         Panel(
             "Critical findings (cross-tenant, cross-request)",
-            (
-                _q(
-                    f'sum(increase({cm.FINDINGS_TOTAL}{{severity="critical"}}[$__range]))'
-                    " or vector(0)"
-                ),
-            ),
+            (_q(event_count(cm.FINDINGS_TOTAL, "$__range", 'severity="critical"')),),
             kind="stat",
             description="Any value above 0 is an isolation incident: "
             "see the KvguardCrossTenantFinding alert.",
@@ -52,7 +47,7 @@ ISOLATION = Dashboard(
             "Findings by kind and severity",
             (
                 _q(
-                    f"sum by (kind, severity) (increase({cm.FINDINGS_TOTAL}[{RI}]))",
+                    f"sum by (kind, severity) ({events_in(cm.FINDINGS_TOTAL, RI)})",
                     "{{kind}} / {{severity}}",
                 ),
             ),
@@ -179,7 +174,7 @@ CAPACITY = Dashboard(
         ),
         Panel(
             "Rejections by reason (gateway)",
-            (_q(f'sum by (code) (increase({gm.REQUESTS_TOTAL}{{code!=""}}[{RI}]))', "{{code}}"),),
+            (_q(_inc("code", gm.REQUESTS_TOTAL, 'code!=""'), "{{code}}"),),
             description="context_length_exceeded, rate_limit_exceeded, no_healthy_engine, ...",
         ),
         Panel(
@@ -193,7 +188,7 @@ CAPACITY = Dashboard(
         ),
         Panel(
             "Rate-limited requests by limit",
-            (_q(f"sum by (limit) (increase({gm.RATE_LIMITED_TOTAL}[{RI}]))", "{{limit}}"),),
+            (_q(_inc("limit", gm.RATE_LIMITED_TOTAL, ""), "{{limit}}"),),
         ),
         Panel(
             "KV pages: free / owned / quarantined",
@@ -346,6 +341,24 @@ TRAFFIC = Dashboard(
         Panel(
             "Requests in flight",
             (_q(f"sum by (tenant) ({gm.IN_FLIGHT}{{{TENANT}}})", "{{tenant}}"),),
+        ),
+        Panel(
+            "Time to first token by tenant (streamed)",
+            _quantiles(gm.TENANT_TTFT_SECONDS, "tenant", f'stream="true", {TENANT}'),
+            unit="s",
+            description="Request arrival at the gateway -> the first engine event with answer "
+            "text, per tenant.",
+        ),
+        Panel(
+            "Inter-token latency by tenant",
+            _quantiles(gm.INTER_TOKEN_SECONDS, "tenant", TENANT),
+            unit="s",
+            description="Gap between consecutive streamed engine events carrying text.",
+        ),
+        Panel(
+            "Time to whole answer by tenant (not streamed)",
+            _quantiles(gm.TENANT_TTFT_SECONDS, "tenant", f'stream="false", {TENANT}'),
+            unit="s",
         ),
         Panel(
             "Time to first token, gateway (by engine)",

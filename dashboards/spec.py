@@ -76,6 +76,31 @@ def share(metric: str, by: str, part: str, matcher: str = "", window: str = RI) 
     return f"(sum by ({by}) (rate({metric}{part_sel}[{window}])) or 0 * {whole}) / {whole}"
 
 
+def events_in(metric: str, window: str, matcher: str = "") -> str:
+    """Per series, the events a counter counted in the last ``window``, first samples included.
+
+    ``increase`` cannot see a series' first sample: a counter created on its first event (a
+    finding, a cut: prometheus_client makes a labelled series only when it is first used) appears
+    at 1 and ``increase`` stays 0, so the first finding would never alert. A series older than
+    ``window`` contributes its increase; a newer one (present now, absent ``window`` ago) its
+    whole value. (A Prometheus with less history than ``window``, e.g. a fresh one, sees every
+    series as new: a counter above 0 counts once more until ``window`` has passed.)
+    """
+    sel = f"{metric}{{{matcher}}}" if matcher else metric
+    old, new = f"{sel} offset {window}", f"{sel} unless {sel} offset {window}"
+    return f"(increase({sel}[{window}]) and {old}) or ({new})"
+
+
+def events(metric: str, by: str, window: str, matcher: str = "") -> str:
+    """Alert condition: ``metric`` counted an event in the last ``window`` (see ``events_in``)."""
+    return f"sum by ({by}) ({events_in(metric, window, matcher)}) > 0"
+
+
+def event_count(metric: str, window: str, matcher: str = "") -> str:
+    """How many events ``metric`` counted in the last ``window``: 0, not no data, when none."""
+    return f"sum({events_in(metric, window, matcher)}) or vector(0)"
+
+
 def _quantiles(metric: str, by: str, matcher: str = "") -> tuple[Query, ...]:
     sel = f"{{{matcher}}}" if matcher else ""
     return tuple(

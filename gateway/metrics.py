@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 REQUESTS_TOTAL = "kvguard_gateway_requests_total"
 REQUEST_SECONDS = "kvguard_gateway_request_duration_seconds"
 TTFT_SECONDS = "kvguard_gateway_time_to_first_token_seconds"
+TENANT_TTFT_SECONDS = "kvguard_gateway_tenant_time_to_first_token_seconds"
+INTER_TOKEN_SECONDS = "kvguard_gateway_inter_token_latency_seconds"
 OVERHEAD_SECONDS = "kvguard_gateway_overhead_seconds"
 TOKENS_TOTAL = "kvguard_gateway_tokens_total"
 RATE_LIMITED_TOTAL = "kvguard_gateway_rate_limited_total"
@@ -31,6 +33,8 @@ METRIC_NAMES = (
     REQUESTS_TOTAL,
     REQUEST_SECONDS,
     TTFT_SECONDS,
+    TENANT_TTFT_SECONDS,
+    INTER_TOKEN_SECONDS,
     OVERHEAD_SECONDS,
     TOKENS_TOTAL,
     RATE_LIMITED_TOTAL,
@@ -78,6 +82,20 @@ class GatewayMetrics:
             TTFT_SECONDS,
             "Time to the first streamed byte",
             ["engine"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_ttft_seconds = Histogram(
+            TENANT_TTFT_SECONDS,
+            "Request arrival -> the first answer text, per tenant (stream=false: the whole answer)",
+            ["tenant", "stream"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_seconds = Histogram(
+            INTER_TOKEN_SECONDS,
+            "Gap between consecutive streamed engine events carrying text, per tenant",
+            ["tenant"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

@@ -94,6 +94,8 @@ class RequestContext:
     forwarded_s: float | None = None
     engine_prompt_tokens: int | None = None  # the engine's own usage.prompt_tokens
     first_token_s: float | None = None  # forwarding -> first streamed text
+    text_events: int = 0  # streamed engine events with text seen so far (gateway.proxy.latency)
+    last_text_s: float | None = None  # arrival -> the latest of them
 
     def advance(self, phase: Phase) -> None:
         self.phase = check_transition(self.phase, phase)

@@ -23,6 +23,7 @@ from gateway.domain import Principal
 from gateway.errors import GatewayError, NoHealthyEngine, PassThrough, UpstreamFailed
 from gateway.hooks import ENGINE_HEADER, Cut, PassThroughFactory, StreamGuard
 from gateway.lifecycle import TERMINAL, Phase
+from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
 from gateway.proxy.context import RequestContext, parse_handoff
 from gateway.proxy.finish import finish, handoff_refused, note_handoff
@@ -187,6 +188,7 @@ async def _deliver_body(
     if isinstance(result, Cut):
         raise await _cut_error(state, ctx, result, headers)
     ctx.first_byte_s = ctx.elapsed_s()
+    latency.answered(state, ctx)
     await finish(state, ctx, Phase.COMPLETED, status=200)
     return JSONResponse(result, headers=headers)
 
@@ -242,6 +244,7 @@ async def _relay_events(
         async for chunk in opened.chunks():
             for raw in splitter.feed(chunk):
                 step = relay.on_event(raw)
+                latency.tick(state, ctx, relay.text_events)
                 if relay.saw_text and ctx.first_token_s is None:
                     ctx.first_token_s = ctx.elapsed_s() - (ctx.forwarded_s or 0.0)
                 for out in step.out:

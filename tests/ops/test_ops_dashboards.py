@@ -61,3 +61,15 @@ def test_dashboard_json_is_provisionable() -> None:
             assert all(t["datasource"]["uid"] == build.DATASOURCE_UID for t in panel["targets"])
     source = build.grafana_datasource()["datasources"][0]
     assert source["uid"] == build.DATASOURCE_UID
+
+
+def test_every_variable_a_query_uses_is_declared() -> None:
+    """A ``$tenant`` in a dashboard without the tenant variable would reach Prometheus as is."""
+    for dashboard in DASHBOARDS:
+        used = {
+            name
+            for p in dashboard.panels
+            for q in p.queries
+            for name in re.findall(r"\$(tenant|engine)\b", q.expr)
+        }
+        assert used <= set(dashboard.variables), (dashboard.uid, used)

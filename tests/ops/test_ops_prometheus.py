@@ -1,41 +1,57 @@
 """Every dashboard query and alert rule, evaluated by a real Prometheus scraping a real stack.
 
-The stack: a bundled engine split into prefill + decode (the handoff path), a second engine that
-is misconfigured (window > pool, allowed as drift) and runs a fault drill, and the gateway routing
-to both. Traffic: two tenants chatting (one streams), one tenant hitting its rate limit, an
-over-long prompt refused by the gateway and one sent straight to the engine, a failing echo
-probe. Then each panel
-query must parse, the panels this scenario lights must return data, and the drift, fault-drill
-and failing-probe alerts must be active.
+The stack is the one ``kvguard demo`` runs (``kvguard.drillstack``), with the bundled model:
+``drill``, a prefill/decode pair deployed as in the incident (window > prefill's pool, the legacy
+rejected-but-done handoff, decode's checks skipped, no zero-on-free; the gateway sees an opaque
+engine and lets mismatched handoff proofs through), ``guarded``, a unified engine with the same
+drift that the gateway introspects, and the gateway with the canary firewall.
+
+Traffic: tenants chatting (one streams), one hitting its rate limit, an over-long request sent
+straight to an engine, the LEAK DRILL (tenant A's marked chat then tenant B's over-long one on
+``drill``: the firewall cuts B's stream, stores a cross-tenant finding and quarantines the engine;
+the same two requests on ``guarded``: B refused with ``context_length_exceeded``), and an echo
+probe that fails (its model's only engine is quarantined). Then every panel query and alert
+expression must parse, the panels this scenario lights must return data, the cross-tenant alert
+must fire and the drift, fault-drill, probe, quarantine and coverage alerts must be active.
 """
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
-from ops_stack import KVGUARD, MODEL_NAME, admin, base_env, chat, kvguard_proc, prom_query, running
+from ops_stack import base_env, prom_query
 
 from dashboards.alerts import ALERTS
 from dashboards.build import RULES_FILE, ScrapeTarget, engine_targets, scrape_config
 from dashboards.catalog import DASHBOARDS
-from kvguard.localservices import free_port, prometheus_server
+from kvguard import drillstack
+from kvguard.demo import echo_probe
+from kvguard.localservices import prometheus_server
 
+BUNDLED_MODEL = (
+    Path(drillstack.__file__).resolve().parents[1] / "backend" / "bundled" / "kvguard-tiny"
+)
 VARIABLES = {"$__rate_interval": "1m", "$__range": "5m", "$tenant": ".*", "$engine": ".*"}
 
-# Panels the scenario must light, by dashboard uid. Left dark on purpose: findings, cuts and
-# quarantine (no leak reaches the firewall: the random test model copies no markers and the
-# gateway does not route to the drill engine), drain time and late writes (no abort happens),
-# handoff proof failures (no fault on the handoff path).
+# Panels the scenario must light, by dashboard uid. Left dark on purpose: page ownership errors
+# and the handoff refusal/mismatch/checksum panels (the incident's drill skips exactly those
+# checks, and the firewall cuts B's stream before the engine's handoff proof reaches the gateway),
+# drain time and late writes (no abort during a transfer).
 EXPECTED = {
     "kvguard-isolation": {
+        "Critical findings (cross-tenant, cross-request)",
+        "Findings by kind and severity",
+        "Streams cut by the leak firewall",
         "Canary coverage (share of requests carrying a marker)",
         "Probe pass rate by engine and kind",
         "Failing probes (latest result)",
+        "Quarantined engines",
+        "Engines quarantined by the canary",
     },
     "kvguard-capacity": {
         "Window vs pool vs enforced limit (gateway's view)",
@@ -59,14 +75,21 @@ EXPECTED = {
         "Tokens by kind",
         "Errors by code",
         "Requests in flight",
+        "Time to first token by tenant (streamed)",
+        "Inter-token latency by tenant",
+        "Time to whole answer by tenant (not streamed)",
         "Time to first token, gateway (by engine)",
         "Time to first token, engine",
         "Request duration by endpoint",
         "Gateway overhead before the engine",
     },
 }
+LEAK_ALERT = "KvguardCrossTenantFinding"
 # Pending or firing: drift and the failing probe wait out their `for:`; bob has no markers.
 ACTIVE = {
+    LEAK_ALERT,
+    "KvguardLeakFirewallCut",
+    "KvguardEngineQuarantined",
     "KvguardCapacityDrift",
     "KvguardFaultDrillEnabled",
     "KvguardProbeFailing",
@@ -80,46 +103,16 @@ def substitute(expr: str) -> str:
     return expr
 
 
-def _stack(tiny_checkpoint: str, tmp_path: Path) -> dict[str, Any]:
-    ports = {name: free_port() for name in ("prefill", "decode", "drill", "gateway")}
-    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    env = base_env(KVGUARD_DATA_DIR=str(tmp_path / "data"))
-    model = ["--model", tiny_checkpoint, "--host", "127.0.0.1"]
-    prefill = kvguard_proc(
-        "prefill",
-        ["backend", "prefill", *model, "--port", str(ports["prefill"]), "--pool-tokens", "512"],
-        env,
-        tmp_path,
-        url["prefill"],
-    )
-    decode_args = ["--port", str(ports["decode"]), "--pool-tokens", "512"]
-    decode = kvguard_proc(
-        "decode",
-        ["backend", "decode", *model, *decode_args, "--prefill-url", url["prefill"]],
-        env,
-        tmp_path,
-        url["decode"],
-    )
-    drill_args = ["--port", str(ports["drill"]), "--pool-tokens", "256", "--context-window", "1024"]
-    drill_args += ["--allow-capacity-drift", "--allow-fault-drills", "--fault", "no_zero_on_free"]
-    drill = kvguard_proc(
-        "drill", ["backend", "unified", *model, *drill_args], env, tmp_path, url["drill"]
-    )
-    gw_env = {**env, "KVGUARD_POLL_INTERVAL_S": "0.5", "KVGUARD_CAPACITY_STALE_AFTER_S": "10"}
-    gw_args = ["gateway", "--port", str(ports["gateway"]), "--log-level", "warning"]
-    gw_args += ["--engine", url["decode"], "--engine", url["drill"]]
-    gateway = kvguard_proc("gateway", gw_args, gw_env, tmp_path, url["gateway"])
-    return {"procs": (prefill, decode, drill, gateway), "url": url, "ports": ports, "env": env}
+def _address(url: str) -> str:
+    return url.removeprefix("http://")
 
 
-def _prometheus_config(ports: dict[str, int]) -> dict[str, Any]:
-    targets = [ScrapeTarget("kvguard-gateway", f"127.0.0.1:{ports['gateway']}")]
-    bundled = f"127.0.0.1:{ports['decode']}"  # the gateway names an engine by its URL's host:port
-    targets += engine_targets(
-        bundled, [("decode", bundled), ("prefill", f"127.0.0.1:{ports['prefill']}")]
-    )
-    drill = f"127.0.0.1:{ports['drill']}"
-    targets += engine_targets(drill, [("unified", drill)])
+def _prometheus_config(stack: drillstack.DrillStack) -> dict[str, Any]:
+    """Engines labelled with the names the gateway routes by, so the two sides join."""
+    targets = [ScrapeTarget("kvguard-gateway", _address(stack.gateway))]
+    targets += engine_targets(drillstack.GUARDED, [("unified", _address(stack.guarded))])
+    drill = [("decode", _address(stack.drill_decode)), ("prefill", _address(stack.drill_prefill))]
+    targets += engine_targets(drillstack.DRILL, drill)
     return scrape_config(targets, ["alerts.yml"], interval="1s")
 
 
@@ -131,31 +124,67 @@ def _fast_rules() -> str:
     return yaml.safe_dump(rules)
 
 
-def _drive_traffic(url: dict[str, str], env: dict[str, str], prometheus: str) -> None:
-    alice = admin(env, "tenant", "create", "alice", "--canary-sample-rate", "1.0")
-    bob = admin(env, "tenant", "create", "bob", "--rpm", "1")
+def _tenant(
+    client: httpx.Client, stack: drillstack.DrillStack, name: str, **fields: Any
+) -> tuple[str, str]:
+    r = client.post("/admin/tenants", json={"name": name, **fields}, headers=stack.admin())
+    assert r.status_code == 201, r.text
+    return r.json()["tenant"]["id"], r.json()["key"]["key"]
+
+
+def _chat(client: httpx.Client, key: str, content: str, **extra: Any) -> httpx.Response:
+    body = {"model": drillstack.GUARDED_MODEL, "max_tokens": 4, "temperature": 0, **extra}
+    body["messages"] = [{"role": "user", "content": content}]
+    return client.post(
+        "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    )
+
+
+def _everyday_traffic(client: httpx.Client, stack: drillstack.DrillStack, prom: str) -> str:
+    """Chats on ``guarded`` (one streamed), a rate limit, an over-long prompt at the engine.
+    Returns alice's key: every request of hers carries a marker."""
+    _, alice = _tenant(client, stack, "alice", canary_sample_rate=1.0)
+    _, bob = _tenant(client, stack, "bob", requests_per_minute=1)
     for content in ("Repeat exactly: hello", "Repeat exactly: kv"):
-        ok = chat(url["gateway"], alice, content)
+        ok = _chat(client, alice, content)
         assert ok.status_code == 200, ok.text
-    streamed = chat(url["gateway"], alice, "Repeat exactly: stream", stream=True)
-    assert streamed.status_code == 200, streamed.text
-    assert chat(url["gateway"], bob, "hi").status_code == 200
+    streamed = _chat(client, alice, "Repeat exactly: stream", stream=True)
+    assert streamed.status_code == 200 and "data: [DONE]" in streamed.text, streamed.text
+    assert _chat(client, bob, "hi").status_code == 200
     # bob's second request after a scrape: his unmarked traffic has a rate (coverage 0 %, not NaN).
-    _wait_for(prometheus, 'kvguard_canary_requests_total{marked="false"}')
-    limited = chat(url["gateway"], bob, "hi again")
+    _wait_for(prom, 'kvguard_canary_requests_total{marked="false"}')
+    limited = _chat(client, bob, "hi again")
     assert limited.status_code == 429, limited.text
-    too_long = chat(url["gateway"], alice, "x" * 3000)
-    assert too_long.status_code == 400 and "context_length_exceeded" in too_long.text
     direct = httpx.post(
-        url["decode"] + "/v1/completions",
-        json={"model": MODEL_NAME, "prompt": "x" * 3000, "max_tokens": 4},
+        stack.guarded + "/v1/completions",
+        json={"model": drillstack.GUARDED_MODEL, "prompt": "x" * 3000, "max_tokens": 4},
         timeout=30,
     )
     assert direct.status_code == 400, direct.text
-    # The echo probe fails on the random test model (it does not copy the marker back).
-    probe = [*KVGUARD, "canary", "probe", "--gateway", url["gateway"], "--once", "--kind", "echo"]
-    done = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1, done.stdout + done.stderr
+    return alice
+
+
+def _leak_drill(client: httpx.Client, stack: drillstack.DrillStack, alice: str) -> None:
+    """The incident on ``drill`` (caught by the firewall), then the same on ``guarded``."""
+    _, carol = _tenant(client, stack, "carol")
+    incident = drillstack.play(client, drillstack.DRILL, drillstack.DRILL_MODEL, alice, carol)
+    assert incident.a.status == 200 and incident.a.prompt_tokens == drillstack.A_TOKENS
+    assert (incident.b.status, incident.b.codes) == (200, (drillstack.CUT_CODE,))
+    assert not incident.b.marker_seen
+    finding = drillstack.finding_for(client, stack.admin(), incident.b.request_id)
+    assert finding is not None and finding["kind"] == "cross_tenant", finding
+    assert finding["severity"] == "critical" and finding["engine"] == drillstack.DRILL
+    assert drillstack.quarantine_of(client, stack.admin(), drillstack.DRILL) is not None
+    guarded = drillstack.play(client, drillstack.GUARDED, drillstack.GUARDED_MODEL, alice, carol)
+    assert guarded.a.status == 200
+    assert (guarded.b.status, guarded.b.codes) == (400, (drillstack.REFUSED_CODE,))
+
+
+def _failing_probe(stack: drillstack.DrillStack) -> None:
+    """The echo probe on the drill's model, reported to the gateway: its only engine is
+    quarantined, so it fails (``kvguard canary probe`` runs the same runner)."""
+    probe = echo_probe(stack, drillstack.DRILL_MODEL)
+    assert not probe.passed and "no_healthy_engine" in probe.observed, probe
 
 
 def _wait_for(prometheus: str, expr: str, timeout_s: float = 20.0) -> None:
@@ -167,44 +196,74 @@ def _wait_for(prometheus: str, expr: str, timeout_s: float = 20.0) -> None:
     raise AssertionError(f"no data for {expr} within {timeout_s} s")
 
 
+def _alerts(prometheus: str) -> list[dict[str, Any]]:
+    return list(httpx.get(prometheus + "/api/v1/alerts", timeout=10).json()["data"]["alerts"])
+
+
 def _active_alerts(prometheus: str) -> set[str]:
     rules = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
     return {r["name"] for g in rules for r in g["rules"] if r["state"] in ("pending", "firing")}
 
 
-def test_every_panel_and_alert_against_a_real_prometheus(
-    tiny_checkpoint: str, tmp_path: Path
-) -> None:
-    stack = _stack(tiny_checkpoint, tmp_path)
+def _evaluate_everything(prometheus: str) -> tuple[dict[str, set[str]], list[str]]:
+    """(lit panel titles by dashboard uid, errors) of every panel query and alert expression."""
+    lit: dict[str, set[str]] = {}
+    errors = []
+    for dashboard in DASHBOARDS:
+        for panel in dashboard.panels:
+            for query in panel.queries:
+                answer = prom_query(prometheus, substitute(query.expr))
+                if answer["status"] != "success":
+                    errors.append(f"{panel.title}: {answer.get('error')}")
+                elif answer["data"]["result"]:
+                    lit.setdefault(dashboard.uid, set()).add(panel.title)
+    for rule in ALERTS:
+        answer = prom_query(prometheus, rule.expr)
+        if answer["status"] != "success":
+            errors.append(f"{rule.name}: {answer.get('error')}")
+    return lit, errors
+
+
+def _leak_alert_fires(prometheus: str, timeout_s: float = 15.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for alert in _alerts(prometheus):
+            if alert["labels"]["alertname"] == LEAK_ALERT and alert["state"] == "firing":
+                return alert
+        time.sleep(0.5)
+    raise AssertionError(f"{LEAK_ALERT} did not fire: {_alerts(prometheus)}")
+
+
+@pytest.mark.skipif(not BUNDLED_MODEL.is_dir(), reason="the leak drill needs the bundled model")
+def test_every_panel_and_alert_against_a_real_prometheus(tmp_path: Path) -> None:
+    env = base_env(KVGUARD_MODE="development")
+    (tmp_path / "data").mkdir()
+    stack = drillstack.drill_stack(tmp_path / "data", env)
     rules = {"alerts.yml": _fast_rules()}
     with (
-        running(*stack["procs"]),
-        prometheus_server(_prometheus_config(stack["ports"]), rules) as prom,
+        drillstack.running(stack, tmp_path),
+        prometheus_server(_prometheus_config(stack), rules) as prom,
+        httpx.Client(base_url=stack.gateway, timeout=120) as client,
     ):
         _wait_for(prom.url, 'kvguard_gateway_engine_routable{engine=~".+"}')
-        _drive_traffic(stack["url"], stack["env"], prom.url)
+        alice = _everyday_traffic(client, stack, prom.url)
+        _leak_drill(client, stack, alice)
+        _failing_probe(stack)
         # Two scrapes after the traffic, so rate() and increase() have two samples to compare.
-        _wait_for(prom.url, 'kvguard_gateway_rate_limited_total{limit=~".+"}')
+        _wait_for(prom.url, 'kvguard_canary_probe_passing{kind="echo"} == 0')
         time.sleep(2.5)
-        lit, errors = {}, []
-        for dashboard in DASHBOARDS:
-            for panel in dashboard.panels:
-                for query in panel.queries:
-                    answer = prom_query(prom.url, substitute(query.expr))
-                    if answer["status"] != "success":
-                        errors.append(f"{panel.title}: {answer.get('error')}")
-                    elif answer["data"]["result"]:
-                        lit.setdefault(dashboard.uid, set()).add(panel.title)
-        for rule in ALERTS:
-            answer = prom_query(prom.url, rule.expr)
-            if answer["status"] != "success":
-                errors.append(f"{rule.name}: {answer.get('error')}")
+        lit, errors = _evaluate_everything(prom.url)
         assert errors == []
         for uid, titles in EXPECTED.items():
             assert titles <= lit.get(uid, set()), (uid, titles - lit.get(uid, set()))
+        critical = prom_query(prom.url, substitute(DASHBOARDS[0].panels[0].queries[0].expr))
+        assert float(critical["data"]["result"][0]["value"][1]) >= 1, critical
+        alert = _leak_alert_fires(prom.url)
+        assert alert["labels"]["severity"] == "critical"
+        assert alert["labels"]["kind"] == "cross_tenant", alert
         deadline = time.monotonic() + 10
         while not _active_alerts(prom.url) >= ACTIVE and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _active_alerts(prom.url) >= ACTIVE
+        assert ACTIVE - _active_alerts(prom.url) == set()
         up = prom_query(prom.url, "up == 0")["data"]["result"]
         assert up == [], up

@@ -1,0 +1,318 @@
+"""`kvguard demo`: the incident replayed and caught, then refused with the defences on.
+
+Lifecycle: lay out and start the drill stack (``kvguard.drillstack``: the incident's ``drill``
+engine and a ``guarded`` one behind the gateway; a fresh SQLite database and the role logs in a
+temp dir; everything stopped at exit), then narrate:
+
+1. the stack and what is misconfigured on purpose;
+2. two tenants: A, whose every request carries a canary marker, and B;
+3. act 1 on ``drill``: A's chat, then B's over-long one. The legacy handoff lets decode read A's
+   stale pages, the model copies A's marker, and the firewall cuts B's stream before the marker
+   reaches B, stores a cross-tenant finding naming A's request and quarantines the engine;
+4. act 2 on ``guarded``: the same two requests; B gets 400 ``context_length_exceeded`` before any
+   page is reserved, and a canary echo probe passes;
+5. a summary table and where to look in Grafana.
+
+Exit status 0 only when both acts held. The narrative shows ids, codes and sizes: the marker
+never leaves the gateway, and no prompt or answer text is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from kvguard.drillstack import (
+    A_TOKENS,
+    B_MAX,
+    B_TOKENS,
+    CUT_CODE,
+    DECODE_FAULTS,
+    DECODE_POOL,
+    DRILL,
+    DRILL_MODEL,
+    GUARDED,
+    GUARDED_MODEL,
+    PREFILL_FAULTS,
+    PREFILL_POOL,
+    REFUSED_CODE,
+    WINDOW,
+    Act,
+    DrillStack,
+    StackFailed,
+    create_tenant,
+    drill_stack,
+    finding_for,
+    play,
+    quarantine_of,
+    running,
+)
+
+if TYPE_CHECKING:
+    import httpx
+
+
+# -- the story -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    passed: bool
+    observed: str
+
+
+@dataclass(frozen=True, slots=True)
+class Story:
+    a_id: str
+    incident: Act
+    finding: dict[str, Any] | None
+    quarantine: str | None
+    guarded: Act
+    probe: Probe
+
+    def leak_caught(self) -> bool:
+        """B's stream was cut before A's marker reached B, and the evidence names A's request."""
+        f, a, b = self.finding, self.incident.a, self.incident.b
+        return (
+            a.status == 200
+            and (b.status, b.codes) == (200, (CUT_CODE,))
+            and not b.marker_seen
+            and f is not None
+            and (f["kind"], f["severity"]) == ("cross_tenant", "critical")
+            and (f["victim_tenant_id"], f["victim_request_id"]) == (self.a_id, a.request_id)
+            and self.quarantine is not None
+        )
+
+    def refused(self) -> bool:
+        """With the defences on, A is served, B refused for its size, and the probe passes."""
+        a, b = self.guarded.a, self.guarded.b
+        return (
+            (a.status, a.marker_seen) == (200, False)
+            and (b.status, b.codes) == (400, (REFUSED_CODE,))
+            and self.probe.passed
+        )
+
+
+class Narrator:
+    def __init__(self, out: TextIO, steps: int) -> None:
+        self.out, self.steps, self.step = out, steps, 0
+
+    def head(self, text: str) -> None:
+        self.step += 1
+        self.say(f"\n[{self.step}/{self.steps}] {text}", indent=0)
+
+    def say(self, text: str, indent: int = 6) -> None:
+        print(" " * indent + text, file=self.out, flush=True)
+
+
+def _short(request_id: str | None) -> str:
+    return (request_id or "?")[:12] + "..."
+
+
+def echo_probe(stack: DrillStack, model: str) -> Probe:
+    """One echo probe through the gateway, reported to it (what ``kvguard canary probe`` does),
+    with the stack's canary key and admin token."""
+    import asyncio
+    import uuid
+
+    import httpx
+    from pydantic import SecretStr
+
+    from canary.config import CanarySettings
+    from canary.findings import ProbeKind
+    from canary.markers import MarkerCodec
+    from canary.probes import GatewayClient, ProbeRunner
+
+    settings = CanarySettings(
+        canary_key=SecretStr(stack.canary_key), admin_token=SecretStr(stack.admin_token)
+    )
+
+    async def probe() -> Probe:
+        async with httpx.AsyncClient(base_url=stack.gateway, timeout=120) as http:
+            client = GatewayClient(http, admin_token=settings.admin_secret())
+            runner = ProbeRunner(client, MarkerCodec(settings.keyring()), model=model)
+            [result] = await runner.run([ProbeKind.ECHO])
+            await client.report(uuid.uuid4().hex, [result])
+            return Probe(result.passed, result.observed)
+
+    return asyncio.run(probe())
+
+
+def _line(n: Narrator, who: str, what: str, outcome: str) -> None:
+    n.say(f"{who:<9} {what:<30} -> {outcome}")
+
+
+def _incident(n: Narrator, client: httpx.Client, keys: tuple[str, str]) -> Act:
+    n.head(f"Act 1: the incident's deployment (engine {DRILL!r}; only the firewall stands)")
+    act = play(client, DRILL, DRILL_MODEL, *keys)
+    outcome = f"{act.a.outcome()}  (request {_short(act.a.request_id)})"
+    _line(n, "tenant-a", f"{A_TOKENS}-token chat, marker inside", outcome)
+    _line(n, "tenant-b", f"{B_TOKENS} + {B_MAX} tokens, streamed", act.b.outcome())
+    n.say(f"          fits the {WINDOW}-token window, not prefill's {PREFILL_POOL}-token pool:")
+    n.say("          prefill rejects it, the legacy handoff says 'done', decode reads")
+    n.say("          tenant-a's stale pages and the model copies what it finds there")
+    chars = f"{act.b.text_chars} character{'s' if act.b.text_chars != 1 else ''}"
+    marker = "A WHOLE MARKER" if act.b.marker_seen else "no marker"
+    n.say(f"          tenant-b received {chars} before the cut, {marker}")
+    return act
+
+
+def _evidence(
+    n: Narrator, client: httpx.Client, admin: dict[str, str], act: Act, a_id: str
+) -> tuple[Any, str | None]:
+    finding = finding_for(client, admin, act.b.request_id)
+    if finding is None:
+        n.say("finding   none stored for tenant-b's request")
+    else:
+        victim = "tenant-a" if finding["victim_tenant_id"] == a_id else "another tenant"
+        n.say(f"finding   #{finding['id']} {finding['kind']} / {finding['severity']} on engine")
+        n.say(f"          {finding['engine']!r}, action {finding['action']}: {victim}'s request")
+        n.say(f"          {_short(finding['victim_request_id'])} was seen in tenant-b's answer")
+    quarantine = quarantine_of(client, admin, DRILL)
+    state = "quarantined: no tenant is routed to it" if quarantine else "NOT quarantined"
+    n.say(f"engine    {DRILL!r} {state}")
+    return finding, quarantine
+
+
+def _guarded(n: Narrator, client: httpx.Client, keys: tuple[str, str]) -> Act:
+    n.head(f"Act 2: defences on (engine {GUARDED!r}: the gateway enforces its real pool)")
+    act = play(client, GUARDED, GUARDED_MODEL, *keys)
+    _line(n, "tenant-a", "the same chat", act.a.outcome())
+    _line(n, "tenant-b", f"the same {B_TOKENS} + {B_MAX} tokens", act.b.outcome())
+    n.say(
+        f"          over the real {PREFILL_POOL}-token limit: refused before any page is reserved"
+    )
+    return act
+
+
+def summary(story: Story) -> str:
+    rows = [
+        ("act", "engine", "tenant-a", "tenant-b", "probe", "held"),
+        (
+            "1 incident",
+            DRILL,
+            story.incident.a.outcome(),
+            story.incident.b.outcome(),
+            "-",
+            "leak caught" if story.leak_caught() else "NO",
+        ),
+        (
+            "2 defences on",
+            GUARDED,
+            story.guarded.a.outcome(),
+            story.guarded.b.outcome(),
+            "echo pass" if story.probe.passed else "echo FAIL",
+            "refused" if story.refused() else "NO",
+        ),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def grafana_pointers() -> list[str]:
+    from dashboards.catalog import CAPACITY, ISOLATION
+
+    return [
+        "Where to look in Grafana (the compose stack provisions these dashboards):",
+        f"  {ISOLATION.title}",
+        f"    {ISOLATION.panels[0].title}, {ISOLATION.panels[2].title},",
+        f"    {ISOLATION.panels[6].title}; alert KvguardCrossTenantFinding (critical)",
+        f"  {CAPACITY.title}",
+        f"    {CAPACITY.panels[2].title}, {CAPACITY.panels[3].title},",
+        f"    {CAPACITY.panels[5].title}",
+    ]
+
+
+def tell(stack: DrillStack, n: Narrator) -> Story:
+    """Both acts against a running drill stack; prints the narrative, returns what happened."""
+    import httpx
+
+    with httpx.Client(base_url=stack.gateway, timeout=120) as client:
+        n.head("Two tenants: tenant-a (every request carries a canary marker) and tenant-b")
+        a_id, key_a = create_tenant(client, stack.admin(), "tenant-a", sample_rate=1.0)
+        _, key_b = create_tenant(client, stack.admin(), "tenant-b")
+        n.say("the marker is an HMAC-signed code naming tenant-a and its request; the gateway")
+        n.say("puts it in tenant-a's prompt and strips it from tenant-a's answers")
+        keys = (key_a, key_b)
+        incident = _incident(n, client, keys)
+        finding, quarantine = _evidence(n, client, stack.admin(), incident, a_id)
+        guarded = _guarded(n, client, keys)
+    probe = echo_probe(stack, GUARDED_MODEL)
+    verdict = "pass" if probe.passed else "FAIL"
+    _line(n, "probe", f"canary echo probe on {GUARDED!r}", f"{verdict} ({probe.observed})")
+    return Story(a_id, incident, finding, quarantine, guarded, probe)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="replay the incident's leak on local processes and watch kvguard catch it",
+        description="Start a drill stack (the incident's misconfigured engine and a guarded one) "
+        "on 127.0.0.1, replay the leak, then the same requests with the defences on. Exit 0 "
+        "when the leak was caught and the over-long request refused.",
+    )
+    parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
+    parser.add_argument(
+        "--work-dir", type=Path, default=None, help="database and role logs (default: a temp dir)"
+    )
+    parser.set_defaults(handler=run)
+
+
+def _intro(n: Narrator, stack: DrillStack, work_dir: Path) -> None:
+    n.say("kvguard demo: the 2026 cross-tenant KV leak, replayed on this machine", indent=0)
+    n.head("Starting the drill stack: 4 local processes, the bundled model on CPU")
+    n.say(f"drill     prefill: real pool {PREFILL_POOL} tokens, advertised window {WINDOW};")
+    n.say(f"          drill {', '.join(PREFILL_FAULTS)}")
+    n.say(f"          decode: pool {DECODE_POOL}; drills {', '.join(DECODE_FAULTS[:2])},")
+    n.say(f"          {', '.join(DECODE_FAULTS[2:])}")
+    n.say("          the gateway sees an opaque engine with a declared window and trusts")
+    n.say("          its handoff; only the canary firewall stands")
+    n.say(f"guarded   real pool {PREFILL_POOL}, window {WINDOW}, no drill: the gateway reads the")
+    n.say(f"          pool and enforces {PREFILL_POOL}")
+    n.say(f"gateway   {stack.gateway}  (role logs in {work_dir})")
+
+
+def run_demo(work_dir: Path, out: TextIO, *, model: Path | None = None) -> int:
+    import httpx
+
+    n = Narrator(out, steps=5)
+    env = {**os.environ, "KVGUARD_MODE": "development"}
+    (work_dir / "data").mkdir(parents=True, exist_ok=True)
+    stack = drill_stack(work_dir / "data", env, model=model)
+    _intro(n, stack, work_dir)
+    started = time.monotonic()
+    try:
+        with running(stack, work_dir):
+            n.say(f"all roles ready in {time.monotonic() - started:.0f} s")
+            story = tell(stack, n)
+    except (StackFailed, httpx.HTTPError) as exc:
+        print(f"kvguard demo: {exc}", file=out, flush=True)
+        return 1
+    n.head("Summary")
+    print(summary(story) + "\n", file=out)
+    print("\n".join(grafana_pointers()), file=out)
+    held = story.leak_caught() and story.refused()
+    verdict = (
+        "the story held: the leak was caught and stopped, and refused with the defences on"
+        if held
+        else "the story did NOT hold (see above)"
+    )
+    print(f"\nkvguard demo: {verdict}", file=out, flush=True)
+    return 0 if held else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.work_dir is not None:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+        return run_demo(args.work_dir, sys.stdout, model=args.model)
+    with tempfile.TemporaryDirectory(prefix="kvguard-demo-") as tmp:
+        return run_demo(Path(tmp), sys.stdout, model=args.model)
