@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from backend.core.pages import Owner, PagePool, PageRef
+from bench.summary import emit
 
 
 def build(num_requests: int, pages_each: int) -> tuple[PagePool, list[tuple[list[PageRef], Owner]]]:
@@ -39,7 +40,13 @@ def ns_per_page(num_requests: int, pages_each: int, *, repeats: int = 7) -> floa
 def main() -> None:
     print("requests  pages/request  ns/page (best of 7)")
     for num_requests, pages_each in ((1, 8), (8, 64), (64, 16), (64, 256), (256, 4)):
-        print(f"{num_requests:8d}  {pages_each:13d}  {ns_per_page(num_requests, pages_each):8.1f}")
+        ns = ns_per_page(num_requests, pages_each)
+        print(f"{num_requests:8d}  {pages_each:13d}  {ns:8.1f}")
+    emit(
+        "ownership",
+        f"pool.verify cost per page ({num_requests} x {pages_each} pages)",
+        f"{ns:.0f} ns",
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from bench.summary import emit
 from canary.firewall import LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
@@ -153,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     print("\n".join(rows))
     verdict = "PASS" if worst < GOAL_P99_US else "MISS"
+    emit(
+        "firewall",
+        "p99 per SSE event through the gateway relay, firewall on (us)",
+        f"{worst:.1f} us",
+        f"< {GOAL_P99_US:.0f} us",
+        worst < GOAL_P99_US,
+    )
     print(
         f"\nworst firewall p99 per event: {worst:.1f} us (goal < {GOAL_P99_US:.0f} us): {verdict}"
     )

@@ -13,11 +13,22 @@ directly at the same rate. Paths:
 - ``gateway+litellm``: the same engine registered as a litellm provider (``openai/<model>``),
   i.e. the gateway calling ``litellm.acompletion``: litellm's per-request overhead in-process.
 
-The LiteLLM *proxy* is not measured side by side: ``litellm[proxy]`` needs the separate
-``litellm-proxy`` distribution, which the package index this project installs from does not
-have; the row says so instead of inventing a number.
+The LiteLLM *proxy* (a separate server in front of the engine) is measured side by side with the
+gateway and the direct path by ``bench.bench_proxy``.
 
 Goal: the gateway adds under 5 ms at p99 at 100 requests/s. Exit status 1 if missed.
+
+``--firewall-cpu`` measures instead what the canary leak firewall costs the gateway's CPU at load
+(issue 7's goal: under 1%): two gateway processes on the same engine (the bundled model, which
+echoes the user's line, so answers are prose with capitalised ``C``-words the scanner must look
+at), one with the canary on and one with ``KVGUARD_CANARY_ENABLED=0``, take the same streaming
+chat load in alternating rounds; the gateway process's CPU seconds (user + system, from
+``/proc``) per request are printed side by side with their ratio. That end-to-end difference is
+within the run-to-run noise of a shared 2-core machine (the per-round column shows it), so the
+headline attributes the firewall's CPU directly: one real answer of the engine (its SSE bytes) is
+replayed through the gateway's ``StreamRelay`` with pass-through guards and with the
+``LeakFirewall``, in this process, CPU time each; the difference per response over the gateway's
+measured CPU per request (firewall on) is the firewall's share.
 """
 
 from __future__ import annotations
@@ -36,11 +47,14 @@ from pathlib import Path
 
 import httpx
 
+from backend.config import BUNDLED_MODEL_DIR
+from bench.summary import emit
 from kvguard.localservices import free_port, redis_server
 from kvguard.testing import EngineProcess, launch_engine, write_tiny_checkpoint
 
 GOAL_ADDED_P99_MS = 5.0
 GOAL_RATE = 100
+GOAL_FIREWALL_CPU_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,14 @@ class Result:
     achieved: float
     p50_ms: float
     p99_ms: float
+    cpu_s: float | None = None  # the measured process's CPU seconds over the load (after warm-up)
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads), from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14 and 15
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -61,7 +83,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def open_loop(
-    url: str, headers: dict[str, str], body: dict, rate: int, seconds: float, path: str
+    url: str,
+    headers: dict[str, str],
+    body: dict,
+    rate: int,
+    seconds: float,
+    path: str,
+    cpu_pid: int | None = None,
 ) -> Result:
     latencies: list[float] = []
     errors = 0
@@ -84,10 +112,12 @@ async def open_loop(
             else:
                 errors += 1
 
+        cpu_before = process_cpu_s(cpu_pid) if cpu_pid is not None else None
         start = time.perf_counter() + 0.05
         count = int(rate * seconds)
         await asyncio.gather(*(one(start + i / rate) for i in range(count)))
         took = time.perf_counter() - start
+        cpu = None if cpu_pid is None else process_cpu_s(cpu_pid) - (cpu_before or 0.0)
     return Result(
         path,
         rate,
@@ -96,11 +126,12 @@ async def open_loop(
         len(latencies) / took,
         statistics.median(latencies) if latencies else float("nan"),
         percentile(latencies, 0.99) if latencies else float("nan"),
+        cpu,
     )
 
 
 def start_gateway(
-    engine_url: str, model: str, env: dict[str, str], log: Path
+    engine_url: str, model: str, env: dict[str, str], log: Path, *, litellm: bool = True
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     litellm_engine = {
@@ -112,7 +143,8 @@ def start_gateway(
         "declared_max_model_len": 2048,
         "allow_unverified": True,
     }
-    gateway_env = {**env, "KVGUARD_ENGINES": json.dumps([litellm_engine])}
+    engines = [litellm_engine] if litellm else []
+    gateway_env = {**env, "KVGUARD_ENGINES": json.dumps(engines)}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -188,11 +220,6 @@ def table(results: list[Result]) -> str:
             f"| {r.path} | {r.rate} | {r.achieved:.0f} | {r.errors} | {r.p50_ms:.2f} | "
             f"{r.p99_ms:.2f} | {added[0]} | {added[1]} |"
         )
-    for rate in sorted(direct):
-        lines.append(
-            f"| litellm proxy | {rate} | not measured: litellm[proxy] is not installable "
-            "here (no litellm-proxy distribution) | | | | | |"
-        )
     return "\n".join(lines)
 
 
@@ -245,12 +272,182 @@ async def run(args: argparse.Namespace, engine: EngineProcess, env: dict[str, st
     return 0 if verdict == "met" else 1
 
 
+# The user's line the bundled model echoes: prose with the capitalised words (and marker-like
+# prefixes) that make the scanner hold characters back, as in bench_firewall.
+ECHO_LINE = (
+    "The Cache Context of each Node holds the Request data. CN values and CNRX keys come "
+    "from the Canary page pool because the decode tenant copies the Context window."
+)
+
+
+def echo_body(model: str, max_tokens: int) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": ECHO_LINE}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+
+
+def replay_cpu_s(raw: bytes, repeats: int) -> tuple[float, float]:
+    """CPU seconds per response of the gateway's relay over ``raw``: (pass-through, firewall)."""
+    from canary.firewall import LeakFirewall, TagIndex
+    from canary.injection import MarkerLedger, RequestMarkers
+    from canary.markers import MarkerCodec, MarkerKeyring
+    from gateway.hooks import PassThroughGuard, RequestInfo
+    from gateway.proxy.relay import StreamRelay
+    from gateway.upstream.base import Endpoint
+    from gateway.upstream.sse import SseSplitter
+
+    codec = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))
+    tags = TagIndex(codec)
+    tags.replace(f"tn_{i:05d}" for i in range(1000))
+    ledger = MarkerLedger()
+    firewall = LeakFirewall(codec, ledger=ledger, tags=tags)
+    info = RequestInfo("r1", "tn_00001", "m", "chat.completions", False, 0.0, "e1")
+    ledger.put("r1", RequestMarkers(own=frozenset()))
+
+    def one(guarded: bool) -> None:
+        relay = StreamRelay(
+            endpoint=Endpoint.CHAT,
+            open_guard=(lambda: firewall.open(info)) if guarded else PassThroughGuard,
+            wants_usage=False,
+            screen_side=guarded,
+            side_prefilter=firewall.side_prefilter if guarded else None,
+        )
+        for event in SseSplitter().feed(raw):
+            relay.on_event(event)
+
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(3):  # alternate, keep each side's best: the least disturbed measurement
+        for guarded in (False, True):
+            start = time.process_time()
+            for _ in range(repeats):
+                one(guarded)
+            best[guarded] = min(best[guarded], (time.process_time() - start) / repeats)
+    return best[False], best[True]
+
+
+async def cpu_rounds(
+    args: argparse.Namespace, gateways: dict[str, tuple[subprocess.Popen, str, str]], model: str
+) -> dict[str, list[Result]]:
+    """Alternating rounds of the same load on each gateway, its process's CPU measured."""
+    body = echo_body(model, args.max_tokens)
+    results: dict[str, list[Result]] = {side: [] for side in gateways}
+    for _ in range(args.cpu_rounds):
+        for side, (proc, url, key) in gateways.items():
+            result = await open_loop(
+                f"{url}/v1/chat/completions",
+                {"Authorization": f"Bearer {key}"},
+                body,
+                args.cpu_rate,
+                args.seconds,
+                side,
+                cpu_pid=proc.pid,
+            )
+            results[side].append(result)
+    return results
+
+
+def cpu_table(results: dict[str, list[Result]]) -> tuple[str, dict[str, float]]:
+    lines = [
+        "| gateway | rounds | requests ok | errors | CPU s | CPU ms/request | per round | "
+        "p50 ms | p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    per_request: dict[str, float] = {}
+    for side, rows in results.items():
+        ok = sum(r.sent - r.errors for r in rows)
+        cpu = sum(r.cpu_s or 0.0 for r in rows)
+        per_request[side] = cpu / ok if ok else float("nan")
+        rounds = " ".join(
+            f"{(r.cpu_s or 0.0) * 1000 / max(1, r.sent - r.errors):.2f}" for r in rows
+        )
+        lines.append(
+            f"| {side} | {len(rows)} | {ok} | {sum(r.errors for r in rows)} | {cpu:.2f} | "
+            f"{per_request[side] * 1000:.3f} | {rounds} | "
+            f"{statistics.median(r.p50_ms for r in rows):.1f} | {max(r.p99_ms for r in rows):.1f} |"
+        )
+    return "\n".join(lines), per_request
+
+
+def firewall_cpu(args: argparse.Namespace) -> int:
+    """Gateway CPU per request with the leak firewall on vs off, same engine, same load."""
+    with tempfile.TemporaryDirectory() as tmp, redis_server() as redis:
+        engine = launch_engine(str(BUNDLED_MODEL_DIR), pool_tokens=16384, context_window=2048)
+        gateways: dict[str, tuple[subprocess.Popen, str, str]] = {}
+        try:
+            model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+            for side, enabled in (("firewall off", "0"), ("firewall on", "1")):
+                data = Path(tmp) / ("on" if enabled == "1" else "off")
+                data.mkdir()
+                env = {
+                    **os.environ,
+                    "KVGUARD_DATABASE_URL": f"sqlite:///{data}/gateway.db",
+                    "KVGUARD_DATA_DIR": str(data),
+                    "KVGUARD_REDIS_URL": redis.url,
+                    "KVGUARD_CANARY_ENABLED": enabled,
+                }
+                key = create_tenant(env)
+                proc, url = start_gateway(
+                    engine.url, model, env, data / "gateway.log", litellm=False
+                )
+                gateways[side] = (proc, url, key)
+            results = asyncio.run(cpu_rounds(args, gateways, model))
+            answer = httpx.post(
+                f"{engine.url}/v1/chat/completions",
+                json=echo_body(model, args.max_tokens),
+                timeout=120,
+            ).content
+        finally:
+            for proc, _, _ in gateways.values():
+                proc.terminate()
+                proc.wait(timeout=15)
+            engine.stop()
+    text, per_request = cpu_table(results)
+    print(text)
+    off, on = per_request["firewall off"], per_request["firewall on"]
+    base_s, fw_s = replay_cpu_s(answer, repeats=300)
+    events = answer.count(b"\n\n")
+    share = (fw_s - base_s) / on
+    met = share < GOAL_FIREWALL_CPU_SHARE
+    print(
+        f"\nend to end, on vs off: {(on - off) / on * 100:+.2f}% of the gateway's CPU per request "
+        f"(on/off = {on / off:.4f}; run-to-run noise: see the per-round column)"
+    )
+    print(
+        f"relay replay of one real answer ({events} SSE events, {len(answer)} bytes): "
+        f"pass-through {base_s * 1e6:.0f} us, firewall {fw_s * 1e6:.0f} us of CPU per response"
+    )
+    print(
+        f"firewall share of gateway CPU: {(fw_s - base_s) * 1e3:.3f} ms of {on * 1e3:.2f} ms per "
+        f"request = {share * 100:.2f}% (goal < {GOAL_FIREWALL_CPU_SHARE * 100:.0f}%): "
+        f"{'met' if met else 'MISSED'} at {args.cpu_rate} requests/s, {args.max_tokens}-token "
+        "streamed answers"
+    )
+    emit(
+        "gateway",
+        f"firewall CPU / gateway CPU per request at {args.cpu_rate}/s",
+        f"{share * 100:.2f}%",
+        f"< {GOAL_FIREWALL_CPU_SHARE * 100:.0f}%",
+        met,
+    )
+    return 0 if met else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=int, nargs="+", default=[25, 50, 100])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--skip-litellm", action="store_true")
+    parser.add_argument("--firewall-cpu", action="store_true", help="firewall on vs off: CPU")
+    parser.add_argument("--cpu-rate", type=int, default=20, help="requests/s (--firewall-cpu)")
+    parser.add_argument("--cpu-rounds", type=int, default=2, help="alternating rounds per side")
+    parser.add_argument("--max-tokens", type=int, default=64, help="answer length (--firewall-cpu)")
     args = parser.parse_args(argv)
+    if args.firewall_cpu:
+        return firewall_cpu(args)
     with tempfile.TemporaryDirectory() as tmp, redis_server() as redis:
         checkpoint = write_tiny_checkpoint(Path(tmp) / "ckpt")
         env = {

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from backend.verify import BOUNDS, check
+from bench.summary import emit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         failed = failed or not report.passed
+        emit(
+            "verify",
+            f"model checker, {bound.name}: states explored, safety properties",
+            f"{report.states:,} states in {report.seconds:.0f} s",
+            "all hold",
+            report.passed,
+        )
     return 1 if failed else 0
 
 

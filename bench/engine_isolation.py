@@ -29,6 +29,7 @@ from backend.engine.runner import ModelRunner
 from backend.model.kv_cache import KVCache
 from backend.model.llama import LlamaModel
 from bench.engine_common import BYTE_EOS, Workload, WorkloadSpec, make_workload
+from bench.summary import emit
 
 GOAL_VERIFY_COST = 0.01
 _NOT_DECODING = frozenset({RequestState.WAITING, RequestState.PREFILLING})
@@ -191,5 +192,17 @@ def isolation_report(
         f"ownership check: {100 * iso.verify_share:.3f}% of decode time inside the check, A/B "
         f"{100 * iso.verify_cost:+.2f}% (CI {100 * low:+.2f}%..{100 * high:+.2f}%) "
         f"(goal < {100 * GOAL_VERIFY_COST:g}%)"
+    )
+    emit(
+        "engine",
+        "decode throughput, ownership check on / off (A/B adjacent steps)",
+        f"{100 * iso.verify_cost:+.2f}% (CI {100 * low:+.2f}..{100 * high:+.2f}%)",
+        f"< {100 * GOAL_VERIFY_COST:g}%",
+        ok,
+    )
+    emit(
+        "engine",
+        "decode throughput, zero_on_free on / off (ABBA runs)",
+        f"{100 * iso.zero_cost:+.2f}%",
     )
     return lines, [(text, ok)]

@@ -1,9 +1,12 @@
-"""Run every benchmark in ``bench/`` one after another and collect their tables.
+"""Run every benchmark in ``bench/`` one after another: the performance report.
 
-``python -m bench.run [--only NAME ...]`` (or ``make bench``) runs each ``bench_*.py`` module as
-its own process (so one benchmark's threads and allocations do not colour the next), prints
-its table as it finishes, and writes everything to ``bench/results/latest.md`` with the machine
-it ran on. Exit status is non-zero if any benchmark failed or missed its goal.
+``python -m bench.run [--quick] [--only NAME ...]`` (or ``make bench``, or ``kvguard bench``) runs
+each ``bench_*.py`` module as its own process (so one benchmark's threads and allocations do not
+colour the next), prints its tables as it finishes, then prints one table of every headline
+comparison (``bench.summary``: each measured side by side in the same run), and writes it all to
+``bench/results/latest.md`` with the machine it ran on. ``--quick`` passes ``--quick`` to the
+benchmarks that have a smaller workload. Exit status is non-zero if any benchmark failed or
+missed its goal.
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ import sys
 import time
 from pathlib import Path
 
+from bench.summary import Headline, parse, table, without_headlines
+
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results" / "latest.md"
+# the benchmarks that offer a smaller --quick workload
+HAS_QUICK = frozenset({"bench_engine", "bench_disagg", "bench_load", "bench_proxy"})
 
 
 def discover() -> list[str]:
@@ -32,26 +39,36 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="benchmark module names (default: all)")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads where offered")
     args = parser.parse_args(argv)
     names = args.only or discover()
-    sections = [f"# kvguard benchmarks\n\nMachine: {machine()}\n"]
+    sections: list[str] = []
+    headlines: list[Headline] = []
     failed: list[str] = []
     for name in names:
         print(f"== {name}", flush=True)
         started = time.monotonic()
-        result = subprocess.run(
-            [sys.executable, "-m", f"bench.{name}"], capture_output=True, text=True, check=False
-        )
+        command = [sys.executable, "-m", f"bench.{name}"]
+        if args.quick and name in HAS_QUICK:
+            command.append("--quick")
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
         took = time.monotonic() - started
-        print(result.stdout, flush=True)
+        own = without_headlines(result.stdout).strip()
+        print(own, flush=True)
+        headlines += parse(result.stdout)
         if result.returncode != 0:
             failed.append(name)
             print(result.stderr[-3000:], file=sys.stderr)
         status = "ok" if result.returncode == 0 else f"exit {result.returncode}"
-        block = f"## {name} ({status}, {took:.0f} s)\n\n```\n{result.stdout.strip()}\n```\n"
-        sections.append(block)
+        shown = " ".join(command[2:])
+        sections.append(
+            f"## {name} (`python -m {shown}`, {status}, {took:.0f} s)\n\n```\n{own}\n```\n"
+        )
+    summary = table(headlines)
+    print(f"\n{summary}\n")
+    head = f"# kvguard benchmarks\n\nMachine: {machine()}\n\n## Headlines\n\n{summary}\n"
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text("\n".join(sections))
+    RESULTS.write_text("\n".join([head, *sections]))
     print(f"wrote {RESULTS}")
     if failed:
         print(f"failed or missed their goal: {', '.join(failed)}", file=sys.stderr)

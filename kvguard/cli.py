@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from canary import cli as canary_cli
 from gateway import cli as gateway_cli
-from kvguard import up
+from kvguard import benchcmd, demo, up
+from kvguard.load import cli as load_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,11 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up.register(subparsers)
+    demo.register(subparsers)
     gateway_cli.register(subparsers)
     canary_cli.register(subparsers)
     from backend import cli as backend_cli
 
     backend_cli.register(subparsers)
+    load_cli.register(subparsers)
+    benchcmd.register(subparsers)
     return parser
 
 

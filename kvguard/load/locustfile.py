@@ -1,0 +1,248 @@
+"""The Locust user of ``kvguard load``: streamed chat completions that must echo their own marker.
+
+Importing this module imports Locust, which monkey-patches the standard library with gevent: only
+the load worker process (``kvguard.load.worker``) or a ``locust -f`` run ever imports it.
+
+Lifecycle of one task (``ChatUser.chat``): take a slot from the shared ``Budget`` (the run's
+request bound; none left -> the user stops) -> the slot picks a size class and a tenant so that
+every tenant sends every size -> mint a fresh marker of that tenant with the canary key (a
+genuine marker of the caller's own tenant is *carried*: the gateway delivers it back unstripped,
+while a marker of another tenant is refused at the door and cut from any answer; the opt-in
+``foreign`` size sends the next tenant's marker and expects that refusal) -> stream
+the chat, timing every content chunk -> ``check_answer`` -> one Locust request event (response
+time = end-to-end, failure = the checks' reasons) and one ``Sample`` for the summary.
+
+Standalone: ``locust -f kvguard/load/locustfile.py --kvguard-plan PLAN.json`` (a plan written by
+``kvguard load``) runs the same users under Locust's own UI or headless flags.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import requests
+from locust import User, constant, events, task
+from locust.exception import StopUser
+
+from canary.config import CanarySettings
+from canary.markers import MarkerCodec
+from canary.probes import filler_text, reference_chat
+from kvguard.load.content import (
+    Expected,
+    FailureKind,
+    SseLines,
+    StreamedAnswer,
+    Verdict,
+    check_answer,
+    error_code,
+    read_sse_line,
+)
+from kvguard.load.plan import LoadPlan, LoadTenant, SizeClass
+from kvguard.load.report import Sample
+
+
+class CheckFailed(Exception):
+    """A response that broke an expectation; the message is the checks' reasons (no content)."""
+
+
+@dataclass
+class Budget:
+    """The run's request bound, shared by every user of the process (gevent: no real threads)."""
+
+    limit: int | None
+    issued: int = 0
+    in_flight: int = 0
+
+    def take(self) -> int | None:
+        if self.limit is not None and self.issued >= self.limit:
+            return None
+        self.issued += 1
+        self.in_flight += 1
+        return self.issued - 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+    @property
+    def exhausted(self) -> bool:
+        return self.limit is not None and self.issued >= self.limit and self.in_flight == 0
+
+
+@dataclass
+class LoadContext:
+    plan: LoadPlan
+    codec: MarkerCodec
+    budget: Budget
+    samples: list[Sample] = field(default_factory=list)
+
+    @classmethod
+    def from_plan(cls, plan: LoadPlan) -> LoadContext:
+        codec = MarkerCodec(CanarySettings().keyring())
+        return cls(plan=plan, codec=codec, budget=Budget(plan.max_requests))
+
+    def marker_owner(self, index: int, size: SizeClass) -> LoadTenant:
+        """Whose marker the request carries: its own tenant's, or the next one's (foreign)."""
+        tenants = self.plan.tenants
+        return tenants[(index + 1) % len(tenants)] if size.name == "foreign" else tenants[index]
+
+    def pick(self, slot: int) -> tuple[int, LoadTenant, SizeClass]:
+        sizes, tenants = self.plan.sizes, self.plan.tenants
+        index = (slot // len(sizes)) % len(tenants)
+        return index, tenants[index], sizes[slot % len(sizes)]
+
+
+class ChatUser(User):
+    """A closed-loop client: one streamed chat after another, no think time."""
+
+    wait_time = constant(0)
+    ctx: ClassVar[LoadContext | None] = None
+
+    def on_start(self) -> None:
+        self.session = requests.Session()
+
+    def on_stop(self) -> None:
+        self.session.close()
+
+    @task
+    def chat(self) -> None:
+        ctx = self.ctx
+        if ctx is None:
+            raise StopUser()
+        slot = ctx.budget.take()
+        if slot is None:
+            raise StopUser()
+        try:
+            index, tenant, size = ctx.pick(slot)
+            sample, error = self._one(ctx, index, tenant, size)
+        finally:
+            ctx.budget.release()
+        ctx.samples.append(sample)
+        self.environment.events.request.fire(
+            request_type="POST",
+            name=f"chat {size.name}",
+            response_time=sample.e2e_ms,
+            response_length=0,
+            exception=error,
+            context={"tenant": tenant.name, "size": size.name},
+        )
+
+    def _one(
+        self, ctx: LoadContext, index: int, tenant: LoadTenant, size: SizeClass
+    ) -> tuple[Sample, Exception | None]:
+        plan = ctx.plan
+        marker = ctx.codec.issue(ctx.marker_owner(index, size).id)
+        expected = Expected(
+            status=size.expected_status,
+            code=size.expected_code,
+            marker=marker.text,
+            max_tokens=size.max_tokens,
+            prompt_tokens=size.prompt_tokens,
+            prompt_slack=plan.prompt_slack,
+            byte_tokens=plan.byte_tokens,
+        )
+        body = {
+            "model": plan.model,
+            "messages": reference_chat(marker, filler=filler_text(size.filler_chars)),
+            "max_tokens": size.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        started = time.perf_counter()
+        timing = _Timing(started)
+        try:
+            answer = self._stream(plan, tenant, body, timing)
+        except Exception as exc:
+            # Transport errors and anything unforeseen become a counted failure: a request that
+            # vanished from the samples would make a broken run look clean.
+            e2e = (time.perf_counter() - started) * 1000
+            what = "transport" if isinstance(exc, requests.RequestException) else "client"
+            reason = f"{FailureKind.STATUS.value}: {what} error {exc.__class__.__name__}"
+            sample = Sample(size.name, index, 0, None, e2e, failure_kinds=("status",))
+            return replace(sample, reasons=(reason,)), CheckFailed(reason)
+        e2e = (time.perf_counter() - started) * 1000
+        verdict = check_answer(expected, answer)
+        return _sample(size, index, answer, timing, e2e, verdict), _error(verdict)
+
+    def _stream(
+        self, plan: LoadPlan, tenant: LoadTenant, body: dict[str, Any], timing: _Timing
+    ) -> StreamedAnswer:
+        headers = {"Authorization": f"Bearer {tenant.key}"}
+        url = plan.gateway + "/v1/chat/completions"
+        timeout = (10.0, plan.request_timeout_s)
+        with self.session.post(url, json=body, headers=headers, stream=True, timeout=timeout) as r:
+            answer = StreamedAnswer(status=r.status_code)
+            if r.status_code != 200:
+                answer.code = error_code(r.content)
+                return answer
+            lines = SseLines()
+            for chunk in r.iter_content(chunk_size=None):
+                for line in lines.feed(chunk):
+                    if read_sse_line(answer, line):
+                        timing.chunk(time.perf_counter())
+        return answer
+
+
+@dataclass
+class _Timing:
+    started: float
+    first: float | None = None
+    last: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+    def chunk(self, now: float) -> None:
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.append((now - self.last) * 1000)
+        self.last = now
+
+
+def _sample(
+    size: SizeClass,
+    index: int,
+    answer: StreamedAnswer,
+    timing: _Timing,
+    e2e_ms: float,
+    verdict: Verdict,
+) -> Sample:
+    usage = answer.usage or {}
+    ttft = None if timing.first is None else (timing.first - timing.started) * 1000
+    return Sample(
+        size=size.name,
+        tenant=index,
+        status=answer.status,
+        code=answer.code,
+        e2e_ms=e2e_ms,
+        ttft_ms=ttft,
+        itl_ms=tuple(timing.gaps),
+        prompt_tokens=_int(usage.get("prompt_tokens")),
+        completion_tokens=_int(usage.get("completion_tokens")),
+        failure_kinds=tuple(sorted(kind.value for kind in verdict.kinds)),
+        reasons=tuple(f"{kind.value}: {reason}" for kind, reason in verdict.failures),
+    )
+
+
+def _error(verdict: Verdict) -> Exception | None:
+    return None if verdict.ok else CheckFailed(verdict.reason())
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) else None
+
+
+@events.init_command_line_parser.add_listener
+def _plan_option(parser: Any) -> None:
+    parser.add_argument("--kvguard-plan", default="", help="a plan file written by kvguard load")
+
+
+@events.test_start.add_listener
+def _load_plan(environment: Any, **_: Any) -> None:
+    # Only a standalone `locust -f` run sets the option; the worker sets ChatUser.ctx itself.
+    options = environment.parsed_options
+    path = getattr(options, "kvguard_plan", "") if options is not None else ""
+    if ChatUser.ctx is None and path:
+        ChatUser.ctx = LoadContext.from_plan(LoadPlan.load(Path(path)))

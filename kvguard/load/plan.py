@@ -1,0 +1,83 @@
+"""The load plan: the one typed message from ``kvguard load`` (setup) to its Locust worker process.
+
+The parent builds it (tenants and their keys, the model, the calibrated size classes, the bounds),
+writes it as JSON to a file only its user can read in a private temporary directory, and starts
+the worker with that path; the worker reads it back with ``LoadPlan.load``. Keys never appear in a
+repr, a log line or the output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SIZE_NAMES = ("short", "mid", "near", "over")
+# Opt-in: a short request that carries another load tenant's marker; the gateway must refuse it.
+ALL_SIZE_NAMES = (*SIZE_NAMES, "foreign")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTenant:
+    id: str
+    name: str
+    key: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SizeClass:
+    """One prompt size of the run: the filler that makes the prompt, and what must come back.
+
+    ``prompt_tokens`` is the engine's own count of this prompt (measured during calibration);
+    ``prompt_tokens + max_tokens`` is what the gateway admits against the limit.
+    """
+
+    name: str
+    filler_chars: int
+    max_tokens: int
+    prompt_tokens: int
+    expected_status: int
+    expected_code: str | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    gateway: str
+    model: str
+    limit: int
+    tenants: tuple[LoadTenant, ...]
+    sizes: tuple[SizeClass, ...]
+    out_dir: str
+    users: int
+    spawn_rate: float
+    duration_s: float
+    max_requests: int | None
+    request_timeout_s: float
+    stop_timeout_s: float
+    prompt_slack: int = 0
+    byte_tokens: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LoadPlan:
+        tenants = tuple(LoadTenant(**t) for t in data.pop("tenants"))
+        sizes = tuple(SizeClass(**s) for s in data.pop("sizes"))
+        return cls(tenants=tenants, sizes=sizes, **data)
+
+    def save(self, path: Path) -> None:
+        """Write the plan readable by this user only (it holds tenant keys)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(self.to_json(), out)
+
+    @classmethod
+    def load(cls, path: Path) -> LoadPlan:
+        return cls.from_json(json.loads(path.read_text()))

@@ -1,0 +1,83 @@
+"""The Locust worker process of ``kvguard load``: ``python -m kvguard.load.worker PLAN.json``.
+
+A separate process because Locust monkey-patches the standard library with gevent on import;
+``kvguard load`` (the parent) stays gevent-free. Lifecycle: read the plan -> import the locustfile
+(gevent patches here) -> a Locust ``Environment`` with a local runner, ``plan.users`` users
+spawned at ``plan.spawn_rate`` -> stop when the duration passes or the request budget is spent
+and no request is in flight (users finish their current request, up to ``plan.stop_timeout_s``)
+-> write, under ``plan.out_dir``: Locust's CSVs (``locust_stats.csv``, ``locust_failures.csv``,
+``locust_exceptions.csv``), its HTML report (``locust.html``), one
+JSON line per request (``samples.jsonl``) and the run's wall time (``run.json``). The exit status
+only says whether the run itself worked; the parent judges the results.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+WATCH_INTERVAL_S = 0.05
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m kvguard.load.worker PLAN.json", file=sys.stderr)
+        return 2
+    import gevent
+    from locust.env import Environment
+    from locust.html import get_html_report
+    from locust.stats import PERCENTILES_TO_REPORT, StatsCSV, stats_history
+
+    from kvguard.load import locustfile
+    from kvguard.load.plan import LoadPlan
+    from kvguard.load.report import write_samples
+
+    plan = LoadPlan.load(Path(args[0]))
+    out = Path(plan.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = locustfile.LoadContext.from_plan(plan)
+    locustfile.ChatUser.ctx = ctx
+    env = Environment(
+        user_classes=[locustfile.ChatUser],
+        host=plan.gateway,
+        stop_timeout=plan.stop_timeout_s,
+        locustfile=locustfile.__file__,
+    )
+    runner = env.create_local_runner()
+    history = gevent.spawn(stats_history, runner)
+    started = time.time()
+    runner.start(plan.users, spawn_rate=plan.spawn_rate)
+
+    def watch() -> None:
+        deadline = time.monotonic() + plan.duration_s
+        while time.monotonic() < deadline and not ctx.budget.exhausted:
+            gevent.sleep(WATCH_INTERVAL_S)
+        runner.quit()
+
+    gevent.spawn(watch)
+    runner.greenlet.join()
+    wall_s = time.time() - started
+    history.kill(block=True)
+    tables = StatsCSV(env, PERCENTILES_TO_REPORT)
+    for name, write in (
+        ("stats", tables.requests_csv),
+        ("failures", tables.failures_csv),
+        ("exceptions", tables.exceptions_csv),
+    ):
+        with (out / f"locust_{name}.csv").open("w", newline="") as f:
+            write(csv.writer(f))
+    (out / "locust.html").write_text(get_html_report(env, show_download_link=False))
+    write_samples(out / "samples.jsonl", ctx.samples)
+    run = {"started_at": started, "wall_s": wall_s, "users": plan.users}
+    run["issued"] = ctx.budget.issued  # minus the samples: requests cut off by the stop timeout
+    (out / "run.json").write_text(json.dumps(run))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
