@@ -92,9 +92,12 @@ class FirewallGuard:
         self._scanner: StreamScanner | None = None
 
     def feed(self, text: str) -> Emit | Cut:
-        if self._scanner is None:
-            self._scanner = self._make()
-        return _verdict(self._scanner.feed(text))
+        scanner = self._scanner
+        if scanner is None:
+            scanner = self._scanner = self._make()
+        if scanner.pass_through(text):  # most chunks: no "C", nothing held back
+            return Emit(text)
+        return _verdict(scanner.feed(text))
 
     def finish(self) -> Emit | Cut:
         if self._scanner is None:
@@ -128,10 +131,17 @@ class LeakFirewall:
         self._tags = tags
 
     @staticmethod
-    def side_prefilter(raw_json: str) -> bool:
-        """Whether a string decoded from this JSON text may hold a ``C`` (every marker starts with
-        one; ``\\u0043`` is its only escape): the relay skips side fields of events without."""
-        return "C" in raw_json or "\\u0043" in raw_json
+    def side_prefilter(raw_json: str, texts: Iterable[str] = ()) -> bool:
+        """Whether a side string decoded from this JSON text may hold a ``C`` (every marker starts
+        with one), given ``texts``, strings decoded from it that are not side strings (the choice
+        texts): the relay skips side fields of events without. Every ``C`` of a JSON text lies in
+        one of its strings (keys included), and without a ``\\u0043`` escape each decoded ``C``
+        is one of them, so when the texts account for all of them no side string has one. The
+        usual streamed chunk: one token, with or without a ``C``, and ids and keys without."""
+        count = raw_json.count("C")
+        if "\\u0043" in raw_json:
+            return True
+        return count > 0 and count > sum(text.count("C") for text in texts)
 
     def open(self, info: RequestInfo) -> FirewallGuard:
         self._tags.add(info.tenant_id)

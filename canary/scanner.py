@@ -187,7 +187,6 @@ class StreamScanner:
         "_delivered",
         "_lookup",
         "_owner",
-        "_owner_tag_texts",
         "_owner_tags",
         "_own_nonces",
         "_pending",
@@ -210,14 +209,18 @@ class StreamScanner:
         self._carried = frozenset(carried_nonces) - self._own_nonces
         if any(len(n) != NONCE_BYTES for n in self._own_nonces | self._carried):
             raise ValueError(f"own and carried nonces must be {NONCE_BYTES} bytes each")
-        self._owner_tags = {
-            kid: codec.tenant_tag(owner_tenant_id, key_id=kid) for kid in codec.keyring.key_ids
-        }
-        self._owner_tag_texts = frozenset(encode_tag(t) for t in self._owner_tags.values())
+        if not owner_tenant_id:
+            raise ValueError("owner_tenant_id must be a non-empty string")
+        # The owner's tags (an HMAC per key id) are computed on the first candidate: most
+        # streams never have one. The codec and its keyring are immutable, so it is the same.
+        self._owner_tags: tuple[dict[int, bytes], frozenset[str]] | None = None
         self._lookup = _as_lookup(known_tags)
         self._pending = ""  # undecided text, always a possible marker start; <= MAX_HOLDBACK
         self._carry = 0  # leading pending chars that belong to a stripped candidate
-        self._tail = ""  # the last MAX_HOLDBACK delivered characters
+        # The last MAX_HOLDBACK delivered characters, or "" while they do not end in a possible
+        # marker start: only such an end matters (``_strip``), and text without a "C" cannot
+        # make one, so most deliveries leave an empty tail alone.
+        self._tail = ""
         self._delivered = 0
         self._state = ScannerState.OPEN
 
@@ -232,7 +235,8 @@ class StreamScanner:
 
     def feed(self, chunk: str) -> ScanResult:
         """Scan the next chunk; return what is safe to deliver now."""
-        self._require_open()
+        if self.pass_through(chunk):
+            return ScanResult(chunk)
         buf = self._pending + chunk
         if self._carry == 0 and PREFIX not in buf:
             # The common case: no candidate at all, only a possible "C".."CNRY" at the end.
@@ -240,6 +244,20 @@ class StreamScanner:
             self._pending = buf[hold:]
             return self._deliver(buf[:hold], ())
         return self._scan(self._drop_carry(buf, final=False), final=False)
+
+    def pass_through(self, chunk: str) -> bool:
+        """Deliver ``chunk`` as it is if it cannot touch a marker: nothing is held back and it
+        has no "C" (every marker and every held-back prefix starts with one). True: it was
+        delivered (the caller sends it unchanged, as ``feed`` would have returned it); False:
+        nothing happened, it must go through ``feed``. The fast path of most chunks."""
+        if self._state is not ScannerState.OPEN:
+            self._require_open()
+        if self._pending or self._carry or "C" in chunk:
+            return False
+        self._delivered += len(chunk)
+        if self._tail:
+            self._set_tail(chunk)
+        return True
 
     def finish(self) -> ScanResult:
         """End of the upstream stream: decide and flush everything held back."""
@@ -316,8 +334,13 @@ class StreamScanner:
         self, text: str, findings: tuple[Finding, ...], *, cut: bool = False
     ) -> ScanResult:
         self._delivered += len(text)
-        self._tail = (self._tail + text)[-MAX_HOLDBACK:]
+        if self._tail or "C" in text:
+            self._set_tail(text)
         return ScanResult(text=text, findings=findings, cut=cut)
+
+    def _set_tail(self, text: str) -> None:
+        tail = (self._tail + text)[-MAX_HOLDBACK:]
+        self._tail = tail if _OPEN_END_RE.search(tail) is not None else ""
 
     def _close(self, p: _Pass, state: ScannerState, finding: Finding | None) -> ScanResult:
         self._transition(state)
@@ -337,7 +360,7 @@ class StreamScanner:
 
     def _classify_genuine(self, v: Verified, position: int) -> tuple[_Action, Finding | None]:
         victim: str | None
-        if v.tenant_tag == self._owner_tags.get(v.key_id):
+        if v.tenant_tag == self._owner_tag_pair()[0].get(v.key_id):
             if v.nonce in self._own_nonces:
                 return _Action.STRIP, None
             if v.nonce in self._carried:
@@ -360,7 +383,7 @@ class StreamScanner:
         if not run:
             return _Action.DELIVER, None
         visible_tag = run[:TAG_CHARS]
-        if any(t.startswith(visible_tag) for t in self._owner_tag_texts):
+        if any(t.startswith(visible_tag) for t in self._owner_tag_pair()[1]):
             return _Action.STRIP, None
         tag = decode_tag(visible_tag) if len(visible_tag) == TAG_CHARS else None
         victim = None if tag is None else self._lookup(tag)
@@ -378,6 +401,14 @@ class StreamScanner:
             victim_nonce=None,
         )
         return _Action.CUT, finding
+
+    def _owner_tag_pair(self) -> tuple[dict[int, bytes], frozenset[str]]:
+        """(key id -> the owner's tag, the tags' base32 texts), computed on first use."""
+        if self._owner_tags is None:
+            codec, owner = self._codec, self._owner
+            tags = {kid: codec.tenant_tag(owner, key_id=kid) for kid in codec.keyring.key_ids}
+            self._owner_tags = tags, frozenset(encode_tag(t) for t in tags.values())
+        return self._owner_tags
 
     def _require_open(self) -> None:
         if self._state in TERMINAL:

@@ -40,7 +40,7 @@ from gateway.errors import error_body
 from gateway.hooks import Cut, Emit, StreamGuard
 from gateway.lifecycle import Phase
 from gateway.proxy.context import HandoffProof, parse_handoff
-from gateway.proxy.side import InvalidSide, Rewritten, SideScreen, tail_chunk
+from gateway.proxy.side import InvalidSide, Prefilter, Rewritten, SideScreen, tail_chunk
 from gateway.upstream.base import Endpoint
 from gateway.upstream.sse import DONE, encode_event
 
@@ -77,7 +77,7 @@ class StreamRelay:
     wants_usage: bool
     refuse_handoff_mismatch: bool = True
     screen_side: bool = True  # off only when the guards pass everything (no canary)
-    side_prefilter: Callable[[str], bool] | None = None
+    side_prefilter: Prefilter | None = None
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
     handoff: HandoffProof | None = None

@@ -26,7 +26,7 @@ At most ``MAX_PATHS`` paths per response: an engine inventing field names withou
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ _NOT_CUT_ONLY = TEXT_PATHS | REWRITE_PATHS
 _REWRITE_KEYS = ("reasoning", "refusal", "arguments", "logprobs")
 
 Location = tuple[str | int, ...]  # dict keys and list positions from the event's root
+Prefilter = Callable[[str, Iterable[str]], bool]  # (raw JSON, the event's choice texts)
 
 
 class InvalidSide(ValueError):
@@ -120,6 +121,23 @@ def _visit_list(value: list[Any], path: str, fields: dict[str, list[str]]) -> No
             _visit_dict(item, inner, fields)
         elif isinstance(item, list):
             _visit_list(item, inner, fields)
+
+
+def choice_texts(obj: dict[str, Any]) -> Iterator[str]:
+    """The choices' texts (strings at ``TEXT_PATHS``: the relay's choice guards screen them, a
+    ``SideScreen`` does not), lazily; a text in an unexpected shape is left out."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        for name in ("delta", "message"):
+            inner = choice.get(name)
+            if isinstance(inner, dict) and isinstance(text := inner.get("content"), str):
+                yield text
+        if isinstance(text := choice.get("text"), str):
+            yield text
 
 
 def rewrite_sites(obj: dict[str, Any]) -> list[tuple[str, Location, str]]:
@@ -211,16 +229,19 @@ class SideScreen:
     - a guard's ``skippable(text) -> bool``: True means feeding the text now could change nothing
       the guard will ever report or deliver (the firewall: it holds nothing back and the text has
       no ``C``, which every marker starts with), so such a value costs one call, not a scan;
-    - the factory's ``prefilter(raw_json) -> bool``: False means no string decoded from that JSON
-      text can matter to an idle guard, so while no guard holds text back the event is not even
-      walked (the firewall: neither ``C`` nor its ``\\u0043`` escape occurs in it).
+    - the factory's ``prefilter(raw_json, texts) -> bool`` (``texts``: the event's choice texts,
+      ``choice_texts``, which the JSON text spells too): False means no side string decoded from
+      that JSON text can matter to an idle guard, so while no guard holds text back the event is
+      not even walked (the firewall: no ``\\u0043`` escape occurs in it, and every ``C`` in it
+      lies in the choice texts -- a streamed token with a ``C`` does not make the event's ids
+      and keys worth a walk).
     """
 
     def __init__(
         self,
         open_guard: Callable[[], StreamGuard],
         *,
-        prefilter: Callable[[str], bool] | None = None,
+        prefilter: Prefilter | None = None,
         max_paths: int = MAX_PATHS,
     ):
         self._open = open_guard
@@ -233,7 +254,13 @@ class SideScreen:
     def feed(self, obj: dict[str, Any], *, raw: str | None = None) -> Cut | Rewritten | None:
         """A Cut, the event rewritten (only when a rewritable field changed), or None."""
         idle = not self._holding
-        if idle and raw is not None and self._prefilter is not None and not self._prefilter(raw):
+        prefilter = self._prefilter
+        if (
+            idle
+            and raw is not None
+            and prefilter is not None
+            and not prefilter(raw, choice_texts(obj))
+        ):
             return None
         for path, values in side_fields(obj).items():
             for value in values:

@@ -47,9 +47,17 @@ MISCONFIGURED = {"pool_tokens": PREFILL_POOL, "context_window": 512, "allow_capa
 DECODE_POOL = {"pool_tokens": DECODE_POOL_TOKENS, "context_window": 512}
 # A fresh marker per run (CNRY- + 32 base32): B can hold it only by reading A's KV.
 MA = "CNRY-" + "".join(secrets.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567") for _ in range(32))
-# Enough of MA to attribute it (CNRY- + 11 random base32 characters: 55 bits, never by chance);
-# the model copies all of it today, but a partial copy is already the leak.
-LEAK_PREFIX = 16
+# Enough of MA to attribute it: any 16 consecutive characters of MA hold at least 11 random base32
+# characters (55 bits), never there by chance. The model usually copies all of MA; over stale KV
+# that sits at other positions than it was written at it sometimes gets a character wrong, and a
+# partial copy is already the leak.
+LEAK_WINDOW = 16
+
+
+def _holds_part_of(text: str, marker: str) -> bool:
+    """Whether `text` carries LEAK_WINDOW consecutive characters of `marker`."""
+    return any(marker[i : i + LEAK_WINDOW] in text for i in range(len(marker) - LEAK_WINDOW + 1))
+
 
 P_LEGACY = prefill(faults("legacy_reject_handoff"), allow_fault_drills=True, **MISCONFIGURED)
 P_FIXED = prefill(allow_fault_drills=True, **MISCONFIGURED)
@@ -142,7 +150,7 @@ def test_incident_reproduced_b_gets_200_with_a_marker_from_a_stale_pages() -> No
     _, b = _a_then_b(D_INCIDENT)
     assert b.status_code == 200, b.text
     # The incident, at the text level: B's fluent answer carries A's marker.
-    assert MA[:LEAK_PREFIX] in _text(b), "B's answer does not hold A's marker"
+    assert _holds_part_of(_text(b), MA), "B's answer does not hold A's marker"
     body = b.json()
     assert body["usage"]["prompt_tokens"] == B_TOKENS  # billed as if the prompt was computed
     proof = body["kvguard"]["handoff"]
@@ -200,4 +208,4 @@ def test_zero_on_free_alone_answers_but_b_reads_no_stale_kv() -> None:
     _, b = _a_then_b(D_ZERO_ONLY)
     assert b.status_code == 200
     assert _stale_pages_read(D_ZERO_ONLY) == {}
-    assert MA[:LEAK_PREFIX] not in _text(b)
+    assert not _holds_part_of(_text(b), MA)
