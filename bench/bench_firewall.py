@@ -29,6 +29,7 @@ from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
 from gateway.hooks import PassThroughGuard, RequestInfo, StreamGuard
 from gateway.proxy.relay import StreamRelay
+from gateway.proxy.side import Prefilter
 from gateway.upstream.base import Endpoint
 from gateway.upstream.sse import SseSplitter
 
@@ -80,7 +81,7 @@ def run(
     streams: list[tuple[bytes, Callable[[], StreamGuard]]],
     *,
     screen_side: bool,
-    prefilter: Callable[[str], bool] | None = None,
+    prefilter: Prefilter | None = None,
 ) -> tuple[list[float], list[float]]:
     """(us per event, us per response) through ``StreamRelay.on_event``."""
     per_event: list[float] = []

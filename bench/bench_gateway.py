@@ -269,6 +269,13 @@ async def run(args: argparse.Namespace, engine: EngineProcess, env: dict[str, st
         f"\ngoal: gateway adds < {GOAL_ADDED_P99_MS} ms p99 at {GOAL_RATE}/s: {verdict} "
         f"(added p99 {added:.2f} ms)"
     )
+    emit(
+        "gateway",
+        f"gateway added p99 over direct at {GOAL_RATE}/s, non-streaming",
+        f"{added:.2f} ms",
+        f"< {GOAL_ADDED_P99_MS} ms",
+        verdict == "met",
+    )
     return 0 if verdict == "met" else 1
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from bench.summary import emit
 from canary.markers import MarkerCodec, MarkerKeyring
 from canary.scanner import StreamScanner
 
@@ -215,6 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     worst = max(r.p99_us for r in rows)
     verdict = "PASS" if worst < GOAL_P99_US else "FAIL"
     print(f"worst p99 per chunk: {worst:.2f} us (goal < {GOAL_P99_US:.0f} us): {verdict}")
+    emit(
+        "scanner",
+        "leak scanner p99 per stream chunk (us)",
+        f"{worst:.2f} us",
+        f"< {GOAL_P99_US:.0f} us",
+        worst < GOAL_P99_US,
+    )
     print("ratio = pass-through throughput / scanner throughput, same chunks, same run")
     return 0 if worst < GOAL_P99_US else 1
 

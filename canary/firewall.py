@@ -19,11 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from canary.injection import MarkerLedger
 from canary.markers import MarkerCodec
 from canary.scanner import Finding, ScanResult, StreamScanner
 from gateway.hooks import Cut, Emit, RequestInfo
+from gateway.proxy.side import choice_texts
 
 log = logging.getLogger("kvguard.canary")
 
@@ -131,17 +133,18 @@ class LeakFirewall:
         self._tags = tags
 
     @staticmethod
-    def side_prefilter(raw_json: str, texts: Iterable[str] = ()) -> bool:
-        """Whether a side string decoded from this JSON text may hold a ``C`` (every marker starts
-        with one), given ``texts``, strings decoded from it that are not side strings (the choice
-        texts): the relay skips side fields of events without. Every ``C`` of a JSON text lies in
-        one of its strings (keys included), and without a ``\\u0043`` escape each decoded ``C``
-        is one of them, so when the texts account for all of them no side string has one. The
-        usual streamed chunk: one token, with or without a ``C``, and ids and keys without."""
-        count = raw_json.count("C")
-        if "\\u0043" in raw_json:
+    def side_prefilter(raw_json: str, obj: dict[str, Any] | None = None) -> bool:
+        """Whether a side string of ``obj`` (parsed from ``raw_json``) may hold a ``C`` (every
+        marker starts with one): the relay skips side fields of events without. Every ``C`` of a
+        JSON text lies in one of its strings (keys included), and without a ``\\u0043`` escape
+        each decoded ``C`` is one of them, so when the choice texts (not side strings) account
+        for all of them no side string has one. The usual streamed chunk: one token, with or
+        without a ``C``, and ids and keys without."""
+        if "C" not in raw_json:
+            return "\\u0043" in raw_json
+        if obj is None or "\\u0043" in raw_json:
             return True
-        return count > 0 and count > sum(text.count("C") for text in texts)
+        return raw_json.count("C") > sum(text.count("C") for text in choice_texts(obj))
 
     def open(self, info: RequestInfo) -> FirewallGuard:
         self._tags.add(info.tenant_id)

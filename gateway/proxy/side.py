@@ -26,7 +26,7 @@ At most ``MAX_PATHS`` paths per response: an engine inventing field names withou
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,7 @@ _NOT_CUT_ONLY = TEXT_PATHS | REWRITE_PATHS
 _REWRITE_KEYS = ("reasoning", "refusal", "arguments", "logprobs")
 
 Location = tuple[str | int, ...]  # dict keys and list positions from the event's root
-Prefilter = Callable[[str, Iterable[str]], bool]  # (raw JSON, the event's choice texts)
+Prefilter = Callable[[str, dict[str, Any]], bool]  # (an event's JSON text, the event)
 
 
 class InvalidSide(ValueError):
@@ -229,12 +229,12 @@ class SideScreen:
     - a guard's ``skippable(text) -> bool``: True means feeding the text now could change nothing
       the guard will ever report or deliver (the firewall: it holds nothing back and the text has
       no ``C``, which every marker starts with), so such a value costs one call, not a scan;
-    - the factory's ``prefilter(raw_json, texts) -> bool`` (``texts``: the event's choice texts,
-      ``choice_texts``, which the JSON text spells too): False means no side string decoded from
-      that JSON text can matter to an idle guard, so while no guard holds text back the event is
-      not even walked (the firewall: no ``\\u0043`` escape occurs in it, and every ``C`` in it
-      lies in the choice texts -- a streamed token with a ``C`` does not make the event's ids
-      and keys worth a walk).
+    - the factory's ``prefilter(raw_json, obj) -> bool`` (``obj``: the event parsed from that
+      JSON text): False means no side string of the event can matter to an idle guard, so while
+      no guard holds text back the event is not even walked (the firewall: no ``\\u0043``
+      escape occurs in the JSON text, and every ``C`` in it lies in the choice texts,
+      ``choice_texts`` -- a streamed token with a ``C`` does not make the event's ids and keys
+      worth a walk).
     """
 
     def __init__(
@@ -255,12 +255,7 @@ class SideScreen:
         """A Cut, the event rewritten (only when a rewritable field changed), or None."""
         idle = not self._holding
         prefilter = self._prefilter
-        if (
-            idle
-            and raw is not None
-            and prefilter is not None
-            and not prefilter(raw, choice_texts(obj))
-        ):
+        if idle and raw is not None and prefilter is not None and not prefilter(raw, obj):
             return None
         for path, values in side_fields(obj).items():
             for value in values:
