@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from kvguard.localservices import free_port, postgres_server, redis_server
+from kvguard.testing import stop_process, wait_for_health
 
 KVGUARD = [sys.executable, "-m", "kvguard"]
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "backend" / "bundled" / "kvguard-tiny"
@@ -152,16 +153,8 @@ class Proc:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name} not healthy in {timeout_s} s: {self.tail()}")
+        assert self.proc is not None
+        wait_for_health(self.proc, self.url, self.name, self.tail, timeout_s)
 
     def kill(self) -> None:
         """SIGKILL: the process gets no chance to say goodbye (a crash, an OOM kill)."""
@@ -170,13 +163,7 @@ class Proc:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 # -- the stack ------------------------------------------------------------------------------------

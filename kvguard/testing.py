@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -59,27 +61,15 @@ class EngineProcess:
         )
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                out = self.proc.stdout.read() if self.proc.stdout else ""
-                raise RuntimeError(f"engine exited with {self.proc.returncode}: {out[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"engine at {self.url} not healthy within {timeout_s} s")
+        wait_for_health(self.proc, self.url, f"engine at {self.url}", self._output, timeout_s)
+
+    def _output(self) -> str:
+        if self.proc.poll() is None or self.proc.stdout is None:
+            return ""  # reading a live process's pipe would block
+        return self.proc.stdout.read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def launch_engine(
@@ -108,3 +98,32 @@ def launch_engine(
         engine.stop()
         raise
     return engine
+
+
+def wait_for_health(
+    proc: subprocess.Popen[Any], url: str, name: str, tail: Callable[[], str], timeout_s: float
+) -> None:
+    """Until ``url``/health answers 200; raises with ``tail()`` if ``proc`` exits or time is up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited {proc.returncode}: {tail()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{name} not healthy in {timeout_s} s: {tail()[-3000:]}")
+
+
+def stop_process(proc: subprocess.Popen[Any] | None, grace_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; a process that already ended is left alone."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

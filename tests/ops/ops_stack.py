@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvguard.testing import stop_process, wait_for_health
 
 KVGUARD = [sys.executable, "-m", "kvguard"]
 MODEL_NAME = "kvguard-tiny"
@@ -37,27 +38,11 @@ class Proc:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not healthy in {timeout_s} s: {self.tail()}")
+        assert self.proc is not None
+        wait_for_health(self.proc, self.url, self.name, self.tail, timeout_s)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def base_env(**extra: str) -> dict[str, str]:

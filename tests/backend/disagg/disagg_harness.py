@@ -22,6 +22,7 @@ import httpx
 
 from backend.bundled import chat as chat_format
 from kvguard.localservices import free_port
+from kvguard.testing import stop_process, wait_for_health
 
 MODEL = "tiny-llama"
 PAGE = 16
@@ -66,19 +67,7 @@ class Role:
 
     def wait_healthy(self, timeout_s: float = 90.0) -> None:
         assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.role} exited {self.proc.returncode}: {self.log()[-3000:]}"
-                )
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.role} not healthy in {timeout_s} s: {self.log()[-3000:]}")
+        wait_for_health(self.proc, self.url, self.role, self.log, timeout_s)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -86,13 +75,7 @@ class Role:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s=10.0)
         if self.log_path and os.path.exists(self.log_path):
             os.unlink(self.log_path)
 
