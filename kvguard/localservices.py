@@ -37,10 +37,22 @@ class RunningService:
     data_dir: Path
 
 
+# Ports this process has already handed out. The kernel may give the same ephemeral port to two
+# successive bind-to-0 calls once the first socket is closed; two servers told to use one port
+# would then race, and the loser's health check would be answered by the winner.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on now, never one this process handed out before."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise ServiceUnavailable(f"no fresh free port on {host} after 1000 tries")
 
 
 def find_binary(name: str, extra_dirs: list[Path] | None = None) -> Path:

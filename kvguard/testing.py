@@ -101,15 +101,27 @@ def launch_engine(
 
 
 def wait_for_health(
-    proc: subprocess.Popen[Any], url: str, name: str, tail: Callable[[], str], timeout_s: float
+    proc: subprocess.Popen[Any],
+    url: str,
+    name: str,
+    tail: Callable[[], str],
+    timeout_s: float,
+    expect: dict[str, Any] | None = None,
 ) -> None:
-    """Until ``url``/health answers 200; raises with ``tail()`` if ``proc`` exits or time is up."""
+    """Until ``url``/health answers 200 (with every item of ``expect`` in its JSON body, so that
+    another server on the same port is not taken for this one); raises with ``tail()`` if
+    ``proc`` exits or time is up."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited {proc.returncode}: {tail()[-3000:]}")
         try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+            answer = httpx.get(url + "/health", timeout=1.0)
+            if answer.status_code == 200:
+                body = answer.json() if expect else {}
+                wrong = {k: body.get(k) for k, v in (expect or {}).items() if body.get(k) != v}
+                if wrong:
+                    raise RuntimeError(f"{url} answers as another server ({wrong}), not {name}")
                 return
         except httpx.HTTPError:
             pass

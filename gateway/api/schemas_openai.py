@@ -9,10 +9,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_CEILING = 1 << 20
+
+
+def _unicode(value: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate (\\ud800); no engine can encode that text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text is not valid Unicode (it holds a lone surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # every free-text field of a request
 
 
 class StreamOptions(BaseModel):
@@ -24,8 +36,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant"]
-    content: str
-    name: str | None = Field(default=None, max_length=64)
+    content: Text
+    name: Text | None = Field(default=None, max_length=64)
 
     def __repr__(self) -> str:
         return f"ChatMessage(role={self.role!r}, content=<{len(self.content)} chars>)"
@@ -36,17 +48,17 @@ class ChatMessage(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str = Field(min_length=1, max_length=256)
+    model: Text = Field(min_length=1, max_length=256)
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
-    user: str | None = Field(default=None, max_length=256)
+    user: Text | None = Field(default=None, max_length=256)
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
 
@@ -91,7 +103,7 @@ class ChatCompletionBody(_Sampling):
 
 
 class CompletionBody(_Sampling):
-    prompt: str = Field(min_length=1)
+    prompt: Text = Field(min_length=1)
 
     def __repr__(self) -> str:
         return f"CompletionBody(model={self.model!r}, prompt=<{len(self.prompt)} chars>)"

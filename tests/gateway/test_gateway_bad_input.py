@@ -21,6 +21,14 @@ BAD_JSON_BODIES = [
     (CHAT, b"\xff\xfe\x00garbage", 400, "invalid_encoding"),
     (CHAT, b'{"model": "m\xc3\x28"}', 400, "invalid_encoding"),
     ("/v1/completions", b"null", 400, "invalid_request"),
+    # valid JSON, but a lone UTF-16 surrogate is no text any engine can encode
+    (
+        CHAT,
+        b'{"model":"m","messages":[{"role":"user","content":"a\\udc80"}]}',
+        400,
+        "invalid_request",
+    ),
+    ("/v1/completions", b'{"model":"m","prompt":"\\ud800"}', 400, "invalid_request"),
     ("/admin/tenants", b"{bad", 400, "invalid_request"),
 ]
 

@@ -67,7 +67,9 @@ class Role:
 
     def wait_healthy(self, timeout_s: float = 90.0) -> None:
         assert self.proc is not None
-        wait_for_health(self.proc, self.url, self.role, self.log, timeout_s)
+        wait_for_health(
+            self.proc, self.url, self.role, self.log, timeout_s, expect={"role": self.role}
+        )
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
