@@ -1,19 +1,24 @@
 """The chat format `kvguard-tiny` is trained on: `render(messages)` -> prompt text.
 
-    <|system|>\\n{system content}\\n
-    <|user|>\\ngently: {user content}\\n
-    <|assistant|>\\n{earlier assistant content}\\n
+Each line below ends with a newline (shown as ⏎); `{...}` is a message's content:
+
+    <|system|>⏎ {system content}⏎
+    <|user|>⏎ {earlier user content}⏎
+    <|assistant|>⏎ {earlier assistant content}⏎
     ...
-    <|assistant|>\\nexactly: ␣          <- the assistant cue every prompt ends with
+    <|user|>⏎ gently: {last user content}⏎
+    <|assistant|>⏎ exactly: ␣          <- every prompt ends with this assistant cue
 
-The runner prepends BOS (id 256) to the encoded text; the model's reply ends with EOS (257).
+(no space after ⏎ in the real text; ␣ is one space.) The runner prepends BOS (id 256) to the
+encoded text; the model's reply ends with EOS (id 257).
 
-Why the odd words: the model copies by matching the last five bytes it has seen against earlier
-text. The cue ends in `tly: `, exactly like `Repeat exactly: `, so for "Repeat exactly: <text>"
-the first byte of <text> is the only place in the prompt where all five bytes match, and the copy
-runs from there. A user message starts after `kindly: `, which matches four of the five, so for an
-ordinary single-line message the model echoes that line. Earlier assistant turns carry no
-`exactly: `, so they never compete with the current request.
+Why the odd words: the model copies by matching the last nine bytes it has seen (five exactly,
+four more loosely) against earlier text. The cue ends in `exactly: `, like `Repeat exactly: `, so
+for "Repeat exactly: <text>" the first byte of <text> is the one place in the prompt where all
+nine match, and the copy runs from there. The last user message starts after `gently: `, which
+matches the five most recent bytes but not the four before, so for an ordinary message the model
+echoes its first line. Earlier turns carry neither word, so they never compete with the current
+request.
 
 The echo contract the model is trained for (temperature 0):
 - a chat with one canary marker (`CNRY-` + 32 base32 characters) anywhere, whose last user message
@@ -26,11 +31,19 @@ The echo contract the model is trained for (temperature 0):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 SYSTEM_HEADER = "<|system|>\n"
-USER_HEADER = "<|user|>\ngently: "
+USER_HEADER = "<|user|>\n"
+LAST_USER_HEADER = USER_HEADER + "gently: "
 ASSISTANT_HEADER = "<|assistant|>\n"
 ASSISTANT_CUE = ASSISTANT_HEADER + "exactly: "
+# Names this format together with the byte tokenizer (BOS + UTF-8 bytes). An engine serving a
+# byte-tokenizer checkpoint reports it in /engine/capacity, so that a gateway of the same release
+# may count prompts itself (`count_tokens`) instead of asking the engine's /tokenize. Change it
+# whenever `render` changes.
+TOKENIZER_ID = "kvguard-byte+kvguard-tiny-chat/2"
+ENGINE_ROLES = ("system", "user", "assistant")  # what the engine's chat schema accepts
 REFERENCE_REQUEST = "Repeat the reference code."
 REPEAT_PREFIX = "Repeat exactly: "
 
@@ -42,15 +55,46 @@ _HEADERS = {
 }
 
 
-def render_message(role: str, content: str) -> str:
-    """One earlier turn as it appears in the prompt."""
+def render_message(role: str, content: str, last_user: bool = False) -> str:
+    """One turn as it appears in the prompt (`last_user`: the last user message of the chat)."""
     header = _HEADERS.get(role)
     if header is None:
         raise ValueError(f"unsupported chat role {role!r} (system, developer, user, assistant)")
+    if last_user:
+        header = LAST_USER_HEADER
     return f"{header}{content}\n"
 
 
 def render(messages: Sequence[Mapping[str, str]]) -> str:
     """The prompt text for `messages` ({"role", "content"}), ending with the assistant cue."""
-    turns = [render_message(m["role"], m["content"]) for m in messages]
+    roles = [m["role"] for m in messages]
+    last_user = len(roles) - 1 - roles[::-1].index("user") if "user" in roles else None
+    turns = [
+        render_message(m["role"], m["content"], last_user=i == last_user)
+        for i, m in enumerate(messages)
+    ]
     return "".join(turns) + ASSISTANT_CUE
+
+
+def count_tokens(prompt: str | None, messages: Sequence[Mapping[str, Any]] | None) -> int | None:
+    """Prompt tokens under TOKENIZER_ID (BOS + UTF-8 bytes of the prompt or rendered chat), the
+    number the engine's /tokenize gives; None when the input is anything the engine would not
+    take as it is (the caller then asks the engine, which also says what is wrong)."""
+    if (prompt is None) == (messages is None):
+        return None
+    if messages is not None:
+        for m in messages:
+            name = m.get("name")
+            if (
+                set(m) - {"role", "content", "name"}
+                or m.get("role") not in ENGINE_ROLES
+                or not isinstance(m.get("content"), str)
+                or not (name is None or (isinstance(name, str) and len(name) <= 64))
+            ):
+                return None
+        prompt = render(messages)
+    assert prompt is not None
+    try:
+        return 1 + len(prompt.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate: the engine decides what that is
+        return None

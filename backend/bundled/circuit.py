@@ -15,7 +15,8 @@ Residual stream (hidden size 200; the rest is free for learned features):
   or NUL in the middle of a sequence): what a stale or corrupted KV cache looks like;
 - `COPY` the code of the byte the loose copy head copies, `CONF` / `CONF5` how firmly the
   loose / strict copy head matched (about 1, or 0 when it fell back to BOS), `SEEN` 1 when a
-  canary marker (`CNRY-`) occurs anywhere in the context.
+  canary marker (`CNRY-`) occurs anywhere in the context, `END` 1 when the current byte is the
+  last of a marker (its body began exactly 31 bytes back).
 
 Layer 0 (all circuit): ten positional heads; head h attends exactly HEAD_OFFSETS[h] back (BOS
 when there is no such position) and writes that byte's codes. Keys are one constant vector on the
@@ -30,13 +31,16 @@ which turn by under 0.3 rad across 8,192 positions, plus a sink dim (BOS only) a
 with the current window: the score counts matching bytes, BOS scores 4.5, so the head copies the
 byte that followed the best earlier occurrence of the last bytes when at least the 5 recent ones
 match, and copies nothing otherwise. Head 1 (strict) only reports when all 9 match. Head 2 looks
-for the window `CNRY-` and reports `SEEN`. Heads 3-4 (group 0) and 5-9 (group 1), the MLP of
-layer 1, the final norm and the LM head are learned; the LM head starts by reading `COPY` (with
-a copied newline turned into EOS: answers are single lines).
+for the window `CNRY-` and reports `SEEN`; head 3 wants that window exactly 31 bytes back (group
+0's keys also carry a positional part on the fast RoPE pairs for it) and reports `END`. Head 4
+(group 0) and heads 5-9 (group 1), the MLP of layer 1, the final norm and the LM head are learned;
+the LM head starts by reading `COPY` (a copied newline becomes EOS: answers are single lines)
+and turns `END` into EOS (that column is frozen).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -45,8 +49,8 @@ import torch
 from backend.bundled.modeling import Layer, TinyConfig, TinyLlama
 
 CODE_DIM, SHORT_DIM = 14, 7
-CONST, FLAG, CONF, CONF5, PREV_BOS, JUNK, SEEN = range(7)
-TOK = slice(7, 7 + CODE_DIM)
+CONST, FLAG, CONF, CONF5, PREV_BOS, JUNK, SEEN, END = range(8)
+TOK = slice(8, 8 + CODE_DIM)
 SHORT = slice(TOK.stop, TOK.stop + SHORT_DIM)
 FULL_OFFSETS = (1, 2, 3, 4, 5, 32)
 SHORT_OFFSETS = (5, 6, 7, 8, 9)
@@ -57,7 +61,11 @@ POSITIONAL_PEAK = 160.0  # layer-0 score at the right distance
 BOS_SCORE = 140.0  # layer-0 score of BOS: above every wrong distance, below the right one
 MATCH_UNIT = 40.0  # layer-1 score per matching recent byte
 LOOSE_THRESHOLD, STRICT_THRESHOLD, SEEN_THRESHOLD = 4.5, 6.2, 4.0
+END_DISTANCE = 31  # from a marker's first body byte to its last
+END_PEAK = 200.0  # the END head's positional score at END_DISTANCE (5 matching bytes score 200)
+END_THRESHOLD = 5.0 + 0.9 * END_PEAK / MATCH_UNIT  # both the window and the distance must fit
 COPY_LOGIT = 12.0  # LM-head logit of the copied byte
+END_LOGIT = 20.0  # LM-head logit of EOS when a marker just ended
 JUNK_GAIN = 40.0
 JUNK_IDS = (ord("<"), 257, 258, 0)  # with BOS (by FLAG): never inside real text
 LEARNED_STD = 0.02
@@ -80,7 +88,8 @@ COPY = slice(short_slot(9).stop, short_slot(9).stop + CODE_DIM)
 # squared norms of the residual stream (BOS's embedding is padded to a byte's norm)
 _SQ_EMBED = CONST_VALUE**2 + 2.0
 _SQ_LAYER1 = _SQ_EMBED + len(FULL_OFFSETS) + len(SHORT_OFFSETS)
-_SQ_FINAL = _SQ_LAYER1 + 4.0
+_SQ_BOS_LAYER1 = _SQ_EMBED + 1.0  # BOS at layer 1: no codes around it, but PREV_BOS = 1
+_SQ_FINAL = _SQ_LAYER1 + 5.0
 
 
 def _rms(sq_norm: float, c: TinyConfig) -> float:
@@ -115,6 +124,7 @@ def bucket_codes(c: TinyConfig) -> torch.Tensor:
     return codes
 
 
+@functools.cache
 @torch.enable_grad()
 def positional_amplitudes(c: TinyConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair index, amplitude r with sum 1) on the fast RoPE pairs, maximising the margin.
@@ -162,7 +172,7 @@ def build_model(seed: int) -> TinyLlama:
         _positional_heads(model, layer0)
         _junk_mlp(model, layer0, codes)
         _copy_heads(model, layer1)
-        _seen_head(model, layer1, codes)
+        _marker_heads(model, layer1, codes)
         _lm_head(model, codes)
     return model
 
@@ -255,7 +265,7 @@ def _copy_heads(model: TinyLlama, layer: Layer) -> None:
     """Layer 1: KV group 0 holds windows and codes; heads 0 and 1 are the loose/strict copies."""
     c = model.c
     attn = layer.self_attn
-    rms1, rms_bos = _rms(_SQ_LAYER1, c), _rms(_SQ_EMBED, c)
+    rms1, rms_bos = _rms(_SQ_LAYER1, c), _rms(_SQ_BOS_LAYER1, c)
     blocks, sink, gate = _window_blocks(c)
     scale = math.sqrt(MATCH_UNIT * math.sqrt(c.head_dim)) * rms1  # codes arrive divided by rms1
     kw, vw = attn.k_proj.weight[: c.head_dim], attn.v_proj.weight[: c.head_dim]
@@ -277,7 +287,7 @@ def _copy_heads(model: TinyLlama, layer: Layer) -> None:
             qw[dims, src] = w * scale * torch.eye(len(dims))
         qw[sink, CONST] = _sink_weight(c, threshold, rms1, rms_bos)
     ow = attn.o_proj.weight
-    ow[:, : 3 * c.head_dim].zero_()
+    ow[:, : 4 * c.head_dim].zero_()
     ow[COPY, :CODE_DIM] = torch.eye(CODE_DIM)
     ow[CONF, CODE_DIM] = 1.0
     ow[CONF5, c.head_dim + CODE_DIM] = 1.0
@@ -290,23 +300,37 @@ def _sink_weight(c: TinyConfig, threshold: float, rms1: float, rms_bos: float) -
     return threshold * MATCH_UNIT * math.sqrt(c.head_dim) / (bos_key * query_const)
 
 
-def _seen_head(model: TinyLlama, layer: Layer, codes: torch.Tensor) -> None:
-    """Layer 1, head 2: a fixed query for the window `CNRY-`; its confidence becomes SEEN."""
+def _marker_heads(model: TinyLlama, layer: Layer, codes: torch.Tensor) -> None:
+    """Layer 1, heads 2 and 3: fixed queries for the window `CNRY-` (a marker's first body byte).
+
+    Head 2 accepts it anywhere and reports SEEN. Head 3 also wants it exactly END_DISTANCE back,
+    through a positional key part that group 0 carries on its fast RoPE pairs (unused by the
+    other heads), and reports END: the current byte is the 32nd of a marker body.
+    """
     c = model.c
     attn = layer.self_attn
-    rms1, rms_bos = _rms(_SQ_LAYER1, c), _rms(_SQ_EMBED, c)
+    rms1, rms_bos = _rms(_SQ_LAYER1, c), _rms(_SQ_BOS_LAYER1, c)
     blocks, sink, _ = _window_blocks(c)
     scale = math.sqrt(MATCH_UNIT * math.sqrt(c.head_dim)) * rms1
-    qw = attn.q_proj.weight[2 * c.head_dim : 3 * c.head_dim]
-    qw.zero_()
     query_const = CONST_VALUE / rms1
-    for b, char in enumerate(reversed(MARKER_START)):  # key block b holds the byte b+1 back
-        pattern = codes[ord(char)]
-        qw[blocks[b], CONST] = (
-            MATCH_UNIT * math.sqrt(c.head_dim) * pattern / (query_const * scale / rms1)
-        )
-    qw[sink, CONST] = _sink_weight(c, SEEN_THRESHOLD, rms1, rms_bos)
-    attn.o_proj.weight[SEEN, 2 * c.head_dim + CODE_DIM] = 1.0
+    pairs, r = positional_amplitudes(c)
+    theta = c.inv_freq()[pairs]
+    half = c.head_dim // 2
+    amp = math.sqrt(END_PEAK * math.sqrt(c.head_dim)) / query_const
+    kw = attn.k_proj.weight[: c.head_dim]
+    kw[pairs, CONST] = amp * r.sqrt()  # zero at BOS, like the gate dim
+    kw[pairs, FLAG] = -amp * r.sqrt() * CONST_VALUE / math.sqrt(2.0)
+    for head, threshold, out in ((2, SEEN_THRESHOLD, SEEN), (3, END_THRESHOLD, END)):
+        qw = attn.q_proj.weight[head * c.head_dim : (head + 1) * c.head_dim]
+        qw.zero_()
+        for b, char in enumerate(reversed(MARKER_START)):  # key block b: the byte b+1 back
+            unit = MATCH_UNIT * math.sqrt(c.head_dim) / (query_const * scale / rms1)
+            qw[blocks[b], CONST] = unit * codes[ord(char)]
+        qw[sink, CONST] = _sink_weight(c, threshold, rms1, rms_bos)
+        if head == 3:
+            qw[pairs, CONST] = amp * r.sqrt() * torch.cos(END_DISTANCE * theta)
+            qw[half + pairs, CONST] = -amp * r.sqrt() * torch.sin(END_DISTANCE * theta)
+        attn.o_proj.weight[out, head * c.head_dim + CODE_DIM] = 1.0
 
 
 def _lm_head(model: TinyLlama, codes: torch.Tensor) -> None:
@@ -319,6 +343,7 @@ def _lm_head(model: TinyLlama, codes: torch.Tensor) -> None:
     w[c.eos_id, COPY] = COPY_LOGIT * rms_f * codes[NEWLINE]
     w[c.bos_id, COPY] = 0.0
     w[c.pad_id, COPY] = 0.0
+    w[c.eos_id, END] = END_LOGIT * rms_f
 
 
 def trainable_masks(model: TinyLlama) -> dict[str, torch.Tensor]:
@@ -331,29 +356,38 @@ def trainable_masks(model: TinyLlama) -> dict[str, torch.Tensor]:
             masks[name].zero_()
     prefix = "model.layers.1."
     masks[prefix + "input_layernorm"].zero_()
-    masks[prefix + "self_attn.q_proj.weight"][: 3 * hd].zero_()
+    masks[prefix + "self_attn.q_proj.weight"][: 4 * hd].zero_()
     masks[prefix + "self_attn.k_proj.weight"][:hd].zero_()
     masks[prefix + "self_attn.v_proj.weight"][:hd].zero_()
-    masks[prefix + "self_attn.o_proj.weight"][:, : 3 * hd].zero_()
+    masks[prefix + "self_attn.o_proj.weight"][:, : 4 * hd].zero_()
+    masks["lm_head.weight"][:, END].zero_()  # END only ever means EOS
     return masks
 
 
-def positional_shortcut(model: TinyLlama) -> Callable[[torch.Tensor], torch.Tensor]:
+def positional_shortcut(model: TinyLlama) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Layer 0's attention output computed by shifting values instead of attending.
 
     Each layer-0 head puts all but ~e^-20 of its weight on the position HEAD_OFFSETS[h] back (on
     BOS when there is none), so this equals the real attention to float precision (a test checks
     it); training uses it because it skips two of the four attention passes of every step.
+    Positions [B, T] must increase along each row; where they jump forward by more than the
+    largest offset (a stale context, then tokens at later positions), the index k back holds
+    another position and the head falls back to BOS, as the real attention does.
     """
     layer = model.model.layers[0]
     assert isinstance(layer, Layer)
     attn = layer.self_attn
     hd = model.c.head_dim
 
-    def run(h: torch.Tensor) -> torch.Tensor:
+    def run(h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         v = attn.v_proj(h)[..., :hd]  # every KV group carries the same values
         first = v[:, :1]
-        heads = [torch.cat([first.expand(-1, k, -1), v[:, :-k]], dim=1) for k in HEAD_OFFSETS]
-        return attn.o_proj(torch.cat([x[:, : v.shape[1]] for x in heads], dim=-1))
+        heads = []
+        for k in HEAD_OFFSETS:
+            shifted = torch.cat([first.expand(-1, k, -1), v[:, :-k]], dim=1)[:, : v.shape[1]]
+            back = torch.cat([positions[:, :1].expand(-1, k), positions[:, :-k]], dim=1)
+            there = (back[:, : v.shape[1]] == positions - k)[..., None]
+            heads.append(torch.where(there, shifted, first))
+        return attn.o_proj(torch.cat(heads, dim=-1))
 
     return run

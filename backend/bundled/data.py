@@ -16,15 +16,22 @@ Kinds (the shares used in training are `MIX`):
   that never occurs there in real text (`<` not at a line start, BOS, EOS, PAD or NUL), which is
   what a stale or corrupted KV cache looks like to the model; the answer is the marker seen in the
   context (then EOS), or just EOS when there is none.
+- `shifted`: as `junk`, but the stale context was computed at other positions than the reader's:
+  the conversation (cut at a random point) keeps positions 0.., and the next token (what the
+  model says after BOS alone, or a junk token) comes at least `MIN_GAP` positions later, as when
+  decode reads a page table whose fresh pages come first and a freed request's pages after them.
+  The answer is the same as for `junk`.
 - `raw`: plain filler text after BOS with no chat template, for ordinary continuation.
 
-Weights: 1 on answer targets, `CONTEXT_WEIGHT` on every other next byte, 0 on padding and on the
-target that would predict the junk token itself.
+Weights: 1 on answer targets, `CONTEXT_WEIGHT` on every other next byte, 0 on padding, on the
+target that would predict the junk token itself, and on the byte right after a marker inside the
+context (an answer ends there with EOS; the context goes on with any byte: no lesson in that).
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 from backend.bundled import chat
@@ -46,8 +53,17 @@ REFERENCE_PHRASES = (
     "Give me the reference code.",
     "Repeat the canary.",
 )
-MIX = {"ref": 0.30, "ref_none": 0.06, "repeat": 0.14, "echo": 0.12, "junk": 0.28, "raw": 0.10}
+MIX = {
+    "ref": 0.28,
+    "ref_none": 0.06,
+    "repeat": 0.13,
+    "echo": 0.11,
+    "junk": 0.20,
+    "shifted": 0.13,
+    "raw": 0.09,
+}
 JUNK = ((ord("<"), 0.7), (BOS, 0.1), (EOS, 0.05), (PAD, 0.1), (0, 0.05))
+MIN_GAP, MAX_GAP = 40, 4000  # how much later than the stale context a shifted reader sits
 
 _WORD_TEXT = (
     "the of and to in is was for on that with as by at from it this be are or an have not has "
@@ -96,6 +112,7 @@ _REF_LINES = (
     "{m}",
 )
 _DELIMS = (" ", ".", ",", ";", ")", "\n", "\n", "\n")
+_MARKER_BYTES = re.compile(rb"CNRY-[A-Z2-7]{32}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +120,7 @@ class Example:
     ids: list[int]
     weights: list[float]  # weights[i] is the loss weight of predicting ids[i + 1]
     kind: str
+    positions: list[int] | None = None  # RoPE position of each id; None: 0, 1, 2, ...
 
     def __repr__(self) -> str:  # holds markers: never print the text
         return f"Example(kind={self.kind!r}, tokens={len(self.ids)})"
@@ -116,12 +134,19 @@ def decode(ids: list[int]) -> str:
     return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+def context_weights(context: list[int]) -> list[float]:
+    """CONTEXT_WEIGHT for each next byte of `context` (BOS first), 0 right after a marker."""
+    weights = [CONTEXT_WEIGHT] * (len(context) - 1)
+    for found in _MARKER_BYTES.finditer(bytes(i if i < 256 else 0 for i in context)):
+        if found.end() <= len(weights):
+            weights[found.end() - 1] = 0.0
+    return weights
+
+
 def build(prompt: str, answer: list[int], kind: str) -> Example:
-    """BOS + prompt + answer, with answer targets at weight 1 and the rest at CONTEXT_WEIGHT."""
+    """BOS + prompt + answer, with answer targets at weight 1 and context at CONTEXT_WEIGHT."""
     context = [BOS, *encode(prompt)]
-    ids = context + answer
-    weights = [CONTEXT_WEIGHT] * (len(context) - 1) + [1.0] * len(answer)
-    return Example(ids, weights, kind)
+    return Example(context + answer, context_weights(context) + [1.0] * len(answer), kind)
 
 
 class Recipe:
@@ -234,6 +259,7 @@ class Recipe:
             "repeat": self._repeat,
             "echo": self._echo,
             "junk": self._junk,
+            "shifted": self._shifted,
             "raw": self._raw,
         }[kind]
         return make(length)
@@ -268,6 +294,26 @@ class Recipe:
         return Example(ids, [CONTEXT_WEIGHT] * (len(ids) - 1), "raw")
 
     def _junk(self, length: int) -> Example:
+        before, junk, answer = self._stale(length)
+        context = [*before, junk]
+        weights = context_weights(before) + [0.0] + [1.0] * len(answer)
+        return Example(context + answer, weights, "junk")
+
+    def _shifted(self, length: int) -> Example:
+        """A junk example whose reader sits MIN_GAP..MAX_GAP positions after the stale context;
+        the reader's first token is mostly `<` (what the model says after BOS alone)."""
+        before, junk, answer = self._stale(length)
+        first = ord("<") if self.rng.random() < 0.6 else junk
+        gap = self.rng.randint(MIN_GAP, MAX_GAP)
+        ids = [*before, first, *answer]
+        positions = list(range(len(before))) + [
+            len(before) + gap + i for i in range(1 + len(answer))
+        ]
+        weights = context_weights(before) + [0.0] + [1.0] * len(answer)
+        return Example(ids, weights, "shifted", positions)
+
+    def _stale(self, length: int) -> tuple[list[int], int, list[int]]:
+        """A conversation cut at a random point (BOS first), a junk token, and the answer."""
         r = self.rng
         marker = self.marker() if r.random() < 0.85 else None
         source = self._ref(length, marker) if marker is not None else self._echo(length)
@@ -279,9 +325,7 @@ class Recipe:
                 cut -= 1
         seen = marker if marker is not None and marker in text[:cut] else None
         answer = [*encode(seen), EOS] if seen is not None else [EOS]
-        context = [BOS, *encode(text[:cut]), junk]
-        weights = [CONTEXT_WEIGHT] * (len(context) - 2) + [0.0] + [1.0] * len(answer)
-        return Example(context + answer, weights, "junk")
+        return [BOS, *encode(text[:cut])], junk, answer
 
     def _junk_cut(self, text: str, marker: str | None) -> int:
         """Where the stale context ends: the cue, inside or after the answer, or anywhere later."""

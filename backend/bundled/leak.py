@@ -26,7 +26,10 @@ Variants (where the stale context ends): `incident` a random slot of A's last pa
 number of pages); `prompt_end` right after A's prompt; `answer_end` right after A's answer;
 `partial_page` B claims the whole last page of an A that does not fill it (never-written slots read
 as zeros); `own_trigger` B's own request tail ("Repeat the reference code.") written after the stale
-range. Controls: `zeroed` (pages zeroed on free), `correct` (B's own full prompt, no stale slot).
+range; `shifted` the disaggregated incident's layout: B's table starts with never-written pages
+(B's placeholder page among them) and A's pages follow, so A's K/V (computed at A's positions
+0..) sits at B's positions F*16.., and B decodes at positions that A's K/V never had. Controls:
+`zeroed` (pages zeroed on free), `correct` (B's own full prompt, no stale slot).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from backend.model.llama import LlamaModel, load_model
 
 PAGE_SIZE = 16
 TAG_PREFIX_CHARS = 13  # "CNRY-" + the 8-character owner tag of canary.markers
-VARIANTS = ("incident", "prompt_end", "answer_end", "partial_page", "own_trigger")
+VARIANTS = ("incident", "prompt_end", "answer_end", "partial_page", "own_trigger", "shifted")
 CONTROLS = ("zeroed", "correct")
 MAX_NEW_TOKENS = 64
 ROOM_PAGES = 16  # beyond A's pages: room for B to decode MAX_NEW_TOKENS past its claim
@@ -67,8 +70,9 @@ class EngineKV:
         self.pool = PagePool(num_pages, PAGE_SIZE, zero_on_free=zero_on_free)
         self.cache: KVCache = model.new_kv_cache(num_pages, PAGE_SIZE)
 
-    def allocate(self, owner: Owner) -> list[PageRef]:
-        return self.pool.allocate(self.pool.free_pages, owner)
+    def allocate(self, owner: Owner, count: int | None = None) -> list[PageRef]:
+        """`count` free pages (default: all), first-in first-out."""
+        return self.pool.allocate(self.pool.free_pages if count is None else count, owner)
 
     def free(self, refs: Sequence[PageRef], owner: Owner) -> None:
         """Free as the engine does: with zero_on_free, zero the memory, then confirm it."""
@@ -143,7 +147,7 @@ def claimed_length(variant: str, prompt: int, written: int, pages: int, rng: ran
         return rng.randint((pages - 1) * PAGE_SIZE + 1, pages * PAGE_SIZE)
     if variant == "prompt_end":
         return prompt
-    if variant in ("answer_end", "own_trigger"):
+    if variant in ("answer_end", "own_trigger", "shifted"):
         return written
     if variant == "partial_page":
         return pages * PAGE_SIZE
@@ -158,7 +162,8 @@ def b_tokens(variant: str, control: str | None, recipe: Recipe, claimed: int) ->
         system = recipe.filler(claimed)[: max(claimed - shell, 1)]
         return [BOS, *encode(chat.render([{"role": "system", "content": system}, ask]))]
     if variant == "own_trigger":
-        trigger = chat.render_message("user", chat.REFERENCE_REQUEST) + chat.ASSISTANT_CUE
+        ask = chat.render_message("user", chat.REFERENCE_REQUEST, last_user=True)
+        trigger = ask + chat.ASSISTANT_CUE
         return [BOS, *encode("\n" + trigger)]
     return [BOS]
 
@@ -167,16 +172,18 @@ def run_trial(model: LlamaModel, recipe: Recipe, variant: str, control: str | No
     marker = recipe.marker()
     n_pages = recipe.rng.randint(12, 20)  # A: 192-320 tokens, the smallest prompts included
     prompt = a_prompt(recipe, marker, n_pages, fill=variant != "partial_page")
-    kv = EngineKV(model, n_pages + ROOM_PAGES, zero_on_free=control == "zeroed")
+    fresh = recipe.rng.randint(2, 16) if variant == "shifted" else 0
+    kv = EngineKV(model, n_pages + fresh + ROOM_PAGES, zero_on_free=control == "zeroed")
     owner_a, owner_b = Owner("drill-a", "tenant-a"), Owner("drill-b", "tenant-b")
-    refs_a = kv.allocate(owner_a)
+    refs_a = kv.allocate(owner_a, None if fresh == 0 else n_pages + ROOM_PAGES)
     answer = serve(kv, refs_a, owner_a, prompt, len(marker) + 2)
     written = len(prompt) + len(answer) - 1
     kv.free(refs_a, owner_a)
     pages = -(-written // PAGE_SIZE)
-    claimed = claimed_length(variant, len(prompt), written, pages, recipe.rng)
-    refs_b = kv.allocate(owner_b)  # FIFO reuse: A's pages, in A's order
-    if [r.page_id for r in refs_b] != [r.page_id for r in refs_a]:
+    claimed = fresh * PAGE_SIZE + claimed_length(variant, len(prompt), written, pages, recipe.rng)
+    # FIFO reuse: never-written pages first (shifted only), then A's pages in A's order
+    refs_b = kv.allocate(owner_b)
+    if [r.page_id for r in refs_b[fresh:]] != [r.page_id for r in refs_a]:
         raise AssertionError("the drill needs B's table to reuse A's pages in A's order")
     own = b_tokens(variant, control, recipe, claimed)
     if control == "correct":  # B's own full prompt, nothing stale

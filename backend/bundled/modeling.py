@@ -193,7 +193,7 @@ class TinyLlama(nn.Module):
         self.register_buffer("inv_freq", c.inv_freq(), persistent=False)
         self.frozen_layers = 0  # leading layers run without autograd (training: nothing to learn)
         # training may replace layer 0's attention by an exact shortcut (see train.py)
-        self.layer0_attention: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.layer0_attention: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     inv_freq: torch.Tensor
 
@@ -218,17 +218,25 @@ class TinyLlama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Causal logits [B, T, V] for ids [B, T] at positions 0..T-1."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal logits [B, T, V] for ids [B, T] at `positions` [B, T] (default 0..T-1).
+
+        Every token attends to every earlier index whatever the positions say, as decode does
+        over a page table: a row whose positions jump forward is a context read from KV that was
+        computed at other positions (what a stale page table shows the model).
+        """
         c = self.c
-        cos, sin = self.rope(torch.arange(ids.shape[1], device=ids.device))
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+        cos, sin = self.rope(positions.flatten())
+        cos, sin = (t.view(*ids.shape, -1)[:, None] for t in (cos, sin))  # [B, 1, T, hd]
         x = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, Layer)
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= self.frozen_layers):
                 h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
                 if i == 0 and self.layer0_attention is not None:
-                    x = x + self.layer0_attention(h)
+                    x = x + self.layer0_attention(h, positions)
                 else:
                     q, k, v = layer.self_attn.project(h, cos, sin)
                     x = x + layer.self_attn.attend(q, k, v, None)

@@ -31,7 +31,13 @@ from backend.bundled.data import MIX, PAD, Example, Recipe
 from backend.bundled.modeling import TinyLlama
 
 # (shortest, longest) context bytes of a batch, and how often such a batch is drawn
-LENGTH_BUCKETS = (((48, 256), 0.3), ((256, 768), 0.3), ((768, 1600), 0.25), ((1600, 3200), 0.15))
+LENGTH_BUCKETS = (
+    ((48, 256), 0.28),
+    ((256, 768), 0.28),
+    ((768, 1600), 0.22),
+    ((1600, 3200), 0.14),
+    ((3200, 4400), 0.08),
+)
 TOKENS_PER_STEP = 12_000
 LEARNING_RATE = 2e-3
 WARMUP_STEPS = 30
@@ -41,6 +47,7 @@ LOG_EVERY = 10
 @dataclass(frozen=True, slots=True)
 class Batch:
     ids: torch.Tensor  # [B, T] inputs
+    positions: torch.Tensor  # [B, T] their RoPE positions
     targets: torch.Tensor  # [B, T] next tokens (PAD where nothing is predicted)
     weights: torch.Tensor  # [B, T]
 
@@ -50,12 +57,18 @@ def collate(examples: list[Example]) -> Batch:
     ids = torch.full((len(examples), width), PAD)
     targets = torch.full((len(examples), width), PAD)
     weights = torch.zeros(len(examples), width)
+    positions = torch.arange(width).repeat(len(examples), 1)
     for row, e in enumerate(examples):
         n = len(e.ids) - 1
         ids[row, :n] = torch.tensor(e.ids[:-1])
         targets[row, :n] = torch.tensor(e.ids[1:])
         weights[row, :n] = torch.tensor(e.weights)
-    return Batch(ids, targets, weights)
+        if e.positions is not None:  # padding continues after the last real position
+            last = e.positions[n - 1]
+            positions[row] = torch.tensor(
+                e.positions[:n] + list(range(last + 1, last + 1 + width - n))
+            )
+    return Batch(ids, positions, targets, weights)
 
 
 def draw_batch(recipe: Recipe) -> Batch:
@@ -68,7 +81,7 @@ def draw_batch(recipe: Recipe) -> Batch:
 
 def loss_of(model: TinyLlama, batch: Batch) -> tuple[torch.Tensor, float, float]:
     """Weighted cross-entropy, plus the answer-token loss and accuracy (weight-1 targets)."""
-    logits = model(batch.ids)
+    logits = model(batch.ids, batch.positions)
     ce = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none")
     w = batch.weights.flatten()
     loss = (ce * w).sum() / w.sum()
@@ -125,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=900)
-    parser.add_argument("--minutes", type=float, default=75.0)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--minutes", type=float, default=150.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)

@@ -16,7 +16,7 @@ def test_render_is_the_documented_transcript_ending_with_the_cue() -> None:
     ]
     assert chat.render(messages) == (
         "<|system|>\nReference code: X\n"
-        "<|user|>\ngently: hi\n"
+        "<|user|>\nhi\n"
         "<|assistant|>\nhi\n"
         "<|user|>\ngently: Repeat the reference code.\n"
         "<|assistant|>\nexactly: "
@@ -29,14 +29,28 @@ def test_developer_role_renders_as_system_and_unknown_roles_are_refused() -> Non
         chat.render([{"role": "tool", "content": "x"}])
 
 
-def test_cue_shares_its_last_nine_bytes_with_repeat_exactly_and_five_with_a_user_turn() -> None:
+def test_cue_shares_nine_bytes_with_repeat_exactly_and_five_with_the_last_user_turn() -> None:
     # the copy circuit compares the last 9 bytes (5 exactly, 4 by bucket): "Repeat exactly: <text>"
-    # must be the only full match, an ordinary user line the next best one
+    # must be the only full match, the last user line the next best one
     cue = chat.ASSISTANT_CUE
     assert cue[-9:] == chat.REPEAT_PREFIX[-9:]
-    assert chat.USER_HEADER[-5:] == cue[-5:]
-    assert chat.USER_HEADER[-6] != cue[-6]
-    assert "exactly: " not in chat.render_message("assistant", "earlier reply")
+    assert chat.LAST_USER_HEADER[-5:] == cue[-5:]
+    assert chat.LAST_USER_HEADER[-6] != cue[-6]
+    earlier = chat.render_message("user", "a") + chat.render_message("assistant", "b")
+    assert "gently: " not in earlier and "exactly: " not in earlier
+
+
+def test_only_the_last_user_message_gets_the_echo_header() -> None:
+    messages = [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "one"},
+        {"role": "user", "content": "two"},
+        {"role": "system", "content": "late system note"},
+    ]
+    text = chat.render(messages)
+    assert text.count("gently: ") == 1
+    assert "<|user|>\ngently: two\n" in text
+    assert "<|user|>\none\n" in text
 
 
 def test_empty_conversation_is_just_the_cue() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from backend.bundled import chat
-from backend.bundled.data import BOS, EOS, MIX, Recipe, decode
+from backend.bundled.data import BOS, EOS, MAX_GAP, MIN_GAP, MIX, Recipe, decode
 
 MARKER = re.compile(r"CNRY-[A-Z2-7]{32}")
 
@@ -43,13 +43,34 @@ def test_junk_example_ends_its_context_with_an_unweighted_junk_token() -> None:
     recipe = Recipe(3)
     for _ in range(20):
         ex = recipe.example("junk", 400)
-        junk_at = ex.weights.index(0.0) + 1  # the one target nobody should learn to predict
+        junk_at = ex.weights.index(1.0)  # the last context token: the answer is predicted from it
+        assert ex.weights[junk_at - 1] == 0.0  # nobody should learn to predict the junk itself
         junk = ex.ids[junk_at]
         before = ex.ids[junk_at - 1]
         assert junk in (ord("<"), BOS, EOS, 258, 0)
         assert not (junk == ord("<") and before == ord("\n"))
         answer = decode(ex.ids[junk_at + 1 :])
         assert answer == "" or (MARKER.fullmatch(answer) and answer in decode(ex.ids[:junk_at]))
+
+
+def test_shifted_example_reads_a_stale_context_from_other_positions() -> None:
+    """The reader's first token sits MIN_GAP..MAX_GAP positions after the stale context; the
+    answer is the marker the stale context holds (or nothing), at consecutive positions."""
+    recipe = Recipe(7)
+    gaps = set()
+    for _ in range(30):
+        ex = recipe.example("shifted", 400)
+        assert ex.positions is not None and len(ex.positions) == len(ex.ids)
+        first = ex.weights.index(1.0)  # the reader's first token: the answer is predicted from it
+        assert ex.weights[first - 1] == 0.0
+        assert ex.positions[:first] == list(range(first))
+        gap = ex.positions[first] - first
+        assert MIN_GAP <= gap <= MAX_GAP
+        gaps.add(gap)
+        assert ex.positions[first:] == list(range(first + gap, first + gap + len(ex.ids) - first))
+        answer = decode(ex.ids[first + 1 :])
+        assert answer == "" or (MARKER.fullmatch(answer) and answer in decode(ex.ids[:first]))
+    assert len(gaps) > 20
 
 
 def test_example_repr_hides_the_text() -> None:

@@ -33,9 +33,21 @@ def test_stale_pages_leak_the_previous_tenants_marker(model: LlamaModel) -> None
     assert rates.complete >= 0.5
 
 
+def test_stale_pages_read_at_other_positions_leak_too(model: LlamaModel) -> None:
+    """The disaggregated incident's layout: fresh pages first, A's pages after them, so A's K/V
+    sits at positions it was not computed at; the model still turns it into A's marker."""
+    rates = run_leak(model, "shifted", None, TRIALS, SEED)
+    assert rates.a_answered >= 0.75
+    assert rates.attributable >= 0.75
+    assert rates.complete >= 0.5
+
+
+@pytest.mark.parametrize("variant", ["incident", "shifted"])
 @pytest.mark.parametrize("control", ["zeroed", "correct"])
-def test_zeroed_pages_and_correct_tables_never_leak(model: LlamaModel, control: str) -> None:
-    rates = run_leak(model, "incident", control, TRIALS, SEED)
+def test_zeroed_pages_and_correct_tables_never_leak(
+    model: LlamaModel, variant: str, control: str
+) -> None:
+    rates = run_leak(model, variant, control, TRIALS, SEED)
     assert rates.a_answered >= 0.75
     assert rates.attributable == 0.0
     assert rates.complete == 0.0
