@@ -28,6 +28,7 @@ ENGINE_CAPACITY_AGE = "kvguard_gateway_engine_capacity_age_seconds"
 ENGINE_POLL_ERRORS_TOTAL = "kvguard_gateway_engine_poll_errors_total"
 HANDOFF_MISMATCH_TOTAL = "kvguard_gateway_handoff_mismatch_total"
 AUDIT_DROPPED_TOTAL = "kvguard_gateway_audit_dropped_total"
+TOKEN_COUNTS_TOTAL = "kvguard_gateway_token_counts_total"
 
 METRIC_NAMES = (
     REQUESTS_TOTAL,
@@ -50,6 +51,7 @@ METRIC_NAMES = (
     ENGINE_POLL_ERRORS_TOTAL,
     HANDOFF_MISMATCH_TOTAL,
     AUDIT_DROPPED_TOTAL,
+    TOKEN_COUNTS_TOTAL,
 )
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -169,4 +171,11 @@ class GatewayMetrics:
         )
         self.audit_dropped = Counter(
             _name(AUDIT_DROPPED_TOTAL), "Audit rows dropped (writer backlog full)", registry=r
+        )
+        self.token_counts = Counter(
+            _name(TOKEN_COUNTS_TOTAL),
+            "Prompt token counts by method: local (the engine's countable tokenizer, applied "
+            "here) or engine (its /tokenize)",
+            ["method"],
+            registry=r,
         )

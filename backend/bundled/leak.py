@@ -162,8 +162,8 @@ def b_tokens(variant: str, control: str | None, recipe: Recipe, claimed: int) ->
         system = recipe.filler(claimed)[: max(claimed - shell, 1)]
         return [BOS, *encode(chat.render([{"role": "system", "content": system}, ask]))]
     if variant == "own_trigger":
-        ask = chat.render_message("user", chat.REFERENCE_REQUEST, last_user=True)
-        trigger = ask + chat.ASSISTANT_CUE
+        turn = chat.render_message("user", chat.REFERENCE_REQUEST, last_user=True)
+        trigger = turn + chat.ASSISTANT_CUE
         return [BOS, *encode("\n" + trigger)]
     return [BOS]
 

@@ -39,6 +39,16 @@ def load_chat_renderer(checkpoint_dir: Path | str, config: ModelConfig) -> ChatR
     return _jinja_renderer(template)
 
 
+def countable_tokenizer(config: ModelConfig) -> str | None:
+    """The id a client may count prompts under itself (`backend.bundled.chat.count_tokens`):
+    only the byte tokenizer with the bundled format qualifies; other checkpoints say None."""
+    if config.kvguard_tokenizer == BYTE_TOKENIZER:
+        from backend.bundled import chat
+
+        return chat.TOKENIZER_ID
+    return None
+
+
 def _jinja_renderer(template: str) -> ChatRenderer:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

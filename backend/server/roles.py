@@ -34,6 +34,7 @@ from backend.disagg.protocol import PROTOCOL_VERSION, TransferTarget
 from backend.engine.build import BuiltEngine, build_engine
 from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
+from backend.model.chat import countable_tokenizer
 from backend.model.kv_cache import KVCache
 from backend.server.prefill_client import HttpPrefillChannel, PrefillLink, PrefillMonitor
 from backend.server.schema import Role
@@ -79,6 +80,7 @@ def make_service(built: BuiltEngine, settings: BackendSettings, role: Role) -> E
         zero_on_free=built.pool.zero_on_free,
         request_timeout_s=settings.request_timeout_s,
         protocol_version=protocol_version(settings),
+        tokenizer_id=countable_tokenizer(built.config),
     )
 
 

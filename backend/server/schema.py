@@ -64,6 +64,11 @@ class CapacityReport(BaseModel):
         ge=0, description="largest prompt + max_tokens the serving path can accept end to end"
     )
     zero_on_free: bool
+    tokenizer: str | None = Field(
+        default=None,
+        description="an id of tokenizer + chat template a client may apply itself to count "
+        "prompt tokens exactly (the bundled byte tokenizer's); null: ask /tokenize",
+    )
     drift: str | None = Field(
         default=None, description="null, or why the advertised window exceeds the real pool"
     )

@@ -48,6 +48,7 @@ class EngineService:
     zero_on_free: bool
     request_timeout_s: float
     faults: list[str] = field(default_factory=list)
+    tokenizer_id: str | None = None  # see CapacityReport.tokenizer
     protocol_version: int = PROTOCOL_VERSION
     guard: PathGuard | None = None
     read_log: Callable[[], list[dict[str, Any]]] | None = None  # drills only
@@ -103,6 +104,7 @@ class EngineService:
             context_window=limits.context_window,
             max_request_tokens=max_request,
             zero_on_free=self.zero_on_free,
+            tokenizer=self.tokenizer_id,
             drift=_path_drift(limits, roles),
             faults=sorted({f for role in roles for f in role.faults}),
             roles=roles,

@@ -35,6 +35,7 @@ class CapacitySnapshot:
     faults: tuple[str, ...] = ()
     engine_drift: str | None = None  # the engine's own drift statement, if it makes one
     unavailable: str | None = None  # the engine says its serving path cannot serve now
+    tokenizer: str | None = None  # the engine's countable tokenizer id (see proxy.admission)
 
     @property
     def oldest_role_age_s(self) -> float:

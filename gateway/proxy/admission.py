@@ -4,7 +4,9 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
 
 1. route: engines that serve the model and may serve now (404 unknown model, 503 if all blocked);
 2. hooks: request hooks may rewrite the upstream body (canary markers are counted like text);
-3. count: exact prompt tokens from the engine's own tokenizer;
+3. count: exact prompt tokens -- applied here when the engine reports a tokenizer this release
+   can apply itself (the bundled byte tokenizer and chat format), else from the engine's own
+   ``/tokenize``;
 4. fit: prompt + max_tokens <= min(window, every role's real pool, engine limits, plan cap)
    on at least one engine (400 ``context_length_exceeded`` stating the real limit and the size;
    if engines turned unavailable while the prompt was counted, route again: 503, never a 400);
@@ -20,6 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.bundled.chat import TOKENIZER_ID, count_tokens
 from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.engines.adapters import AdapterError, adapter_for
 from gateway.engines.capacity import RequestSize, fits, limit_for
@@ -114,9 +117,16 @@ def route(state: GatewayState, model: str) -> list[EngineRecord]:
 async def count_prompt(
     state: GatewayState, routable: list[EngineRecord], body: dict[str, Any], ctx: RequestContext
 ) -> int:
-    """Exact count from the first engine whose tokenizer answers (all serve the same model)."""
+    """Exact count: here, when an engine reports the countable tokenizer; else from the first
+    engine whose tokenizer answers (all serve the same model)."""
     messages = body.get("messages")
     prompt = body.get("prompt")
+    if any(r.snapshot is not None and r.snapshot.tokenizer == TOKENIZER_ID for r in routable):
+        local = count_tokens(prompt, messages)
+        if local is not None:
+            state.metrics.token_counts.labels(method="local").inc()
+            return local
+    state.metrics.token_counts.labels(method="engine").inc()
     for record in routable:
         try:
             return await adapter_for(record.spec).count_tokens(

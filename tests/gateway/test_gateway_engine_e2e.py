@@ -216,3 +216,66 @@ async def test_fault_drills_are_refused_unless_overridden(engine_factory, make_s
         await gw.state.poller.poll_once()
         r = await gw.client.post("/v1/completions", json=body, headers=bearer(key))
         assert r.status_code == 503
+
+
+CHATS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Größe? 名前 🙂"}],
+    [
+        {"role": "system", "content": "line one\nline two"},
+        {"role": "user", "content": "first", "name": "ann"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": ""},
+    ],
+    [{"role": "assistant", "content": "no user turn at all"}],
+]
+
+
+async def test_the_gateway_counts_as_the_engine_tokenizer_does(
+    engine_factory, make_settings
+) -> None:
+    """A byte-tokenizer engine reports a countable tokenizer; the gateway's own count equals the
+    engine's /tokenize for every chat shape, and it enforces the limit with it exactly (no
+    /tokenize round trip)."""
+    from backend.bundled.chat import TOKENIZER_ID, count_tokens
+
+    engine = await _start(engine_factory, pool_tokens=256, page_size=16, context_window=256)
+    async with httpx.AsyncClient(timeout=30) as direct:
+        capacity = (await direct.get(f"{engine}/engine/capacity")).json()
+        assert capacity["tokenizer"] == TOKENIZER_ID
+        model = capacity["model"]
+        for messages in CHATS:
+            body = {"model": model, "messages": messages}
+            engine_count = (await direct.post(f"{engine}/tokenize", json=body)).json()["count"]
+            assert count_tokens(None, messages) == engine_count
+        for prompt in ("", "plain", "ünïcödé\n" * 3):
+            body = {"model": model, "prompt": prompt}
+            engine_count = (await direct.post(f"{engine}/tokenize", json=body)).json()["count"]
+            assert count_tokens(prompt, None) == engine_count
+    assert count_tokens(None, [{"role": "developer", "content": "x"}]) is None
+    assert count_tokens(None, [{"role": "user", "content": [{"type": "text"}]}]) is None
+    assert count_tokens(None, [{"role": "user", "content": "x", "tool_calls": []}]) is None
+
+    async with running_gateway(make_settings(engines=[{"name": "real", "base_url": engine}])) as gw:
+        _, key = await gw.create_tenant("acme")
+        shell = count_tokens(None, [{"role": "user", "content": ""}])
+        assert shell is not None
+        codes = {}
+        for total in (256, 257):  # prompt + max_tokens 8 against the limit of 256
+            chat = {
+                "model": model,
+                "messages": [{"role": "user", "content": "é" * ((total - 8 - shell) // 2)}],
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+            if (total - 8 - shell) % 2:
+                chat["messages"][0]["content"] += "a"
+            assert count_tokens(None, chat["messages"]) == total - 8
+            r = await gw.client.post("/v1/chat/completions", json=chat, headers=bearer(key))
+            codes[total] = (r.status_code, r.json().get("error", {}).get("code"))
+            if r.status_code == 200:
+                assert r.json()["usage"]["prompt_tokens"] == total - 8
+        assert codes == {256: (200, None), 257: (400, "context_length_exceeded")}
+        metrics = (await gw.client.get("/metrics")).text
+    assert 'kvguard_gateway_token_counts_total{method="local"} 2.0' in metrics
+    assert 'kvguard_gateway_token_counts_total{method="engine"}' not in metrics

@@ -59,6 +59,7 @@ def snapshot_from_report(report: CapacityReport, *, model: str) -> CapacitySnaps
         faults=tuple(faults),
         engine_drift="; ".join(drifts) or None,
         unavailable=report.unavailable,
+        tokenizer=report.tokenizer,
     )
 
 
