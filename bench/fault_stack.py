@@ -23,8 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import httpx
 
 from kvguard.localservices import free_port, postgres_server, redis_server
-from kvguard.testing import stop_process, wait_for_health
+from kvguard.testing import stop_process, wait_for, wait_for_health
 
 KVGUARD = [sys.executable, "-m", "kvguard"]
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "backend" / "bundled" / "kvguard-tiny"
@@ -289,16 +288,6 @@ def _metric_sum(role: Proc, name: str) -> float:
     return sum(
         float(ln.rpartition(" ")[2]) for ln in lines if ln.startswith((name + "{", name + " "))
     )
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _backend_env(log_env: dict[str, str]) -> dict[str, str]:

@@ -139,3 +139,14 @@ def stop_process(proc: subprocess.Popen[Any] | None, grace_s: float = 15.0) -> N
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> Any:
+    """Poll ``check`` until it returns something truthy (returned); TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")

@@ -12,8 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,7 @@ import httpx
 
 from backend.bundled import chat as chat_format
 from kvguard.localservices import free_port
-from kvguard.testing import stop_process, wait_for_health
+from kvguard.testing import stop_process, wait_for, wait_for_health
 
 MODEL = "tiny-llama"
 PAGE = 16
@@ -109,16 +108,6 @@ def running(model: str, *roles: Role) -> Iterator[None]:
     finally:
         for role in roles:
             role.stop()
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def capacity(role: Role) -> dict[str, Any]:
