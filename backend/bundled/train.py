@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--minutes", type=float, default=150.0)
+    parser.add_argument("--steps", type=int, default=700)  # the shipped weights
+    parser.add_argument("--minutes", type=float, default=90.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
