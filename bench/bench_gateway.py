@@ -9,7 +9,7 @@ sender) and prints p50/p99 latency per path, and what the gateway adds over call
 directly at the same rate. Paths:
 
 - ``direct``: client -> engine.
-- ``gateway``: client -> gateway (direct httpx upstream) -> engine.
+- ``gateway``: client -> gateway (direct aiohttp upstream) -> engine.
 - ``gateway+litellm``: the same engine registered as a litellm provider (``openai/<model>``),
   i.e. the gateway calling ``litellm.acompletion``: litellm's per-request overhead in-process.
 

@@ -79,7 +79,10 @@ async def build_state(
         limiter=make_limiter(settings),
         registry=registry,
         client=client,
-        direct=DirectUpstream(client),
+        direct=DirectUpstream(
+            connect_timeout_s=settings.upstream_connect_timeout_s,
+            read_timeout_s=settings.upstream_read_timeout_s,
+        ),
         litellm=LiteLLMUpstream(timeout_s=settings.upstream_read_timeout_s),
         audit=AuditWriter(
             session_factory=sessions,
@@ -119,6 +122,7 @@ async def stop(state: GatewayState, tasks: list[asyncio.Task[None]]) -> None:
             await task
     await state.audit.close()
     await state.limiter.close()
+    await state.direct.close()
     await state.client.aclose()
     state.tracing.shutdown()
     state.db.dispose()

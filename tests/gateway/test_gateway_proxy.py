@@ -7,6 +7,7 @@ checked and audited."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -191,6 +192,46 @@ async def test_connection_error_is_502(make_settings, standin) -> None:
                 json={"model": "hosted", "prompt": "hi", "max_tokens": 2, "stream": stream},
             )
             assert (r.status_code, r.json()["error"]["code"]) == (502, "upstream_error")
+
+
+async def test_silent_engine_times_out_as_502(make_settings, standin) -> None:
+    """An engine that stops answering costs a client the read timeout, then a clear error:
+    a 502 before the stream opens, an error event (not a hang) when it stalls mid-stream."""
+    settings = make_settings(
+        engines=[{"name": "s", "kind": "bundled", "base_url": standin.url}],
+        upstream_read_timeout_s=0.5,
+    )
+    async with running_gateway(settings) as gw:
+        _, key = await gw.create_tenant("acme")
+        gate = standin.controls.gate = asyncio.Event()  # the engine does not answer until set
+        for stream in (False, True):
+            started = time.perf_counter()
+            r = await gw.client.post(
+                "/v1/completions",
+                headers=bearer(key),
+                json={"model": MODEL, "prompt": WORDS, "max_tokens": 5, "stream": stream},
+            )
+            assert (r.status_code, r.json()["error"]["code"]) == (502, "upstream_error")
+            assert time.perf_counter() - started < 5
+        gate.set()  # let the two waiting handlers end (their client is gone)
+        standin.controls.gate = None
+        standin.controls.chunk_delay_s = 2.0  # first word, then silence past the timeout
+        started = time.perf_counter()
+        r = await gw.client.post(
+            "/v1/completions",
+            headers=bearer(key),
+            json={"model": MODEL, "prompt": WORDS, "max_tokens": 5, "stream": True},
+        )
+        assert time.perf_counter() - started < 1.8
+        assert r.status_code == 200
+        assert _text(r.content) == "alpha"
+        assert r.text.rstrip().endswith('"code":"upstream_error"}}')
+        rows = await _audit_rows(gw)
+        assert [(a.stream, a.outcome, a.error_code) for a in rows] == [
+            (False, "failed", "upstream_error"),
+            (True, "failed", "upstream_error"),
+            (True, "failed", "upstream_error"),  # the stall mid-stream
+        ]
 
 
 class CutOn:
