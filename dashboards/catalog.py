@@ -191,6 +191,12 @@ CAPACITY = Dashboard(
             (_q(_inc("limit", gm.RATE_LIMITED_TOTAL, ""), "{{limit}}"),),
         ),
         Panel(
+            "Prompt token counts by method",
+            (_q(_inc("method", gm.TOKEN_COUNTS_TOTAL, ""), "{{method}}"),),
+            description="local: counted in the gateway (the engine reports the bundled byte "
+            "tokenizer); engine: one /tokenize round trip to the engine per count.",
+        ),
+        Panel(
             "KV pages: free / owned / quarantined",
             (
                 _q(
