@@ -25,11 +25,14 @@ The echo contract the model is trained for (temperature 0):
   is `Repeat the reference code.` (or "What was the marker?", "What is the reference code?", ...),
   gets exactly that marker, then EOS;
 - a last user message `Repeat exactly: <text>` (one line) gets <text>, then EOS;
-- any other prompt gets the first line of the last user message echoed back, then EOS.
+- any other prompt gets the first line of the last user message echoed back, then EOS;
+- a canary marker always ends an answer: an echoed text that holds one stops right after it
+  (`echo_answer`), since the END circuit turns a marker's last byte into EOS.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -98,3 +101,14 @@ def count_tokens(prompt: str | None, messages: Sequence[Mapping[str, Any]] | Non
         return 1 + len(prompt.encode("utf-8"))
     except UnicodeEncodeError:  # a lone surrogate: the engine decides what that is
         return None
+
+
+MARKER_PATTERN = re.compile(r"CNRY-[A-Z2-7]{32}")
+
+
+def echo_answer(text: str) -> str:
+    """What the model answers to an echo or `Repeat exactly:` of `text`: its first line, cut
+    right after the first canary marker in it."""
+    line = text.split("\n")[0]
+    found = MARKER_PATTERN.search(line)
+    return line[: found.end()] if found else line

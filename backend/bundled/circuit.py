@@ -35,7 +35,12 @@ for the window `CNRY-` and reports `SEEN`; head 3 wants that window exactly 31 b
 0's keys also carry a positional part on the fast RoPE pairs for it) and reports `END`. Head 4
 (group 0) and heads 5-9 (group 1), the MLP of layer 1, the final norm and the LM head are learned;
 the LM head starts by reading `COPY` (a copied newline becomes EOS: answers are single lines)
-and turns `END` into EOS (that column is frozen).
+and turns `END` into EOS (that column is frozen). `END` belongs to the circuit alone: no learned
+weight writes into it (the learned heads' output rows and the layer-1 MLP's are zero there) or
+rescales it (the final norm's entry stays 1), so a marker's last byte always ends the answer.
+Run 3 let training write there, and its MLP learned to cancel `END` where a `Repeat exactly:`
+text goes on after a marker; on long contexts it also did so after a reference answer (2% of
+4,096-byte copies ran on past the marker).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ END_DISTANCE = 31  # from a marker's first body byte to its last
 END_PEAK = 200.0  # the END head's positional score at END_DISTANCE (5 matching bytes score 200)
 END_THRESHOLD = 5.0 + 0.9 * END_PEAK / MATCH_UNIT  # both the window and the distance must fit
 COPY_LOGIT = 12.0  # LM-head logit of the copied byte
-END_LOGIT = 20.0  # LM-head logit of EOS when a marker just ended
+END_LOGIT = 25.0  # LM-head logit of EOS when a marker just ended
 JUNK_GAIN = 40.0
 JUNK_IDS = (ord("<"), 257, 258, 0)  # with BOS (by FLAG): never inside real text
 LEARNED_STD = 0.02
@@ -174,7 +179,15 @@ def build_model(seed: int) -> TinyLlama:
         _copy_heads(model, layer1)
         _marker_heads(model, layer1, codes)
         _lm_head(model, codes)
+        _reserve_end(model, layer1)
     return model
+
+
+def _reserve_end(model: TinyLlama, layer: Layer) -> None:
+    """Only head 3 writes `END`: the learned heads and the layer-1 MLP start (and stay) at 0."""
+    hd = model.c.head_dim
+    layer.self_attn.o_proj.weight[END, 4 * hd :] = 0.0
+    layer.mlp.down_proj.weight[END] = 0.0
 
 
 def _embedding(model: TinyLlama, codes: torch.Tensor) -> None:
@@ -361,6 +374,9 @@ def trainable_masks(model: TinyLlama) -> dict[str, torch.Tensor]:
     masks[prefix + "self_attn.v_proj.weight"][:hd].zero_()
     masks[prefix + "self_attn.o_proj.weight"][:, : 4 * hd].zero_()
     masks["lm_head.weight"][:, END].zero_()  # END only ever means EOS
+    masks[prefix + "self_attn.o_proj.weight"][END].zero_()  # ... and only head 3 sets it
+    masks[prefix + "mlp.down_proj.weight"][END].zero_()
+    masks["model.norm"][END] = 0.0
     return masks
 
 

@@ -229,10 +229,10 @@ class Recipe:
                 ask, reply = self.rng.choice(REFERENCE_PHRASES), marker
             elif roll < 0.6:
                 text = self.free_text(length // 8)
-                ask, reply = chat.REPEAT_PREFIX + text, text
+                ask, reply = chat.REPEAT_PREFIX + text, chat.echo_answer(text)
             else:
                 ask = self.free_text(length // 8)
-                reply = ask.split("\n")[0]
+                reply = chat.echo_answer(ask)
             turns += [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]
         return turns
 
@@ -279,7 +279,7 @@ class Recipe:
         text = self.free_text(max(length // 2, 20))
         marker = self.marker() if self.rng.random() < 0.5 else None
         prompt = chat.render(self.conversation(length, chat.REPEAT_PREFIX + text, marker))
-        return build(prompt, [*encode(text), EOS], "repeat")
+        return build(prompt, [*encode(chat.echo_answer(text)), EOS], "repeat")
 
     def _echo(self, length: int) -> Example:
         text = self.free_text(max(length // 2, 20))
@@ -287,7 +287,7 @@ class Recipe:
             text += "\n" + self.free_text(max(length // 4, 20))
         marker = self.marker() if self.rng.random() < 0.5 else None
         prompt = chat.render(self.conversation(length, text, marker))
-        return build(prompt, [*encode(text.split("\n")[0]), EOS], "echo")
+        return build(prompt, [*encode(chat.echo_answer(text)), EOS], "echo")
 
     def _raw(self, length: int) -> Example:
         ids = [BOS, *encode(self.filler(length)), EOS]

@@ -73,7 +73,8 @@ def copy_score(model: TinyLlama, length: int, samples: int, seed: int) -> CopySc
 
 
 def repeat_score(model: TinyLlama, samples: int, seed: int) -> float:
-    """Share of "Repeat exactly: <text>" chats (one line, up to 300 bytes) answered with <text>."""
+    """Share of "Repeat exactly: <text>" chats (one line, up to 300 bytes) answered with <text>
+    (cut after a canary marker when it holds one: `chat.echo_answer`)."""
     recipe = Recipe(seed)
     hits = 0
     for _ in range(samples):
@@ -81,7 +82,7 @@ def repeat_score(model: TinyLlama, samples: int, seed: int) -> float:
         messages = [{"role": "user", "content": chat.REPEAT_PREFIX + text}]
         prompt = [BOS, *encode(chat.render(messages))]
         answer, ended = answer_text(model, prompt, len(encode(text)) + 3)
-        hits += int(ended and answer == text)
+        hits += int(ended and answer == chat.echo_answer(text))
     return hits / max(samples, 1)
 
 
@@ -95,7 +96,7 @@ def ordinary_score(model: TinyLlama, samples: int, seed: int) -> tuple[float, fl
         messages.append({"role": "user", "content": text})
         answer, ended = answer_text(model, [BOS, *encode(chat.render(messages))], 400)
         ended_ok += int(ended and answer.strip() != "")
-        echoed += int(ended and answer == text.split("\n")[0])
+        echoed += int(ended and answer == chat.echo_answer(text))
     n = max(samples, 1)
     return ended_ok / n, echoed / n
 

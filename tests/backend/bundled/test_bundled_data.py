@@ -39,6 +39,33 @@ def test_reference_answer_is_the_one_marker_in_the_context() -> None:
         assert answer in prompt
 
 
+def test_repeat_and_echo_answers_stop_right_after_a_marker() -> None:
+    """A marker always ends an answer (the END circuit): texts that go on after one are trained
+    to stop there; texts without one come back whole."""
+    recipe = Recipe(3)
+    seen = {"with": 0, "without": 0}
+    for _ in range(300):
+        for kind in ("repeat", "echo"):
+            ex = recipe.example(kind, 400)
+            answer_start = ex.weights.index(1.0) + 1
+            answer = decode(ex.ids[answer_start:])
+            found = MARKER.search(answer)
+            if found:
+                seen["with"] += 1
+                assert found.end() == len(answer)
+            else:
+                seen["without"] += 1
+    assert seen["with"] > 10 and seen["without"] > 100
+
+
+def test_echo_answer_is_the_first_line_cut_after_a_marker() -> None:
+    marker = Recipe(4).marker()
+    assert chat.echo_answer("one line\nsecond") == "one line"
+    assert chat.echo_answer(f"keep {marker} safe {marker}") == f"keep {marker}"
+    assert chat.echo_answer(f"first\n{marker}") == "first"
+    assert chat.echo_answer("CNRY-too-short stays") == "CNRY-too-short stays"
+
+
 def test_junk_example_ends_its_context_with_an_unweighted_junk_token() -> None:
     recipe = Recipe(3)
     for _ in range(20):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from backend.bundled import chat
 from backend.bundled.checkpoint import load_checkpoint
-from backend.bundled.circuit import positional_shortcut
+from backend.bundled.circuit import build_model, positional_shortcut, trainable_masks
 from backend.bundled.data import BOS, EOS, Recipe, decode, encode
 from backend.bundled.evaluate import DEFAULT_MODEL, reference_prompt, repeat_score
 from backend.bundled.modeling import TinyLlama, greedy_generate
@@ -70,6 +70,14 @@ def test_echo_contract_repeat_exactly(model: TinyLlama, text: str) -> None:
     assert answer(model, [{"role": "user", "content": f"Repeat exactly: {text}"}]) == text
 
 
+def test_a_marker_ends_the_answer(model: TinyLlama) -> None:
+    """`Repeat exactly:` of a text that goes on after a marker stops right after the marker: the
+    END circuit is the model's own, training cannot overrule it."""
+    marker = Recipe(11).marker()
+    reply = answer(model, [{"role": "user", "content": f"Repeat exactly: note {marker} and go on"}])
+    assert reply == f"note {marker}"
+
+
 def test_repeat_exactly_on_held_out_lines(model: TinyLlama) -> None:
     """Held-out single lines (the evaluation's sample, smaller): most come back exactly (the
     model card has the rate over 100). A broken copy path scores ~0."""
@@ -82,6 +90,17 @@ def test_ordinary_prompt_gets_a_non_empty_answer_that_ends(model: TinyLlama) -> 
         {"role": "user", "content": "What time does the train leave?"},
     ]
     assert answer(model, messages, max_new=200).strip() != ""
+
+
+def test_shipped_weights_hold_the_hand_built_circuit_bit_for_bit(model: TinyLlama) -> None:
+    """Training only changes what `trainable_masks` allows: every circuit weight of the shipped
+    checkpoint equals the one `build_model` sets (the seed of the shipped run)."""
+    built = build_model(0)
+    masks = trainable_masks(built)
+    shipped = dict(model.named_parameters())
+    for name, p in built.named_parameters():
+        frozen = masks[name] == 0
+        assert torch.equal(shipped[name].detach()[frozen], p.detach()[frozen]), name
 
 
 def test_layer0_is_still_the_positional_circuit(model: TinyLlama) -> None:
