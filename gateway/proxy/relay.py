@@ -242,15 +242,23 @@ def screen(guard: StreamGuard, text: str) -> str | Cut:
 
 
 def relay_body(
-    endpoint: Endpoint, body: dict[str, Any], open_guard: OpenGuard, *, screen_side: bool = True
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    open_guard: OpenGuard,
+    *,
+    screen_side: bool = True,
+    side_prefilter: Prefilter | None = None,
+    raw: str | None = None,
 ) -> dict[str, Any] | Cut:
     """A non-streaming answer through the guards: the body (texts replaced if changed) or a Cut.
 
-    Raises ``InvalidUpstream`` for an answer the gateway cannot vouch for.
+    ``raw`` is the answer's JSON text as the engine sent it; with it, ``side_prefilter`` may clear
+    the side fields without walking them (as for a streamed event). Raises ``InvalidUpstream``
+    for an answer the gateway cannot vouch for.
     """
     if screen_side:
         try:
-            screened = SideScreen(open_guard).screen_body(body)
+            screened = SideScreen(open_guard, prefilter=side_prefilter).screen_body(body, raw=raw)
         except InvalidSide as exc:
             raise InvalidUpstream(str(exc)) from exc
         if isinstance(screened, Cut):

@@ -28,6 +28,7 @@ from gateway.proxy.admission import Admitted, Body, admit
 from gateway.proxy.context import RequestContext, parse_handoff
 from gateway.proxy.finish import finish, handoff_refused, note_handoff
 from gateway.proxy.relay import InvalidUpstream, OpenGuard, StreamRelay, relay_body, screen
+from gateway.proxy.side import Prefilter
 from gateway.state import GatewayState
 from gateway.upstream.base import Endpoint, UpstreamCall, UpstreamReply, UpstreamUnreachable
 from gateway.upstream.sse import SseSplitter
@@ -121,7 +122,7 @@ async def _complete(state: GatewayState, ctx: RequestContext, call: UpstreamCall
             await finish(state, ctx, Phase.FAILED, status=502, code=err.code, refund_all=True)
             raise _with_headers(err, headers)
         raise await _refused_reply(state, ctx, reply, headers)
-    return await _deliver_body(state, ctx, reply.body, headers)
+    return await _deliver_body(state, ctx, reply.body, headers, raw=reply.raw)
 
 
 def _reply_headers(ctx: RequestContext) -> dict[str, str]:
@@ -134,6 +135,12 @@ def _reply_headers(ctx: RequestContext) -> dict[str, str]:
 def _screens_side(state: GatewayState) -> bool:
     """Side fields need screening only when the guards can find something (the canary is on)."""
     return not isinstance(state.hooks.guards, PassThroughFactory)
+
+
+def _side_prefilter(state: GatewayState) -> Prefilter | None:
+    """The guards' cheap test that an answer's side fields cannot hold what they look for."""
+    prefilter: Prefilter | None = getattr(state.hooks.guards, "side_prefilter", None)
+    return prefilter
 
 
 def _open_guard(state: GatewayState, ctx: RequestContext) -> OpenGuard:
@@ -168,7 +175,12 @@ async def _cut_error(
 
 
 async def _deliver_body(
-    state: GatewayState, ctx: RequestContext, body: dict[str, Any], headers: dict[str, str]
+    state: GatewayState,
+    ctx: RequestContext,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    *,
+    raw: str | None,
 ) -> Response:
     usage = body.get("usage")
     if isinstance(usage, dict):
@@ -179,7 +191,12 @@ async def _deliver_body(
         raise _with_headers(handoff_refused(), headers)
     try:
         result = relay_body(
-            ctx.endpoint, body, _open_guard(state, ctx), screen_side=_screens_side(state)
+            ctx.endpoint,
+            body,
+            _open_guard(state, ctx),
+            screen_side=_screens_side(state),
+            side_prefilter=_side_prefilter(state),
+            raw=raw,
         )
     except InvalidUpstream as exc:
         err = UpstreamFailed("the engine sent an invalid answer")
@@ -230,7 +247,7 @@ async def _open_stream(
         wants_usage=wants_usage,
         refuse_handoff_mismatch=state.settings.refuse_on_handoff_mismatch,
         screen_side=_screens_side(state),
-        side_prefilter=getattr(state.hooks.guards, "side_prefilter", None),
+        side_prefilter=_side_prefilter(state),
     )
     events = _relay_events(state, ctx, opened, relay)
     return GuardedStreamingResponse(events, media_type="text/event-stream", headers=headers)

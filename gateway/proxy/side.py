@@ -316,9 +316,10 @@ class SideScreen:
                 tails.append(SideTail(last[0], last[1], verdict.text))
         return tails
 
-    def screen_body(self, body: dict[str, Any]) -> Cut | dict[str, Any]:
-        """A whole non-streaming answer: a Cut, or the body (a changed copy if anything changed)."""
-        verdict = self.feed(body)
+    def screen_body(self, body: dict[str, Any], *, raw: str | None = None) -> Cut | dict[str, Any]:
+        """A whole non-streaming answer (``raw``: its JSON text, for the prefilter): a Cut, or the
+        body (a changed copy if anything changed)."""
+        verdict = self.feed(body, raw=raw)
         if isinstance(verdict, Cut):
             return verdict
         tails = self.finish()

@@ -42,6 +42,7 @@ class UpstreamReply:
 
     status: int
     body: dict[str, Any] | None = field(repr=False)
+    raw: str | None = field(default=None, repr=False)  # the body's JSON text, when kept
 
 
 class UpstreamUnreachable(RuntimeError):

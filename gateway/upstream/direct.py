@@ -85,7 +85,8 @@ class DirectUpstream(Upstream):
             raise UpstreamUnreachable(exc.__class__.__name__) from exc
         finally:
             response.release()
-        return UpstreamReply(status=response.status, body=_json_or_none(content))
+        body = _json_or_none(content)
+        return UpstreamReply(status=response.status, body=body, raw=_utf8_or_none(content))
 
     async def stream(self, call: UpstreamCall) -> UpstreamStream | UpstreamReply:
         response = await self._send(call)
@@ -113,6 +114,14 @@ async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:
     except _FAILURES:
         return b""
     return data
+
+
+def _utf8_or_none(content: bytes) -> str | None:
+    """The JSON text as sent (the side-field prefilter reads it); None unless strict UTF-8."""
+    try:
+        return content.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def _json_or_none(content: bytes) -> dict[str, Any] | None:

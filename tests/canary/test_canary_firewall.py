@@ -193,6 +193,40 @@ def test_non_streaming_bodies_are_screened_per_choice_and_field() -> None:
         assert isinstance(relay_body(Endpoint.CHAT, leaky, lambda: fw.open(info)), CanaryCut)
 
 
+def test_non_streaming_side_prefilter_skips_only_what_cannot_hold_a_marker() -> None:
+    """With the answer's JSON text, side fields without a ``C`` are not walked (no guard opened
+    for them); a marker in a side field, plain or ``\\u0043``-escaped, is still cut."""
+    victim = CODEC.issue(TENANTS[7])
+    fw, info = firewall()
+    opened: list[int] = []
+
+    def open_guard():
+        opened.append(1)
+        return fw.open(info)
+
+    def screen_raw(body: dict) -> object:
+        opened.clear()
+        raw = json.dumps(body)
+        return relay_body(
+            Endpoint.CHAT, body, open_guard, side_prefilter=fw.side_prefilter, raw=raw
+        )
+
+    clean = {"id": "cmpl-1", "choices": [{"index": 0, "message": {"content": "Cats"}}]}
+    assert screen_raw(clean) == clean
+    assert len(opened) == 1  # the text's guard only
+    leaky = {**clean, "debug": victim.text}
+    assert isinstance(screen_raw(leaky), CanaryCut)
+    escaped = json.dumps({**clean, "debug": victim.text}).replace("C", "\\u0043")
+    cut = relay_body(
+        Endpoint.CHAT,
+        json.loads(escaped),
+        open_guard,
+        side_prefilter=fw.side_prefilter,
+        raw=escaped,
+    )
+    assert isinstance(cut, CanaryCut)
+
+
 # -- the corpus ------------------------------------------------------------------------------------
 
 NOT_OWN_FIRST = "".join(
