@@ -4,9 +4,11 @@ gateway (API key auth, Redis limits, exact token count, capacity check all on).
 Run: ``python -m bench.bench_gateway`` (``--help`` for options). It starts a private Redis, the
 real engine (``kvguard backend unified`` on a small random byte-level checkpoint) and the
 gateway (``kvguard gateway``) as processes, creates a limited tenant, then for each rate sends
-``--seconds`` of requests at fixed intervals (open loop: a slow answer does not slow the
-sender) and prints p50/p99 latency per path, and what the gateway adds over calling the engine
-directly at the same rate. Paths:
+``--seconds`` of requests per path at fixed intervals (open loop: a slow answer does not slow the
+sender), split into ``--rounds`` alternating rounds with the path order rotated each round (a
+stall of the shared machine then falls on every path alike), and prints p50/p99 latency per path
+over all its rounds, and what the gateway adds over calling the engine directly at the same
+rate. Paths:
 
 - ``direct``: client -> engine.
 - ``gateway``: client -> gateway (direct aiohttp upstream) -> engine.
@@ -42,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -68,6 +70,24 @@ class Result:
     p50_ms: float
     p99_ms: float
     cpu_s: float | None = None  # the measured process's CPU seconds over the load (after warm-up)
+    samples: tuple[float, ...] = field(default=(), repr=False)  # latencies (ms) of the 200s
+
+
+def pooled(parts: list[Result]) -> Result:
+    """One path's rounds as one result: percentiles over every round's samples together."""
+    samples = [ms for part in parts for ms in part.samples]
+    cpu = [part.cpu_s for part in parts if part.cpu_s is not None]
+    return Result(
+        parts[0].path,
+        parts[0].rate,
+        sum(part.sent for part in parts),
+        sum(part.errors for part in parts),
+        statistics.fmean(part.achieved for part in parts),
+        statistics.median(samples) if samples else float("nan"),
+        percentile(samples, 0.99) if samples else float("nan"),
+        sum(cpu) if cpu else None,
+        tuple(samples),
+    )
 
 
 def process_cpu_s(pid: int) -> float:
@@ -141,6 +161,7 @@ async def open_loop(
         statistics.median(latencies) if latencies else float("nan"),
         percentile(latencies, 0.99) if latencies else float("nan"),
         cpu,
+        tuple(latencies),
     )
 
 
@@ -245,29 +266,25 @@ async def run(args: argparse.Namespace, engine: EngineProcess, env: dict[str, st
     try:
         body = {"model": model, "prompt": "hello", "max_tokens": 1, "temperature": 0}
         auth = {"Authorization": f"Bearer {key}"}
+        paths = [
+            ("direct", f"{engine.url}/v1/completions", {}, body),
+            ("gateway", f"{gateway_url}/v1/completions", auth, body),
+        ]
+        if not args.skip_litellm:
+            litellm_body = {**body, "model": "bench-litellm"}
+            paths.append(("gateway+litellm", f"{gateway_url}/v1/completions", auth, litellm_body))
         results = []
         for rate in args.rates:
-            results.append(
-                await open_loop(
-                    f"{engine.url}/v1/completions", {}, body, rate, args.seconds, "direct"
-                )
-            )
-            results.append(
-                await open_loop(
-                    f"{gateway_url}/v1/completions", auth, body, rate, args.seconds, "gateway"
-                )
-            )
-            if not args.skip_litellm:
-                results.append(
-                    await open_loop(
-                        f"{gateway_url}/v1/completions",
-                        auth,
-                        {**body, "model": "bench-litellm"},
-                        rate,
-                        args.seconds,
-                        "gateway+litellm",
-                    )
-                )
+            # alternating rounds, the order rotated each round: a stall of the shared machine
+            # falls on every path alike instead of on whichever ran at that moment
+            parts: dict[str, list[Result]] = {name: [] for name, *_ in paths}
+            for round_ in range(args.rounds):
+                shift = round_ % len(paths)
+                for name, url, headers, path_body in paths[shift:] + paths[:shift]:
+                    seconds = args.seconds / args.rounds
+                    part = await open_loop(url, headers, path_body, rate, seconds, name)
+                    parts[name].append(part)
+            results += [pooled(parts[name]) for name, *_ in paths]
     finally:
         gateway.terminate()
         gateway.wait(timeout=15)
@@ -460,7 +477,8 @@ def firewall_cpu(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=int, nargs="+", default=[25, 50, 100])
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=15.0, help="per path and rate")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (>= 1)")
     parser.add_argument("--skip-litellm", action="store_true")
     parser.add_argument("--firewall-cpu", action="store_true", help="firewall on vs off: CPU")
     parser.add_argument("--cpu-rate", type=int, default=20, help="requests/s (--firewall-cpu)")
