@@ -1,6 +1,6 @@
 """The upstream contract: call an engine's OpenAI-compatible completion routes.
 
-Two paths implement it: ``direct`` (httpx straight to an OpenAI-compatible engine, bytes passed
+Two paths implement it: ``direct`` (aiohttp straight to an OpenAI-compatible engine, bytes passed
 through untouched) and ``litellm`` (providers that need translation). A call either answers
 (status + JSON), opens a stream of raw SSE bytes, or raises ``UpstreamUnreachable`` (connection
 refused, timeout, protocol error) which the gateway maps to 502.
