@@ -46,7 +46,7 @@ from pathlib import Path
 import httpx
 
 from backend.config import BUNDLED_MODEL_DIR
-from bench.bench_gateway import create_tenant, percentile, process_cpu_s, start_gateway
+from bench.gateway_load import create_tenant, percentile, process_cpu_s, start_gateway
 from bench.summary import emit
 from kvguard.localservices import free_port, redis_server
 from kvguard.testing import launch_engine
