@@ -8,6 +8,7 @@ free port and waits for its health check.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -150,3 +151,10 @@ def wait_for(check: Callable[[], Any], timeout_s: float, what: str, poll_s: floa
             return value
         time.sleep(poll_s)
     raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def interruptible() -> None:
+    """``preexec_fn`` for a child a test stops with Ctrl-C (SIGINT): a shell that ran the test
+    suite in the background without job control made SIGINT ignored, and children inherit that
+    (Python then installs no KeyboardInterrupt handler), so restore the default first."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from kvguard.localservices import free_port
+from kvguard.testing import interruptible
 
 
 def test_up_prints_a_working_key_and_stops_cleanly(tiny_checkpoint: str, tmp_path: Path) -> None:
@@ -26,7 +27,12 @@ def test_up_prints_a_working_key_and_stops_cleanly(tiny_checkpoint: str, tmp_pat
     argv = [sys.executable, "-m", "kvguard", "up", "--port", str(port)]
     argv += ["--backend-port", str(backend_port), "--data-dir", str(tmp_path / "data")]
     proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=interruptible,
     )
     assert proc.stdout is not None
     lines: list[str] = []

@@ -16,6 +16,7 @@ from ops_stack import base_env, chat, prom_query
 
 from dashboards.alerts import ALERTS
 from kvguard.localservices import free_port
+from kvguard.testing import interruptible
 
 
 def _free_pair() -> int:
@@ -41,7 +42,14 @@ def test_production_like_profile(tiny_checkpoint: str, tmp_path: Path) -> None:
     argv += ["--prefill-port", str(prefill_port), "--data-dir", str(tmp_path)]
     log = tmp_path / "up.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=interruptible,
+        )
     try:
         deadline = time.monotonic() + 180
         while "Press Ctrl-C" not in log.read_text() and proc.poll() is None:
