@@ -112,7 +112,7 @@ _REF_LINES = (
     "{m}",
 )
 _DELIMS = (" ", ".", ",", ";", ")", "\n", "\n", "\n")
-_MARKER_BYTES = re.compile(rb"CNRY-[A-Z2-7]{32}")
+_MARKER_BYTES = re.compile(chat.MARKER_PATTERN.pattern.encode())  # the same pattern, on bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
 """Direct path: aiohttp to an OpenAI-compatible engine; streamed bytes pass through untouched.
 
-One shared ``aiohttp.ClientSession`` (opened in the app lifespan, closed with it) keeps
-connections to every engine alive. aiohttp rather than httpx because this is the hot path:
-`python -m bench.bench_http_client` measures a request here at under a quarter of httpx's CPU
-(httpx stays for the capacity poller and token counting, which are not per-request).
+One shared ``aiohttp.ClientSession`` (opened on first use, in the running loop; closed with the
+app) keeps connections to every engine alive. aiohttp rather than httpx because this is the hot
+path: `python -m bench.bench_http_client` measures a request here at under a quarter of httpx's
+CPU (httpx stays for the capacity poller and token counting, which are not per-request).
 A stream is opened, its status checked before the client sees anything (so an engine 400 becomes
 a proper 400, not a broken 200 stream), then relayed chunk by chunk as the engine writes; closing
 it early closes the connection, so the engine sees the client go away.
