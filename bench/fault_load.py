@@ -13,15 +13,15 @@ what the client saw:
   neither ``[DONE]`` nor an error event (a silently cut stream);
 - ``cancelled``: the client dropped the stream itself.
 
-Any marker other than the request's own (verified or not) counts as leaked. Marker text is never
-printed: results carry counts and codes only.
+Any marker other than the request's own (verified or not, whole or cut off: the load run's
+``foreign_markers``) counts as leaked. Marker text is never printed: results carry counts and
+codes only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
@@ -31,10 +31,10 @@ import httpx
 
 from bench.fault_stack import MODEL_NAME, Tenant
 from canary.markers import MARKER_CHARS, MarkerCodec, MarkerKeyring
+from kvguard.load.content import foreign_markers
 
 REFERENCE_REQUEST = "Repeat the reference code."
 REQUEST_ID_HEADER = "x-kvguard-request-id"
-_ANY_MARKER = re.compile(r"CNRY-[A-Z2-7]{4,32}")
 
 
 def codec_for(canary_key: str) -> MarkerCodec:
@@ -106,10 +106,6 @@ def _feed(read: _Read, line: str) -> None:
         read.text.append((choice.get("delta") or {}).get("content") or "")
 
 
-def _leaked(text: str, own: str) -> int:
-    return sum(1 for found in _ANY_MARKER.findall(text) if not own.startswith(found))
-
-
 async def ask(
     client: httpx.AsyncClient,
     tenant: Tenant,
@@ -146,7 +142,7 @@ async def ask(
                 if read.text and not counted:
                     counted, live.streaming = True, live.streaming + 1
                 if drop_after_events is not None and read.events >= drop_after_events:
-                    leaked = _leaked("".join(read.text), marker)
+                    leaked = foreign_markers("".join(read.text), marker)
                     took = time.perf_counter() - started
                     return Outcome("cancelled", None, status, request_id, leaked, took)
     except (httpx.TransportError, ValueError) as exc:
@@ -154,7 +150,7 @@ async def ask(
     finally:
         live.streaming -= 1 if counted else 0
     text = "".join(read.text)
-    leaked, took = _leaked(text, marker), time.perf_counter() - started
+    leaked, took = foreign_markers(text, marker), time.perf_counter() - started
     if read.error is not None:
         kind = "cut" if status == 200 else "error"
         return Outcome(kind, read.error, status, request_id, leaked, took)

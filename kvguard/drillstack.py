@@ -30,7 +30,6 @@ and sizes only: no prompt, answer or marker text.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import subprocess
 import sys
@@ -40,6 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvguard.load.content import MARKER_RE as _MARKER
 
 if TYPE_CHECKING:
     import httpx
@@ -61,7 +62,6 @@ DECODE_FAULTS = (
 )
 CUT_CODE = "isolation_violation"
 REFUSED_CODE = "context_length_exceeded"
-_MARKER = re.compile(r"CNRY-[A-Z2-7]{32}")
 
 
 class StackFailed(RuntimeError):

@@ -7,6 +7,13 @@ broken expectation as ``(kind, reason)``. Kinds: ``status`` (the HTTP status or 
 the one this request's size calls for) and ``content`` (own marker missing, another marker
 present, usage inconsistent, a stream cut by an error event).
 
+Markers: the own marker must come back whole (``MARKER_RE``); any other marker piece
+(``MARKER_PIECE_RE``: ``CNRY-`` and at least ``MIN_PIECE_CHARS`` base32 characters, a cut-off copy
+included) that is not the start of the own marker is a foreign marker (``foreign_markers``): a
+partial copy of another request's marker is already a leak. Limit: a piece short enough to also be
+the start of the own marker (the first characters are the tenant tag, shared by one tenant's
+markers) cannot be told apart from it and is not counted.
+
 Reasons never quote the answer or a marker (a leaked marker is someone's secret): they say what
 was wrong, not what was seen. Pure: no I/O, no Locust, no HTTP.
 """
@@ -20,7 +27,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-MARKER_RE = re.compile(r"CNRY-[A-Z2-7]{32}")
+from canary.markers import BASE32_CLASS, BODY_CHARS, PREFIX
+
+MIN_PIECE_CHARS = 4
+MARKER_RE = re.compile(re.escape(PREFIX) + BASE32_CLASS + "{" + str(BODY_CHARS) + "}")
+MARKER_PIECE_RE = re.compile(
+    re.escape(PREFIX) + BASE32_CLASS + "{" + str(MIN_PIECE_CHARS) + "," + str(BODY_CHARS) + "}"
+)
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 FOREIGN_CANARY_MARKER = "foreign_canary_marker"
 
@@ -153,12 +166,16 @@ def _stream_problems(answer: StreamedAnswer) -> list[str]:
     return problems
 
 
+def foreign_markers(text: str, own: str) -> int:
+    """How many marker pieces in ``text``, whole or cut off, are not the start of ``own``."""
+    return sum(1 for piece in MARKER_PIECE_RE.findall(text) if not own.startswith(piece))
+
+
 def _marker_problems(expected: Expected, text: str) -> list[str]:
-    found = MARKER_RE.findall(text)
     problems = []
-    if expected.marker not in found:
+    if expected.marker not in MARKER_RE.findall(text):
         problems.append("own marker missing")
-    others = sum(1 for m in found if m != expected.marker)
+    others = foreign_markers(text, expected.marker)
     if others:
         problems.append(f"{others} foreign marker(s) in the answer")
     return problems

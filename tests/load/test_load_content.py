@@ -12,6 +12,7 @@ from kvguard.load.content import (
     SseLines,
     StreamedAnswer,
     check_answer,
+    foreign_markers,
     read_sse_line,
 )
 
@@ -53,6 +54,14 @@ def test_a_foreign_marker_fails_even_next_to_the_own_one() -> None:
     verdict = check_answer(_expected(max_tokens=80), _answer(f"{OWN} {FOREIGN}"))
     assert verdict.failures == ((FailureKind.CONTENT, "1 foreign marker(s) in the answer"),)
     assert FOREIGN not in verdict.reason() and OWN not in verdict.reason()  # no secrets in reasons
+
+
+def test_a_cut_off_foreign_marker_is_a_leak_a_cut_off_own_one_is_not() -> None:
+    cut = FOREIGN[:12]  # "CNRY-" and 7 characters of another tenant's marker
+    verdict = check_answer(_expected(max_tokens=80), _answer(f"{OWN} {cut}"))
+    assert verdict.failures == ((FailureKind.CONTENT, "1 foreign marker(s) in the answer"),)
+    assert check_answer(_expected(max_tokens=80), _answer(f"{OWN} {OWN[:20]}")).ok
+    assert foreign_markers(f"{OWN} {cut} {FOREIGN[:-1]} CNRY-AB", OWN) == 2  # "CNRY-AB": too short
 
 
 def test_a_damaged_copy_is_not_the_own_marker() -> None:
