@@ -2,7 +2,8 @@
 
 ``kvguard load --gateway URL --users N --duration 30s [--tenants K] [--max-requests M]
 [--out DIR]`` prints a summary table and exits 0 only if every request got the status its size
-calls for and passed every content check (1 otherwise, 2 when the run could not start). The admin
+calls for, passed every content check and finished before the stop timeout (1 otherwise, 2 when
+the run could not start). The admin
 token (``--admin-token`` or ``KVGUARD_ADMIN_TOKEN``) and the canary key (``KVGUARD_CANARY_KEY``)
 are the gateway's, as for ``kvguard canary probe``.
 """

@@ -17,7 +17,9 @@ Definitions (as in vLLM's and LLMPerf's benchmarks, measured at the client throu
 - requests/s: finished requests / wall time; goodput: requests/s that were answered 200, passed
   every content check and met the SLOs given (``--slo-ttft-ms``, ``--slo-tpot-ms``).
 - content-check failures: own marker missing, a foreign marker, inconsistent usage, a stream
-  error event; unexpected statuses are counted apart. Either makes the run fail.
+  error event; unexpected statuses are counted apart. Either makes the run fail, and so does a
+  request still running when the run stopped (``requests_unfinished``, set by the runner): its
+  answer was never checked.
 
 Pure: no Locust, no HTTP.
 """
@@ -184,6 +186,7 @@ def passed(summary: dict[str, Any]) -> bool:
         summary["requests"] > 0
         and summary["content_check_failures"] == 0
         and summary["unexpected_statuses"] == 0
+        and summary.get("requests_unfinished", 0) == 0
     )
 
 
@@ -227,6 +230,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     lines += [f"  {count} x {reason}" for reason, count in summary["failure_reasons"].items()]
     if summary.get("requests_unfinished"):
-        lines.append(f"requests cut off at the end of the run: {summary['requests_unfinished']}")
+        unfinished = summary["requests_unfinished"]
+        lines.append(f"requests still running at the stop timeout (unchecked): {unfinished}")
     lines.append("PASS" if passed(summary) else "FAIL")
     return "\n".join(lines)

@@ -50,6 +50,13 @@ def test_summary_counts_rates_goodput_and_failures() -> None:
     clean = summarize(samples[:3] + samples[4:5], wall_s=1.0)
     assert passed(clean) and clean["good_requests"] == 3
     assert not passed(summarize([], wall_s=1.0))  # a run that sent nothing proves nothing
+    # A request still running at the stop timeout was never checked: the run fails.
+    cut_off = {**clean, "requests_unfinished": 1}
+    assert not passed(cut_off)
+    assert format_summary(cut_off).splitlines()[-2:] == [
+        "requests still running at the stop timeout (unchecked): 1",
+        "FAIL",
+    ]
 
 
 def test_durations() -> None:
