@@ -1,6 +1,6 @@
 """Faults under load: break one part of a real stack while clients run, prove nothing leaks.
 
-``python -m bench.faults [--clients N] [--seconds S]`` starts one stack (``bench.fault_stack``:
+``python -m bench.faults [--clients N] [--only NAME ...]`` starts one stack (``bench.fault_stack``:
 gateway + decode + prefill with the bundled model, private Redis and PostgreSQL), runs every
 scenario on it in turn and prints the report table. ``tests/faults/`` runs the same scenarios with
 small sizes and asserts on the rows.
