@@ -33,6 +33,7 @@ HANDOFF_REFUSALS = PREFIX + "handoff_refusals"  # counter {check}: decode found 
 HANDOFF_TRANSFER_MISMATCH = PREFIX + "handoff_transfer_mismatch"  # counter: reserved != sent
 HANDOFF_CHECKSUM_FAILURES = PREFIX + "handoff_checksum_failures"  # counter
 HANDOFF_LATE_WRITES = PREFIX + "handoff_late_write_pages"  # counter: written after release
+QUARANTINE_ABSORBED_WRITES = PREFIX + "quarantine_absorbed_write_pages"  # counter: landed held
 HANDOFF_SECONDS = PREFIX + "handoff_seconds"  # histogram: decode, request sent -> result
 TRANSFER_SECONDS = PREFIX + "kv_transfer_seconds"  # histogram: prefill, all batches of one
 CHECKSUM_SECONDS = PREFIX + "kv_checksum_seconds"  # histogram
@@ -93,6 +94,11 @@ class EngineMetrics:
         )
         self.handoff_late_writes = Counter(
             HANDOFF_LATE_WRITES, "Pages written after decode had released them", registry=r
+        )
+        self.quarantine_absorbed_writes = Counter(
+            QUARANTINE_ABSORBED_WRITES,
+            "Pages an aborted handoff wrote while decode held them in quarantine",
+            registry=r,
         )
         self.handoff_seconds = Histogram(
             HANDOFF_SECONDS, "Decode: request sent -> result", buckets=_HANDOFF_BUCKETS, registry=r

@@ -12,6 +12,8 @@ Lifecycle of one request here (the handoff's states are ``DECODE_TRANSITIONS``):
    AWAITING_RESULT: the request ends at once, its pages go to quarantine (DRAINING) and a
    ``SendAbort`` notice asks prefill to stop. ``drained`` (prefill acknowledged quiescence, or its
    late result arrived) or the drain deadline (``tick``) releases them with bumped generations.
+   Prefill's result (before or after an ack) names the pages it wrote: writes the quarantine
+   absorbed are counted, and in the early-release drill, writes that landed after the release.
 5. ``step``: the base engine step for DECODING requests, then any newly possible reservation.
 
 With fault drills, the table and checks come from the ``FaultSet``; a drill read log (only when
@@ -134,7 +136,9 @@ class DecodeEngineCore(EngineCore):
         self._metrics = metrics
         self._clock = clock
         self._handoffs: dict[str, _Handoff] = {}
-        self._released_early: dict[str, float] = {}
+        # Handoffs whose pages left this core before prefill's result came, by request id: how
+        # they left ("ack" after a drain, or "early" in the drill), the handoff id, and when.
+        self._released: dict[str, tuple[str, str, float]] = {}
         self._sequence = itertools.count(1)
         self.read_log: OrderedDict[str, dict[str, Any]] | None = (
             OrderedDict() if config.keep_read_log else None
@@ -166,7 +170,7 @@ class DecodeEngineCore(EngineCore):
                 request_id, RequestState.ABORTED, release=Release.FREE
             )
             del self._handoffs[request_id]
-            self._released_early[request_id] = self._clock()
+            self._released[request_id] = ("early", handoff.expect.request_id, self._clock())
             log.error(
                 "fault drill early_release_on_abort: freed %d pages of %s with writes "
                 "possibly in flight",
@@ -192,6 +196,7 @@ class DecodeEngineCore(EngineCore):
             self._late_result(request_id, result)
             return None
         if handoff.machine.state is _S.DRAINING:
+            self._absorbed(request_id, result)
             self._release(request_id, handoff, "result")
             return None
         if handoff.machine.state is not _S.AWAITING_RESULT:
@@ -284,9 +289,9 @@ class DecodeEngineCore(EngineCore):
                 if lost is not None:
                     outcome.merge(lost)
         horizon = self.config.lease_s + self.config.drain_s
-        for request_id, at in list(self._released_early.items()):
+        for request_id, (_, _, at) in list(self._released.items()):
             if now - at > horizon:
-                del self._released_early[request_id]
+                del self._released[request_id]
         self._reserve()
         return outcome
 
@@ -420,6 +425,8 @@ class DecodeEngineCore(EngineCore):
         pages = self.decode.release_drain(request_id)
         handoff.machine.advance(_S.RELEASED)
         del self._handoffs[request_id]
+        if reason == "ack":  # prefill's result may still be on its way: it tells what was written
+            self._released[request_id] = ("ack", handoff.expect.request_id, self._clock())
         waited = self._clock() - (handoff.drain_started or self._clock())
         log.info(
             "drain of %s ended (%s) after %.3f s: %d pages freed", request_id, reason, waited, pages
@@ -430,16 +437,25 @@ class DecodeEngineCore(EngineCore):
         self._reserve()
 
     def _late_result(self, request_id: str, result: PrefillResult) -> None:
-        if request_id in self._released_early and result.pages_written:
+        released = self._released.pop(request_id, None)
+        if released is None or released[1] != result.request_id:
+            return  # not a handoff this core released recently
+        if released[0] == "ack":  # acknowledged quiescence: every write landed before the release
+            self._absorbed(request_id, result)
+        elif result.pages_written:
             pages = len(result.pages_written)
-            log.error(
-                "handoff %s: prefill wrote %d pages that were already released "
-                "(early_release_on_abort drill)",
-                request_id,
-                pages,
-            )
+            drill = "early_release_on_abort drill"
+            log.error("handoff %s: %d pages written after release (%s)", request_id, pages, drill)
             if self._metrics is not None:
                 self._metrics.handoff_late_writes.inc(pages)
+
+    def _absorbed(self, request_id: str, result: PrefillResult) -> None:
+        """Prefill wrote these pages while they sat in quarantine: the drain kept them unread."""
+        pages = len(result.pages_written)
+        if pages:
+            log.info("handoff %s: %d pages written during the quarantine", request_id, pages)
+            if self._metrics is not None:
+                self._metrics.quarantine_absorbed_writes.inc(pages)
 
     def _result_deadline(self, handoff: _Handoff) -> float:
         return handoff.sent_at + self.config.lease_s + self.config.result_grace_s

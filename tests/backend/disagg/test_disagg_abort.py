@@ -106,6 +106,7 @@ def test_abort_mid_transfer_quarantines_until_prefill_confirms() -> None:
         "A's pages quarantined",
     )
     assert cap["free_pages"] == 0
+    assert metric(D_QUARANTINE, "kvguard_engine_pool_pages", state="quarantined") == pool
     out: dict[str, httpx.Response] = {}
     thread = _b_in_background(D_QUARANTINE, out)
     # B cannot get a single page while A's write may still land: nothing is re-allocated.
@@ -121,11 +122,21 @@ def test_abort_mid_transfer_quarantines_until_prefill_confirms() -> None:
         for reason in ("ack", "result", "timeout")
     }
     assert drained["ack"] + drained["result"] == pool and drained["timeout"] == 0
+    # A's in-flight batch really landed, into the quarantined pages (prefill's result names them;
+    # with an ack first, that result may still be on its way).
+    absorbed = wait_for(
+        lambda: metric(D_QUARANTINE, "kvguard_engine_quarantine_absorbed_write_pages_total"),
+        10,
+        "prefill's result for A",
+    )
+    assert BATCH_PAGES <= absorbed < -(-A_PROMPT // PAGE)  # whole batches, then the abort
+    # The control: nothing was released early, so nothing landed after a release.
     assert metric(D_QUARANTINE, "kvguard_engine_handoff_late_write_pages_total") == 0
     read = kv_reads(D_QUARANTINE)["req-b"]["pages"]
     # Generation 1 was A's; the drain bumped it to 2; B's allocation made it 3.
     assert [p["generation"] for p in read] == [3]
     # The late write landed during the quarantine: B's prompt KV was never touched after checks.
+    assert metric(D_QUARANTINE, "kvguard_engine_pool_pages", state="quarantined") == 0
     assert read[0]["at_finish"] == read[0]["at_accept"]
     assert capacity(D_QUARANTINE)["quarantined_pages"] == 0
 
@@ -166,6 +177,9 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_drains_pages() -> Non
     wait_for(lambda: capacity(D_ORPHANED)["quarantined_pages"] == 0, 10, "drain deadline", 0.1)
     assert capacity(D_ORPHANED)["free_pages"] == 512 // PAGE
     assert metric(D_ORPHANED, "kvguard_engine_drained_pages_total", release="timeout") == pages
+    assert metric(D_ORPHANED, "kvguard_engine_drain_seconds_count", release="timeout") == 1
+    # Held at least the drain bound after the loss (its message-delay slack alone is 0.5 s).
+    assert metric(D_ORPHANED, "kvguard_engine_drain_seconds_sum", release="timeout") >= 0.5
     # Fail closed afterwards: prefill is gone, so new requests are refused before reserving.
     refused = complete(D_ORPHANED, "x", max_tokens=2, request_id="req-after")
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "prefill_unavailable"
