@@ -25,8 +25,9 @@ class MooncakeTransport(KvTransport):
         except ImportError as exc:
             raise TransportUnavailable(
                 "the Mooncake transfer engine is not installed (pip install "
-                "'kvguard[mooncake]', i.e. mooncake-transfer-engine-non-cuda on CPU hosts); "
-                "without it prefill and decode cannot exchange KV across processes"
+                "'kvguard[mooncake]', i.e. mooncake-transfer-engine-non-cuda on CPU hosts); it "
+                "is needed when prefill and decode run on separate hosts. With both roles on "
+                "this host, set KVGUARD_TRANSPORT=loopback (TCP on 127.0.0.1, single-host only)"
             ) from exc
         self._engine: Any = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
