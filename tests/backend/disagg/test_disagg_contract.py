@@ -164,9 +164,15 @@ def test_prefill_is_not_an_entry_point() -> None:
     assert response.status_code == 404
 
 
-def test_faults_need_allow_fault_drills(tiny_checkpoint: str) -> None:
-    argv = [sys.executable, "-m", "kvguard", "backend", "decode", "--model", tiny_checkpoint]
-    argv += ["--prefill-url", P_V1.url, "--port", "1", "--fault", "skip_checksum"]
+@pytest.mark.parametrize(
+    ("role", "fault"), [("decode", "skip_checksum"), ("prefill", "legacy_reject_handoff")]
+)
+def test_faults_need_allow_fault_drills(tiny_checkpoint: str, role: str, fault: str) -> None:
+    argv = [sys.executable, "-m", "kvguard", "backend", role, "--model", tiny_checkpoint]
+    argv += ["--port", "1", "--fault", fault]
+    if role == "decode":
+        argv += ["--prefill-url", P_V1.url]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
+    assert f"kvguard backend {role}: cannot start" in result.stderr
     assert "need --allow-fault-drills" in result.stderr
