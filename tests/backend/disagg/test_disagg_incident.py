@@ -165,6 +165,10 @@ def test_incident_reproduced_b_gets_200_with_a_marker_from_a_stale_pages() -> No
     cap = capacity(D_INCIDENT)
     assert "legacy_reject_handoff" in cap["faults"] and "skip_checksum" in cap["faults"]
     assert cap["drift"] is not None and "prefill" in cap["drift"]
+    # Every drill is loud: a metric per fault and an ERROR line at start-up, on each role.
+    for role, fault in [(P_LEGACY, "legacy_reject_handoff"), *((D_INCIDENT, f) for f in SKIP_ALL)]:
+        assert metric(role, "kvguard_engine_fault_drill_enabled", fault=fault) == 1
+        assert f"FAULT DRILL ENABLED on the {role.role} role: {fault}" in role.log()
 
 
 def test_faults_off_b_gets_400_and_decode_reads_nothing() -> None:
@@ -183,6 +187,10 @@ def test_faults_off_b_gets_400_and_decode_reads_nothing() -> None:
     # Refused before any page was reserved anywhere: prefill only ever saw A.
     assert metric(P_FIXED, "kvguard_engine_handoffs_total", outcome="ok") == prefill_handoffs + 1
     assert metric(P_FIXED, "kvguard_engine_handoffs_total", outcome="rejected") == 0
+    # Drills allowed but none named: nothing announced (the control for the incident's checks).
+    for role in (P_FIXED, D_FIXED):
+        assert "kvguard_engine_fault_drill_enabled{" not in httpx.get(role.url + "/metrics").text
+        assert "FAULT DRILL ENABLED" not in role.log()
 
 
 @pytest.mark.parametrize("defence", list(ALONE))
