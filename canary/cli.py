@@ -2,8 +2,10 @@
 
 ``kvguard canary probe --gateway URL --once`` runs every probe kind once, prints a table, reports
 the results to the gateway and exits 0 only if every probe passed (CI and deploy gates); without
-``--once`` it repeats every ``KVGUARD_CANARY_PROBE_INTERVAL_S`` until interrupted. The canary key
-(``KVGUARD_CANARY_KEY``) and admin token (``KVGUARD_ADMIN_TOKEN``) are the gateway's.
+``--once`` it repeats every ``KVGUARD_CANARY_PROBE_INTERVAL_S`` until interrupted, touching the
+``--heartbeat`` file at start and after every round (whatever its outcome), so a health check can
+test that the loop is alive by the file's age. The canary key (``KVGUARD_CANARY_KEY``) and admin
+token (``KVGUARD_ADMIN_TOKEN``) are the gateway's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import asyncio
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 # Only light imports here: `kvguard --help` must not pay for httpx or pydantic-settings.
@@ -42,6 +45,13 @@ def register(subparsers: Any) -> None:
     probe.add_argument("--model", default=None, help="model to probe (default: the first served)")
     probe.add_argument(
         "--no-report", action="store_true", help="do not send results to the gateway"
+    )
+    probe.add_argument(
+        "--heartbeat",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="touch FILE at start and after every round (a liveness signal for health checks)",
     )
     probe.set_defaults(handler=run_probe)
     key = commands.add_parser("new-key", help="print a fresh random canary key")
@@ -79,11 +89,19 @@ def run_probe(args: argparse.Namespace) -> int:
 
 
 async def _probe_loop(args: argparse.Namespace, settings: Any, url: str) -> int:
+    _beat(args.heartbeat)
     while True:
         status = await _probe_once(args, settings, url)
+        _beat(args.heartbeat)
         if args.once:
             return status
         await asyncio.sleep(settings.canary_probe_interval_s)
+
+
+def _beat(heartbeat: Path | None) -> None:
+    """Touch the heartbeat file: the loop is alive (whatever the round's outcome)."""
+    if heartbeat is not None:
+        heartbeat.touch()
 
 
 async def _probe_once(args: argparse.Namespace, settings: Any, url: str) -> int:

@@ -139,6 +139,9 @@ def engine_targets(engine: str, roles: Sequence[tuple[str, str]]) -> list[Scrape
 # -- the compose topology's Prometheus and Grafana files -------------------------------------------
 
 COMPOSE_ENGINE = "bundled"  # the name the gateway routes by (KVGUARD_ENGINES in compose.yaml)
+# compose.yaml's ``metrics_token`` secret (KVGUARD_METRICS_TOKEN): the gateway's /metrics holds
+# every tenant's series and answers only this bearer credential (or the admin token).
+COMPOSE_METRICS_TOKEN_FILE = "/run/secrets/metrics_token"
 
 
 def compose_prometheus() -> dict[str, Any]:
@@ -152,6 +155,10 @@ def compose_prometheus() -> dict[str, Any]:
     gateway_job = config["scrape_configs"][0]
     del gateway_job["static_configs"]
     gateway_job["dns_sd_configs"] = [{"names": ["gateway"], "type": "A", "port": 8000}]
+    gateway_job["authorization"] = {
+        "type": "Bearer",
+        "credentials_file": COMPOSE_METRICS_TOKEN_FILE,
+    }
     return config
 
 

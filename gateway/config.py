@@ -111,6 +111,11 @@ class GatewaySettings(KvguardSettings):
     database_url: str | None = None
     redis_url: str | None = None
     admin_token: SecretStr | None = None
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="bearer credential for GET /metrics (it carries every tenant's series; the "
+        "admin token is accepted too); required outside development, where unset means open",
+    )
     migrate_on_start: bool = True
 
     engines: list[EngineSpec] = Field(default_factory=list)
@@ -156,6 +161,7 @@ class GatewaySettings(KvguardSettings):
     @model_validator(mode="after")
     def _check_deployment(self) -> Self:
         require_real_secret("admin_token", self.admin_token, DEV_ADMIN_TOKEN, self.mode)
+        require_real_secret("metrics_token", self.metrics_token, DEV_ADMIN_TOKEN, self.mode)
         if self.mode is RunMode.PRODUCTION and not self.redis_url:
             raise ValueError("KVGUARD_REDIS_URL is required when KVGUARD_MODE=production")
         if self.capacity_stale_after_s <= self.poll_interval_s:
@@ -167,6 +173,12 @@ class GatewaySettings(KvguardSettings):
         if self.admin_token is not None and self.admin_token.get_secret_value():
             return self.admin_token.get_secret_value()
         return DEV_ADMIN_TOKEN
+
+    def metrics_secret(self) -> str | None:
+        """The scrape credential for /metrics; ``None`` (open) only in development when unset."""
+        if self.metrics_token is not None and self.metrics_token.get_secret_value():
+            return self.metrics_token.get_secret_value()
+        return None
 
     def sqlalchemy_url(self) -> str:
         if self.database_url:

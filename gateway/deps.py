@@ -1,7 +1,8 @@
 """FastAPI dependencies as ``Annotated`` aliases: state, DB session, the tenant, the admin.
 
 Credentials: tenants send ``Authorization: Bearer kvg_<prefix>_<secret>``; the admin API takes
-only the separate admin token (a tenant key there is refused, whatever tenant it belongs to).
+only the separate admin token (a tenant key there is refused, whatever tenant it belongs to);
+``/metrics`` (every tenant's series) takes the metrics token or the admin token, never a tenant key.
 """
 
 from __future__ import annotations
@@ -96,3 +97,20 @@ def require_admin(request: Request, state: StateDep) -> None:
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
+
+
+def require_scraper(request: Request, state: StateDep) -> None:
+    """``/metrics``: the metrics token or the admin token (open only in development when unset)."""
+    expected = state.settings.metrics_secret()
+    if expected is None:
+        return
+    token = bearer_token(request)
+    if looks_like_tenant_key(token):
+        raise AuthenticationFailed("Tenant API keys cannot read /metrics.")
+    accepted = (expected, state.settings.admin_secret())
+    matches = [hmac.compare_digest(token.encode(), s.encode()) for s in accepted]  # no shortcut
+    if not any(matches):
+        raise AuthenticationFailed("Incorrect metrics token.")
+
+
+ScraperDep = Annotated[None, Depends(require_scraper)]

@@ -18,18 +18,23 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
 
 @dataclass(frozen=True, slots=True)
 class RoleSpec:
+    """One role. ``url`` is where it listens (or, for a role without an HTTP server, what it
+    calls); such a role names a ``heartbeat`` file instead, and is healthy once that exists."""
+
     name: str
     argv: list[str]
     url: str
     health_path: str = "/health"
     env: dict[str, str] | None = None
     startup_timeout_s: float = 180.0
+    heartbeat: Path | None = None
 
 
 @dataclass(slots=True)
@@ -117,7 +122,7 @@ class Supervisor:
             code = running.proc.poll()
             if code is not None:
                 raise RoleFailed(spec.name, f"exited with status {code} during start-up")
-            if _healthy(spec.url + spec.health_path):
+            if spec.heartbeat.exists() if spec.heartbeat else _healthy(spec.url + spec.health_path):
                 return
             time.sleep(0.2)
         raise RoleFailed(spec.name, f"was not healthy within {spec.startup_timeout_s:.0f} s")

@@ -25,15 +25,20 @@ def test_development_defaults(tmp_path, monkeypatch) -> None:
     assert settings.redis_url is None
 
 
-def test_production_refuses_default_admin_token_and_missing_redis() -> None:
+def test_production_refuses_default_secrets_and_missing_redis() -> None:
     with pytest.raises(ValidationError, match="KVGUARD_ADMIN_TOKEN"):
         GatewaySettings(mode="production", redis_url="redis://x")
     with pytest.raises(ValidationError, match="KVGUARD_ADMIN_TOKEN"):
         GatewaySettings(mode="production", admin_token=DEV_ADMIN_TOKEN, redis_url="redis://x")
     with pytest.raises(ValidationError, match="KVGUARD_REDIS_URL"):
-        GatewaySettings(mode="production", admin_token="a-real-secret")
-    ok = GatewaySettings(mode="production", admin_token="a-real-secret", redis_url="redis://x")
+        GatewaySettings(mode="production", admin_token="a-real-secret", metrics_token="scrape")
+    real = {"admin_token": "a-real-secret", "redis_url": "redis://x"}
+    with pytest.raises(ValidationError, match="KVGUARD_METRICS_TOKEN"):
+        GatewaySettings(mode="production", **real)  # /metrics carries every tenant's series
+    ok = GatewaySettings(mode="production", metrics_token="a-scrape-secret", **real)
     assert ok.admin_secret() == "a-real-secret"
+    assert ok.metrics_secret() == "a-scrape-secret"
+    assert GatewaySettings().metrics_secret() is None  # development: /metrics open unless set
 
 
 def test_unknown_setting_is_refused() -> None:

@@ -5,10 +5,11 @@ PostgreSQL and Redis. The endpoint list comes from the app's own routes: an endp
 a row in ``MATRIX`` fails ``test_every_endpoint_has_a_matrix_row``.
 
 Credentials: none, a malformed token, a well-formed unknown key, a revoked key, a disabled
-tenant's key, the other tenant's key, the admin token, the tenant's own key. Expected: tenant
-endpoints accept only live tenant keys (never the admin token), admin endpoints only the admin
-token (never a tenant key), public endpoints anything; and a tenant endpoint answers about the
-caller's own tenant only, whatever it is asked.
+tenant's key, the other tenant's key, the metrics token, the admin token, the tenant's own key.
+Expected: tenant endpoints accept only live tenant keys (never the admin token), admin endpoints
+only the admin token (never a tenant key), ``/metrics`` (every tenant's series) only the metrics
+or the admin token, public endpoints anything; and a tenant endpoint answers about the caller's
+own tenant only, whatever it is asked.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from canary.findings import (
 from gateway.db.session import session_scope
 from kvguard.testing import EngineProcess
 
-PUBLIC, TENANT, ADMIN = "public", "tenant", "admin"
+PUBLIC, TENANT, ADMIN, SCRAPE = "public", "tenant", "admin", "scrape"
 THROWAWAY_ENGINE = "matrix-engine"
+METRICS_TOKEN = "matrix-metrics-token-" + "m" * 32
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def _chat() -> dict[str, Any]:
 # and removed last; the throwaway tenant's key is revoked after everything else used it.
 MATRIX: dict[tuple[str, str], Call] = {
     ("GET", "/health"): Call(PUBLIC, 200),
-    ("GET", "/metrics"): Call(PUBLIC, 200),
+    ("GET", "/metrics"): Call(SCRAPE, 200),
     ("GET", "/openapi.json"): Call(PUBLIC, 200),
     ("GET", "/docs"): Call(PUBLIC, 200),
     ("GET", "/docs/oauth2-redirect"): Call(PUBLIC, 200),
@@ -175,6 +177,7 @@ def _world(gateway: ServedGateway) -> World:
         "revoked": revoked,
         "disabled": disabled_key,
         "other tenant": key_b,
+        "metrics": METRICS_TOKEN,
         "admin": admin,
         "own": key_a,
     }
@@ -185,7 +188,9 @@ def _world(gateway: ServedGateway) -> World:
 
 @pytest.fixture
 def world(postgres_url: str, redis_url: str, engine: EngineProcess) -> Iterator[World]:
-    settings = gateway_settings(postgres_url, engine.url, redis_url=redis_url)
+    settings = gateway_settings(
+        postgres_url, engine.url, redis_url=redis_url, metrics_token=METRICS_TOKEN
+    )
     with served_gateway(settings) as gateway:
         yield _world(gateway)
 
@@ -224,6 +229,8 @@ def test_the_matrix(world: World) -> None:
                 (TENANT, "own"),
                 (TENANT, "other tenant"),
                 (ADMIN, "admin"),
+                (SCRAPE, "metrics"),
+                (SCRAPE, "admin"),
             ):
                 continue
             r = world.call(method, template, token, json=call.json, params=call.params)
@@ -232,7 +239,11 @@ def test_the_matrix(world: World) -> None:
             else:
                 _refused(r, 401, "invalid_api_key", who, where)
     for (method, template), call in MATRIX.items():
-        callers = {PUBLIC: list(world.credentials), TENANT: ["own", "other tenant"]}
+        callers = {
+            PUBLIC: list(world.credentials),
+            TENANT: ["own", "other tenant"],
+            SCRAPE: ["metrics", "admin"],
+        }
         for who in callers.get(call.kind, ["admin"]):
             r = world.call(method, template, world.credentials[who], json=call.json)
             assert r.status_code == call.status, (who, method, template, r.text[:300])
@@ -288,3 +299,19 @@ def test_tenant_endpoints_never_reveal_another_tenants_data(world: World) -> Non
         if call.kind == TENANT:
             r = world.call(method, template, world.key_b, json=call.json)
             assert world.tenant_a not in r.text and "tenant-a" not in r.text, template
+
+
+def test_metrics_and_health_never_reveal_a_tenant_to_a_tenant(world: World) -> None:
+    r = world.call("POST", "/v1/chat/completions", world.key_a, json=_chat())
+    assert r.status_code == 200, r.text
+    # the series exist, per tenant: the scrape credential reads tenant A's id in them
+    scraped = world.call("GET", "/metrics", METRICS_TOKEN)
+    assert scraped.status_code == 200 and f'tenant="{world.tenant_a}"' in scraped.text
+    for who in ("none", "other tenant", "own", "malformed"):
+        r = world.call("GET", "/metrics", world.credentials[who])
+        _refused(r, 401, "invalid_api_key", who, "GET /metrics")
+        assert world.tenant_a not in r.text and "kvguard_" not in r.text, who
+        r = world.call("GET", "/health", world.credentials[who])
+        assert r.status_code == 200, r.text
+        assert world.tenant_a not in r.text and world.tenant_b not in r.text, who
+        assert "tenant-a" not in r.text and "tenant-b" not in r.text, who

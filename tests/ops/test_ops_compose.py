@@ -2,9 +2,10 @@
 
 Each kvguard service's command parses with the real ``kvguard`` parser; every KVGUARD_* variable
 is a field of the settings class that service builds, and the settings really load from it;
-hosts and ports line up between services; migrations run once before the gateways; every
-long-running service has a health check; the mounted files exist and Prometheus accepts its
-config.
+hosts and ports line up between services (health checks included); migrations run once before
+the gateways; every long-running service has a health check, the probe runner's a real liveness
+signal; Prometheus scrapes the gateway with its metrics token; the mounted files exist and
+Prometheus accepts its config.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import os
 import re
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,10 +37,12 @@ ONE_SHOT = {n for n, s in SERVICES.items() if s.get("restart") == "no"}
 SECRETS = {
     "POSTGRES_PASSWORD": "pg-secret",
     "KVGUARD_ADMIN_TOKEN": "admin-token-for-the-compose-test",
+    "KVGUARD_METRICS_TOKEN": "metrics-token-for-the-compose-test",
     "KVGUARD_CANARY_KEY": "k" * 48,
     "GRAFANA_ADMIN_PASSWORD": "grafana-secret",
 }
 INTERPOLATION = re.compile(r"\$\{(\w+)(:\?[^}]*)?\}")
+HEALTH_URL = re.compile(r"https?://([\w.-]+):(\d+)/")
 
 
 def interpolate(value: str) -> str:
@@ -92,6 +97,7 @@ def test_settings_load_from_the_compose_environment(
                 m.setenv(var, value)
             gateway = GatewaySettings()
             assert gateway.mode.value == "production" and gateway.redis_url
+            assert gateway.metrics_secret() == SECRETS["KVGUARD_METRICS_TOKEN"]
             if name == "gateway":  # the firewall runs in the gateway; migrations need no key
                 assert CanarySettings().keyring() is not None
     with monkeypatch.context() as m:
@@ -130,7 +136,9 @@ def test_urls_and_ports_line_up() -> None:
     http_receiver = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
     assert otlp.hostname == "otel-collector" and http_receiver.endswith(f":{otlp.port}")
     nginx = (REPO / "deploy" / "nginx.conf").read_text()
-    assert f"server gateway:{_port('gateway')};" in nginx
+    # re-resolved while running (Docker's DNS), so replicas that come and go are followed
+    assert f"server gateway:{_port('gateway')} resolve;" in nginx
+    assert "resolver 127.0.0.11 " in nginx and "zone kvguard_gateway " in nginx
     assert SERVICES["lb"]["ports"] == [f"{_port('gateway')}:8000"] and "listen 8000;" in nginx
     probe = SERVICES["canary-probe"]["command"]
     assert option(probe, "--gateway") == "http://lb:8000"
@@ -154,6 +162,81 @@ def test_prometheus_scrapes_every_role_where_it_listens() -> None:
     (otel,) = jobs["otel-collector"]["static_configs"]
     assert otel["targets"] == ["otel-collector:8888"]
     assert "8888" in SERVICES["otel-collector"]["expose"]
+
+
+def test_prometheus_scrapes_the_gateway_with_the_gateways_metrics_token() -> None:
+    # /metrics holds every tenant's series: the gateway answers only its metrics token there
+    auth = {
+        j["job_name"]: j.get("authorization") for j in build.compose_prometheus()["scrape_configs"]
+    }
+    assert auth["kvguard-gateway"]["type"] == "Bearer"
+    (secret,) = SERVICES["prometheus"]["secrets"]
+    assert auth["kvguard-gateway"]["credentials_file"] == f"/run/secrets/{secret}"
+    assert COMPOSE["secrets"][secret] == {"environment": "KVGUARD_METRICS_TOKEN"}
+    assert "KVGUARD_METRICS_TOKEN" in env_of("gateway")
+
+
+def _container_port(name: str) -> int:
+    """Where the service listens inside its container: --port, nginx's listen, else ``ports``."""
+    command = SERVICES[name].get("command", [])
+    if "--port" in command:
+        return _port(name)
+    if name == "lb":
+        listen = re.search(r"listen (\d+);", (REPO / "deploy" / "nginx.conf").read_text())
+        assert listen is not None
+        return int(listen.group(1))
+    (mapping,) = SERVICES[name]["ports"]
+    return int(mapping.split(":")[-1])
+
+
+def test_health_checks_ask_the_service_itself_on_its_own_port() -> None:
+    checked = set()
+    for name, service in SERVICES.items():
+        test = " ".join(service.get("healthcheck", {}).get("test", []))
+        for host, port in HEALTH_URL.findall(test):
+            assert (host, int(port)) == ("127.0.0.1", _container_port(name)), (name, test)
+            checked.add(name)
+    assert checked == {"prefill", "decode", "gateway", "lb", "prometheus", "grafana"}
+
+
+def _probe_check() -> list[str]:
+    """canary-probe's health check, and the heartbeat file its command touches."""
+    service = SERVICES["canary-probe"]
+    heartbeat = option(service["command"], "--heartbeat")
+    test = service["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"] and f"'{heartbeat}'" in test[3], test
+    return [test[3], heartbeat]
+
+
+def _check(code: str, heartbeat: str, path: Path) -> int:
+    done = subprocess.run([sys.executable, "-c", code.replace(heartbeat, str(path))], timeout=30)
+    return done.returncode
+
+
+def test_the_probe_runners_health_check_follows_its_heartbeat(tmp_path: Path) -> None:
+    """The real probe loop (no gateway to reach: every round fails, the loop lives on) beats; the
+    compose check passes on its file and fails on a missing or stale one."""
+    code, heartbeat = _probe_check()
+    beat = tmp_path / "probe.heartbeat"
+    env = {**os.environ, "KVGUARD_MODE": "development", "KVGUARD_CANARY_PROBE_INTERVAL_S": "0.2"}
+    argv = [sys.executable, "-m", "kvguard", "canary", "probe", "--gateway", "http://127.0.0.1:9"]
+    proc = subprocess.Popen([*argv, "--heartbeat", str(beat)], env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not beat.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        first = beat.stat().st_mtime_ns
+        while beat.stat().st_mtime_ns == first:  # touched again after a (failed) round
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert _check(code, heartbeat, beat) == 0
+    os.utime(beat, (time.time() - 3600, time.time() - 3600))
+    assert _check(code, heartbeat, beat) != 0
+    assert _check(code, heartbeat, tmp_path / "missing") != 0
 
 
 def test_migrations_run_once_before_the_gateways() -> None:
@@ -197,6 +280,10 @@ def test_mounted_files_exist_and_prometheus_accepts_its_config(tmp_path: Path) -
     )
     assert config["rule_files"] == [mounts["./dashboards/prometheus/alerts.yml"]]
     config["rule_files"] = [str(build.RULES_FILE)]
+    (gateway_job,) = [j for j in config["scrape_configs"] if j["job_name"] == "kvguard-gateway"]
+    token = tmp_path / "metrics_token"  # promtool checks that the credentials file exists
+    token.write_text(SECRETS["KVGUARD_METRICS_TOKEN"])
+    gateway_job["authorization"]["credentials_file"] = str(token)
     local = tmp_path / "prometheus.yml"
     local.write_text(yaml.safe_dump(config))
     done = subprocess.run(

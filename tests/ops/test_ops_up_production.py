@@ -1,22 +1,70 @@
 """`kvguard up --profile production-like` runs compose.yaml's topology as local processes: a key
 issued once works on both gateway replicas (shared PostgreSQL), the request goes through the
-prefill/decode split, and Prometheus scrapes every role with the alert rules loaded."""
+prefill/decode split, Prometheus scrapes every role (the gateways with their metrics token) with
+the alert rules loaded, and the canary probe runner's results reach Prometheus. Each role's command
+is compose.yaml's apart from hosts and ports, so the two cannot drift apart."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import yaml
 from ops_stack import base_env, chat, prom_query
 
+from canary.metrics import PROBE_LAST_RUN
 from dashboards.alerts import ALERTS
 from kvguard.localservices import free_port
 from kvguard.testing import interruptible
+from kvguard.up_production import MIGRATE, production_env, production_roles
+
+COMPOSE = yaml.safe_load((Path(__file__).resolve().parents[2] / "compose.yaml").read_text())
+# what differs between the hosts: addresses, and where the heartbeat file lives
+WHERE = {"--host", "--port", "--prefill-url", "--gateway", "--heartbeat"}
+# compose's variables that name a host, or the OTel collector the local profile does not run
+ELSEWHERE = {"KVGUARD_TRANSFER_HOST", "KVGUARD_OTLP_ENDPOINT"}
+
+
+def _without_where(command: list[str]) -> list[str]:
+    return ["<where>" if i and command[i - 1] in WHERE else arg for i, arg in enumerate(command)]
+
+
+def _service(role: str) -> str:
+    names = {"backend (prefill)": "prefill", "backend (decode)": "decode"}
+    return names.get(role, "gateway" if role.startswith("gateway") else role.replace(" ", "-"))
+
+
+def test_roles_run_composes_commands_apart_from_hosts_and_ports(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        host="127.0.0.1", port=9000, backend_port=9100, prefill_port=9101, gateway_replicas=2
+    )
+    args.data_dir = tmp_path
+    env = production_env("postgresql://db", "redis://r", "http://127.0.0.1:9100")
+    roles = production_roles(args, env)
+    services: dict[str, Any] = COMPOSE["services"]
+    long_running = {
+        name
+        for name, s in services.items()
+        if s.get("image", "").startswith("kvguard") and s.get("restart") != "no"
+    }
+    assert {_service(r.name) for r in roles} == long_running
+    assert len([r for r in roles if _service(r.name) == "gateway"]) == 2
+    for role in roles:
+        prefix, command = role.argv[:3], role.argv[3:]
+        assert prefix == [sys.executable, "-m", "kvguard"], role.name
+        compose = services[_service(role.name)]
+        assert _without_where(command) == _without_where(compose["command"]), role.name
+        assert role.env is not None
+        missing = set(compose.get("environment", {})) - set(role.env) - ELSEWHERE
+        assert not missing, (role.name, missing)
+    assert services["migrate"]["command"] == MIGRATE
 
 
 def _free_pair() -> int:
@@ -66,6 +114,7 @@ def test_production_like_profile(tiny_checkpoint: str, tmp_path: Path) -> None:
         capacity = httpx.get(f"http://127.0.0.1:{decode_port}/engine/capacity", timeout=10).json()
         assert {r["role"] for r in capacity["roles"]} == {"prefill", "decode"}
         _assert_prometheus_sees_everything(prometheus.group(1))
+        _assert_the_probe_results_reach_prometheus(prometheus.group(1))
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
@@ -85,8 +134,17 @@ def _assert_prometheus_sees_everything(url: str) -> None:
     assert [job for job, _ in jobs] == ["kvguard-engine"] * 2 + ["kvguard-gateway"] * 2
     groups = httpx.get(url + "/api/v1/rules", timeout=10).json()["data"]["groups"]
     assert {r["name"] for g in groups for r in g["rules"]} == {a.name for a in ALERTS}
-    # Both replicas served one request each; wait for the next scrape of each.
-    served = 'count(kvguard_gateway_requests_total{outcome!=""})'
+    # Both replicas served (the test's chats; replica 1 also the probes'); wait for the next
+    # scrape of each (an unauthorized scrape leaves no series: /metrics needs the metrics token).
+    served = 'count(count by (instance) (kvguard_gateway_requests_total{outcome!=""}))'
     while [r["value"][1] for r in prom_query(url, served)["data"]["result"]] != ["2"]:
         assert time.monotonic() < deadline + 20, prom_query(url, served)
         time.sleep(0.5)
+
+
+def _assert_the_probe_results_reach_prometheus(url: str) -> None:
+    """The probe runner's first round (at start) is reported to a gateway and scraped."""
+    deadline = time.monotonic() + 120
+    while not prom_query(url, PROBE_LAST_RUN)["data"]["result"]:
+        assert time.monotonic() < deadline, "no probe run reached Prometheus"
+        time.sleep(1.0)

@@ -1,5 +1,10 @@
 """``/health`` (readiness with reasons) and ``/metrics`` (Prometheus text).
 
+``/metrics`` carries per-tenant series (requests, tokens, latency, canary coverage by tenant id),
+so it takes the metrics token (``KVGUARD_METRICS_TOKEN``, or the admin token) as a bearer
+credential; only a development gateway without one serves it openly. ``/health`` stays public and
+names engines and shared services only, never a tenant.
+
 Health is 503 when the gateway would refuse requests it should serve: database unreachable,
 limiter unreachable (limited tenants fail closed), or no engine routable. Capacity drift does not
 stop serving (requests are held to the real pool) but is listed and marks the status degraded.
@@ -16,7 +21,7 @@ from sqlalchemy import text
 from starlette.responses import Response
 
 from gateway.db.session import run_in_session
-from gateway.deps import StateDep
+from gateway.deps import ScraperDep, StateDep
 from gateway.state import GatewayState
 
 router = APIRouter(tags=["ops"])
@@ -79,6 +84,6 @@ async def health(state: StateDep) -> JSONResponse:
 
 
 @router.get("/metrics")
-async def metrics(state: StateDep) -> Response:
+async def metrics(state: StateDep, _: ScraperDep) -> Response:
     state.poller.publish()  # fresh ages and block reasons at scrape time
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
