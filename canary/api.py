@@ -186,4 +186,6 @@ def _probe_routes(router: APIRouter, metrics: CanaryMetrics) -> None:
             metrics.probe_results.labels(kind=run.kind.value, engine=engine, result=outcome).inc()
             metrics.probe_passing.labels(kind=run.kind.value, engine=engine).set(int(run.passed))
             metrics.probe_last_run.labels(kind=run.kind.value).set(now)
+            if not run.passed:
+                metrics.probe_last_failure.labels(kind=run.kind.value, engine=engine).set(now)
         return [ProbeRunOut.of(row) for row in rows]

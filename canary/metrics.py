@@ -18,6 +18,7 @@ RECORD_ERRORS_TOTAL = "kvguard_canary_record_errors_total"
 PROBE_RESULTS_TOTAL = "kvguard_canary_probe_results_total"
 PROBE_PASSING = "kvguard_canary_probe_passing"
 PROBE_LAST_RUN = "kvguard_canary_probe_last_run_timestamp_seconds"
+PROBE_LAST_FAILURE = "kvguard_canary_probe_last_failure_timestamp_seconds"
 
 METRIC_NAMES = (
     FINDINGS_TOTAL,
@@ -29,6 +30,7 @@ METRIC_NAMES = (
     PROBE_RESULTS_TOTAL,
     PROBE_PASSING,
     PROBE_LAST_RUN,
+    PROBE_LAST_FAILURE,
 )
 
 
@@ -93,4 +95,10 @@ class CanaryMetrics:
         )
         self.probe_last_run = Gauge(
             PROBE_LAST_RUN, "When a probe of this kind last reported", ["kind"], registry=r
+        )
+        self.probe_last_failure = Gauge(
+            PROBE_LAST_FAILURE,
+            "When a probe of this kind last failed on this engine (no series: never failed)",
+            ["kind", "engine"],
+            registry=r,
         )

@@ -81,6 +81,19 @@ ISOLATION = Dashboard(
             description="Probe kinds whose latest run failed, and when each kind last reported.",
         ),
         Panel(
+            "Last failing probe",
+            (
+                _q(
+                    f"max by (engine, kind) ({cm.PROBE_LAST_FAILURE}{{{ENGINE}}}) * 1000",
+                    instant=True,
+                ),
+            ),
+            kind="table",
+            unit="dateTimeAsIso",
+            description="When each probe kind last failed on each engine (never failed: no row); "
+            "the run's expected vs observed is in GET /admin/canary/probe-runs.",
+        ),
+        Panel(
             "Quarantined engines",
             (
                 _q(

@@ -135,6 +135,9 @@ async def test_probe_reports_are_stored_served_and_exported(
         )
         assert 'kvguard_canary_probe_passing{engine="e1",kind="echo"} 0.0' in metrics
         assert 'kvguard_canary_probe_last_run_timestamp_seconds{kind="echo"}' in metrics
+        last_failure = "kvguard_canary_probe_last_failure_timestamp_seconds"
+        assert last_failure + '{engine="e1",kind="echo"}' in metrics
+        assert last_failure + '{engine="e1",kind="capacity"}' not in metrics  # it passed
 
 
 def test_canary_revisions_step_up_and_down_alone(postgres_url) -> None:
