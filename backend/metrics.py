@@ -25,6 +25,7 @@ CONTEXT_WINDOW = PREFIX + "context_window_tokens"  # gauge
 MAX_REQUEST_TOKENS = PREFIX + "max_request_tokens"  # gauge
 CAPACITY_DRIFT = PREFIX + "capacity_drift"  # gauge 0/1
 FAULT_DRILL = PREFIX + "fault_drill_enabled"  # gauge {fault}
+MODE = PREFIX + "mode"  # gauge {mode}: 1 for the KVGUARD_MODE the engine runs in
 STEP_SECONDS = PREFIX + "step_seconds"  # histogram {phase}
 TTFT_SECONDS = PREFIX + "time_to_first_token_seconds"  # histogram
 # The prefill -> decode handoff (backend.disagg).
@@ -72,6 +73,9 @@ class EngineMetrics:
             CAPACITY_DRIFT, "1 when the advertised window exceeds the real pool", registry=r
         )
         self.fault_drill = Gauge(FAULT_DRILL, "Enabled fault drills", ["fault"], registry=r)
+        self.mode = Gauge(
+            MODE, "1 for the run mode (KVGUARD_MODE) of this engine", ["mode"], registry=r
+        )
         self.step_seconds = Histogram(
             STEP_SECONDS, "Engine step phases", ["phase"], buckets=_STEP_BUCKETS, registry=r
         )

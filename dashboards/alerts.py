@@ -8,6 +8,13 @@ from dashboards.spec import CANARY_COVERAGE_TARGET, AlertRule, events, share, to
 from gateway import metrics as gm
 
 _COVERAGE_15M = share(cm.REQUESTS_TOTAL, "tenant", 'marked="true"', window="15m")
+# An engine's drills where that engine runs in production mode; and drills the gateway sees on an
+# engine whose own series Prometheus does not scrape (its mode unknown: alert rather than guess).
+_DRILL_IN_PRODUCTION = (
+    f"max by (engine, role, fault) ({em.FAULT_DRILL} > 0 "
+    f'and on (engine, role) {em.MODE}{{mode="production"}} == 1) '
+    f"or (max by (engine) ({gm.ENGINE_FAULT_DRILLS}) > 0 unless on (engine) {em.MODE})"
+)
 
 ALERTS = (
     AlertRule(
@@ -30,15 +37,15 @@ ALERTS = (
     ),
     AlertRule(
         name="KvguardFaultDrillEnabled",
-        expr=(
-            f"max by (engine, role, fault) ({em.FAULT_DRILL}) > 0 "
-            f"or max by (engine) ({gm.ENGINE_FAULT_DRILLS}) > 0"
-        ),
+        expr=_DRILL_IN_PRODUCTION,
         severity="critical",
-        summary="An engine runs with a fault drill that removes an isolation defence",
-        first_response="Drills belong on drill environments only. In production restart the "
-        "engine without --allow-fault-drills/--fault (KVGUARD_FAULTS empty); the gateway does "
-        "not route to it meanwhile.",
+        summary="An engine in production mode runs with a fault drill that removes an isolation "
+        "defence",
+        first_response="Drills belong on drill environments only (engines with "
+        "KVGUARD_MODE=development: their drills show on the Capacity truth dashboard without "
+        "alerting; an engine the gateway reports with drills but Prometheus does not scrape "
+        "alerts too). Restart the engine without --allow-fault-drills/--fault (KVGUARD_FAULTS "
+        "empty); the gateway does not route to it meanwhile.",
     ),
     AlertRule(
         name="KvguardCapacityDrift",

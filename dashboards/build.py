@@ -111,6 +111,15 @@ def rules_document(rules: Sequence[AlertRule] = ALERTS) -> dict[str, Any]:
     }
 
 
+def alert_table(rules: Sequence[AlertRule] = ALERTS) -> str:
+    """The README's alert table: name, severity, when it fires (its summary), first response."""
+    rows = ["| Alert | Severity | Fires when | First response |", "|---|---|---|---|"]
+    for r in rules:
+        when = r.summary + (f" (for {r.for_})" if r.for_ != "0m" else "")
+        rows.append(f"| `{r.name}` | {r.severity} | {when} | {r.first_response} |")
+    return "\n".join(rows) + "\n"
+
+
 def scrape_config(
     targets: Sequence[ScrapeTarget], rule_files: Sequence[str], interval: str = "15s"
 ) -> dict[str, Any]:

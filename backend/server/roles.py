@@ -68,6 +68,7 @@ def make_service(built: BuiltEngine, settings: BackendSettings, role: Role) -> E
     metrics.context_window.set(limits.context_window)
     metrics.max_request_tokens.set(limits.max_request_tokens)
     metrics.capacity_drift.set(1 if limits.drift else 0)
+    metrics.mode.labels(settings.mode.value).set(1)
     return EngineService(
         engine=built.engine,
         tokenizer=built.tokenizer,

@@ -1,14 +1,18 @@
-"""The configuration reference names every field of every settings class, as its variable."""
+"""The configuration reference names every field of every settings class, as its variable, and
+the README holds its current output."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from backend.config import BackendSettings
 from canary.config import CanarySettings
 from gateway.config import EngineSpec, GatewaySettings
 from kvguard.configdoc import render
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_reference_lists_every_variable_once_per_section() -> None:
@@ -25,8 +29,19 @@ def test_reference_lists_every_variable_once_per_section() -> None:
     assert "/work/" not in text and "/home/" not in text  # no build-machine paths
 
 
+def test_readme_holds_the_current_reference() -> None:
+    """A settings field added, renamed or re-described without regenerating fails here."""
+    text = render(level=3)
+    assert text.startswith("### Configuration reference\n") and "\n#### Gateway " in text
+    readme = README.read_text(encoding="utf-8")
+    assert text in readme, "stale: paste `python -m kvguard.configdoc --level 3` into README.md"
+
+
 def test_module_runs_as_a_command() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kvguard.configdoc"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "kvguard.configdoc", "--level", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    assert done.stdout == render()
+    assert done.stdout == render(level=3)

@@ -268,6 +268,7 @@ def test_allowed_drift_is_reported_and_requests_stay_within_the_pool(engine_fact
     assert "exceeds" in cap["drift"]
     metrics = httpx.get(url + "/metrics").text
     assert "kvguard_engine_capacity_drift 1.0" in metrics
+    assert 'kvguard_engine_mode{mode="development"} 1.0' in metrics  # scopes the drill alert
     body = {"model": "ignored", "prompt": "z" * 300, "max_tokens": 1}
     body.pop("model")
     over = httpx.post(url + "/v1/completions", json={**body, "model": cap["model"]}, timeout=60)
