@@ -5,8 +5,9 @@ for the fields around the texts); each ``FirewallGuard`` wraps a fresh scanner f
 tenant with the request's own and carried nonces (``MarkerLedger``) and the tenant tag index.
 ``feed``/``finish`` return what may be delivered, or a ``CanaryCut`` carrying the scanner's
 findings, which the gateway hands to ``on_cut`` (the runtime stores them, fires metrics and
-quarantines the engine). Memory: a scanner holds at most ``MAX_HOLDBACK`` (36) characters, and the
-relay opens at most ``MAX_CHOICES`` + 1 guards per response.
+quarantines the engine). A side field that goes out as it is asks ``exposed()`` first (see
+``StreamScanner.expose``). Memory: a scanner holds at most ``MAX_HOLDBACK`` (36) characters, and
+the relay opens at most ``MAX_CHOICES`` + 1 guards per response.
 
 ``TagIndex`` maps every tenant's tags (under every key id) to its id, so a foreign marker names its
 victim without a lookup. Two tenants sharing a 40-bit tag (about n**2 / 2**41) make that tag
@@ -34,6 +35,8 @@ CUT_MESSAGE = (
     "This response was stopped because it contained data that does not belong to this request. "
     "The event has been recorded; retry the request."
 )
+UNDECIDED_CODE = "upstream_error"
+UNDECIDED_MESSAGE = "the engine sent a field the gateway cannot vouch for"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,22 @@ class FirewallGuard:
         if self._scanner is None:
             return Emit("")
         return _verdict(self._scanner.finish())
+
+    def exposed(self) -> Cut | None:
+        """The text fed so far goes out as it is, held-back text included (a side field that is
+        not rewritten): None if that is safe, else the Cut that must end the stream first
+        (``StreamScanner.expose``). An undecided candidate is no finding: it ends the stream as an
+        upstream error, and nothing is stored or quarantined."""
+        if self._scanner is None or self._scanner.held == 0:
+            return None
+        result = self._scanner.expose()
+        if result is None:
+            return None
+        if result.findings:
+            return CanaryCut(
+                code=ISOLATION_CODE, message=CUT_MESSAGE, status=502, findings=result.findings
+            )
+        return Cut(code=UNDECIDED_CODE, message=UNDECIDED_MESSAGE, status=502)
 
     def skippable(self, text: str) -> bool:
         """Whether feeding ``text`` now could change no finding: nothing is held back and the text

@@ -21,15 +21,20 @@ Wire format (fixed: the bundled model is trained on this shape)::
 
 20 bytes are exactly 160 bits = 32 base32 characters, and the 5-byte tag exactly the first 8
 characters, so every marker text has one payload (no padding or spare-bit malleability) and a
-truncated marker still shows its owner's whole tag.
+truncated marker still shows its owner's whole tag. The key id follows, then the nonce: 23 body
+characters (115 bits) carry tag, key id and nonce (``decode_visible``), enough to find a truncated
+copy's issue record; only the MAC needs all 32.
 
 Security notes: a forged marker needs the key; a blind guess passes the 48-bit MAC with
 probability 2**-48, and a valid marker only ever names the tag it was issued for. Tags are per
-key and no tenant receives a whole one (the scanner strips a tenant's own markers and cuts the
-stream before foreign ones; only fragments shorter than a tag pass), so a tenant cannot even aim
-a damaged-copy "suspected" finding at another tenant. Tags are 40 bits: ``tag_index`` refuses
-the rare collision instead of misattributing. Anything holding marker text or secrets has a
-redacting repr.
+key and no tenant receives a whole one: the scanner strips a tenant's own markers and cuts the
+stream before a foreign one. In a response's text no character of a foreign marker is delivered;
+in a side field that cannot be held back (an id, a key, an extension field) at most ``PREFIX`` and
+``TAG_CHARS - 1`` body characters of it are (``gateway/proxy/side.py``), never a whole tag. A
+request carrying ``PREFIX`` and another tenant's tag is refused (``canary.injection``), so a tenant
+cannot even aim a damaged-copy "suspected" finding at another tenant. Tags are 40 bits:
+``tag_index`` refuses the rare collision instead of misattributing. Anything holding marker text
+or secrets has a redacting repr.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ KEY_ID_BYTES = 1
 NONCE_BYTES = 8
 MAC_BYTES = 6
 PAYLOAD_BYTES = TAG_BYTES + KEY_ID_BYTES + NONCE_BYTES + MAC_BYTES
+KEY_ID_CHARS = -(-(TAG_BYTES + KEY_ID_BYTES) * 8 // 5)  # 10: body characters that show the key id
+NONCE_CHARS = -(-(TAG_BYTES + KEY_ID_BYTES + NONCE_BYTES) * 8 // 5)  # 23: ... and the nonce
 MIN_KEY_BYTES = 32
 MAX_KEY_ID = 255
 BASE32_CLASS = "[A-Z2-7]"
@@ -59,6 +66,7 @@ _TENANT_DOMAIN = b"kvguard-tenant:"
 _MARKER_DOMAIN = b"kvguard-marker:"
 _MARKER_RE = re.compile(re.escape(PREFIX) + BASE32_CLASS + "{" + str(BODY_CHARS) + "}")
 _TAG_CHARS_RE = re.compile(BASE32_CLASS + "{" + str(TAG_CHARS) + "}")
+_B32_RUN_RE = re.compile(BASE32_CLASS + "+")
 _B32_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
 _TO_INT_DIGITS = str.maketrans(_B32_ALPHABET, "0123456789ABCDEFGHIJKLMNOPQRSTUV")
 
@@ -199,15 +207,19 @@ class MarkerCodec:
                     raise ValueError(f"tenant tag collision between {other!r} and {tenant_id!r}")
         return index
 
-    def issue(self, tenant_id: str, *, nonce: bytes | None = None) -> Marker:
-        """A new marker for ``tenant_id`` under the current key; ``nonce`` only for tests."""
+    def issue(
+        self, tenant_id: str, *, nonce: bytes | None = None, key_id: int | None = None
+    ) -> Marker:
+        """A new marker for ``tenant_id`` under the current key. ``nonce`` and ``key_id`` rebuild
+        a marker issued before (the scanner: a request's own markers) or fix one in tests."""
         if nonce is None:
             nonce = secrets.token_bytes(NONCE_BYTES)
         elif len(nonce) != NONCE_BYTES:
             raise ValueError(f"nonce must be {NONCE_BYTES} bytes")
-        kid = self._keyring.current_id
+        kid = self._keyring.current_id if key_id is None else key_id
         key = self._keyring.get(kid)
-        assert key is not None  # the keyring guarantees its current id has a key
+        if key is None:
+            raise MarkerKeyError(f"key id {kid} is not in the keyring")
         tag = _tag(key, tenant_id)
         payload = tag + bytes((kid,)) + nonce + _mac(key, tag, kid, nonce)
         text = PREFIX + base64.b32encode(payload).decode("ascii")
@@ -245,6 +257,36 @@ def decode_tag(chars: str) -> bytes | None:
     if _TAG_CHARS_RE.fullmatch(chars) is None:
         return None
     return _b32decode(chars, TAG_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class Visible:
+    """What the leading body characters of a (possibly truncated) marker carry, unverified."""
+
+    tenant_tag: bytes
+    key_id: int | None
+    nonce: bytes | None = field(repr=False)
+
+    def __repr__(self) -> str:
+        return f"Visible(tenant_tag={self.tenant_tag.hex()}, key_id={self.key_id}, <redacted>)"
+
+
+def decode_visible(chars: str) -> Visible | None:
+    """The tag, and the key id and nonce when enough characters show them, carried by the leading
+    body characters ``chars`` of a marker (at least ``TAG_CHARS``); None if they are too few or
+    not base32. Nothing is verified: a truncated marker has no MAC to check."""
+    if len(chars) < TAG_CHARS or _B32_RUN_RE.fullmatch(chars) is None:
+        return None
+    chars = chars[:BODY_CHARS]
+    size = len(chars) * 5 // 8
+    bits = int(chars.translate(_TO_INT_DIGITS), 32) >> (len(chars) * 5 - size * 8)
+    visible = bits.to_bytes(size, "big")
+    k, n = TAG_BYTES + KEY_ID_BYTES, TAG_BYTES + KEY_ID_BYTES + NONCE_BYTES
+    return Visible(
+        tenant_tag=visible[:TAG_BYTES],
+        key_id=visible[TAG_BYTES] if size >= k else None,
+        nonce=visible[k:n] if size >= n else None,
+    )
 
 
 def encode_tag(tag: bytes) -> str:

@@ -11,6 +11,15 @@ One ``StreamScanner`` guards one response stream of one request. Lifecycle (``Sc
 3. FINISHED (terminal): at the end of the upstream stream the gateway calls ``finish()``,
    which flushes the held-back text (it may itself cut, for a truncated foreign marker).
 
+Text that cannot be held back (a side field the gateway forwards as it is, ``expose()``): the
+caller delivers what the scanner holds anyway, and asks first. A held candidate of at most 12
+characters (``CNRY-`` and less than a whole tag, ``MAX_EXPOSED``) may go out; so may the start
+of this request's own or carried marker (such a field passes the whole own marker too). A longer
+one is decided now, as if its copy ended here: with a known foreign tag it cuts (SUSPECTED);
+anything else cuts as undecided, without a finding: it may still grow into a marker the tag index
+cannot name, or into another request's marker of the owner. So at most ``CNRY-`` and 7 body
+characters of a foreign marker pass that way.
+
 A feed or finish in a terminal state raises ``ScannerStateError``.
 
 What happens to each candidate (``CNRY-`` followed by a run of base32 characters):
@@ -29,15 +38,19 @@ What happens to each candidate (``CNRY-`` followed by a run of base32 characters
   - its visible characters are (a prefix of) one of the owner's tags -> stripped silently;
   - at least the 8 tag characters are visible and they are a known *foreign* tag ->
     SUSPECTED ``cross_tenant`` finding, cut. A damaged copy carrying a victim's tag is evidence
-    of a leak; delivering it would also hand the victim's tag to this tenant;
+    of a leak; delivering it would also hand the victim's tag to this tenant. When at least 23
+    body characters show the key id and nonce (``decode_visible``) and the tag is the victim's
+    under that key id, the finding carries them, so the victim's request can be looked up in the
+    issue records (which must name the same tenant: the nonce is not authenticated);
   - anything else is a look-alike and is delivered as is.
   A damaged marker with the owner's tag may come from another request of the same tenant, but
   far more often it is the model mangling its own marker: it is stripped, not reported, and
   ``cross_request`` is only ever a CONFIRMED finding.
 * ``CNRX-``, lowercase, or any other near miss is not a candidate: delivered as is.
 
-How much of a foreign marker goes out before a cut: none of its characters. Every candidate is
-held back from its ``C`` until it is decided, and a cut delivers exactly the text before it.
+How much of a foreign marker goes out before a cut: none of its characters (through ``feed`` and
+``finish``; ``expose`` above lets up to 12 pass). Every candidate is held back from its ``C``
+until it is decided, and a cut delivers exactly the text before it.
 
 Stripping must not assemble a marker out of the text around the removed one
 (``CNR`` + own marker + ``Y-...``): when the text left of a stripped marker ends with something
@@ -70,11 +83,15 @@ from canary.markers import (
     MarkerCodec,
     Verified,
     decode_tag,
+    decode_visible,
     encode_tag,
 )
 
 MAX_HOLDBACK = MARKER_CHARS - 1
 """The most characters a scanner ever holds back: a marker missing its last character."""
+
+MAX_EXPOSED = len(PREFIX) + TAG_CHARS - 1
+"""The most characters of an undecided candidate ``expose`` lets go out: less than a whole tag."""
 
 _CANDIDATE_RE = re.compile(re.escape(PREFIX) + "(" + BASE32_CLASS + "{0," + str(BODY_CHARS) + "})")
 _OPEN_END_RE = re.compile(
@@ -115,7 +132,8 @@ class Severity(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    """One isolation finding. Holds no marker text; the nonce (confirmed only) is not shown.
+    """One isolation finding. Holds no marker text; the nonce (confirmed, or read from a damaged
+    copy long enough to show it) is not shown.
 
     ``position`` is the offset of the marker's ``C`` in the stream as the tenant receives it
     (own markers removed): for the finding that cuts, the number of characters delivered.
@@ -189,6 +207,7 @@ class StreamScanner:
         "_owner",
         "_owner_tags",
         "_own_nonces",
+        "_own_texts",
         "_pending",
         "_state",
         "_tail",
@@ -214,6 +233,7 @@ class StreamScanner:
         # The owner's tags (an HMAC per key id) are computed on the first candidate: most
         # streams never have one. The codec and its keyring are immutable, so it is the same.
         self._owner_tags: tuple[dict[int, bytes], frozenset[str]] | None = None
+        self._own_texts: frozenset[str] | None = None  # own and carried markers, for ``expose``
         self._lookup = _as_lookup(known_tags)
         self._pending = ""  # undecided text, always a possible marker start; <= MAX_HOLDBACK
         self._carry = 0  # leading pending chars that belong to a stripped candidate
@@ -263,6 +283,26 @@ class StreamScanner:
         """End of the upstream stream: decide and flush everything held back."""
         self._require_open()
         return self._scan(self._drop_carry(self._pending, final=True), final=True)
+
+    def expose(self) -> ScanResult | None:
+        """The held-back text is about to be delivered anyway (a field that cannot be held back):
+        None if that is safe (no undecided candidate longer than ``MAX_EXPOSED``), else a cut
+        result, with a SUSPECTED finding when the candidate shows a known foreign tag and without
+        findings when it is undecided. The scanner stays OPEN after None (the candidate may still
+        complete, and then cuts as usual); see the module docstring."""
+        self._require_open()
+        m = _CANDIDATE_RE.search(self._pending)
+        if m is None or m.end() - m.start() <= MAX_EXPOSED:
+            return None
+        action, finding = self._classify_damaged(m.group(1), self._delivered + m.start())
+        if action is _Action.STRIP and any(
+            t.startswith(m.group(0)) for t in self._own_marker_texts()
+        ):
+            return None
+        self._transition(ScannerState.CUT)
+        self._pending, self._carry = "", 0
+        findings = (finding,) if action is _Action.CUT and finding is not None else ()
+        return ScanResult(text="", findings=findings, cut=True)
 
     def __repr__(self) -> str:
         return f"StreamScanner(state={self._state}, delivered={self._delivered}, held={self.held})"
@@ -391,16 +431,29 @@ class StreamScanner:
             return _Action.DELIVER, None
         if victim == self._owner:
             return _Action.STRIP, None
+        key_id, nonce = self._visible_nonce(run, tag, victim)
         finding = Finding(
             kind=FindingKind.CROSS_TENANT,
             severity=Severity.SUSPECTED,
             position=position,
             victim_tag=tag,
             victim_tenant=victim,
-            key_id=None,
-            victim_nonce=None,
+            key_id=key_id,
+            victim_nonce=nonce,
         )
         return _Action.CUT, finding
+
+    def _visible_nonce(self, run: str, tag: bytes, victim: str) -> tuple[int | None, bytes | None]:
+        """(key id, nonce) of a damaged marker when it shows them and its tag is ``victim``'s under
+        that key id (a key id this keyring lacks, or another tag, shows nothing usable)."""
+        visible = decode_visible(run)
+        if visible is None or visible.key_id is None or visible.nonce is None:
+            return None, None
+        if visible.key_id not in self._codec.keyring.key_ids:
+            return None, None
+        if self._codec.tenant_tag(victim, key_id=visible.key_id) != tag:
+            return None, None
+        return visible.key_id, visible.nonce
 
     def _owner_tag_pair(self) -> tuple[dict[int, bytes], frozenset[str]]:
         """(key id -> the owner's tag, the tags' base32 texts), computed on first use."""
@@ -409,6 +462,18 @@ class StreamScanner:
             tags = {kid: codec.tenant_tag(owner, key_id=kid) for kid in codec.keyring.key_ids}
             self._owner_tags = tags, frozenset(encode_tag(t) for t in tags.values())
         return self._owner_tags
+
+    def _own_marker_texts(self) -> frozenset[str]:
+        """The texts of this request's own and carried markers under every key id (computed on
+        first use: only ``expose`` needs them)."""
+        if self._own_texts is None:
+            codec, owner = self._codec, self._owner
+            self._own_texts = frozenset(
+                codec.issue(owner, nonce=nonce, key_id=kid).text
+                for nonce in self._own_nonces | self._carried
+                for kid in codec.keyring.key_ids
+            )
+        return self._own_texts
 
     def _require_open(self) -> None:
         if self._state in TERMINAL:

@@ -18,7 +18,9 @@
 - the usage-only chunk (which the gateway always asks for) reaches the client only if the client
   asked for it; usage and the handoff proof are recorded from it;
 - an upstream error event passes through (screened) and ends the stream as failed; a stream that
-  ends without ``[DONE]`` gets an error event (never a silently truncated 200);
+  ends without ``[DONE]`` gets an error event (never a silently truncated 200), after every guard
+  is finished for its verdict only (nothing held back is delivered): a marker cut short by an
+  engine crash still cuts, with its findings, instead of vanishing with the held-back text;
 - an event the gateway cannot vouch for (not JSON, too many choices, text after a choice
   finished) ends the stream as an upstream error. An event with SSE fields other than ``data``
   is re-serialised from its data. Duplicate JSON keys are read as clients read them (the last
@@ -130,11 +132,27 @@ class StreamRelay:
             return self._invalid()
 
     def on_upstream_end(self) -> Step:
+        """The engine's stream ended without ``[DONE]``: an upstream error, or the guards' Cut
+        when finishing them finds one (what they held back is never delivered)."""
+        cut = self._finish_guards()
+        if cut is not None:
+            return self._cut(cut)
         return Step(
             [error_event("the engine ended the stream early", "upstream_error")],
             Phase.FAILED,
             "upstream_error",
         )
+
+    def _finish_guards(self) -> Cut | None:
+        if self.cut is not None:
+            return None
+        for index in sorted(set(self._guards) - self._finished):
+            verdict = self._finish_choice(index)
+            if isinstance(verdict, Cut):
+                return verdict
+        side, self._side = self._side, None
+        verdict_side = side.finish() if side is not None else None
+        return verdict_side if isinstance(verdict_side, Cut) else None
 
     def _invalid(self) -> Step:
         return Step(

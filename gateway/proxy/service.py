@@ -274,10 +274,10 @@ async def _relay_events(
         step = relay.on_upstream_end()
         for out in step.out:
             yield out
-        await _end_stream(state, ctx, relay, Phase.FAILED, step.code)
+        await _end_stream(state, ctx, relay, step.end or Phase.FAILED, step.code)
     except UpstreamUnreachable:
         step = relay.on_upstream_end()
-        await _end_stream(state, ctx, relay, Phase.FAILED, step.code)
+        await _end_stream(state, ctx, relay, step.end or Phase.FAILED, step.code)
         for out in step.out:
             yield out
     finally:

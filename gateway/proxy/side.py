@@ -6,8 +6,7 @@ finish reasons, error messages, usage, extension fields, logprobs tokens. A ``Si
 each of them through a guard too, one guard per *field path* (``x.y.*.z``, list positions
 folded into ``*``; all keys form one more path), fed in order across events, so a value split
 over many events or list items (a token per event) is seen whole: a foreign marker in any field
-never reaches the client complete (a fragment of it may, in a field the client would have to
-reassemble).
+never reaches the client complete.
 
 Most side guards can only cut. The side fields that carry text the model wrote (``REWRITE_PATHS``:
 reasoning, refusal, tool-call arguments, logprobs tokens) are *rewritten* with what their guard
@@ -18,6 +17,14 @@ rewrite guard still holds at the end (``finish``) comes back as ``SideTail``s: a
 last value at that path (non-streaming, ``screen_body``) or sent as one more chunk before
 ``[DONE]`` (streaming, ``tail_chunk``). Left cut-only: object keys (the completions endpoint's
 ``top_logprobs`` maps tokens as keys) and identifiers, whose values must not shift between events.
+
+A cut-only field goes out as the engine sent it, so text its guard holds back (a possible marker
+start) still reaches the client. After the cut-only fields of a streamed event are fed, each guard
+that holds text is asked (``exposed()``, optional) whether that may be seen; a ``Cut`` ends the
+stream before the event goes out. The leak firewall lets at most ``CNRY-`` and 7 more characters
+of an undecided marker through that way (less than the owner tag that names a tenant): so a
+foreign marker sent a few characters per event shows the client no more than that fragment. A
+whole answer (``screen_body``) is decided by ``finish`` before anything goes out: not asked.
 
 At most ``MAX_PATHS`` paths per response: an engine inventing field names without end is refused
 (``InvalidSide``) rather than given unbounded guards.
@@ -60,6 +67,8 @@ _REWRITE_KEYS = ("reasoning", "refusal", "arguments", "logprobs")
 
 Location = tuple[str | int, ...]  # dict keys and list positions from the event's root
 Prefilter = Callable[[str, dict[str, Any]], bool]  # (an event's JSON text, the event)
+# A guard, its optional ``skippable(text)`` and ``exposed()`` (see ``SideScreen``).
+_Entry = tuple[StreamGuard, Callable[[str], bool] | None, Callable[[], Cut | None] | None]
 
 
 class InvalidSide(ValueError):
@@ -224,7 +233,8 @@ def _element(items: list[Any], identity: int | None) -> dict[str, Any]:
 class SideScreen:
     """One guard per side-field path of one response.
 
-    Two optional capabilities of the guards make this cheap (the leak firewall has both):
+    Two optional capabilities make this cheap, a third makes cut-only fields safe (the leak
+    firewall has all three):
 
     - a guard's ``skippable(text) -> bool``: True means feeding the text now could change nothing
       the guard will ever report or deliver (the firewall: it holds nothing back and the text has
@@ -234,7 +244,11 @@ class SideScreen:
       no guard holds text back the event is not even walked (the firewall: no ``\\u0043``
       escape occurs in the JSON text, and every ``C`` in it lies in the choice texts,
       ``choice_texts`` -- a streamed token with a ``C`` does not make the event's ids and keys
-      worth a walk).
+      worth a walk);
+    - a guard's ``exposed() -> Cut | None``: asked after a streamed event's cut-only fields are fed,
+      while the guard holds text back (which goes out with the event anyway); a Cut ends the
+      stream before the event is sent (the firewall: an undecided marker longer than ``CNRY-``
+      and 7 characters).
     """
 
     def __init__(
@@ -247,12 +261,17 @@ class SideScreen:
         self._open = open_guard
         self._prefilter = prefilter
         self._max = max_paths
-        self._guards: dict[str, tuple[StreamGuard, Callable[[str], bool] | None]] = {}
+        self._guards: dict[str, _Entry] = {}
         self._holding: set[str] = set()  # paths whose guard may hold text back
         self._last: dict[str, tuple[Location, tuple[int | None, ...]]] = {}  # rewrite paths
 
     def feed(self, obj: dict[str, Any], *, raw: str | None = None) -> Cut | Rewritten | None:
         """A Cut, the event rewritten (only when a rewritable field changed), or None."""
+        return self._screen(obj, raw, streamed=True)
+
+    def _screen(
+        self, obj: dict[str, Any], raw: str | None, *, streamed: bool
+    ) -> Cut | Rewritten | None:
         idle = not self._holding
         prefilter = self._prefilter
         if idle and raw is not None and prefilter is not None and not prefilter(raw, obj):
@@ -262,6 +281,8 @@ class SideScreen:
                 verdict = self._feed(path, value)
                 if isinstance(verdict, Cut):
                     return verdict
+        if streamed and self._holding and (cut := self._exposed()) is not None:
+            return cut
         if raw is not None and "\\u" not in raw and not any(k in raw for k in _REWRITE_KEYS):
             return None
         changes: list[tuple[Location, str]] = []
@@ -280,9 +301,17 @@ class SideScreen:
             set_at(changed, location, text)
         return Rewritten(changed)
 
+    def _exposed(self) -> Cut | None:
+        """The Cut of a cut-only field's guard whose held-back text must not go out, or None."""
+        for path in sorted(self._holding - REWRITE_PATHS):
+            exposed = self._guards[path][2]
+            if exposed is not None and (cut := exposed()) is not None:
+                return cut
+        return None
+
     def _feed(self, path: str, value: str) -> Emit | Cut | None:
         """The guard's verdict on ``value``, or None when it was skipped (delivered as is)."""
-        guard, skippable = self._guard(path)
+        guard, skippable, _ = self._guard(path)
         if not value or (skippable is not None and skippable(value)):
             return None
         verdict = guard.feed(value)
@@ -293,13 +322,14 @@ class SideScreen:
                 self._holding.discard(path)
         return verdict
 
-    def _guard(self, path: str) -> tuple[StreamGuard, Callable[[str], bool] | None]:
+    def _guard(self, path: str) -> _Entry:
         entry = self._guards.get(path)
         if entry is None:
             if len(self._guards) >= self._max:
                 raise InvalidSide("too many distinct fields in one answer")
             guard = self._open()
-            entry = self._guards[path] = (guard, getattr(guard, "skippable", None))
+            skippable, exposed = getattr(guard, "skippable", None), getattr(guard, "exposed", None)
+            entry = self._guards[path] = (guard, skippable, exposed)
         return entry
 
     def finish(self) -> Cut | list[SideTail]:
@@ -307,7 +337,7 @@ class SideScreen:
         guards, self._guards = self._guards, {}
         self._holding = set()
         tails: list[SideTail] = []
-        for path, (guard, _) in guards.items():
+        for path, (guard, _, _) in guards.items():
             verdict = guard.finish()
             if isinstance(verdict, Cut):
                 return verdict
@@ -319,7 +349,7 @@ class SideScreen:
     def screen_body(self, body: dict[str, Any], *, raw: str | None = None) -> Cut | dict[str, Any]:
         """A whole non-streaming answer (``raw``: its JSON text, for the prefilter): a Cut, or the
         body (a changed copy if anything changed)."""
-        verdict = self.feed(body, raw=raw)
+        verdict = self._screen(body, raw, streamed=False)
         if isinstance(verdict, Cut):
             return verdict
         tails = self.finish()

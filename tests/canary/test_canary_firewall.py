@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 import random
 import string
+from collections.abc import Callable
+
+import pytest
 
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
-from canary.markers import MarkerCodec, MarkerKeyring, encode_tag
+from canary.markers import MarkerCodec, MarkerKeyring, decode_tag, encode_tag
 from canary.scanner import FindingKind, Severity
 from gateway.hooks import RequestInfo
 from gateway.lifecycle import Phase
-from gateway.proxy.relay import KEEP_ALIVE, InvalidUpstream, StreamRelay, relay_body
+from gateway.proxy.relay import KEEP_ALIVE, InvalidUpstream, Step, StreamRelay, relay_body
 from gateway.upstream.base import Endpoint
 from gateway.upstream.sse import SseSplitter
 
@@ -141,8 +144,130 @@ def test_markers_outside_the_text_are_caught_per_field() -> None:
     assert isinstance(cut, CanaryCut)
 
 
-def new_relay() -> StreamRelay:
-    fw, info = firewall()
+# Where a side value sits in an event, and how to read it back from a delivered event. The
+# cut-only fields (ids, extensions, list items, keys) go out as the engine sent them; the others
+# are rewritten like the text.
+SIDE_KINDS: dict[str, tuple[Callable[[str], dict], Callable[[dict], str]]] = {
+    "id": (lambda v: {"id": v, "choices": []}, lambda o: o.get("id", "")),
+    "system_fingerprint": (
+        lambda v: {"system_fingerprint": v, "choices": []},
+        lambda o: o.get("system_fingerprint", ""),
+    ),
+    "ext": (lambda v: {"id": "c", "ext": v}, lambda o: o.get("ext", "")),
+    "nested_ext": (
+        lambda v: {"choices": [{"index": 0, "delta": {}, "x_debug": {"hit": v}}]},
+        lambda o: "".join(c.get("x_debug", {}).get("hit", "") for c in o.get("choices", [])),
+    ),
+    "list_item": (lambda v: {"debug": [v]}, lambda o: "".join(o.get("debug", []))),
+    "key": (lambda v: {v: 1}, lambda o: "".join(o)),
+    "reasoning": (
+        lambda v: {"choices": [{"index": 0, "delta": {"reasoning_content": v}}]},
+        lambda o: "".join(
+            c.get("delta", {}).get("reasoning_content", "") for c in o.get("choices", [])
+        ),
+    ),
+    "logprobs_token": (
+        lambda v: {"choices": [{"index": 0, "delta": {}, "logprobs": {"content": [{"token": v}]}}]},
+        lambda o: "".join(
+            t["token"] for c in o.get("choices", []) for t in c["logprobs"]["content"]
+        ),
+    ),
+}
+
+
+def side_relay(
+    kind: str, values: list[str], *, own: frozenset[bytes] = frozenset()
+) -> tuple[str, StreamRelay, list[Step]]:
+    """(the kind's values as delivered, concatenated; the relay; its steps) for one value per
+    event (the stream ending with [DONE] unless cut)."""
+    make, read = SIDE_KINDS[kind]
+    stream = new_relay(own)
+    steps, delivered = [], []
+    for value in [*values, None]:
+        raw = b"data: [DONE]\n\n" if value is None else f"data: {json.dumps(make(value))}\n\n"
+        steps.append(step := stream.on_event(raw if isinstance(raw, bytes) else raw.encode()))
+        for out in step.out:
+            data = out.decode().removeprefix("data: ").strip()
+            if data.startswith("{") and "error" not in json.loads(data):
+                delivered.append(read(json.loads(data)))
+        if step.end is not None:
+            break
+    return "".join(delivered), stream, steps
+
+
+@pytest.mark.parametrize("kind", sorted(SIDE_KINDS))
+@pytest.mark.parametrize("size", range(1, 9))
+def test_a_marker_fed_a_few_characters_per_event_never_shows_a_tag(kind: str, size: int) -> None:
+    """However a foreign marker is chunked into one side field, the client gets no more of it than
+    ``CNRY-`` and 7 characters (cut-only fields, which go out as they are) or nothing at all
+    (rewritten fields): never its tag, and the stream is cut as an isolation violation."""
+    victim = CODEC.issue(TENANTS[9])
+    pieces = [victim.text[i : i + size] for i in range(0, len(victim.text), size)]
+    delivered, stream, steps = side_relay(kind, pieces)
+    assert victim.text[:13] not in delivered and victim.text[5:13] not in delivered
+    assert len(delivered) <= (12 if kind not in ("reasoning", "logprobs_token") else 0)
+    assert (steps[-1].end, steps[-1].code) == (Phase.CUT, "isolation_violation")
+    assert isinstance(stream.cut, CanaryCut)
+    [finding] = stream.cut.findings
+    assert (finding.kind, finding.victim_tenant) == (FindingKind.CROSS_TENANT, TENANTS[9])
+
+
+def test_side_fields_pass_what_cannot_name_a_tenant() -> None:
+    victim = CODEC.issue(TENANTS[9])
+    # Ids ending in a marker's first characters, and a fragment shorter than a tag, go out.
+    for values in (["chatcmpl-ABC", "chatcmpl-ABC"], ["x CNRY", "-", victim.text[5:12], "!"]):
+        delivered, stream, steps = side_relay("id", values)
+        assert (delivered, stream.cut, steps[-1].end) == ("".join(values), None, Phase.COMPLETED)
+    # A look-alike showing a tag nobody has, undecided at the end of an event, may still grow
+    # into a marker the index cannot name: the stream ends before it goes out, with no finding.
+    look_alike = "CNRY-" + "A" * 8
+    assert CODEC.tag_index(TENANTS).get(decode_tag("A" * 8)) is None
+    delivered, stream, steps = side_relay("ext", ["CNRY-AAAA", look_alike[9:]])
+    assert delivered == "CNRY-AAAA" and not isinstance(stream.cut, CanaryCut)
+    assert (steps[-1].end, steps[-1].code) == (Phase.CUT, "upstream_error")
+    assert b"does not belong" not in b"".join(steps[-1].out)
+    # Decided within the event (broken by a non-base32 character): an ordinary look-alike.
+    delivered, stream, steps = side_relay("ext", [look_alike + "!"])
+    assert (delivered, stream.cut) == (look_alike + "!", None)
+    # The request's own marker passes a cut-only field, whole or in pieces (it is no leak);
+    # another request's marker of the same tenant stops once it shows the tag.
+    own, other = CODEC.issue(OWNER), CODEC.issue(OWNER)
+    pieces = [own.text[i : i + 6] for i in range(0, 37, 6)]
+    for values in ([own.text], pieces):
+        delivered, stream, _ = side_relay("id", values, own=frozenset({own.nonce}))
+        assert (delivered, stream.cut) == (own.text, None)
+    pieces = [other.text[i : i + 6] for i in range(0, 37, 6)]
+    delivered, stream, steps = side_relay("id", pieces, own=frozenset({own.nonce}))
+    assert delivered == other.text[:12] and steps[-1].code == "upstream_error"
+
+
+def test_a_marker_cut_short_by_the_engine_still_yields_its_finding() -> None:
+    """A stream that ends without [DONE] delivers nothing more, but its guards are finished: a
+    foreign marker truncated by an engine crash is a finding, the stream ends cut."""
+    victim = CODEC.issue(TENANTS[11])
+    for visible in (8, 23, 31):
+        for where in ("text", "reasoning"):
+            stream = new_relay()
+            text = "Hi " + victim.text[: 5 + visible]
+            delta = {"content": text} if where == "text" else {"reasoning_content": text}
+            obj = {"id": "c", "choices": [{"index": 0, "delta": delta}]}
+            out = b"".join(stream.on_event(f"data: {json.dumps(obj)}\n\n".encode()).out)
+            end = stream.on_upstream_end()
+            out += b"".join(end.out)
+            assert victim.text[:8] not in out.decode()
+            assert (end.end, end.code) == (Phase.CUT, "isolation_violation")
+            [finding] = stream.cut.findings
+            assert (finding.severity, finding.victim_tenant) == (Severity.SUSPECTED, TENANTS[11])
+            assert (finding.victim_nonce == victim.nonce) is (visible >= 23)
+    # Nothing held: the usual upstream error.
+    stream = new_relay()
+    stream.on_event(events(["plain"]).split(b"\n\n")[0] + b"\n\n")
+    end = stream.on_upstream_end()
+    assert (end.end, end.code, stream.cut) == (Phase.FAILED, "upstream_error", None)
+
+
+def new_relay(own: frozenset[bytes] = frozenset()) -> StreamRelay:
+    fw, info = firewall(own)
     return StreamRelay(endpoint=Endpoint.CHAT, open_guard=lambda: fw.open(info), wants_usage=False)
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
-from canary.markers import Marker, MarkerCodec, MarkerKeyring, encode_tag
+from canary.markers import NONCE_CHARS, Marker, MarkerCodec, MarkerKeyring, encode_tag
 from canary.scanner import (
     MAX_HOLDBACK,
     TERMINAL,
@@ -98,15 +98,17 @@ def confirmed(marker: Marker, kind: FindingKind, victim: str | None, at: int) ->
     )
 
 
-def suspected(marker: Marker, victim: str, at: int) -> Finding:
+def suspected(marker: Marker, victim: str, at: int, *, visible: int = 0) -> Finding:
+    """A damaged copy's finding; with ``visible`` >= 23 body characters it carries the nonce."""
+    shows = visible >= NONCE_CHARS
     return Finding(
         kind=FindingKind.CROSS_TENANT,
         severity=Severity.SUSPECTED,
         position=at,
         victim_tag=marker.tenant_tag,
         victim_tenant=victim,
-        key_id=None,
-        victim_nonce=None,
+        key_id=marker.key_id if shows else None,
+        victim_nonce=marker.nonce if shows else None,
     )
 
 
@@ -219,7 +221,8 @@ def test_truncated_foreign_marker_is_suspected_only_with_its_whole_tag(visible: 
     text = "Hi " + FOREIGN.text[: 5 + visible]
     for chunks in splits(text, three_way=False):
         if visible >= 8:
-            assert seen(scan(chunks)) == ("Hi ", [suspected(FOREIGN, "globex", 3)], True)
+            want = [suspected(FOREIGN, "globex", 3, visible=visible)]
+            assert seen(scan(chunks)) == ("Hi ", want, True)
         else:
             assert seen(scan(chunks)) == (text, [], False)
 
@@ -234,7 +237,8 @@ def test_truncated_or_broken_markers_are_never_flagged_without_known_tags(visibl
 def test_foreign_marker_broken_mid_stream(visible: int) -> None:
     text = "Hi " + FOREIGN.text[: 5 + visible] + " tail" + FOREIGN.text[5 + visible :]
     if visible >= 8:
-        assert seen(scan([text])) == ("Hi ", [suspected(FOREIGN, "globex", 3)], True)
+        want = [suspected(FOREIGN, "globex", 3, visible=visible)]
+        assert seen(scan([text])) == ("Hi ", want, True)
     else:
         assert seen(scan([text])) == (text, [], False)
 
@@ -244,8 +248,15 @@ def test_damaged_copy_of_a_foreign_marker_is_suspected_by_its_tag() -> None:
     for i in range(8, 32):  # every character after the tag
         alt = "A" if body[i] != "A" else "B"
         damaged = "CNRY-" + body[:i] + alt + body[i + 1 :]
-        want = [suspected(FOREIGN, "globex", 2)]
-        assert seen(scan(["> " + damaged + " <"])) == ("> ", want, True)
+        text, [found], cut = seen(scan(["> " + damaged + " <"]))
+        assert (text, cut) == ("> ", True)
+        # Key id and nonce come from the damaged copy: exact only when the damage is after them.
+        unread = replace(found, key_id=None, victim_nonce=None)
+        assert unread == suspected(FOREIGN, "globex", 2)
+        if i >= NONCE_CHARS:
+            assert (found.key_id, found.victim_nonce) == (FOREIGN.key_id, FOREIGN.nonce)
+        else:
+            assert found.victim_nonce != FOREIGN.nonce
     for i in range(8):  # a damaged tag names no one: a look-alike
         alt = "A" if body[i] != "A" else "B"
         damaged = "CNRY-" + body[:i] + alt + body[i + 1 :]
@@ -343,3 +354,30 @@ def test_reprs_show_no_marker_or_completion_text() -> None:
         assert "secret" not in shown and "CNRY" not in shown
         assert FOREIGN.text[5:13] not in shown and FOREIGN.nonce.hex() not in shown
     assert FOREIGN.tenant_tag.hex() in repr(finding) and "globex" in repr(finding)
+
+
+def test_expose_lets_out_less_than_a_tag_or_the_requests_own_marker() -> None:
+    """``expose``: the held-back text is going out anyway (a cut-only side field)."""
+
+    def exposed(text: str) -> tuple[ScannerState, list[Finding] | None]:
+        scanner = StreamScanner(
+            CODEC, owner_tenant_id=OWNER, own_nonces={OWN.nonce}, known_tags=INDEX
+        )
+        assert scanner.feed(text).text == "x "
+        result = scanner.expose()
+        return scanner.state, None if result is None else list(result.findings)
+
+    assert exposed("x " + FOREIGN.text[:12]) == (ScannerState.OPEN, None)
+    assert exposed("x " + FOREIGN.text[:13]) == (
+        ScannerState.CUT,
+        [suspected(FOREIGN, "globex", 2)],
+    )
+    assert exposed("x " + FOREIGN.text[:30]) == (
+        ScannerState.CUT,
+        [suspected(FOREIGN, "globex", 2, visible=25)],
+    )
+    assert exposed("x " + STRANGER.text[:13]) == (ScannerState.CUT, [])  # undecided
+    assert exposed("x " + OWN.text[:36]) == (ScannerState.OPEN, None)
+    # Another request's marker of the owner shares the own marker's start up to the nonce.
+    assert exposed("x " + OTHER_REQUEST.text[:20]) == (ScannerState.OPEN, None)
+    assert exposed("x " + OTHER_REQUEST.text[:30]) == (ScannerState.CUT, [])
