@@ -18,6 +18,12 @@ The engines (sizes in tokens of the bundled model's byte tokenizer, page size 16
   canary firewall stands.
 - ``guarded``: the bundled engine with the same drift (window 512 > pool 256) and no drill; the
   gateway reads its real pool and enforces it.
+- ``proof`` (optional, the operations tests): a prefill/decode pair in production mode where
+  prefill was left running ``legacy_reject_handoff`` but decode keeps every check (it admits
+  against its own pool, as in the drill). An over-long prompt sent straight to it is refused by
+  decode's reserved-vs-transferred check, and prefill's slow link (a drill setting) leaves time to
+  abort a request mid-transfer. The gateway does not route to it: the Handoff health dashboard
+  and the handoff-proof and fault-drill alerts are what it lights.
 
 On ``drill``, A's 200-token chat (its marker included) fills pages 0-12 of a fresh decode; B's
 400 tokens fit the window but not prefill's pool, and decode reads B's prompt range from pages
@@ -60,6 +66,10 @@ DECODE_FAULTS = (
     "skip_checksum",
     "no_zero_on_free",
 )
+PROOF = "proof"
+# The proof pair's decode admits against its own pool only and keeps every check.
+PROOF_FAULTS = ("legacy_reject_handoff",)
+PROOF_LINK_BYTES_PER_S = 100_000  # the tiny model's page is 8 KiB: a 200-token prompt takes ~1 s
 CUT_CODE = "isolation_violation"
 REFUSED_CODE = "context_length_exceeded"
 
@@ -87,6 +97,8 @@ class DrillStack:
     roles: tuple[Role, ...]  # the gateway last
     admin_token: str = field(repr=False)  # fresh per stack, never a development default
     canary_key: str = field(repr=False)
+    proof_prefill: str | None = None
+    proof_decode: str | None = None
 
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
@@ -109,11 +121,34 @@ def engine_specs(drill_decode: str, guarded: str) -> list[dict[str, Any]]:
     return [opaque, {"name": GUARDED, "kind": "bundled", "base_url": guarded}]
 
 
-def drill_stack(data_dir: Path, env: dict[str, str], *, model: Path | None = None) -> DrillStack:
-    """The processes of the drill stack on free ports (nothing is started here)."""
+def _proof_roles(
+    port: dict[str, int], env: dict[str, str], model: Path | None
+) -> tuple[Role, Role]:
+    proof_env = {**env, "KVGUARD_MODE": "production", "KVGUARD_SERVED_MODEL_NAME": DRILL_MODEL}
+    drift = ["--context-window", str(WINDOW), "--allow-capacity-drift"]
+    prefill = _engine_argv("prefill", port["proof-prefill"], model, *_faults(PROOF_FAULTS))
+    prefill += ["--pool-tokens", str(PREFILL_POOL), *drift]
+    prefill_url = f"http://127.0.0.1:{port['proof-prefill']}"
+    decode = _engine_argv("decode", port["proof-decode"], model, *_faults(PROOF_FAULTS))
+    decode += ["--pool-tokens", str(DECODE_POOL), "--context-window", str(WINDOW)]
+    decode += ["--prefill-url", prefill_url]
+    slow = {**proof_env, "KVGUARD_DRILL_LINK_BYTES_PER_S": str(PROOF_LINK_BYTES_PER_S)}
+    return (
+        Role("proof-prefill", prefill, prefill_url, slow),
+        Role("proof-decode", decode, f"http://127.0.0.1:{port['proof-decode']}", proof_env),
+    )
+
+
+def drill_stack(
+    data_dir: Path, env: dict[str, str], *, model: Path | None = None, proof: bool = False
+) -> DrillStack:
+    """The processes of the drill stack on free ports (nothing is started here); ``proof`` adds
+    the proof pair."""
     from kvguard.localservices import free_port
 
-    port = {name: free_port() for name in ("prefill", "decode", "guarded", "gateway")}
+    names = ["prefill", "decode", "guarded", "gateway"]
+    names += ["proof-prefill", "proof-decode"] if proof else []
+    port = {name: free_port() for name in names}
     url = {name: f"http://127.0.0.1:{p}" for name, p in port.items()}
     engine_env = {**env, "KVGUARD_TORCH_THREADS": "1", "GLOG_minloglevel": "2"}
     drill_env = {**engine_env, "KVGUARD_SERVED_MODEL_NAME": DRILL_MODEL}
@@ -138,10 +173,12 @@ def drill_stack(data_dir: Path, env: dict[str, str], *, model: Path | None = Non
     }
     gateway = [sys.executable, "-m", "kvguard", "gateway", "--host", "127.0.0.1"]
     gateway += ["--port", str(port["gateway"]), "--log-level", "warning"]
+    extra = _proof_roles(port, engine_env, model) if proof else ()
     roles = (
         Role("drill-prefill", prefill, url["prefill"], drill_env),
         Role("drill-decode", decode, url["decode"], drill_env),
         Role("guarded", guarded, url["guarded"], guarded_env),
+        *extra,
         Role("gateway", gateway, url["gateway"], gateway_env),
     )
     return DrillStack(
@@ -152,6 +189,8 @@ def drill_stack(data_dir: Path, env: dict[str, str], *, model: Path | None = Non
         roles,
         admin_token,
         canary_key,
+        url.get("proof-prefill"),
+        url.get("proof-decode"),
     )
 
 

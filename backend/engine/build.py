@@ -14,6 +14,7 @@ import torch
 
 from backend.config import BackendSettings
 from backend.core.admission import CapacityLimits
+from backend.core.errors import IsolationReason
 from backend.core.pages import PagePool
 from backend.core.scheduler import Scheduler
 from backend.engine.async_engine import AsyncEngine
@@ -112,6 +113,8 @@ def build_engine(
     runner = ModelRunner(model, kv_cache, attention_backend=backend)
     core = make_core(scheduler, runner, metrics) if make_core else EngineCore(scheduler, runner)
     core.on_isolation_error = lambda e: metrics.isolation_errors.labels(e.reason).inc()
+    for reason in IsolationReason:  # exported at 0: "checked, none failed", not "no data"
+        metrics.isolation_errors.labels(reason.value)
     engine = AsyncEngine(core, limits, on_step=lambda o: _observe_step(metrics, o))
     metrics.track_pool(
         lambda: pool.free_pages, lambda: pool.owned_pages, lambda: pool.quarantined_pages

@@ -4,15 +4,21 @@ The stack is the one ``kvguard demo`` runs (``kvguard.drillstack``), with the bu
 ``drill``, a prefill/decode pair deployed as in the incident (window > prefill's pool, the legacy
 rejected-but-done handoff, decode's checks skipped, no zero-on-free; the gateway sees an opaque
 engine and lets mismatched handoff proofs through), ``guarded``, a unified engine with the same
-drift that the gateway introspects, and the gateway with the canary firewall.
+drift that the gateway introspects, ``proof``, a production-mode prefill/decode pair whose prefill
+was left running the legacy handoff while decode keeps its checks, and the gateway with the canary
+firewall.
 
 Traffic: tenants chatting (one streams), one hitting its rate limit, an over-long request sent
 straight to an engine, the LEAK DRILL (tenant A's marked chat then tenant B's over-long one on
 ``drill``: the firewall cuts B's stream, stores a cross-tenant finding and quarantines the engine;
-the same two requests on ``guarded``: B refused with ``context_length_exceeded``), and an echo
-probe that fails (its model's only engine is quarantined). Then every panel query and alert
-expression must parse, the panels this scenario lights must return data, the cross-tenant alert
-must fire and the drift, fault-drill, probe, quarantine and coverage alerts must be active.
+the same two requests on ``guarded``: B refused with ``context_length_exceeded``), the handoff
+proof on ``proof`` (an over-long prompt refused by decode's reserved-vs-transferred check, a stream
+aborted mid-transfer whose pages drain), and an echo probe that fails (its model's only engine is
+quarantined). Then every panel query and alert expression must parse, the panels this scenario
+lights must return data (the handoff-proof ones a count above 0), each dashboard variable's
+``label_values`` must list the stack's tenants and engines, the cross-tenant alert must fire and
+the drift, fault-drill (``proof`` only: the drill pair runs in development mode), handoff-proof,
+probe, quarantine and coverage alerts must be active.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ import httpx
 import pytest
 import yaml
 from ops_stack import base_env, prom_query
+from prometheus_client.parser import text_string_to_metric_families
 
+from canary import metrics as cm
 from dashboards.alerts import ALERTS
 from dashboards.build import RULES_FILE, ScrapeTarget, engine_targets, scrape_config
-from dashboards.catalog import DASHBOARDS
+from dashboards.catalog import DASHBOARDS, VARIABLE_QUERIES
 from kvguard import drillstack
 from kvguard.demo import echo_probe
 from kvguard.localservices import prometheus_server
@@ -38,10 +46,8 @@ BUNDLED_MODEL = (
 )
 VARIABLES = {"$__rate_interval": "1m", "$__range": "5m", "$tenant": ".*", "$engine": ".*"}
 
-# Panels the scenario must light, by dashboard uid. Left dark on purpose: page ownership errors
-# and the handoff refusal/mismatch/checksum panels (the incident's drill skips exactly those
-# checks, and the firewall cuts B's stream before the engine's handoff proof reaches the gateway),
-# drain time and late writes (no abort during a transfer).
+# Panels the scenario must light, by dashboard uid. No outside request can make the engine's own
+# page-table check fail (that is a bug, not a drill): its panel shows every reason at 0.
 EXPECTED = {
     "kvguard-isolation": {
         "Critical findings (cross-tenant, cross-request)",
@@ -50,8 +56,10 @@ EXPECTED = {
         "Canary coverage (share of requests carrying a marker)",
         "Probe pass rate by engine and kind",
         "Failing probes (latest result)",
+        "Last failing probe",
         "Quarantined engines",
         "Engines quarantined by the canary",
+        "Page ownership / generation check failures (engine)",
     },
     "kvguard-capacity": {
         "Window vs pool vs enforced limit (gateway's view)",
@@ -67,6 +75,11 @@ EXPECTED = {
     },
     "kvguard-handoff": {
         "Handoff outcomes",
+        "Decode refusals by failed check",
+        "Reserved vs transferred mismatches",
+        "Checksum failures and late writes",
+        "Quarantine drain time (p50/p95/p99)",
+        "Pages freed after a drain, by release",
         "KV transfer latency (prefill)",
         "Handoff latency (decode: sent -> result)",
     },
@@ -84,14 +97,22 @@ EXPECTED = {
         "Gateway overhead before the engine",
     },
 }
+# Panels where the scenario's event must show as a count above 0 (a counter at 0 returns data too).
+COUNTED = {
+    "Decode refusals by failed check",
+    "Reserved vs transferred mismatches",
+    "Pages freed after a drain, by release",
+}
 LEAK_ALERT = "KvguardCrossTenantFinding"
+DRILL_ALERT = "KvguardFaultDrillEnabled"
 # Pending or firing: drift and the failing probe wait out their `for:`; bob has no markers.
 ACTIVE = {
     LEAK_ALERT,
     "KvguardLeakFirewallCut",
     "KvguardEngineQuarantined",
     "KvguardCapacityDrift",
-    "KvguardFaultDrillEnabled",
+    DRILL_ALERT,
+    "KvguardHandoffProofFailure",
     "KvguardProbeFailing",
     "KvguardCanaryCoverageLow",
 }
@@ -113,6 +134,9 @@ def _prometheus_config(stack: drillstack.DrillStack) -> dict[str, Any]:
     targets += engine_targets(drillstack.GUARDED, [("unified", _address(stack.guarded))])
     drill = [("decode", _address(stack.drill_decode)), ("prefill", _address(stack.drill_prefill))]
     targets += engine_targets(drillstack.DRILL, drill)
+    assert stack.proof_prefill is not None and stack.proof_decode is not None
+    proof = [("decode", _address(stack.proof_decode)), ("prefill", _address(stack.proof_prefill))]
+    targets += engine_targets(drillstack.PROOF, proof)
     return scrape_config(targets, ["alerts.yml"], interval="1s")
 
 
@@ -140,10 +164,12 @@ def _chat(client: httpx.Client, key: str, content: str, **extra: Any) -> httpx.R
     )
 
 
-def _everyday_traffic(client: httpx.Client, stack: drillstack.DrillStack, prom: str) -> str:
+def _everyday_traffic(
+    client: httpx.Client, stack: drillstack.DrillStack, prom: str
+) -> tuple[str, str]:
     """Chats on ``guarded`` (one streamed), a rate limit, an over-long prompt at the engine.
-    Returns alice's key: every request of hers carries a marker."""
-    _, alice = _tenant(client, stack, "alice", canary_sample_rate=1.0)
+    Returns alice's tenant id and key: every request of hers carries a marker."""
+    alice_id, alice = _tenant(client, stack, "alice", canary_sample_rate=1.0)
     _, bob = _tenant(client, stack, "bob", requests_per_minute=1)
     for content in ("Repeat exactly: hello", "Repeat exactly: kv"):
         ok = _chat(client, alice, content)
@@ -161,7 +187,7 @@ def _everyday_traffic(client: httpx.Client, stack: drillstack.DrillStack, prom: 
         timeout=30,
     )
     assert direct.status_code == 400, direct.text
-    return alice
+    return alice_id, alice
 
 
 def _leak_drill(client: httpx.Client, stack: drillstack.DrillStack, alice: str) -> None:
@@ -180,11 +206,75 @@ def _leak_drill(client: httpx.Client, stack: drillstack.DrillStack, alice: str) 
     assert (guarded.b.status, guarded.b.codes) == (400, (drillstack.REFUSED_CODE,))
 
 
-def _failing_probe(stack: drillstack.DrillStack) -> None:
+def _failing_probe(stack: drillstack.DrillStack) -> float:
     """The echo probe on the drill's model, reported to the gateway: its only engine is
-    quarantined, so it fails (``kvguard canary probe`` runs the same runner)."""
+    quarantined, so it fails (``kvguard canary probe`` runs the same runner). Returns when."""
+    started = time.time()
     probe = echo_probe(stack, drillstack.DRILL_MODEL)
     assert not probe.passed and "no_healthy_engine" in probe.observed, probe
+    return started
+
+
+def _last_failure(prometheus: str) -> tuple[str, str, float]:
+    """(engine, kind, seconds since the epoch) the "Last failing probe" panel shows."""
+    panel = next(p for p in DASHBOARDS[0].panels if p.title == "Last failing probe")
+    rows = prom_query(prometheus, substitute(panel.queries[0].expr))["data"]["result"]
+    assert len(rows) == 1, rows
+    labels, value = rows[0]["metric"], float(rows[0]["value"][1]) / 1000
+    return labels.get("engine", ""), labels.get("kind", ""), value
+
+
+def _engine_value(url: str, name: str, **labels: str) -> float:
+    """One series (summed over the labels not named) of an engine's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def _until(check: Any, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def _handoff_proof(stack: drillstack.DrillStack) -> None:
+    """On ``proof``: an over-long prompt (prefill's legacy handoff sends 1 page and "done") is
+    refused by decode's reserved-vs-transferred check; a stream dropped while prefill is writing
+    its KV over the slow link leaves its pages in quarantine until prefill confirms."""
+    decode, prefill = stack.proof_decode, stack.proof_prefill
+    assert decode is not None and prefill is not None
+    body = {"model": drillstack.DRILL_MODEL, "max_tokens": 4, "temperature": 0}
+    over = httpx.post(decode + "/v1/completions", json={**body, "prompt": "x" * 399}, timeout=60)
+    assert over.status_code == 502 and over.json()["error"]["code"] == "kv_handoff_refused"
+    assert over.json()["kvguard"]["handoff"]["failed_check"] == "transfer_range", over.text
+    stream = {**body, "prompt": "y" * 199, "stream": True}
+    with httpx.stream("POST", decode + "/v1/completions", json=stream, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # keep a reference: dropping it closes the connection
+        next(lines)  # admitted: its pages are reserved
+        active = "kvguard_engine_handoffs_active"
+        _until(lambda: _engine_value(prefill, active, state="transferring") >= 1, "transfer")
+        del lines
+    drained = "kvguard_engine_drained_pages_total"
+    _until(lambda: _engine_value(decode, drained) > 0, "pages drained after the abort")
+    assert _engine_value(decode, "kvguard_engine_handoff_late_write_pages_total") == 0
+
+
+def _variables_list_the_stack(prometheus: str, tenant: str) -> None:
+    """Each ``label_values(metric, label)`` Grafana runs, through Prometheus's label API."""
+    want = {"tenant": {tenant}, "engine": {drillstack.DRILL, drillstack.GUARDED}}
+    for name, query in VARIABLE_QUERIES.items():
+        metric, label = query.removeprefix("label_values(").removesuffix(")").split(", ")
+        answer = httpx.get(
+            f"{prometheus}/api/v1/label/{label}/values", params={"match[]": metric}, timeout=10
+        ).json()
+        assert answer["status"] == "success", answer
+        assert want[name] <= set(answer["data"]), (name, answer["data"])
 
 
 def _wait_for(prometheus: str, expr: str, timeout_s: float = 20.0) -> None:
@@ -205,9 +295,11 @@ def _active_alerts(prometheus: str) -> set[str]:
     return {r["name"] for g in rules for r in g["rules"] if r["state"] in ("pending", "firing")}
 
 
-def _evaluate_everything(prometheus: str) -> tuple[dict[str, set[str]], list[str]]:
-    """(lit panel titles by dashboard uid, errors) of every panel query and alert expression."""
+def _evaluate_everything(prometheus: str) -> tuple[dict[str, set[str]], set[str], list[str]]:
+    """(lit panel titles by dashboard uid, titles with a value above 0, errors) of every panel
+    query and alert expression."""
     lit: dict[str, set[str]] = {}
+    counted: set[str] = set()
     errors = []
     for dashboard in DASHBOARDS:
         for panel in dashboard.panels:
@@ -217,11 +309,17 @@ def _evaluate_everything(prometheus: str) -> tuple[dict[str, set[str]], list[str
                     errors.append(f"{panel.title}: {answer.get('error')}")
                 elif answer["data"]["result"]:
                     lit.setdefault(dashboard.uid, set()).add(panel.title)
+                    if any(float(r["value"][1]) > 0 for r in answer["data"]["result"]):
+                        counted.add(panel.title)
     for rule in ALERTS:
         answer = prom_query(prometheus, rule.expr)
         if answer["status"] != "success":
             errors.append(f"{rule.name}: {answer.get('error')}")
-    return lit, errors
+    return lit, counted, errors
+
+
+def _named(alert: dict[str, Any], name: str) -> bool:
+    return bool(alert["labels"]["alertname"] == name)
 
 
 def _leak_alert_fires(prometheus: str, timeout_s: float = 15.0) -> dict[str, Any]:
@@ -238,7 +336,7 @@ def _leak_alert_fires(prometheus: str, timeout_s: float = 15.0) -> dict[str, Any
 def test_every_panel_and_alert_against_a_real_prometheus(tmp_path: Path) -> None:
     env = base_env(KVGUARD_MODE="development")
     (tmp_path / "data").mkdir()
-    stack = drillstack.drill_stack(tmp_path / "data", env)
+    stack = drillstack.drill_stack(tmp_path / "data", env, proof=True)
     rules = {"alerts.yml": _fast_rules()}
     with (
         drillstack.running(stack, tmp_path),
@@ -246,16 +344,23 @@ def test_every_panel_and_alert_against_a_real_prometheus(tmp_path: Path) -> None
         httpx.Client(base_url=stack.gateway, timeout=120) as client,
     ):
         _wait_for(prom.url, 'kvguard_gateway_engine_routable{engine=~".+"}')
-        alice = _everyday_traffic(client, stack, prom.url)
+        alice_id, alice = _everyday_traffic(client, stack, prom.url)
         _leak_drill(client, stack, alice)
-        _failing_probe(stack)
+        _handoff_proof(stack)
+        probed_at = _failing_probe(stack)
         # Two scrapes after the traffic, so rate() and increase() have two samples to compare.
         _wait_for(prom.url, 'kvguard_canary_probe_passing{kind="echo"} == 0')
         time.sleep(2.5)
-        lit, errors = _evaluate_everything(prom.url)
+        lit, counted, errors = _evaluate_everything(prom.url)
         assert errors == []
         for uid, titles in EXPECTED.items():
             assert titles <= lit.get(uid, set()), (uid, titles - lit.get(uid, set()))
+        assert COUNTED - counted == set()
+        _variables_list_the_stack(prom.url, alice_id)
+        engine, kind, failed_at = _last_failure(prom.url)
+        failing = prom_query(prom.url, f"{cm.PROBE_PASSING} == 0")["data"]["result"]
+        assert [(r["metric"]["engine"], r["metric"]["kind"]) for r in failing] == [(engine, kind)]
+        assert kind == "echo" and probed_at - 1 <= failed_at <= time.time()
         critical = prom_query(prom.url, substitute(DASHBOARDS[0].panels[0].queries[0].expr))
         assert float(critical["data"]["result"][0]["value"][1]) >= 1, critical
         alert = _leak_alert_fires(prom.url)
@@ -265,5 +370,7 @@ def test_every_panel_and_alert_against_a_real_prometheus(tmp_path: Path) -> None
         while not _active_alerts(prom.url) >= ACTIVE and time.monotonic() < deadline:
             time.sleep(0.5)
         assert ACTIVE - _active_alerts(prom.url) == set()
+        drills = {a["labels"]["engine"] for a in _alerts(prom.url) if _named(a, DRILL_ALERT)}
+        assert drills == {drillstack.PROOF}, drills
         up = prom_query(prom.url, "up == 0")["data"]["result"]
         assert up == [], up
