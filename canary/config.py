@@ -38,6 +38,13 @@ class CanarySettings(KvguardSettings):
         description="take the engine out of routing when the firewall cuts a stream (an admin "
         "clears it); off only where an engine must keep serving while findings are reviewed",
     )
+    canary_quarantine_on_suspected: bool = Field(
+        default=True,
+        description="with canary_quarantine_on_cut: also quarantine for a cut whose findings are "
+        "all suspected (a damaged copy showing a foreign tenant's tag, no MAC). On by default: a "
+        "tag is never delivered whole and a request carrying one is refused, so no tenant can aim "
+        "one; off where an engine must not be taken out of routing on unauthenticated evidence",
+    )
     canary_inject_completions: bool = Field(
         default=True,
         description="also mark /v1/completions prompts (a reference line before the prompt)",

@@ -5,8 +5,11 @@ Lifecycle of one request's markers (``RequestMarkers`` in the ``MarkerLedger``):
 1. ``MarkerInjector.prepare`` (before tokens are counted) reads the markers the request itself
    carries. A genuine marker of *another* tenant refuses the request (400
    ``foreign_canary_marker``): no tenant can hold one legitimately, and echoing it would only
-   frame an engine. The caller's own genuine markers (only a key holder, a canary probe, has
-   them) are *carried*: delivered back as they are and recorded as this request's markers.
+   frame an engine. So does ``CNRY-`` followed by the 8 characters of another known tenant's tag
+   (``known_tags``), whatever comes after: the model echoing such a damaged copy would be a
+   suspected finding against an innocent engine. The caller's own genuine markers (only a key
+   holder, a canary probe, has them) are *carried*: delivered back as they are and recorded as
+   this request's markers.
 2. Otherwise, with the tenant's ``canary_sample_rate``, a fresh marker is injected and becomes the
    request's *own* marker: the firewall strips it from what the tenant receives.
 3. The firewall opens its guards with the ledger's entry; ``on_finish`` pops it (the ledger holds
@@ -28,9 +31,17 @@ import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
-from canary.markers import BASE32_CLASS, BODY_CHARS, PREFIX, MarkerCodec, Verified
+from canary.markers import (
+    BASE32_CLASS,
+    BODY_CHARS,
+    PREFIX,
+    TAG_CHARS,
+    MarkerCodec,
+    Verified,
+    decode_tag,
+)
 from canary.metrics import CanaryMetrics
 from canary.records import MarkerRecord, RecordStore
 from gateway.db.models import utcnow
@@ -42,6 +53,7 @@ log = logging.getLogger("kvguard.canary")
 REFERENCE_LINE = "Reference code: {marker}"
 MAX_PENDING_WRITES = 1000
 _MARKER_RE = re.compile(re.escape(PREFIX) + BASE32_CLASS + "{" + str(BODY_CHARS) + "}")
+_TAGGED_RE = re.compile(re.escape(PREFIX) + "(" + BASE32_CLASS + "{" + str(TAG_CHARS) + "})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +131,20 @@ def carried_markers(codec: MarkerCodec, body: dict[str, Any]) -> list[Verified]:
     return found
 
 
+def tagged_tenants(body: dict[str, Any], known_tags: Callable[[bytes], str | None]) -> set[str]:
+    """The known tenants whose tag follows a ``CNRY-`` somewhere in the request's texts."""
+    found: set[str] = set()
+    for text in request_texts(body):
+        if PREFIX not in text:
+            continue
+        for match in _TAGGED_RE.finditer(text):
+            tag = decode_tag(match.group(1))
+            tenant = None if tag is None else known_tags(tag)
+            if tenant is not None:
+                found.add(tenant)
+    return found
+
+
 class MarkerInjector:
     """``RequestHook``: reads carried markers, injects at the tenant's rate, fills the ledger."""
 
@@ -127,6 +153,7 @@ class MarkerInjector:
         codec: MarkerCodec,
         *,
         ledger: MarkerLedger,
+        known_tags: Callable[[bytes], str | None] | None = None,
         records: Callable[[], RecordStore | None],
         metrics: CanaryMetrics,
         inject_completions: bool = True,
@@ -134,6 +161,7 @@ class MarkerInjector:
     ) -> None:
         self._codec = codec
         self._ledger = ledger
+        self._known_tags = known_tags
         self._records = records
         self._metrics = metrics
         self._inject_completions = inject_completions
@@ -192,19 +220,13 @@ class MarkerInjector:
 
     def _carried_nonces(self, info: RequestInfo, body: dict[str, Any]) -> frozenset[bytes]:
         found = carried_markers(self._codec, body)
-        if not found:
-            return frozenset()
-        own_tags = self._codec.tenant_tags(info.tenant_id)
-        if any(v.tenant_tag not in own_tags for v in found):
-            log.warning(
-                "canary: request %s of tenant %s carries another tenant's marker; refused",
-                info.request_id,
-                info.tenant_id,
-            )
-            raise InvalidRequest(
-                "This request carries a canary marker that belongs to another tenant.",
-                code="foreign_canary_marker",
-            )
+        if found:
+            own_tags = self._codec.tenant_tags(info.tenant_id)
+            if any(v.tenant_tag not in own_tags for v in found):
+                _refuse(info, "marker")
+        lookup = self._known_tags
+        if lookup is not None and tagged_tenants(body, lookup) - {info.tenant_id}:
+            _refuse(info, "tag")
         return frozenset(v.nonce for v in found)
 
     def _sampled(self, info: RequestInfo, body: dict[str, Any]) -> bool:
@@ -220,3 +242,16 @@ class MarkerInjector:
         if isinstance(messages, list):
             return {**body, "messages": inject_chat(messages, marker_text)}
         return {**body, "prompt": inject_prompt(str(body.get("prompt", "")), marker_text)}
+
+
+def _refuse(info: RequestInfo, what: str) -> NoReturn:
+    log.warning(
+        "canary: request %s of tenant %s carries another tenant's %s; refused",
+        info.request_id,
+        info.tenant_id,
+        what,
+    )
+    raise InvalidRequest(
+        "This request carries a canary marker, or part of one, that belongs to another tenant.",
+        code="foreign_canary_marker",
+    )

@@ -8,8 +8,9 @@
    records store opens (Redis when ``KVGUARD_REDIS_URL`` is set, else in-process), the tag index
    is loaded from the tenants table and refreshed every ``canary_tag_refresh_s``;
 3. per request: ``MarkerInjector.prepare`` -> ``LeakFirewall.open`` (per choice) ->
-   ``on_cut`` (a firewall cut: quarantine the engine, store critical/high findings, metrics, one
-   log line of ids) -> ``on_finish`` (ledger entry dropped, record completed with the engine,
+   ``on_cut`` (a firewall cut: quarantine the engine -- for a suspected-only cut only with
+   ``canary_quarantine_on_suspected`` --, store critical/high findings, metrics, one log line of
+   ids) -> ``on_finish`` (ledger entry dropped, record completed with the engine,
    lower-severity checks);
 4. ``stop()``: record writes drained, refresh task stopped, store closed.
 """
@@ -79,6 +80,7 @@ class CanaryRuntime:
         self.injector = MarkerInjector(
             self.codec,
             ledger=self.ledger,
+            known_tags=self.tags.lookup,
             records=lambda: self._store,
             metrics=self.metrics,
             inject_completions=settings.canary_inject_completions,
@@ -154,7 +156,7 @@ class CanaryRuntime:
             return
         state = self._require_state()
         engine = info.engine or "unknown"
-        quarantine = self.settings.canary_quarantine_on_cut and info.engine is not None
+        quarantine = self._quarantines(cut.findings) and info.engine is not None
         if quarantine and info.engine is not None:
             reason = f"canary: isolation finding on request {info.request_id}"
             await state.quarantine(info.engine, reason=reason)
@@ -182,15 +184,22 @@ class CanaryRuntime:
                 new.action.value,
             )
 
+    def _quarantines(self, findings: tuple[Finding, ...]) -> bool:
+        if not self.settings.canary_quarantine_on_cut:
+            return False
+        confirmed = any(f.severity is Severity.CONFIRMED for f in findings)
+        return confirmed or (bool(findings) and self.settings.canary_quarantine_on_suspected)
+
     async def _record_of(self, finding: Finding) -> MarkerRecord | None:
         if finding.victim_nonce is None or self._store is None:
             return None
         try:
-            return await self._store.get(finding.victim_nonce)
+            record = await self._store.get(finding.victim_nonce)
         except Exception as exc:
             self.metrics.record_errors.inc()
             log.warning("canary: marker record lookup failed: %s", exc)
             return None
+        return victim_record(finding, record)
 
     # -- the end of every request ---------------------------------------------------------------
 
@@ -263,6 +272,15 @@ class CanaryRuntime:
 
 async def _store(state: GatewayState, finding: NewFinding) -> int:
     return await run_in_session(state.sessions, lambda s: store_finding(s, finding).id)
+
+
+def victim_record(finding: Finding, record: MarkerRecord | None) -> MarkerRecord | None:
+    """The issue record found for the finding's nonce, if it may name the victim's request. A
+    confirmed nonce is authenticated by the MAC; a suspected one was read from a damaged copy, so
+    its record counts only when it names the tenant the copy's tag names."""
+    if record is None or finding.severity is Severity.CONFIRMED:
+        return record
+    return record if record.tenant_id == finding.victim_tenant else None
 
 
 def _isolation_finding(

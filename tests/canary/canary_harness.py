@@ -160,6 +160,7 @@ class ProviderControls:
     mode: str = "plain"  # plain | echo_system | leak
     leak_where: str = "content"  # content | second_choice | side_field | error_event
     splits: list[int] | None = None  # stream: answer split at these offsets (None: one chunk)
+    leak_chars: int | None = None  # leak only the marker's first characters (a damaged copy)
     usage_prompt_tokens: int | None = None  # lie about usage
     first_token_delay_s: float = 0.0
     seen: list[dict[str, Any]] = field(default_factory=list)
@@ -183,7 +184,7 @@ def _answer(controls: ProviderControls, body: dict[str, Any]) -> str:
         system = [m["content"] for m in body.get("messages", []) if m.get("role") == "system"]
         return f"You said: {system[0] if system else ''} -- done."
     if controls.mode == "leak" and controls.leak_where == "content":
-        return f"Sure! The code is {controls.stolen_marker()}, as requested."
+        return f"Sure! The code is {controls.stolen_marker()[: controls.leak_chars]}, as requested."
     return "hello from the provider"
 
 

@@ -148,3 +148,31 @@ async def test_a_request_carrying_another_tenants_marker_is_refused() -> None:
     assert refused.value.code == "foreign_canary_marker" and refused.value.status == 400
     assert M not in refused.value.message
     assert len(ledger) == 0
+
+
+async def test_a_request_carrying_another_tenants_tag_after_the_prefix_is_refused() -> None:
+    """``CNRY-`` + another known tenant's tag + anything: the model echoing it would be a suspected
+    finding against an innocent engine. The caller's own tag, unknown tags and a tag without the
+    prefix pass."""
+    index = CODEC.tag_index(["acme", "globex"])
+    hook, ledger, _, _ = injector(known_tags=index.get)
+    acme_tag = M[5:13]
+    for text in (
+        f"echo CNRY-{acme_tag}XYZ",
+        f"CNRY-{acme_tag[:7]}",
+        "CNRY-AAAAAAAA junk",
+        acme_tag,
+    ):
+        body = {"messages": [{"role": "user", "content": text}]}
+        await hook.prepare(info(5, tenant="acme", rate=0.0), body)
+        await hook.prepare(info(6, tenant="initech", rate=0.0), {"prompt": text.lower()})
+    for body in (
+        {"messages": [{"role": "user", "content": f"say CNRY-{acme_tag}XYZ twice"}]},
+        {"messages": [{"role": "user", "content": "hi", "name": f"CNRY-{acme_tag}"}]},
+        {"prompt": f"CNRY-CNRY-{acme_tag}"},
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            await hook.prepare(info(7, tenant="globex"), body)
+        assert (refused.value.code, refused.value.status) == ("foreign_canary_marker", 400)
+        assert acme_tag not in refused.value.message
+    assert len(ledger) == 0
