@@ -21,6 +21,7 @@ codes only.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections import Counter
@@ -35,6 +36,7 @@ from kvguard.load.content import foreign_markers
 
 REFERENCE_REQUEST = "Repeat the reference code."
 REQUEST_ID_HEADER = "x-kvguard-request-id"
+_STREAMS = itertools.count()
 
 
 def codec_for(canary_key: str) -> MarkerCodec:
@@ -54,9 +56,16 @@ class Outcome:
 
 @dataclass(slots=True)
 class Live:
-    """How many streams have delivered text and not ended yet (a fault can wait for one)."""
+    """What the load's streams are doing now, for a fault that must land mid-stream.
 
-    streaming: int = 0
+    ``waiting``: the open streams that have started (their first event came) and delivered no
+    text yet, i.e. that have their whole answer still to come. Not the streams delivering text:
+    the gateway's leak firewall holds the echoed marker back until it is whole, so an answer's
+    text arrives at its very end. ``cut``: the 200 streams that ended with an error event so far.
+    """
+
+    waiting: set[int] = field(default_factory=set)
+    cut: int = 0
 
 
 @dataclass(slots=True)
@@ -122,8 +131,7 @@ async def ask(
     marker = codec.issue(tenant.id).text
     started = time.perf_counter()
     read, status, request_id = _Read(), None, None
-    live = live or Live()
-    counted = False
+    live, stream = live or Live(), next(_STREAMS)
     try:
         body = echo_body(marker)
         async with client.stream(
@@ -139,8 +147,10 @@ async def ask(
                 _feed(read, line)
                 if read.error or read.done:
                     break
-                if read.text and not counted:
-                    counted, live.streaming = True, live.streaming + 1
+                if any(read.text):
+                    live.waiting.discard(stream)
+                elif read.events:
+                    live.waiting.add(stream)
                 if drop_after_events is not None and read.events >= drop_after_events:
                     leaked = foreign_markers("".join(read.text), marker)
                     took = time.perf_counter() - started
@@ -148,11 +158,12 @@ async def ask(
     except (httpx.TransportError, ValueError) as exc:
         read.error = read.error or f"transport_{exc.__class__.__name__}"
     finally:
-        live.streaming -= 1 if counted else 0
+        live.waiting.discard(stream)
     text = "".join(read.text)
     leaked, took = foreign_markers(text, marker), time.perf_counter() - started
     if read.error is not None:
         kind = "cut" if status == 200 else "error"
+        live.cut += kind == "cut"
         return Outcome(kind, read.error, status, request_id, leaked, took)
     if read.done and marker in text:
         return Outcome("ok", None, status, request_id, leaked, took)

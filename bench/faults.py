@@ -46,6 +46,7 @@ MID_LINK = "4e5"
 SLOW_LINK = "1e5"
 LEASE_S = "2.0"
 DRAIN_TIMEOUT_S = 30.0
+KILL_ATTEMPTS = 3  # decode_crash: kills until one cuts a stream
 
 
 @dataclass
@@ -220,11 +221,29 @@ async def _run(
 
 
 async def decode_crash(fs: FaultStack, *, n_clients: int = 3, hold_s: float = 1.0) -> FaultRow:
-    """SIGKILL decode while a stream is delivering text, then start it again."""
+    """SIGKILL decode while a stream has started and has its whole answer still to come, then
+    start it again.
+
+    On a busy machine the client may read a stream's first event only after the engine sent its
+    end, so a kill can still miss every stream: then decode is started again and the kill
+    retried (at most ``KILL_ATTEMPTS`` kills), until one cuts a stream.
+    """
+
+    def kill_at_a_start(fs: FaultStack, live: Live) -> None:
+        # In one thread: no event-loop turn between seeing the stream and the kill.
+        wait_for(lambda: bool(live.waiting), 30, "a stream that has started", 0.002)
+        fs.decode.kill()
 
     async def kill_mid_stream(fs: FaultStack, live: Live) -> None:
-        await _blocking(lambda: wait_for(lambda: live.streaming > 0, 30, "a stream", 0.005))
-        await _blocking(fs.decode.kill)
+        cut = live.cut
+        for attempt in range(KILL_ATTEMPTS):
+            await _blocking(partial(kill_at_a_start, fs, live))
+            try:
+                await _blocking(lambda: wait_for(lambda: live.cut > cut, 10, "a cut stream", 0.02))
+                return
+            except TimeoutError:
+                if attempt + 1 < KILL_ATTEMPTS:
+                    await restart(fs, live)
 
     async def restart(fs: FaultStack, live: Live) -> None:
         await _blocking(lambda: fs.restart(fs.decode))
