@@ -1,19 +1,23 @@
-"""`kvguard demo`: the incident replayed and caught, then refused with the defences on.
+"""`kvguard demo`: two tenants, a passing probe, a refusal, then the incident replayed and caught.
 
 Lifecycle: lay out and start the drill stack (``kvguard.drillstack``: the incident's ``drill``
 engine and a ``guarded`` one behind the gateway; a fresh SQLite database and the role logs in a
-temp dir; everything stopped at exit), then narrate:
+temp dir; everything stopped at exit), then narrate, in the order the story is told:
 
-1. the stack and what is misconfigured on purpose;
-2. two tenants: A, whose every request carries a canary marker, and B;
-3. act 1 on ``drill``: A's chat, then B's over-long one. The legacy handoff lets decode read A's
-   stale pages, the model copies A's marker, and the firewall cuts B's stream before the marker
-   reaches B, stores a cross-tenant finding naming A's request and quarantines the engine;
-4. act 2 on ``guarded``: the same two requests; B gets 400 ``context_length_exceeded`` before any
-   page is reserved, and a canary echo probe passes;
-5. a summary table and where to look in Grafana.
+1. the stack, and what is misconfigured on purpose;
+2. two tenants chat normally on ``guarded``: A, whose every request carries a canary marker
+   (stripped from A's answer), and B;
+3. a canary echo probe passes on ``guarded`` (and is reported to the gateway, like
+   ``kvguard canary probe``);
+4. the capacity check: B's request that fits the advertised window but not the real pool gets
+   400 ``context_length_exceeded`` on ``guarded``, before any page is reserved;
+5. the incident on ``drill`` (the misconfigured engine with the incident's fault drill): A's
+   chat, then the same request from B. The legacy handoff lets decode read A's stale pages, the
+   model copies A's marker, and the firewall cuts B's stream before the marker reaches B, stores
+   a cross-tenant finding naming A's request and quarantines the engine;
+6. a summary table and where to look in Grafana.
 
-Exit status 0 only when both acts held. The narrative shows ids, codes and sizes: the marker
+Exit status 0 only when every step held. The narrative shows ids, codes and sizes: the marker
 never leaves the gateway, and no prompt or answer text is printed.
 """
 
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvguard.drillstack import (
+    A_MAX,
     A_TOKENS,
     B_MAX,
     B_TOKENS,
@@ -45,13 +50,17 @@ from kvguard.drillstack import (
     WINDOW,
     Act,
     DrillStack,
+    Exchange,
     StackFailed,
+    a_messages,
+    chat_of,
     create_tenant,
     drill_stack,
     finding_for,
     play,
     quarantine_of,
     running,
+    send,
 )
 
 if TYPE_CHECKING:
@@ -69,12 +78,26 @@ class Probe:
 
 @dataclass(frozen=True, slots=True)
 class Story:
+    """What happened at each step, in the order told."""
+
     a_id: str
-    incident: Act
+    chats: Act  # step 2: A's and B's ordinary chats on guarded
+    probe: Probe  # step 3
+    refusal: Exchange  # step 4: B's over-long request on guarded
+    incident: Act  # step 5: A's chat, then the same over-long request from B, on drill
     finding: dict[str, Any] | None
     quarantine: str | None
-    guarded: Act
-    probe: Probe
+
+    def served(self) -> bool:
+        """Both tenants chatted normally, A's own marker stripped from what A received."""
+        a, b = self.chats.a, self.chats.b
+        ok_a = (a.status, a.codes, a.marker_seen) == (200, (), False)
+        return ok_a and (b.status, b.codes) == (200, ())
+
+    def refused(self) -> bool:
+        """The probe passed, and B's request that fits the window but not the pool was refused."""
+        r = self.refusal
+        return self.probe.passed and (r.status, r.codes) == (400, (REFUSED_CODE,))
 
     def leak_caught(self) -> bool:
         """B's stream was cut before A's marker reached B, and the evidence names A's request."""
@@ -89,14 +112,8 @@ class Story:
             and self.quarantine is not None
         )
 
-    def refused(self) -> bool:
-        """With the defences on, A is served, B refused for its size, and the probe passes."""
-        a, b = self.guarded.a, self.guarded.b
-        return (
-            (a.status, a.marker_seen) == (200, False)
-            and (b.status, b.codes) == (400, (REFUSED_CODE,))
-            and self.probe.passed
-        )
+    def held(self) -> bool:
+        return self.served() and self.refused() and self.leak_caught()
 
 
 class Narrator:
@@ -148,18 +165,56 @@ def _line(n: Narrator, who: str, what: str, outcome: str) -> None:
     n.say(f"{who:<9} {what:<30} -> {outcome}")
 
 
+CHAT_TOKENS, CHAT_MAX = 48, 8  # B's ordinary chat
+
+
+def _chats(n: Narrator, client: httpx.Client, keys: tuple[str, str]) -> Act:
+    n.head(f"Two tenants chat on {GUARDED!r} (the gateway enforces its real pool)")
+    a = send(client, keys[0], GUARDED_MODEL, a_messages(), max_tokens=A_MAX)
+    b = send(client, keys[1], GUARDED_MODEL, chat_of(CHAT_TOKENS), max_tokens=CHAT_MAX)
+    marker = "own marker stripped" if not a.marker_seen else "MARKER DELIVERED"
+    _line(n, "tenant-a", f"{A_TOKENS}-token chat, marker inside", f"{a.outcome()}, {marker}")
+    _line(n, "tenant-b", f"{CHAT_TOKENS}-token chat", b.outcome())
+    return Act(GUARDED, a, b)
+
+
+def _probe(n: Narrator, stack: DrillStack) -> Probe:
+    n.head(f"A canary probe on {GUARDED!r}: a synthetic tenant asks for its own marker back")
+    probe = echo_probe(stack, GUARDED_MODEL)
+    verdict = "pass" if probe.passed else "FAIL"
+    _line(n, "probe", f"canary echo probe on {GUARDED!r}", f"{verdict} ({probe.observed})")
+    return probe
+
+
+def _over_long(client: httpx.Client, key: str, model: str) -> Exchange:
+    return send(client, key, model, chat_of(B_TOKENS), max_tokens=B_MAX, stream=True)
+
+
+def _capacity_check(n: Narrator, client: httpx.Client, key_b: str) -> Exchange:
+    n.head("The capacity check: a request that fits the window but not the pool")
+    refusal = _over_long(client, key_b, GUARDED_MODEL)
+    _line(n, "tenant-b", f"{B_TOKENS} + {B_MAX} tokens, streamed", refusal.outcome())
+    n.say(
+        f"          fits the advertised {WINDOW}-token window, not the {PREFILL_POOL}-token pool:"
+    )
+    n.say("          refused at the gateway before any page is reserved")
+    return refusal
+
+
 def _incident(n: Narrator, client: httpx.Client, keys: tuple[str, str]) -> Act:
-    n.head(f"Act 1: the incident's deployment (engine {DRILL!r}; only the firewall stands)")
+    n.head(
+        f"The incident's deployment (engine {DRILL!r}, fault drill on; only the firewall stands)"
+    )
     act = play(client, DRILL, DRILL_MODEL, *keys)
     outcome = f"{act.a.outcome()}  (request {_short(act.a.request_id)})"
     _line(n, "tenant-a", f"{A_TOKENS}-token chat, marker inside", outcome)
-    _line(n, "tenant-b", f"{B_TOKENS} + {B_MAX} tokens, streamed", act.b.outcome())
-    n.say(f"          fits the {WINDOW}-token window, not prefill's {PREFILL_POOL}-token pool:")
-    n.say("          prefill rejects it, the legacy handoff says 'done', decode reads")
-    n.say("          tenant-a's stale pages and the model copies what it finds there")
+    _line(n, "tenant-b", "the same over-long request", act.b.outcome())
+    n.say(f"          prefill's {PREFILL_POOL}-token pool rejects it, the legacy handoff says")
+    n.say("          'done', decode reads tenant-a's stale pages and the model copies what it")
+    n.say("          finds there: the leak is reproduced")
     chars = f"{act.b.text_chars} character{'s' if act.b.text_chars != 1 else ''}"
     marker = "A WHOLE MARKER" if act.b.marker_seen else "no marker"
-    n.say(f"          tenant-b received {chars} before the cut, {marker}")
+    n.say(f"          tenant-b received {chars} before the firewall cut the stream, {marker}")
     return act
 
 
@@ -180,35 +235,31 @@ def _evidence(
     return finding, quarantine
 
 
-def _guarded(n: Narrator, client: httpx.Client, keys: tuple[str, str]) -> Act:
-    n.head(f"Act 2: defences on (engine {GUARDED!r}: the gateway enforces its real pool)")
-    act = play(client, GUARDED, GUARDED_MODEL, *keys)
-    _line(n, "tenant-a", "the same chat", act.a.outcome())
-    _line(n, "tenant-b", f"the same {B_TOKENS} + {B_MAX} tokens", act.b.outcome())
-    n.say(
-        f"          over the real {PREFILL_POOL}-token limit: refused before any page is reserved"
-    )
-    return act
-
-
 def summary(story: Story) -> str:
+    probe = "echo pass" if story.probe.passed else "echo FAIL"
     rows = [
-        ("act", "engine", "tenant-a", "tenant-b", "probe", "held"),
+        ("step", "engine", "tenant-a", "tenant-b", "held"),
         (
-            "1 incident",
+            "2 chats",
+            GUARDED,
+            story.chats.a.outcome(),
+            story.chats.b.outcome(),
+            "served" if story.served() else "NO",
+        ),
+        ("3 probe", GUARDED, probe, "-", "passed" if story.probe.passed else "NO"),
+        (
+            "4 capacity check",
+            GUARDED,
+            "-",
+            story.refusal.outcome(),
+            "refused" if story.refused() else "NO",
+        ),
+        (
+            "5 incident",
             DRILL,
             story.incident.a.outcome(),
             story.incident.b.outcome(),
-            "-",
             "leak caught" if story.leak_caught() else "NO",
-        ),
-        (
-            "2 defences on",
-            GUARDED,
-            story.guarded.a.outcome(),
-            story.guarded.b.outcome(),
-            "echo pass" if story.probe.passed else "echo FAIL",
-            "refused" if story.refused() else "NO",
         ),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -218,38 +269,45 @@ def summary(story: Story) -> str:
     )
 
 
+def _panel(dashboard: Any, prefix: str) -> str:
+    """A panel's title by its start (a renamed panel fails the demo's test, not silently)."""
+    return next(p.title for p in dashboard.panels if p.title.startswith(prefix))
+
+
 def grafana_pointers() -> list[str]:
-    from dashboards.catalog import CAPACITY, ISOLATION
+    from dashboards.catalog import CAPACITY, ISOLATION, TRAFFIC
 
     return [
         "Where to look in Grafana (the compose stack provisions these dashboards):",
+        f"  {TRAFFIC.title} (tenant variable): {_panel(TRAFFIC, 'Requests by outcome')}",
         f"  {ISOLATION.title}",
-        f"    {ISOLATION.panels[0].title}, {ISOLATION.panels[2].title},",
-        f"    {ISOLATION.panels[6].title}; alert KvguardCrossTenantFinding (critical)",
+        f"    {_panel(ISOLATION, 'Probe pass rate')}, {_panel(ISOLATION, 'Critical findings')},",
+        f"    {_panel(ISOLATION, 'Streams cut')}, {_panel(ISOLATION, 'Quarantined engines')};",
+        "    alert KvguardCrossTenantFinding (critical)",
         f"  {CAPACITY.title}",
-        f"    {CAPACITY.panels[2].title}, {CAPACITY.panels[3].title},",
-        f"    {CAPACITY.panels[5].title}",
+        f"    {_panel(CAPACITY, 'Window vs pool')}, {_panel(CAPACITY, 'Capacity drift')},",
+        f"    {_panel(CAPACITY, 'Fault drills')},",
+        f"    {_panel(CAPACITY, 'Rejections by reason (gateway)')}",
     ]
 
 
 def tell(stack: DrillStack, n: Narrator) -> Story:
-    """Both acts against a running drill stack; prints the narrative, returns what happened."""
+    """Every step against a running drill stack, in order; prints the narrative, returns what
+    happened."""
     import httpx
 
     with httpx.Client(base_url=stack.gateway, timeout=120) as client:
-        n.head("Two tenants: tenant-a (every request carries a canary marker) and tenant-b")
         a_id, key_a = create_tenant(client, stack.admin(), "tenant-a", sample_rate=1.0)
         _, key_b = create_tenant(client, stack.admin(), "tenant-b")
-        n.say("the marker is an HMAC-signed code naming tenant-a and its request; the gateway")
-        n.say("puts it in tenant-a's prompt and strips it from tenant-a's answers")
         keys = (key_a, key_b)
+        chats = _chats(n, client, keys)
+        n.say("          tenant-a's marker is an HMAC-signed code naming tenant-a and its")
+        n.say("          request; the gateway puts it in the prompt and strips it from the answer")
+        probe = _probe(n, stack)
+        refusal = _capacity_check(n, client, key_b)
         incident = _incident(n, client, keys)
         finding, quarantine = _evidence(n, client, stack.admin(), incident, a_id)
-        guarded = _guarded(n, client, keys)
-    probe = echo_probe(stack, GUARDED_MODEL)
-    verdict = "pass" if probe.passed else "FAIL"
-    _line(n, "probe", f"canary echo probe on {GUARDED!r}", f"{verdict} ({probe.observed})")
-    return Story(a_id, incident, finding, quarantine, guarded, probe)
+    return Story(a_id, chats, probe, refusal, incident, finding, quarantine)
 
 
 def register(subparsers: Any) -> None:
@@ -257,8 +315,9 @@ def register(subparsers: Any) -> None:
         "demo",
         help="replay the incident's leak on local processes and watch kvguard catch it",
         description="Start a drill stack (the incident's misconfigured engine and a guarded one) "
-        "on 127.0.0.1, replay the leak, then the same requests with the defences on. Exit 0 "
-        "when the leak was caught and the over-long request refused.",
+        "on 127.0.0.1: two tenants chat, a canary probe passes, the capacity check refuses a "
+        "request that fits the window but not the pool, then the same request replays the leak "
+        "on the misconfigured engine. Exit 0 when every step held and the leak was caught.",
     )
     parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
     parser.add_argument(
@@ -284,7 +343,7 @@ def _intro(n: Narrator, stack: DrillStack, work_dir: Path) -> None:
 def run_demo(work_dir: Path, out: TextIO, *, model: Path | None = None) -> int:
     import httpx
 
-    n = Narrator(out, steps=5)
+    n = Narrator(out, steps=6)
     env = {**os.environ, "KVGUARD_MODE": "development"}
     (work_dir / "data").mkdir(parents=True, exist_ok=True)
     stack = drill_stack(work_dir / "data", env, model=model)
@@ -300,9 +359,9 @@ def run_demo(work_dir: Path, out: TextIO, *, model: Path | None = None) -> int:
     n.head("Summary")
     print(summary(story) + "\n", file=out)
     print("\n".join(grafana_pointers()), file=out)
-    held = story.leak_caught() and story.refused()
+    held = story.held()
     verdict = (
-        "the story held: the leak was caught and stopped, and refused with the defences on"
+        "the story held: tenants served, probe passed, over-long request refused, leak caught"
         if held
         else "the story did NOT hold (see above)"
     )
