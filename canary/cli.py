@@ -89,27 +89,13 @@ def run_probe(args: argparse.Namespace) -> int:
 
 
 async def _probe_loop(args: argparse.Namespace, settings: Any, url: str) -> int:
-    _beat(args.heartbeat)
-    while True:
-        status = await _probe_once(args, settings, url)
-        _beat(args.heartbeat)
-        if args.once:
-            return status
-        await asyncio.sleep(settings.canary_probe_interval_s)
-
-
-def _beat(heartbeat: Path | None) -> None:
-    """Touch the heartbeat file: the loop is alive (whatever the round's outcome)."""
-    if heartbeat is not None:
-        heartbeat.touch()
-
-
-async def _probe_once(args: argparse.Namespace, settings: Any, url: str) -> int:
+    """One client and one runner for the whole schedule: the probe keys are reused round after
+    round and revoked when the loop ends (``--once``, an error, or Ctrl-C)."""
     import httpx
 
     from canary.findings import ProbeKind
     from canary.markers import MarkerCodec
-    from canary.probes import GatewayClient, ProbeRunner, ProbeSetupError, format_table
+    from canary.probes import GatewayClient, ProbeRunner
 
     kinds = [ProbeKind(k) for k in (args.kind or [k.value for k in ProbeKind])]
     async with httpx.AsyncClient(base_url=url, timeout=settings.canary_probe_timeout_s) as http:
@@ -120,17 +106,51 @@ async def _probe_once(args: argparse.Namespace, settings: Any, url: str) -> int:
             tenant_prefix=settings.canary_probe_tenant_prefix,
             model=args.model,
         )
+        _beat(args.heartbeat)
         try:
-            results = await runner.run(kinds)
+            while True:
+                status = await _probe_once(runner, kinds, report=not args.no_report)
+                _beat(args.heartbeat)
+                if args.once:
+                    return status
+                await asyncio.sleep(settings.canary_probe_interval_s)
+        finally:
+            await _close(runner)
+
+
+def _beat(heartbeat: Path | None) -> None:
+    """Touch the heartbeat file: the loop is alive (whatever the round's outcome)."""
+    if heartbeat is not None:
+        heartbeat.touch()
+
+
+async def _probe_once(runner: Any, kinds: list[Any], *, report: bool) -> int:
+    import httpx
+
+    from canary.probes import ProbeSetupError, format_table
+
+    try:
+        results = await runner.run(kinds)
+    except (ProbeSetupError, httpx.HTTPError) as exc:
+        print(f"kvguard canary: probes could not run: {exc}", file=sys.stderr, flush=True)
+        return EXIT_SETUP
+    reported = True
+    if report:  # before the table: a printed round is a stored one
+        try:
+            await runner.gateway.report(uuid.uuid4().hex, results)
         except (ProbeSetupError, httpx.HTTPError) as exc:
-            print(f"kvguard canary: probes could not run: {exc}", file=sys.stderr, flush=True)
-            return EXIT_SETUP
-        print(format_table(results), flush=True)
-        reported = True
-        if not args.no_report:
-            try:
-                await gateway.report(uuid.uuid4().hex, results)
-            except (ProbeSetupError, httpx.HTTPError) as exc:
-                print(f"kvguard canary: results not reported: {exc}", file=sys.stderr, flush=True)
-                reported = False
+            print(f"kvguard canary: results not reported: {exc}", file=sys.stderr, flush=True)
+            reported = False
+    print(format_table(results), flush=True)
     return EXIT_OK if reported and all(r.passed for r in results) else EXIT_FAILED
+
+
+async def _close(runner: Any) -> None:
+    import httpx
+
+    from canary.probes import ProbeSetupError
+
+    try:
+        await runner.close()
+    except (ProbeSetupError, httpx.HTTPError) as exc:
+        print(f"kvguard canary: probe keys not revoked: {exc}", file=sys.stderr, flush=True)

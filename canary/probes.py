@@ -1,9 +1,11 @@
 """Canary probes: synthetic tenants exercise the real path through a running gateway.
 
-Lifecycle of one probe run (``ProbeRunner.run``): make sure the probe tenants exist (synthetic,
-sample rate 0, created through the admin API; a non-synthetic tenant of the same name is never
-used) and give each a fresh short-lived key -> run each probe kind -> one ``ProbeResult`` per
-check -> the caller prints them and reports them to ``POST /admin/canary/probe-runs``.
+Lifecycle (``ProbeRunner``): ``setup`` makes sure the probe tenants exist (synthetic, sample rate
+0, created through the admin API; a non-synthetic tenant of the same name is never used) and
+holds one short-lived key each, reused run after run until it nears expiry (then replaced and
+the old one revoked) -> ``run`` runs each probe kind -> one ``ProbeResult`` per check -> the
+caller prints them and reports them to ``POST /admin/canary/probe-runs`` -> ``close`` revokes
+the keys when the probes stop.
 
 The probes issue their own markers with the canary key (``KVGUARD_CANARY_KEY``, the gateway's):
 a request *carrying* its tenant's marker gets it back unstripped (``StreamScanner``'s carried
@@ -12,29 +14,36 @@ nonces), so a probe can see what the model copied.
 - ``echo``: a chat whose system message holds marker M and whose question asks for the reference
   code; the answer must hold M and no other marker (needs a model that copies, e.g. the bundled
   ``kvguard-tiny``).
-- ``capacity``: the real limit L of the model (largest enforceable limit of its routable engines,
-  from the admin API); requests of L-1, L, L+1 tokens (prompt + max_tokens) and 1.5 L must get 200,
-  200, 400 ``context_length_exceeded``, 400 ``context_length_exceeded``. Prompt sizes come from a
-  two-point calibration of the engine's own counts (``usage.prompt_tokens``), checked again on
-  every 200.
-- ``cross_tenant``: tenant A's long request with marker MA, then at once tenant B's short one on
-  the same model: B's answer must be a plain 200 holding no marker of A, not even its tag.
-- ``abort``: A's long streamed request is dropped as soon as the gateway answers, then B's
-  request: the same check.
+- ``capacity``: for each distinct limit L among the model's routable engines (each engine's own
+  enforceable limit, from the admin API), requests of L-1, L, L+1 tokens (prompt + max_tokens)
+  and 1.5 L. Each must get 200 when some engine's own limit holds it (served by such an engine:
+  the ``x-kvguard-engine`` it names) and 400 ``context_length_exceeded`` otherwise; with one
+  engine: 200, 200, 400, 400. Prompt sizes come from a two-point calibration of the engine's own
+  counts (``usage.prompt_tokens``), checked again on every 200.
+- ``cross_tenant``: tenant A's long request with marker MA, then at once tenant B's request sized
+  near the limit (``b_body``) on the same engine: B's answer must be a plain 200 holding no marker
+  of A, not even its tag. B is long on purpose: in the incident the reader of the stale pages
+  was the request the engine could not really hold, and a short B never touches them.
+- ``abort``: A's long streamed request is dropped after its first event (the request is running
+  on the engine, not yet finished: a stream that ended first fails the probe), then B's request:
+  the same check.
 
-Results name the engine that served them (the gateway tells synthetic tenants in
-``x-kvguard-engine``). With several engines per model, ``cross_tenant`` and ``abort`` only prove
-something when A and B land on the same engine; the observed text says where they landed.
+Pinning: the gateway picks the engine (least in flight, then round robin) and names it to
+synthetic tenants in ``x-kvguard-engine``. B's request is sent again, up to once per engine
+more, until it lands on A's engine; if it never does, the pair fails with "nothing proven"
+instead of passing on another engine. (A pause of ``RETRY_PAUSE_S`` before each new try lets
+the gateway count a dropped A out of its engine's in-flight requests, which it routes by.)
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import math
 import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -50,18 +59,26 @@ from canary.markers import (
     MarkerCodec,
     encode_tag,
 )
+from canary.probe_client import (
+    KEY_LIFETIME_S,
+    Answer,
+    GatewayClient,
+    ProbeSetupError,
+    ProbeTenant,
+)
 from gateway.db.models import utcnow
-from gateway.hooks import ENGINE_HEADER
+
+__all__ = ["GatewayClient", "ProbeResult", "ProbeRunner", "ProbeSetupError", "format_table"]
 
 REFERENCE_REQUEST = "Repeat the reference code."
-KEY_LIFETIME_S = 3600
+KEY_RENEW_BEFORE_S = KEY_LIFETIME_S // 6  # a key with under 10 minutes left is replaced
+ABORT_MAX_TOKENS = 64  # A keeps generating past the probe's drop
+B_MAX_TOKENS = MARKER_CHARS + 8  # room to copy a whole marker
+B_SLACK = 64  # tokens of chat template around B's text
+RETRY_PAUSE_S = 0.2  # before B is sent again to reach A's engine
 CALIBRATION_UNITS = (8, 16)
 UNIT = " a"
 _MARKER_RE = re.compile(re.escape(PREFIX) + BASE32_CLASS + "{" + str(BODY_CHARS) + "}")
-
-
-class ProbeSetupError(RuntimeError):
-    """The probes cannot run at all (gateway unreachable, refused admin token, no model)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,153 +101,6 @@ class ProbeResult:
             "duration_ms": round(self.duration_ms, 3),
             "started_at": self.started_at.isoformat(),
         }
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeTenant:
-    id: str
-    name: str
-    key: str = field(repr=False)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.key}"}
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """One response as a probe sees it. ``text`` may hold markers: never logged or stored."""
-
-    status: int
-    code: str | None
-    text: str = field(repr=False)
-    engine: str | None
-    prompt_tokens: int | None = None
-
-
-class GatewayClient:
-    """The admin and tenant calls the probes make, over one ``httpx.AsyncClient``."""
-
-    def __init__(self, client: httpx.AsyncClient, *, admin_token: str) -> None:
-        self.http = client
-        self._admin = {"Authorization": f"Bearer {admin_token}"}
-
-    async def ensure_tenant(self, name: str) -> ProbeTenant:
-        r = await self.http.get(f"/admin/tenants/{name}", headers=self._admin)
-        if r.status_code == 404:
-            body = {
-                "name": name,
-                "synthetic": True,
-                "canary_sample_rate": 0.0,
-                "key_name": "canary-probe",
-                "key_expires_in_s": KEY_LIFETIME_S,
-            }
-            created = await self.http.post("/admin/tenants", json=body, headers=self._admin)
-            _expect(created, 201, "create probe tenant")
-            data = created.json()
-            return ProbeTenant(id=data["tenant"]["id"], name=name, key=data["key"]["key"])
-        _expect(r, 200, "read probe tenant")
-        tenant = r.json()
-        if not tenant.get("synthetic"):
-            raise ProbeSetupError(
-                f"tenant {name!r} exists and is not synthetic; refusing to use it"
-            )
-        body = {"name": "canary-probe", "expires_in_s": KEY_LIFETIME_S}
-        issued = await self.http.post(f"/admin/tenants/{name}/keys", json=body, headers=self._admin)
-        _expect(issued, 201, "issue probe key")
-        return ProbeTenant(id=tenant["id"], name=name, key=issued.json()["key"])
-
-    async def first_model(self, tenant: ProbeTenant) -> str:
-        r = await self.http.get("/v1/models", headers=tenant.headers)
-        _expect(r, 200, "list models")
-        data = r.json().get("data") or []
-        if not data:
-            raise ProbeSetupError("the gateway serves no model right now")
-        return str(data[0]["id"])
-
-    async def real_limit(self, model: str) -> int | None:
-        """The largest enforceable limit among the routable engines serving ``model``."""
-        r = await self.http.get("/admin/engines", headers=self._admin)
-        _expect(r, 200, "list engines")
-        limits = [
-            e["enforceable_limit"]
-            for e in r.json()
-            if e.get("model") == model and e.get("routable") and e.get("enforceable_limit")
-        ]
-        return max(limits) if limits else None
-
-    async def report(self, run_id: str, results: Sequence[ProbeResult]) -> None:
-        body = {"run_id": run_id, "results": [result.to_json() for result in results]}
-        r = await self.http.post("/admin/canary/probe-runs", json=body, headers=self._admin)
-        _expect(r, 201, "report probe results")
-
-    async def complete(self, tenant: ProbeTenant, body: dict[str, Any], *, chat: bool) -> Answer:
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        if body.get("stream"):
-            return await self._stream(tenant, path, body, chat=chat)
-        r = await self.http.post(path, json=body, headers=tenant.headers)
-        engine = r.headers.get(ENGINE_HEADER)
-        data = _json(r)
-        if r.status_code != 200:
-            return Answer(r.status_code, _code(data), "", engine)
-        choice = (data.get("choices") or [{}])[0]
-        text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
-        usage = data.get("usage") or {}
-        return Answer(200, None, text or "", engine, usage.get("prompt_tokens"))
-
-    async def _stream(
-        self, tenant: ProbeTenant, path: str, body: dict[str, Any], *, chat: bool
-    ) -> Answer:
-        async with self.http.stream("POST", path, json=body, headers=tenant.headers) as r:
-            engine = r.headers.get(ENGINE_HEADER)
-            if r.status_code != 200:
-                return Answer(r.status_code, _code(_json_bytes(await r.aread())), "", engine)
-            parts: list[str] = []
-            code: str | None = None
-            async for line in r.aiter_lines():
-                data = line[5:].strip() if line.startswith("data:") else ""
-                if not data or data == "[DONE]":
-                    continue
-                obj = json.loads(data)
-                if "error" in obj:
-                    code = _code(obj) or "error"
-                    break
-                for choice in obj.get("choices") or []:
-                    piece = (
-                        (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    )
-                    parts.append(piece or "")
-            return Answer(200, code, "".join(parts), engine)
-
-    async def open_and_drop(self, tenant: ProbeTenant, body: dict[str, Any]) -> int:
-        """Start a streamed chat and hang up as soon as the gateway answers; the status."""
-        async with self.http.stream(
-            "POST", "/v1/chat/completions", json=body, headers=tenant.headers
-        ) as r:
-            return r.status_code
-
-
-def _expect(r: httpx.Response, status: int, what: str) -> None:
-    if r.status_code != status:
-        raise ProbeSetupError(f"{what}: HTTP {r.status_code}")
-
-
-def _json(r: httpx.Response) -> dict[str, Any]:
-    return _json_bytes(r.content)
-
-
-def _json_bytes(content: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(content)
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _code(data: dict[str, Any]) -> str | None:
-    error = data.get("error")
-    code = error.get("code") if isinstance(error, dict) else None
-    return code if isinstance(code, str) else None
 
 
 def markers_in(codec: MarkerCodec, text: str) -> list[bytes]:
@@ -282,6 +152,8 @@ def boundary_plan(limit: int, per_unit: int, fixed: int) -> list[tuple[str, int,
 
 
 class ProbeRunner:
+    """Runs probe kinds with two synthetic tenants; keeps their keys across runs (``close``)."""
+
     def __init__(
         self,
         gateway: GatewayClient,
@@ -298,10 +170,26 @@ class ProbeRunner:
         self._b: ProbeTenant | None = None
 
     async def setup(self) -> None:
-        self._a = await self.gateway.ensure_tenant(f"{self.tenant_prefix}-a")
-        self._b = await self.gateway.ensure_tenant(f"{self.tenant_prefix}-b")
+        """Probe tenants with live keys: reused from the last run unless near expiry."""
+        self._a = await self._keyed(self._a, "a")
+        self._b = await self._keyed(self._b, "b")
         if self.model is None:
             self.model = await self.gateway.first_model(self._a)
+
+    async def _keyed(self, current: ProbeTenant | None, suffix: str) -> ProbeTenant:
+        if current is not None and not _expiring(current):
+            return current
+        fresh = await self.gateway.ensure_tenant(f"{self.tenant_prefix}-{suffix}")
+        if current is not None:
+            await self.gateway.revoke(current)
+        return fresh
+
+    async def close(self) -> None:
+        """Revoke the keys this runner holds: a stopped probe leaves no live key behind."""
+        held, self._a, self._b = (self._a, self._b), None, None
+        for tenant in held:
+            if tenant is not None:
+                await self.gateway.revoke(tenant)
 
     async def run(self, kinds: Sequence[ProbeKind]) -> list[ProbeResult]:
         await self.setup()
@@ -332,6 +220,12 @@ class ProbeRunner:
             raise ProbeSetupError("setup() has not run")
         return self._a, self._b, self.model
 
+    async def _limits(self, model: str) -> dict[str, int]:
+        limits = await self.gateway.engine_limits(model)
+        if not limits:
+            raise ProbeSetupError(f"no routable engine reports a limit for {model!r}")
+        return limits
+
     async def echo(self) -> ProbeResult:
         a, _, model = self._tenants()
         started = time.perf_counter()
@@ -348,43 +242,44 @@ class ProbeRunner:
         own = marker.nonce in found
         others = sum(1 for nonce in found if nonce != marker.nonce)
         passed = answer.status == 200 and answer.code is None and own and others == 0
-        observed = (
-            f"{answer.status}{' ' + answer.code if answer.code else ''}, own marker "
-            f"{'echoed' if own else 'missing'}, {others} other"
-        )
+        observed = f"{_status(answer)}, own marker {'echoed' if own else 'missing'}, {others} other"
         expected = "200, own marker echoed, 0 other"
         return ProbeResult(ProbeKind.ECHO, answer.engine, expected, observed, passed, _ms(started))
 
     async def capacity(self) -> list[ProbeResult]:
+        """The boundary of every distinct engine limit, each probed at that engine's own limit."""
         a, _, model = self._tenants()
-        limit = await self.gateway.real_limit(model)
-        if limit is None:
-            raise ProbeSetupError(f"no routable engine reports a limit for {model!r}")
+        limits = await self._limits(model)
+        fit = await self._calibrate(a, model)
+        results = []
+        for limit, engine in sorted({lim: name for name, lim in limits.items()}.items()):
+            for label, units, max_tokens, total in boundary_plan(limit, *fit):
+                what = f"{label}: {total} of {limit} tokens ({engine}'s limit)"
+                started = time.perf_counter()
+                answer = await self._prompt(a, model, units, max_tokens=max_tokens)
+                expected, observed = _judge(answer, total, limits, fit[1] + fit[0] * units)
+                result = ProbeResult(
+                    ProbeKind.CAPACITY,
+                    answer.engine or engine,
+                    f"{what} -> {expected}",
+                    observed,
+                    observed == expected,
+                    _ms(started),
+                )
+                results.append(result)
+        return results
+
+    async def _calibrate(self, tenant: ProbeTenant, model: str) -> tuple[int, int]:
         points = []
         for units in CALIBRATION_UNITS:
-            answer = await self._prompt(a, model, units, max_tokens=1)
+            answer = await self._prompt(tenant, model, units, max_tokens=1)
             if answer.status != 200 or answer.prompt_tokens is None:
                 raise ProbeSetupError(f"calibration request answered {answer.status}")
             points.append((units, answer.prompt_tokens))
         fit = calibrate(points)
         if fit is None:
             raise ProbeSetupError("prompt sizes are not linear in the calibration text")
-        results = []
-        for label, units, max_tokens, total in boundary_plan(limit, *fit):
-            started = time.perf_counter()
-            answer = await self._prompt(a, model, units, max_tokens=max_tokens)
-            fits = total <= limit
-            expected = "200" if fits else "400 context_length_exceeded"
-            observed = f"{answer.status}{' ' + answer.code if answer.code else ''}"
-            prompt = fit[1] + fit[0] * units
-            if answer.status == 200 and answer.prompt_tokens != prompt:
-                observed += f" (prompt counted {answer.prompt_tokens}, calibrated {prompt})"
-            what = f"{label}: {total} of {limit} tokens -> {expected}"
-            passed = observed == expected
-            results.append(
-                ProbeResult(ProbeKind.CAPACITY, answer.engine, what, observed, passed, _ms(started))
-            )
-        return results
+        return fit
 
     async def _prompt(
         self, tenant: ProbeTenant, model: str, units: int, *, max_tokens: int
@@ -398,43 +293,124 @@ class ProbeRunner:
         return await self.gateway.complete(tenant, body, chat=False)
 
     async def pair(self, *, abort: bool) -> ProbeResult:
+        """A's marked request (or A dropped mid-stream), then B's at the limit on A's engine."""
         a, b, model = self._tenants()
         started = time.perf_counter()
-        limit = await self.gateway.real_limit(model) or 1024
+        limits = await self._limits(model)
+        limit = min(limits.values())  # A and B fit whichever engine they land on
         marker = self.codec.issue(a.id)
         long_body = {
             "model": model,
             "messages": reference_chat(marker, filler=filler_text(max(0, limit // 2 - 100))),
-            "max_tokens": 8,
+            "max_tokens": ABORT_MAX_TOKENS if abort else 8,
             "temperature": 0.0,
             "stream": True,
         }
         if abort:
-            first = await self.gateway.open_and_drop(a, long_body)
-            long_desc = f"A dropped at {first}"
+            dropped = await self.gateway.open_and_drop(a, long_body)
+            a_engine, a_ok, a_desc = dropped.engine, dropped.mid_stream, dropped.describe()
         else:
-            long_answer = await self.gateway.complete(a, long_body, chat=True)
-            long_desc = f"A {long_answer.status} on {long_answer.engine}"
-        short = {
-            "model": model,
-            "messages": [{"role": "user", "content": REFERENCE_REQUEST}],
-            "max_tokens": MARKER_CHARS + 8,
-            "temperature": 0.0,
-            "stream": True,
-        }
-        answer = await self.gateway.complete(b, short, chat=True)
-        leaked = marker.nonce in markers_in(self.codec, answer.text) or shows_tag(
-            marker, answer.text
+            first = await self.gateway.complete(a, long_body, chat=True)
+            a_engine, a_ok = first.engine, first.status == 200 and first.code is None
+            a_desc = f"A {_status(first)} on {first.engine}"
+        answers = await self._b_on(a_engine, b, b_body(model, limit), tries=len(limits) + 1)
+        return _pair_result(
+            ProbeKind.ABORT if abort else ProbeKind.CROSS_TENANT,
+            a_engine if a_ok else None,
+            a_desc,
+            answers,
+            self._leak(marker, answers),
+            _ms(started),
         )
-        others = len(markers_in(self.codec, answer.text))
-        passed = answer.status == 200 and answer.code is None and not leaked and others == 0
-        observed = (
-            f"{long_desc}; B {answer.status}{' ' + answer.code if answer.code else ''} on "
-            f"{answer.engine}, A's marker {'LEAKED' if leaked else 'absent'}, {others} markers"
+
+    async def _b_on(
+        self, engine: str | None, b: ProbeTenant, body: dict[str, Any], *, tries: int
+    ) -> list[Answer]:
+        """B's request, sent again until it lands on ``engine`` (the gateway picks engines)."""
+        answers: list[Answer] = []
+        for attempt in range(tries):
+            if attempt:
+                await asyncio.sleep(RETRY_PAUSE_S)  # A's request may still count as in flight
+            answers.append(await self.gateway.complete(b, body, chat=True))
+            if engine is None or answers[-1].engine == engine or answers[-1].status != 200:
+                break
+        return answers
+
+    def _leak(self, marker: Marker, answers: Sequence[Answer]) -> tuple[bool, int]:
+        """(any answer holds A's marker or tag, how many genuine markers they hold)."""
+        found = [markers_in(self.codec, answer.text) for answer in answers]
+        leaked = any(
+            marker.nonce in nonces or shows_tag(marker, answer.text)
+            for nonces, answer in zip(found, answers, strict=True)
         )
-        kind = ProbeKind.ABORT if abort else ProbeKind.CROSS_TENANT
-        expected = "B 200 with no marker of A"
-        return ProbeResult(kind, answer.engine, expected, observed, passed, _ms(started))
+        return leaked, sum(len(nonces) for nonces in found)
+
+
+def b_body(model: str, limit: int) -> dict[str, Any]:
+    """B's streamed chat sized near ``limit`` (characters never outnumber tokens by much less
+    than one each; ``B_SLACK`` covers the chat template): a request the engine cannot really
+    hold reads someone's stale pages, as in the incident, and a short one would not."""
+    filler = filler_text(max(0, limit - B_MAX_TOKENS - B_SLACK - len(REFERENCE_REQUEST)))
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": f"{filler}\n{REFERENCE_REQUEST}".lstrip()}],
+        "max_tokens": B_MAX_TOKENS,
+        "temperature": 0.0,
+        "stream": True,
+    }
+
+
+def _pair_result(
+    kind: ProbeKind,
+    a_engine: str | None,
+    a_desc: str,
+    answers: Sequence[Answer],
+    leak: tuple[bool, int],
+    duration_ms: float,
+) -> ProbeResult:
+    """B must land on A's engine (else the pair proves nothing and fails) with clean 200s."""
+    leaked, markers = leak
+    last = answers[-1]
+    same = a_engine is not None and last.engine == a_engine
+    clean = all(answer.status == 200 and answer.code is None for answer in answers)
+    tries = f" (try {len(answers)})" if len(answers) > 1 else ""
+    observed = (
+        f"{a_desc}; B {_status(last)} on {last.engine}{tries}, "
+        f"A's marker {'LEAKED' if leaked else 'absent'}, {markers} markers"
+    )
+    if a_engine is not None and not same and clean:
+        observed += "; B never reached A's engine: nothing proven"
+    passed = same and clean and not leaked and markers == 0
+    expected = "A on an engine, then B 200 there with no marker of A"
+    return ProbeResult(kind, a_engine or last.engine, expected, observed, passed, duration_ms)
+
+
+def _judge(answer: Answer, total: int, limits: dict[str, int], prompt: int) -> tuple[str, str]:
+    """(expected, observed) of one boundary request of ``total`` tokens: 200 only if some
+    engine's own limit holds it, and then from an engine whose limit does."""
+    expected = (
+        "200" if any(total <= lim for lim in limits.values()) else "400 context_length_exceeded"
+    )
+    observed = _status(answer)
+    if answer.status == 200 and answer.prompt_tokens != prompt:
+        observed += f" (prompt counted {answer.prompt_tokens}, calibrated {prompt})"
+    own = limits.get(answer.engine or "")
+    if answer.status == 200 and (own is None or own < total):
+        observed += f" (served by {answer.engine}, limit {own})"
+    return expected, observed
+
+
+def _status(answer: Answer) -> str:
+    return f"{answer.status}{' ' + answer.code if answer.code else ''}"
+
+
+def _expiring(tenant: ProbeTenant) -> bool:
+    expires = tenant.key_expires_at
+    if expires is None:
+        return False
+    if expires.tzinfo is None:
+        expires = expires.replace(tzinfo=UTC)
+    return (expires - datetime.now(UTC)).total_seconds() < KEY_RENEW_BEFORE_S
 
 
 def _ms(started: float) -> float:

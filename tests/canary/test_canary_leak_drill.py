@@ -116,21 +116,32 @@ def _stale_pages_read(url: str, a_request: str, b_request: str) -> set[int]:
     }
 
 
-async def test_the_incident_drill_reaches_the_firewall(
-    pairs, gateway_settings, canary_settings, postgres_url, redis_url
-) -> None:
-    engine = {
+def _incident_engine(url: str) -> dict:
+    """The incident decode as the gateway sees it: an opaque engine with a declared window."""
+    return {
         "name": "drill",
         "kind": "openai",
-        "base_url": pairs["incident"],
+        "base_url": url,
         "model": MODEL_NAME,
         "declared_max_model_len": 512,
         "allow_unverified": True,
     }
+
+
+async def _probe(kinds: list[str], url: str) -> int:
+    argv = ["canary", "probe", "--gateway", url, "--once"]
+    for kind in kinds:
+        argv += ["--kind", kind]
+    return await anyio.to_thread.run_sync(lambda: main(argv))
+
+
+async def test_the_incident_drill_reaches_the_firewall(
+    pairs, gateway_settings, canary_settings, postgres_url, redis_url
+) -> None:
     settings = gateway_settings(
         database_url=postgres_url,
         redis_url=redis_url,
-        engines=[engine],
+        engines=[_incident_engine(pairs["incident"])],
         refuse_on_handoff_mismatch=False,
     )
     async with canary_gateway(settings, canary_settings()) as gw:
@@ -172,29 +183,60 @@ async def test_the_incident_drill_reaches_the_firewall(
             text, errors = sse_text(b.content)
             assert [e["code"] for e in errors] == ["isolation_violation"], text
             assert "CNRY-" not in b.text
+            # A's stale pages hold its whole marker (tokens 28-64 of pages 0-5) and the model
+            # copies it whole: a complete marker with a valid MAC, a confirmed critical finding.
             [finding] = await gw.findings()
             assert (finding["kind"], finding["victim_tenant_id"]) == ("cross_tenant", victim_id)
-            assert finding["severity"] in ("critical", "high")
+            assert (finding["severity"], finding["evidence"]) == ("critical", "confirmed"), finding
             assert finding["victim_request_id"] == a_request
             engines = (await gw.client.get("/admin/engines", headers=gw.admin)).json()
             assert engines[0]["quarantine_reason"] is not None
 
 
+async def test_the_cross_tenant_probe_fails_on_the_incident_drill(
+    pairs, gateway_settings, canary_settings, postgres_url, redis_url, monkeypatch, capsys
+) -> None:
+    """``kvguard canary probe --once --kind cross_tenant`` against the incident pair: B's request
+    near the declared window is one prefill cannot hold, decode reads stale pages, and the probe
+    fails (exit 1) whether the firewall cuts B's stream or (random checkpoint) nothing leaks but
+    the handoff proof disagrees. Never a pass."""
+    monkeypatch.setenv("KVGUARD_CANARY_KEY", TEST_CANARY_KEY)
+    settings = gateway_settings(
+        database_url=postgres_url,
+        redis_url=redis_url,
+        engines=[_incident_engine(pairs["incident"])],
+        refuse_on_handoff_mismatch=False,
+    )
+    async with canary_gateway(settings, canary_settings()) as gw:
+        status = await _probe(["cross_tenant"], gw.url)
+        table = capsys.readouterr().out
+        [row] = [line for line in table.splitlines() if line.startswith("cross_tenant")]
+        assert status == 1 and " FAIL " in row, table
+        if BUNDLED_MODEL.is_dir():
+            assert "isolation_violation" in row, table
+            findings = await gw.findings()
+            assert [(f["kind"], f["severity"]) for f in findings] == [("cross_tenant", "critical")]
+        runs = (await gw.client.get("/admin/canary/probe-runs", headers=gw.admin)).json()
+        assert [(r["kind"], r["passed"]) for r in runs] == [("cross_tenant", False)]
+
+
 async def test_with_faults_off_the_probes_pass_and_nothing_is_found(
-    pairs, gateway_settings, canary_settings, monkeypatch, capsys
+    pairs, gateway_settings, canary_settings, postgres_url, redis_url, monkeypatch, capsys
 ) -> None:
     monkeypatch.setenv("KVGUARD_CANARY_KEY", TEST_CANARY_KEY)
-    settings = gateway_settings(engines=[{"name": "ok", "base_url": pairs["ok"]}])
+    settings = gateway_settings(
+        database_url=postgres_url,
+        redis_url=redis_url,
+        engines=[{"name": "ok", "base_url": pairs["ok"]}],
+    )
     kinds = ["echo", "capacity", "cross_tenant", "abort"]
     if not BUNDLED_MODEL.is_dir():
         kinds.remove("echo")  # the random checkpoint copies nothing
     async with canary_gateway(settings, canary_settings()) as gw:
-        argv = ["canary", "probe", "--gateway", gw.url, "--once"]
-        for kind in kinds:
-            argv += ["--kind", kind]
-        status = await anyio.to_thread.run_sync(lambda: main(argv))
+        status = await _probe(kinds, gw.url)
         table = capsys.readouterr().out
         assert status == 0, table
+        assert "A dropped mid-stream" in table, table
         assert await gw.findings() == []
         engines = (await gw.client.get("/admin/engines", headers=gw.admin)).json()
         assert engines[0]["enforceable_limit"] == 256  # prefill's real pool, not the window
