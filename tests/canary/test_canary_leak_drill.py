@@ -15,7 +15,10 @@ With the random test checkpoint the drill proves the stale read (decode's drill 
 A's marker-bearing pages exactly as A's handoff wrote them) but no text leaks: the model copies
 nothing. With the bundled model (``backend/bundled/kvguard-tiny``, trained to copy the markers it
 sees) B's answer would hold A's marker and the firewall must cut it; those assertions run only
-when that model exists. With faults off, the same probes pass and nothing is found.
+when that model exists: a complete marker with a valid MAC, so a critical, confirmed finding.
+``kvguard canary probe --once --kind cross_tenant`` against the same pair fails (exit 1): its B
+is sized near the declared window, a request prefill cannot hold. With faults off, the probes
+pass and nothing is found (the same PostgreSQL + Redis fixtures).
 """
 
 from __future__ import annotations
