@@ -8,8 +8,10 @@ Profiles:
 - ``production-like``: the compose topology (compose.yaml) without Docker, on 127.0.0.1: private
   PostgreSQL, Redis and Prometheus (kvguard.localservices, temp dirs, discarded at exit); migrations
   run once; the backend as separate prefill and decode roles; ``--gateway-replicas`` gateways
-  sharing PostgreSQL and Redis; ``KVGUARD_MODE=production`` with a fresh admin token and canary
-  key printed in the banner. Prometheus scrapes every role and loads the committed alert rules.
+  sharing PostgreSQL and Redis; the canary probe runner against the first replica;
+  ``KVGUARD_MODE=production`` with a fresh admin token, metrics token and canary key printed in the
+  banner. Prometheus scrapes every role (the gateways with the metrics token) and loads the
+  committed alert rules.
 """
 
 from __future__ import annotations
