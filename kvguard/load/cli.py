@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvguard.load.plan import SIZE_NAMES
+
 # Only light imports here: `kvguard --help` must not pay for httpx, and nothing here may import
 # Locust (it runs in a worker process of its own).
 
@@ -42,7 +44,8 @@ def register(subparsers: Any) -> None:
         "load",
         help="a bounded Locust load run through a gateway, with content checks",
         description="Streamed chat completions from several synthetic tenants at short, mid, "
-        "near-limit and just-over-limit sizes; each request carries its own canary marker and "
+        "near-limit and just-over-limit sizes, and with a prompt that alone exceeds the limit; "
+        "each request carries its own canary marker and "
         "must get it back. Writes Locust CSV + HTML and summary.json; exit 0 only without "
         "content failures or unexpected statuses.",
     )
@@ -58,9 +61,9 @@ def register(subparsers: Any) -> None:
     load.add_argument("--tenant-prefix", default="kvguard-load")
     load.add_argument(
         "--sizes",
-        default="short,mid,near,over",
-        help="comma-separated among short,mid,near,over and foreign (a request carrying another "
-        "tenant's marker: must be refused)",
+        default=",".join(SIZE_NAMES),
+        help=f"comma-separated among {','.join(SIZE_NAMES)} and foreign (a request carrying "
+        "another tenant's marker: must be refused)",
     )
     load.add_argument("--request-timeout", type=float, default=120.0, metavar="SECONDS")
     load.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound")

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SIZE_NAMES = ("short", "mid", "near", "over")
+SIZE_NAMES = ("short", "mid", "near", "over", "over_prompt")
 # Opt-in: a short request that carries another load tenant's marker; the gateway must refuse it.
 ALL_SIZE_NAMES = (*SIZE_NAMES, "foreign")
 
@@ -30,7 +30,8 @@ class LoadTenant:
 class SizeClass:
     """One prompt size of the run: the filler that makes the prompt, and what must come back.
 
-    ``prompt_tokens`` is the engine's own count of this prompt (measured during calibration);
+    ``prompt_tokens`` is the engine's own count of this prompt (measured during calibration; for
+    ``over_prompt``, which is refused, an estimate that exceeds the limit);
     ``prompt_tokens + max_tokens`` is what the gateway admits against the limit.
     """
 

@@ -13,8 +13,13 @@ Lifecycle (``prepare``), all through the gateway's public and admin APIs:
    their spread is the slack a BPE tokenizer needs) and with a known filler, then fit the filler
    that makes the mid and the near-limit prompts. The near class gets exactly the remaining
    ``max_tokens`` (``prompt + max_tokens == limit``, minus the slack); the over class is the same
-   prompt with one token more than fits (plus the slack). The opt-in foreign class is the short
-   prompt carrying another load tenant's marker: 400 ``foreign_canary_marker`` at the door.
+   prompt with one token more than fits (plus the slack). The over_prompt class is the incident's
+   case: a prompt that alone exceeds the limit (by ``ANSWER_TOKENS`` plus the slack, with
+   ``max_tokens`` 1). The gateway refuses it, so its size cannot be measured: its filler is
+   extrapolated from the near prompt with the measured tokens per filler character, and its
+   ``prompt_tokens`` is that estimate. Both over classes expect 400 ``context_length_exceeded``.
+   The opt-in foreign class is the short prompt carrying another load tenant's marker: 400
+   ``foreign_canary_marker`` at the door.
 """
 
 from __future__ import annotations
@@ -145,6 +150,8 @@ def calibrate(
     mid_chars, mid_tokens = fit(limit // 2)
     near_chars, near_tokens = fit(limit - ANSWER_TOKENS - slack)
     near_room = limit - near_tokens - slack
+    over_chars = near_chars + math.ceil((limit + ANSWER_TOKENS + slack - near_tokens) / per_char)
+    over_tokens = near_tokens + math.floor((over_chars - near_chars) * per_char)
     sizes = (
         SizeClass("short", 0, ANSWER_TOKENS, base, 200),
         SizeClass("mid", mid_chars, ANSWER_TOKENS, mid_tokens, 200),
@@ -152,6 +159,7 @@ def calibrate(
         SizeClass(
             "over", near_chars, near_room + 2 * slack + 1, near_tokens, 400, CONTEXT_LENGTH_EXCEEDED
         ),
+        SizeClass("over_prompt", over_chars, 1, over_tokens, 400, CONTEXT_LENGTH_EXCEEDED),
         SizeClass("foreign", 0, ANSWER_TOKENS, base, 400, FOREIGN_CANARY_MARKER),
     )
     return Calibration(sizes=sizes, slack=slack, byte_tokens=byte_tokens)

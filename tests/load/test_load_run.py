@@ -6,7 +6,8 @@ asked for, and ``broken-copy``, the same weights with the copy head's value proj
 which cannot. A short
 bounded run on the first must pass with zero content failures and zero unexpected statuses (the
 over-limit size answered 400 ``context_length_exceeded``, a request carrying another tenant's
-marker 400 ``foreign_canary_marker``); the same run on the second must fail on
+marker 400 ``foreign_canary_marker``, a prompt that alone exceeds the limit 400
+``context_length_exceeded`` too); the same run on the second must fail on
 content, which shows the checks can fail. The load command runs in this process: Locust (and
 gevent's monkey-patching) must stay in its worker process.
 """
@@ -128,15 +129,15 @@ def test_bounded_load_run_passes_every_content_check(
 ) -> None:
     monkeypatch.setenv("KVGUARD_ADMIN_TOKEN", ADMIN_TOKEN)
     monkeypatch.setenv("KVGUARD_CANARY_KEY", CANARY_KEY)
-    sizes = "short,mid,near,over,foreign"
-    extra = ("--model", "kvguard-tiny", "--max-requests", "20", "--sizes", sizes)
+    sizes = "short,mid,near,over,over_prompt,foreign"
+    extra = ("--model", "kvguard-tiny", "--max-requests", "24", "--sizes", sizes)
     status = _load(stack, tmp_path, *extra)
     table, err = capsys.readouterr()
     assert status == 0, table + err
     assert "locust" not in sys.modules and "gevent" not in sys.modules  # the caller stays clean
 
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["requests"] == 20 and summary["requests_unfinished"] == 0
+    assert summary["requests"] == 24 and summary["requests_unfinished"] == 0
     assert summary["content_check_failures"] == 0 and summary["unexpected_statuses"] == 0
     assert summary["max_model_len"] == LIMIT and summary["tenants"] == 2
     for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms"):
@@ -146,20 +147,26 @@ def test_bounded_load_run_passes_every_content_check(
     assert summary["goodput_requests_per_s"] > 0
 
     sizes = summary["by_size"]
-    assert list(sizes) == ["short", "mid", "near", "over", "foreign"]
+    assert list(sizes) == ["short", "mid", "near", "over", "over_prompt", "foreign"]
     assert all(row["requests"] == 4 for row in sizes.values())
     assert sizes["near"]["total_tokens"] == LIMIT and sizes["over"]["total_tokens"] == LIMIT + 1
     assert sizes["short"]["prompt_tokens"] < sizes["mid"]["prompt_tokens"] < LIMIT
+    assert sizes["over_prompt"]["prompt_tokens"] > LIMIT  # the prompt alone: the incident's case
+    assert sizes["over_prompt"]["max_tokens"] == 1
     for name in ("short", "mid", "near"):
         assert sizes[name]["statuses"] == {"200": 4}, name
-    assert sizes["over"]["statuses"] == {"400": 4}
+    assert sizes["over"]["statuses"] == sizes["over_prompt"]["statuses"] == {"400": 4}
     assert sizes["foreign"]["statuses"] == {"400": 4}  # another tenant's marker: refused
     assert summary["good_requests"] == 12
 
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert {s["tenant"] for s in samples} == {0, 1}
     codes = {(s["size"], s["code"]) for s in samples if s["status"] == 400}
-    assert codes == {("over", "context_length_exceeded"), ("foreign", "foreign_canary_marker")}
+    assert codes == {
+        ("over", "context_length_exceeded"),
+        ("over_prompt", "context_length_exceeded"),
+        ("foreign", "foreign_canary_marker"),
+    }
     assert "CNRY-" not in (tmp_path / "samples.jsonl").read_text()  # no markers in the results
 
     with (tmp_path / "locust_stats.csv").open() as f:
