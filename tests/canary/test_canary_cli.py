@@ -33,6 +33,7 @@ def test_the_gateway_command_mounts_the_canary(served, monkeypatch, tmp_path) ->
 def test_the_gateway_refuses_a_default_canary_key_in_production(served, monkeypatch) -> None:
     monkeypatch.setenv("KVGUARD_MODE", "production")
     monkeypatch.setenv("KVGUARD_ADMIN_TOKEN", "a-real-admin-token")
+    monkeypatch.setenv("KVGUARD_METRICS_TOKEN", "a-real-metrics-token")
     monkeypatch.setenv("KVGUARD_REDIS_URL", "redis://127.0.0.1:1")
     with pytest.raises(ValidationError, match="CANARY_KEY"):
         main(["gateway", "--port", "0"])
