@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,7 +47,18 @@ DECODE = {"pool_tokens": POOL_PAGES * PAGE, "allow_fault_drills": True}
 P_SLOW = prefill(LINK, pool_tokens=2048, allow_fault_drills=True)
 D_QUARANTINE = decode(P_SLOW, BATCH, **DECODE)
 D_EARLY = decode(P_SLOW, {**BATCH, **faults("early_release_on_abort")}, **DECODE)
-D_DOOMED = decode(P_SLOW, pool_tokens=512, allow_fault_drills=True)
+# R: a 1200-token prompt sent as one batch of 75 pages, ~5.6 s on P_SLOW's link, to a decode that
+# is killed meanwhile. To prefill a restarted decode is a new instance (new instance id, new
+# transfer endpoint) whatever its HTTP port, so the successor starts with the others: the old
+# write is still in flight when it serves, however long a process start takes on a busy machine.
+R_PROMPT, R_PAGES = 1200, 75
+D_DOOMED = decode(
+    P_SLOW,
+    {"KVGUARD_TRANSFER_BATCH_PAGES": str(R_PAGES)},
+    pool_tokens=1280,
+    allow_fault_drills=True,
+)
+D_SUCCESSOR = decode(P_SLOW, pool_tokens=512, allow_fault_drills=True)
 P_DOOMED = prefill(LINK, pool_tokens=512, allow_fault_drills=True)
 D_ORPHANED = decode(
     P_DOOMED, {"KVGUARD_HANDOFF_TIMEOUT_S": "3"}, pool_tokens=512, allow_fault_drills=True
@@ -55,7 +67,8 @@ D_ORPHANED = decode(
 
 @pytest.fixture(scope="module", autouse=True)
 def processes(tiny_checkpoint: str) -> Iterator[None]:
-    with running(tiny_checkpoint, P_SLOW, D_QUARANTINE, D_EARLY, D_DOOMED, P_DOOMED, D_ORPHANED):
+    roles = (P_SLOW, D_QUARANTINE, D_EARLY, D_DOOMED, D_SUCCESSOR, P_DOOMED, D_ORPHANED)
+    with running(tiny_checkpoint, *roles):
         yield
 
 
@@ -106,7 +119,6 @@ def test_abort_mid_transfer_quarantines_until_prefill_confirms() -> None:
         "A's pages quarantined",
     )
     assert cap["free_pages"] == 0
-    assert metric(D_QUARANTINE, "kvguard_engine_pool_pages", state="quarantined") == pool
     out: dict[str, httpx.Response] = {}
     thread = _b_in_background(D_QUARANTINE, out)
     # B cannot get a single page while A's write may still land: nothing is re-allocated.
@@ -173,6 +185,7 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_drains_pages() -> Non
     assert error["kvguard"]["handoff"]["outcome"] == "lost"
     pages = -(-(200 + 8) // PAGE)
     assert capacity(D_ORPHANED)["quarantined_pages"] == pages  # a write may still be in flight
+    assert metric(D_ORPHANED, "kvguard_engine_pool_pages", state="quarantined") == pages
     # No acknowledgement can come: the pages leave quarantine after lease + drain bound (3.5 s).
     wait_for(lambda: capacity(D_ORPHANED)["quarantined_pages"] == 0, 10, "drain deadline", 0.1)
     assert capacity(D_ORPHANED)["free_pages"] == 512 // PAGE
@@ -185,30 +198,37 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_drains_pages() -> Non
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "prefill_unavailable"
 
 
-def test_decode_restarted_mid_transfer_prefill_leftovers_are_refused(tiny_checkpoint: str) -> None:
-    failed_before = metric(P_SLOW, "kvguard_engine_handoffs_total", outcome="failed")
-    with _start_stream(D_DOOMED, prompt_of(200, "r"), 8, "req-r") as response:
+def test_decode_restarted_mid_transfer_prefill_leftovers_are_refused() -> None:
+    handoffs = "kvguard_engine_handoffs_total"
+    failed_before = metric(P_SLOW, handoffs, outcome="failed")
+    with _start_stream(D_DOOMED, prompt_of(R_PROMPT, "r"), 8, "req-r") as response:
         lines = response.iter_lines()
         next(lines)
         wait_for(lambda: _transferring(P_SLOW), 20, "prefill writing")
         D_DOOMED.kill()
         del lines
-    # Prefill's next write goes to a transfer endpoint that no longer exists: refused, and the
-    # handoff ends FAILED with its staging memory released.
-    wait_for(
-        lambda: (
-            metric(P_SLOW, "kvguard_engine_handoffs_total", outcome="failed") == failed_before + 1
-        ),
-        10,
-        "prefill's leftover refused",
-        0.1,
-    )
-    assert metric(P_SLOW, "kvguard_engine_staging_pages", state="free") == metric(
-        P_SLOW, "kvguard_engine_staging_pages", state="total"
-    )
-    restarted = Role("decode", dict(D_DOOMED.options), dict(D_DOOMED.env), port=D_DOOMED.port)
-    with running(tiny_checkpoint, restarted):
-        fresh = complete(restarted, prompt_of(20, "n"), max_tokens=4, request_id="req-r")
+    served_in_flight, deadline = 0, time.monotonic() + 20
+    while metric(P_SLOW, handoffs, outcome="failed") == failed_before:
+        assert time.monotonic() < deadline, "the old handoff never ended"
+        # Back to back, reusing the request id, until the old write has landed or failed; in
+        # turn, the successor's pool hands out the page ids the old handoff is writing to.
+        served_in_flight += _transferring(P_SLOW)  # only the old handoff can be transferring
+        fresh = complete(D_SUCCESSOR, prompt_of(20, "n"), max_tokens=64, request_id="req-r")
         assert fresh.status_code == 200, fresh.text
         proof = fresh.json()["kvguard"]["handoff"]
         assert proof["accepted"] is True and proof["transferred_tokens"] == 20
+        # Nothing the old handoff sent reached these pages between the checks and the end.
+        read = kv_reads(D_SUCCESSOR)["req-r"]["pages"]
+        assert all(page["at_finish"] == page["at_accept"] for page in read)
+    assert served_in_flight >= 1, "no request was served while the old write was in flight"
+    # The old write went to a transfer endpoint that no longer exists: refused, so the old
+    # handoff ended FAILED with its staging memory released.
+    assert metric(P_SLOW, handoffs, outcome="failed") == failed_before + 1
+    wait_for(
+        lambda: (
+            metric(P_SLOW, "kvguard_engine_staging_pages", state="free")
+            == metric(P_SLOW, "kvguard_engine_staging_pages", state="total")
+        ),
+        5,
+        "staging released",
+    )
