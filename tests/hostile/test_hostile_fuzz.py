@@ -2,20 +2,24 @@
 
 schemathesis generates requests that fit each operation's schema (positive) and requests that
 break it (negative); each is sent over real HTTP on 127.0.0.1 to the real servers: the gateway
-under uvicorn as ``kvguard gateway`` runs it (canary on, routing to the real engine), and a real
-``kvguard backend unified`` process. Every answer must come within the timeout (no hang), must
-not be a 5xx, and every 4xx must be an OpenAI-style error body.
+under uvicorn as ``kvguard gateway`` runs it (canary on, routing to the real engine), a real
+``kvguard backend unified`` process, and a real ``kvguard backend prefill`` process (its internal
+handoff API, whose OpenAPI the test completes with the wire schemas of the handoff messages).
+Every answer must come within the timeout (no hang), must not be a 5xx, and every 4xx must be an
+OpenAI-style error body.
 
 Derandomized (a fixed seed per operation) and small (``EXAMPLES`` per operation and mode) so the
-tier takes about a minute on two cores; a failure prints the request to reproduce it.
+tier takes a little over a minute on two cores; a failure prints the request to reproduce it.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import schemathesis
 from hostile_harness import (
@@ -29,12 +33,15 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from kvguard.testing import EngineProcess
+from backend.disagg.protocol import PROTOCOL_VERSION
+from kvguard.localservices import free_port
+from kvguard.testing import EngineProcess, launch_engine
 
 EXAMPLES = 25
 REQUEST_TIMEOUT_S = 30.0
 MODES = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+PAGE = 16
 
 
 def _check(response: Any, where: str, case: Any) -> None:
@@ -43,23 +50,34 @@ def _check(response: Any, where: str, case: Any) -> None:
     assert status < 500, f"{where}: {status} {text!r}\nreproduce: {case.as_curl_command()}"
     if status >= 400:
         body = json.loads(response.content)
+        if case.operation.path.startswith("/kv/v1/"):
+            body.pop("protocol_version", None)  # the prefill role's refusals name its version
         assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, (where, body)
         assert isinstance(body["error"]["code"], str) and body["error"]["code"], (where, body)
 
 
 Headers = Callable[[str], dict[str, str]]
 Adjust = Callable[[Any, GenerationMode], None]
+Seen = list[tuple[str, int, bytes]]  # (path, status, the first bytes of the body) per request
 
 
-def _fuzz(base_url: str, *, headers_for: Headers, adjust: Adjust) -> list[str]:
-    """Fuzz every operation in both modes; returns the operations fuzzed."""
-    schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
+def _fuzz(
+    base_url: str,
+    *,
+    headers_for: Headers,
+    adjust: Adjust,
+    schema: Any = None,
+    seen: Seen | None = None,
+) -> list[str]:
+    """Fuzz every operation in both modes (of ``base_url``'s own OpenAPI unless ``schema`` is
+    given); returns the operations fuzzed, and appends every answer to ``seen``."""
+    schema = schema or schemathesis.openapi.from_url(base_url + "/openapi.json")
     fuzzed = []
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in MODES:
             try:
-                fuzzed.append(_fuzz_operation(operation, mode, base_url, headers_for, adjust))
+                fuzzed.append(_fuzz_operation(operation, mode, base_url, headers_for, adjust, seen))
             except Unsatisfiable:
                 # nothing to break: no parameters and no body (e.g. GET /health)
                 assert not mode.is_positive, operation.path
@@ -67,7 +85,12 @@ def _fuzz(base_url: str, *, headers_for: Headers, adjust: Adjust) -> list[str]:
 
 
 def _fuzz_operation(
-    operation: Any, mode: GenerationMode, base_url: str, headers_for: Headers, adjust: Adjust
+    operation: Any,
+    mode: GenerationMode,
+    base_url: str,
+    headers_for: Headers,
+    adjust: Adjust,
+    seen: Seen | None,
 ) -> str:
     where = f"{operation.method.upper()} {operation.path} [{mode.value}]"
 
@@ -85,6 +108,8 @@ def _fuzz_operation(
         response = case.call(
             base_url=base_url, headers=headers_for(operation.path), timeout=REQUEST_TIMEOUT_S
         )
+        if seen is not None:
+            seen.append((operation.path, response.status_code, response.content[:500]))
         _check(response, where, case)
 
     run()
@@ -121,3 +146,144 @@ def test_fuzz_the_engine(engine: EngineProcess) -> None:
     fuzzed = _fuzz(engine.url, headers_for=lambda path: {}, adjust=_real_model)
     assert any(w.startswith("POST /v1/completions") for w in fuzzed)
     assert any(w.startswith("POST /tokenize") for w in fuzzed)
+
+
+def _int(low: int, high: int) -> dict[str, Any]:
+    return {"type": "integer", "minimum": low, "maximum": high}
+
+
+def _obj(**fields: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": fields,
+        "required": list(fields),
+        "additionalProperties": False,
+    }
+
+
+def _whole(value: Any) -> Any:
+    """``1.0`` as ``1``, all through a body: JSON Schema's ``integer`` admits ``1.0``, the handoff
+    codec does not (a 400 that would stop a generated request at the parser)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_whole(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _whole(v) for k, v in value.items()}
+    return value
+
+
+def _wire_integers(case: Any, mode: GenerationMode) -> None:
+    if mode.is_positive:
+        case.body = _whole(case.body)
+
+
+def _handoff_bodies(checkpoint: str, endpoint: str) -> dict[str, dict[str, Any]]:
+    """Request body schemas (and one valid example) of the prefill role's two operations, after
+    ``backend.disagg.protocol``. Its OpenAPI has none: the routes read the raw body so that the
+    protocol version is checked before anything else. The layout is the checkpoint's geometry
+    and the endpoint a closed local port, so requests that fit reach the compute and a transfer
+    that fails at once."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    geometry = {
+        "num_layers": config["num_hidden_layers"],
+        "page_size": PAGE,
+        "num_kv_heads": config["num_key_value_heads"],
+        "head_dim": config["head_dim"],
+        "dtype": config["dtype"],
+    }
+    layout = _obj(
+        **{k: {"const": v} for k, v in geometry.items()},
+        num_pages=_int(1, 64),
+    )
+    sampling = _obj(
+        max_tokens=_int(1, 8),
+        temperature={"type": "number", "minimum": 0, "maximum": 2},
+        top_p={"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        seed={"anyOf": [{"type": "null"}, _int(0, 2**31)]},
+        stop_token_ids={"type": "array", "items": _int(0, 257), "maxItems": 2},
+    )
+    name = {"type": "string", "minLength": 1, "maxLength": 12}
+    prefill = _obj(
+        protocol_version={"const": PROTOCOL_VERSION},
+        request_id=name,
+        tenant=name,
+        # one page of prompt: the schema cannot say reserved == len(prompt) == pages x page
+        prompt_ids={"type": "array", "items": _int(0, 257), "minItems": PAGE, "maxItems": PAGE},
+        sampling=sampling,
+        reserved_tokens={"const": PAGE},
+        pages={
+            "type": "array",
+            "items": _obj(page_id=_int(0, 63), generation=_int(1, 3)),
+            "minItems": 1,
+            "maxItems": 1,
+        },
+        target=_obj(
+            endpoint={"const": endpoint},
+            instance_id=name,
+            k_base=_int(1, 2**40),
+            v_base=_int(1, 2**40),
+            layout=layout,
+            max_batch_pages=_int(1, 4),
+        ),
+        lease_s={"type": "number", "exclusiveMinimum": 0, "maximum": 2},
+    )
+    example = {
+        "protocol_version": PROTOCOL_VERSION,
+        "request_id": "r1",
+        "tenant": "t1",
+        "prompt_ids": list(range(65, 85)),
+        "sampling": {
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "seed": None,
+            "stop_token_ids": [257],
+        },
+        "reserved_tokens": 20,
+        "pages": [{"page_id": 0, "generation": 1}, {"page_id": 1, "generation": 1}],
+        "target": {
+            "endpoint": endpoint,
+            "instance_id": "i1",
+            "k_base": 4096,
+            "v_base": 8192,
+            "layout": {**geometry, "num_pages": 8},
+            "max_batch_pages": 2,
+        },
+        "lease_s": 2.0,
+    }
+    abort = _obj(protocol_version={"const": PROTOCOL_VERSION}, request_id=name, instance_id=name)
+    return {
+        "/kv/v1/prefill": {"schema": prefill, "example": example},
+        "/kv/v1/abort": {"schema": abort},
+    }
+
+
+@pytest.fixture(scope="module")
+def prefill_role(tiny_checkpoint: str) -> Iterator[EngineProcess]:
+    proc = launch_engine(tiny_checkpoint, role="prefill", pool_tokens=512, page_size=PAGE)
+    yield proc
+    proc.stop()
+
+
+def test_fuzz_the_prefill_role(prefill_role: EngineProcess, tiny_checkpoint: str) -> None:
+    url = prefill_role.url
+    spec = httpx.get(url + "/openapi.json", timeout=10).json()
+    for path, media in _handoff_bodies(tiny_checkpoint, f"127.0.0.1:{free_port()}").items():
+        spec["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": media},
+        }
+    seen: list[tuple[str, int, bytes]] = []
+    schema = schemathesis.openapi.from_dict(spec)
+    fuzzed = _fuzz(
+        url, headers_for=lambda path: {}, adjust=_wire_integers, schema=schema, seen=seen
+    )
+    assert any(w.startswith("POST /kv/v1/prefill") for w in fuzzed)
+    assert any(w.startswith("POST /kv/v1/abort") for w in fuzzed)
+    # Generated requests went past the parser, through the compute, to the (refused) transfer.
+    answers = [body for path, status, body in seen if path == "/kv/v1/prefill" and status == 200]
+    assert sum(b"transfer failed" in body for body in answers) >= 10, answers[:3]
+    # No handoff is left holding pages, and the role still serves.
+    capacity = httpx.get(url + "/engine/capacity", timeout=10).json()
+    assert capacity["free_pages"] == capacity["pool_pages"], capacity
