@@ -20,17 +20,18 @@ nonces), so a probe can see what the model copied.
   the ``x-kvguard-engine`` it names) and 400 ``context_length_exceeded`` otherwise; with one
   engine: 200, 200, 400, 400. Prompt sizes come from a two-point calibration of the engine's own
   counts (``usage.prompt_tokens``), checked again on every 200.
-- ``cross_tenant``: tenant A's long request with marker MA, then at once tenant B's request sized
-  near the limit (``b_body``) on the same engine: B's answer must be a plain 200 holding no marker
-  of A, not even its tag. B is long on purpose: in the incident the reader of the stale pages
-  was the request the engine could not really hold, and a short B never touches them.
+- ``cross_tenant``: tenant A's long request with marker MA, then at once, on the same engine,
+  tenant B's request sized near the limit (``b_body``), then B's short request: each answer
+  must be a plain 200 holding no marker of A, not even its tag. The long one comes first because
+  in the incident the reader of the stale pages was the request the engine could not really
+  hold, straight after the victim's; the short one is the plain follow-up.
 - ``abort``: A's long streamed request is dropped after its first event (the request is running
   on the engine, not yet finished: a stream that ended first fails the probe), then B's request:
-  the same check.
+  the same checks.
 
 Pinning: the gateway picks the engine (least in flight, then round robin) and names it to
-synthetic tenants in ``x-kvguard-engine``. B's request is sent again, up to once per engine
-more, until it lands on A's engine; if it never does, the pair fails with "nothing proven"
+synthetic tenants in ``x-kvguard-engine``. Each of B's requests is sent again, up to once per
+engine more, until it lands on A's engine; if it never does, the pair fails with "nothing proven"
 instead of passing on another engine. (A pause of ``RETRY_PAUSE_S`` before each new try lets
 the gateway count a dropped A out of its engine's in-flight requests, which it routes by.)
 """
@@ -41,7 +42,7 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -293,7 +294,9 @@ class ProbeRunner:
         return await self.gateway.complete(tenant, body, chat=False)
 
     async def pair(self, *, abort: bool) -> ProbeResult:
-        """A's marked request (or A dropped mid-stream), then B's at the limit on A's engine."""
+        """A's marked request (or A dropped mid-stream), then on A's engine B's short request
+        near the limit (the one an engine that cannot really hold it would answer from stale
+        pages, as in the incident), then B's short request (the plain follow-up)."""
         a, b, model = self._tenants()
         started = time.perf_counter()
         limits = await self._limits(model)
@@ -301,7 +304,10 @@ class ProbeRunner:
         marker = self.codec.issue(a.id)
         long_body = {
             "model": model,
-            "messages": reference_chat(marker, filler=filler_text(max(0, limit // 2 - 100))),
+            # a quarter of the limit: A must really be held by the engine (its marker must be
+            # in the KV), and a declared window may overstate the real pool (the incident's
+            # engine held 65% of what it advertised)
+            "messages": reference_chat(marker, filler=filler_text(max(0, limit // 4 - 100))),
             "max_tokens": ABORT_MAX_TOKENS if abort else 8,
             "temperature": 0.0,
             "stream": True,
@@ -313,13 +319,18 @@ class ProbeRunner:
             first = await self.gateway.complete(a, long_body, chat=True)
             a_engine, a_ok = first.engine, first.status == 200 and first.code is None
             a_desc = f"A {_status(first)} on {first.engine}"
-        answers = await self._b_on(a_engine, b, b_body(model, limit), tries=len(limits) + 1)
+        tries = len(limits) + 1
+        groups = {
+            # near the limit first, straight after A: the request that would read A's pages
+            "near the limit": await self._b_on(a_engine, b, b_body(model, limit), tries=tries),
+            "short": await self._b_on(a_engine, b, b_body(model, None), tries=tries),
+        }
         return _pair_result(
             ProbeKind.ABORT if abort else ProbeKind.CROSS_TENANT,
             a_engine if a_ok else None,
             a_desc,
-            answers,
-            self._leak(marker, answers),
+            groups,
+            self._leak(marker, [answer for group in groups.values() for answer in group]),
             _ms(started),
         )
 
@@ -346,11 +357,13 @@ class ProbeRunner:
         return leaked, sum(len(nonces) for nonces in found)
 
 
-def b_body(model: str, limit: int) -> dict[str, Any]:
-    """B's streamed chat sized near ``limit`` (characters never outnumber tokens by much less
-    than one each; ``B_SLACK`` covers the chat template): a request the engine cannot really
-    hold reads someone's stale pages, as in the incident, and a short one would not."""
-    filler = filler_text(max(0, limit - B_MAX_TOKENS - B_SLACK - len(REFERENCE_REQUEST)))
+def b_body(model: str, limit: int | None) -> dict[str, Any]:
+    """B's streamed chat: short (``limit`` None), or sized near ``limit`` (characters never
+    outnumber tokens by much less than one each; ``B_SLACK`` covers the chat template): a
+    request the engine cannot really hold reads someone's stale pages, as in the incident, and
+    a short one would not."""
+    room = 0 if limit is None else limit - B_MAX_TOKENS - B_SLACK - len(REFERENCE_REQUEST)
+    filler = filler_text(max(0, room))
     return {
         "model": model,
         "messages": [{"role": "user", "content": f"{filler}\n{REFERENCE_REQUEST}".lstrip()}],
@@ -364,25 +377,27 @@ def _pair_result(
     kind: ProbeKind,
     a_engine: str | None,
     a_desc: str,
-    answers: Sequence[Answer],
+    groups: Mapping[str, Sequence[Answer]],
     leak: tuple[bool, int],
     duration_ms: float,
 ) -> ProbeResult:
-    """B must land on A's engine (else the pair proves nothing and fails) with clean 200s."""
+    """Each of B's requests must land on A's engine (else the pair proves nothing and fails)
+    with clean 200s."""
     leaked, markers = leak
-    last = answers[-1]
-    same = a_engine is not None and last.engine == a_engine
-    clean = all(answer.status == 200 and answer.code is None for answer in answers)
-    tries = f" (try {len(answers)})" if len(answers) > 1 else ""
-    observed = (
-        f"{a_desc}; B {_status(last)} on {last.engine}{tries}, "
-        f"A's marker {'LEAKED' if leaked else 'absent'}, {markers} markers"
+    lasts = [answers[-1] for answers in groups.values()]
+    same = a_engine is not None and all(last.engine == a_engine for last in lasts)
+    clean = all(a.status == 200 and a.code is None for answers in groups.values() for a in answers)
+    bs = ", ".join(
+        f"B {label} {_status(answers[-1])} on {answers[-1].engine}"
+        + (f" (try {len(answers)})" if len(answers) > 1 else "")
+        for label, answers in groups.items()
     )
+    observed = f"{a_desc}; {bs}, A's marker {'LEAKED' if leaked else 'absent'}, {markers} markers"
     if a_engine is not None and not same and clean:
         observed += "; B never reached A's engine: nothing proven"
     passed = same and clean and not leaked and markers == 0
-    expected = "A on an engine, then B 200 there with no marker of A"
-    return ProbeResult(kind, a_engine or last.engine, expected, observed, passed, duration_ms)
+    expected = "A on an engine, then B's short and near-limit requests 200 there, no marker of A"
+    return ProbeResult(kind, a_engine or lasts[-1].engine, expected, observed, passed, duration_ms)
 
 
 def _judge(answer: Answer, total: int, limits: dict[str, int], prompt: int) -> tuple[str, str]:

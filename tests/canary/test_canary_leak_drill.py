@@ -218,7 +218,11 @@ async def test_the_cross_tenant_probe_fails_on_the_incident_drill(
         if BUNDLED_MODEL.is_dir():
             assert "isolation_violation" in row, table
             findings = await gw.findings()
-            assert [(f["kind"], f["severity"]) for f in findings] == [("cross_tenant", "critical")]
+            # one confirmed leak; B's short follow-up on the broken pair may add a low-severity
+            # usage anomaly, never another leak
+            leaks = [f["severity"] for f in findings if f["kind"] == "cross_tenant"]
+            assert leaks == ["critical"], (table, findings)
+            assert {f["kind"] for f in findings} <= {"cross_tenant", "usage_mismatch"}, findings
         runs = (await gw.client.get("/admin/canary/probe-runs", headers=gw.admin)).json()
         assert [(r["kind"], r["passed"]) for r in runs] == [("cross_tenant", False)]
 

@@ -130,7 +130,9 @@ async def test_two_engines_each_probed_at_its_own_limit_and_b_pinned_to_a(
         assert row.split()[1] == "large" and row.endswith("| 200"), table
         [row] = [r for r in rows if label in r and " of 512 tokens" in r]
         assert row.endswith("| 400 context_length_exceeded"), table
-    # Round robin sends B's first try to the other engine; the probe sends it again to A's.
+    # Round robin sends each of B's first tries to the other engine; the probe sends it again to
+    # A's.
     [pair] = [r for r in rows if r.startswith("cross_tenant")]
     a_engine = pair.split()[1]
-    assert f"A 200 on {a_engine}; B 200 on {a_engine} (try 2)" in pair, table
+    assert f"A 200 on {a_engine}; B near the limit 200 on {a_engine} (try 2), " in pair, table
+    assert f"B short 200 on {a_engine} (try 2), A's marker absent" in pair, table
