@@ -119,9 +119,16 @@ def _number(param: str, value: object) -> float:
     return float(value)
 
 
+# A temperature above 0 but below this is served greedily (its limit): dividing float32 logits
+# by it overflows to inf, and the step of the whole batch would fail.
+MIN_SAMPLING_TEMPERATURE = 1e-3
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens; validated on construction (``InvalidRequest``, HTTP 400)."""
+    """How to pick tokens; validated on construction (``InvalidRequest``, HTTP 400). A
+    temperature under ``MIN_SAMPLING_TEMPERATURE`` becomes 0 (greedy) on every path: the HTTP
+    edge, the prefill handoff and in-process callers alike."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -136,6 +143,8 @@ class SamplingParams:
             raise InvalidRequest("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not 0.0 <= _number("temperature", self.temperature) <= 2.0:
             raise InvalidRequest("temperature", f"must be in [0, 2], got {self.temperature}")
+        if self.temperature < MIN_SAMPLING_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < _number("top_p", self.top_p) <= 1.0:
             raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
         seed = self.seed

@@ -12,9 +12,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from backend.core.request import MIN_SAMPLING_TEMPERATURE
+
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_CEILING = 1 << 20
-MIN_SAMPLING_TEMPERATURE = 1e-3
 
 
 class StreamOptions(BaseModel):

@@ -13,6 +13,7 @@ from backend.core.errors import (
     OutOfPages,
 )
 from backend.core.request import (
+    MIN_SAMPLING_TEMPERATURE,
     TERMINAL,
     TRANSITIONS,
     FinishReason,
@@ -197,3 +198,10 @@ def test_sampling_params_accept_boundaries_and_normalise_stop_ids() -> None:
     params = SamplingParams(max_tokens=5, seed=7, stop_token_ids=[3, 4])  # type: ignore[arg-type]
     assert params.stop_token_ids == (3, 4)
     assert SamplingParams(max_tokens=1).stop_token_ids == ()
+
+
+@pytest.mark.parametrize("tiny", [4e-257, 5e-324, 1e-6, 0.000999])
+def test_a_temperature_below_the_floor_is_greedy_on_every_path(tiny: float) -> None:
+    # float32 logits divided by it overflow to inf: the whole batch's step would fail.
+    assert SamplingParams(max_tokens=1, temperature=tiny).temperature == 0.0
+    assert SamplingParams(max_tokens=1, temperature=MIN_SAMPLING_TEMPERATURE).temperature > 0
