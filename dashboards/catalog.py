@@ -296,6 +296,10 @@ HANDOFF = Dashboard(
                     _inc("engine, release", total(em.DRAINED_PAGES)),
                     "{{engine}} {{release}}",
                 ),
+                _q(
+                    _inc("engine", total(em.QUARANTINE_ABSORBED_WRITES)),
+                    "writes landed in quarantine {{engine}}",
+                ),
             ),
         ),
         Panel(

@@ -154,8 +154,11 @@ def echo_probe(stack: DrillStack, model: str) -> Probe:
         async with httpx.AsyncClient(base_url=stack.gateway, timeout=120) as http:
             client = GatewayClient(http, admin_token=settings.admin_secret())
             runner = ProbeRunner(client, MarkerCodec(settings.keyring()), model=model)
-            [result] = await runner.run([ProbeKind.ECHO])
-            await client.report(uuid.uuid4().hex, [result])
+            try:
+                [result] = await runner.run([ProbeKind.ECHO])
+                await client.report(uuid.uuid4().hex, [result])
+            finally:
+                await runner.close()  # the probe tenants' keys are revoked, as the CLI does
             return Probe(result.passed, result.observed)
 
     return asyncio.run(probe())

@@ -120,9 +120,10 @@ def test_abort_mid_transfer_quarantines_until_prefill_confirms() -> None:
     )
     assert cap["free_pages"] == 0
     out: dict[str, httpx.Response] = {}
+    # B is sent once every page was seen quarantined. (That B got its page only after the drain
+    # is proven below by generations, not by sampling the pool right after B starts: the
+    # quarantine may end any moment, and such a sample raced with it on a loaded machine.)
     thread = _b_in_background(D_QUARANTINE, out)
-    # B cannot get a single page while A's write may still land: nothing is re-allocated.
-    assert capacity(D_QUARANTINE)["quarantined_pages"] == pool
     thread.join(30)
     b = out["b"]
     assert b.status_code == 200, b.text
