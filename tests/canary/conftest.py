@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import pytest
 # module (canary_harness; a unique name) importable from the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from canary_harness import TEST_CANARY_KEY
+from canary_harness import TEST_CANARY_KEY, Provider, start_provider
 
 from canary.config import CanarySettings
 from gateway.config import GatewaySettings
@@ -43,3 +43,12 @@ def gateway_settings(sqlite_url: str) -> Callable[..., GatewaySettings]:
         return GatewaySettings(**values)
 
     return make
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[Provider]:
+    """The named stand-in for a third-party OpenAI-compatible engine (canary_harness), on a
+    real HTTP port."""
+    p = await start_provider()
+    yield p
+    await p.stop()

@@ -13,19 +13,11 @@ from canary_harness import (
     canary_gateway,
     provider_engine,
     sse_text,
-    start_provider,
 )
 
 from canary.markers import MARKER_CHARS, TAG_CHARS
 
 TAG_PREFIX = 5 + TAG_CHARS  # "CNRY-" + the owner tag: enough to name the victim
-
-
-@pytest.fixture
-async def provider():
-    p = await start_provider()
-    yield p
-    await p.stop()
 
 
 def _chat(stream: bool, content: str = "hello there") -> dict:

@@ -3,15 +3,7 @@ the gateway sent, and a first token too fast for the prompt on that engine."""
 
 from __future__ import annotations
 
-import pytest
-from canary_harness import PROVIDER_MODEL, bearer, canary_gateway, provider_engine, start_provider
-
-
-@pytest.fixture
-async def provider():
-    p = await start_provider()
-    yield p
-    await p.stop()
+from canary_harness import PROVIDER_MODEL, bearer, canary_gateway, provider_engine
 
 
 def _body(stream: bool) -> dict:

@@ -14,20 +14,12 @@ from canary_harness import (
     canary_gateway,
     provider_engine,
     sse_text,
-    start_provider,
 )
 
 from canary.markers import PREFIX, TAG_CHARS, MarkerCodec, MarkerKeyring
 from canary.records import MarkerRecord
 from canary.runtime import victim_record
 from canary.scanner import Finding, FindingKind, Severity
-
-
-@pytest.fixture
-async def provider():
-    p = await start_provider()
-    yield p
-    await p.stop()
 
 
 def _chat(stream: bool, content: str = "hello") -> dict:
