@@ -74,19 +74,23 @@ def _spawn(role: str, model: str, faults: list[str], **options) -> EngineProcess
 
 @pytest.fixture(scope="module")
 def pairs(tiny_checkpoint: str) -> Iterator[dict[str, str]]:
-    """Two prefill/decode pairs started in parallel: the incident drill and faults off."""
+    """Three prefill/decode pairs started in parallel: the incident drill twice (each test that
+    drives it gets a fresh page pool: which stale pages a request reads depends on every
+    request before it) and faults off."""
     model = str(BUNDLED_MODEL) if BUNDLED_MODEL.is_dir() else tiny_checkpoint
     p_legacy = _spawn("prefill", model, ["legacy_reject_handoff"], **PREFILL)
+    p_legacy_probe = _spawn("prefill", model, ["legacy_reject_handoff"], **PREFILL)
     p_ok = _spawn("prefill", model, [], **PREFILL)
     d_incident = _spawn("decode", model, INCIDENT, prefill_url=p_legacy.url, **DECODE)
+    d_probe = _spawn("decode", model, INCIDENT, prefill_url=p_legacy_probe.url, **DECODE)
     d_ok = _spawn("decode", model, [], prefill_url=p_ok.url, **DECODE)
-    processes = [p_legacy, p_ok, d_incident, d_ok]
+    processes = [p_legacy, p_legacy_probe, p_ok, d_incident, d_probe, d_ok]
     try:
         for process in processes:
             process.wait_healthy()
-        for decode in (d_incident, d_ok):
+        for decode in (d_incident, d_probe, d_ok):
             _wait_path_ready(decode.url)
-        yield {"incident": d_incident.url, "ok": d_ok.url}
+        yield {"incident": d_incident.url, "incident_probe": d_probe.url, "ok": d_ok.url}
     finally:
         for process in processes:
             process.stop()
@@ -207,7 +211,7 @@ async def test_the_cross_tenant_probe_fails_on_the_incident_drill(
     settings = gateway_settings(
         database_url=postgres_url,
         redis_url=redis_url,
-        engines=[_incident_engine(pairs["incident"])],
+        engines=[_incident_engine(pairs["incident_probe"])],
         refuse_on_handoff_mismatch=False,
     )
     async with canary_gateway(settings, canary_settings()) as gw:
