@@ -123,9 +123,11 @@ def _stale_pages_read(url: str, a_request: str, b_request: str) -> set[int]:
     }
 
 
-def _incident_engine(url: str) -> dict:
-    """The incident decode as the gateway sees it: an opaque engine with a declared window."""
-    return {
+def _incident_settings(gateway_settings, url: str, postgres_url: str, redis_url: str):
+    """A gateway on PostgreSQL + Redis in front of the incident decode, which it sees as an opaque
+    engine with a declared window; the handoff-proof refusal is off so the leak reaches the
+    firewall."""
+    engine = {
         "name": "drill",
         "kind": "openai",
         "base_url": url,
@@ -133,6 +135,12 @@ def _incident_engine(url: str) -> dict:
         "declared_max_model_len": 512,
         "allow_unverified": True,
     }
+    return gateway_settings(
+        database_url=postgres_url,
+        redis_url=redis_url,
+        engines=[engine],
+        refuse_on_handoff_mismatch=False,
+    )
 
 
 async def _probe(kinds: list[str], url: str) -> int:
@@ -145,12 +153,7 @@ async def _probe(kinds: list[str], url: str) -> int:
 async def test_the_incident_drill_reaches_the_firewall(
     pairs, gateway_settings, canary_settings, postgres_url, redis_url
 ) -> None:
-    settings = gateway_settings(
-        database_url=postgres_url,
-        redis_url=redis_url,
-        engines=[_incident_engine(pairs["incident"])],
-        refuse_on_handoff_mismatch=False,
-    )
+    settings = _incident_settings(gateway_settings, pairs["incident"], postgres_url, redis_url)
     async with canary_gateway(settings, canary_settings()) as gw:
         victim_id, a_key = await gw.create_tenant("tenant-a", canary_sample_rate=1.0)
         _, b_key = await gw.create_tenant("tenant-b")
@@ -208,11 +211,8 @@ async def test_the_cross_tenant_probe_fails_on_the_incident_drill(
     fails (exit 1) whether the firewall cuts B's stream or (random checkpoint) nothing leaks but
     the handoff proof disagrees. Never a pass."""
     monkeypatch.setenv("KVGUARD_CANARY_KEY", TEST_CANARY_KEY)
-    settings = gateway_settings(
-        database_url=postgres_url,
-        redis_url=redis_url,
-        engines=[_incident_engine(pairs["incident_probe"])],
-        refuse_on_handoff_mismatch=False,
+    settings = _incident_settings(
+        gateway_settings, pairs["incident_probe"], postgres_url, redis_url
     )
     async with canary_gateway(settings, canary_settings()) as gw:
         status = await _probe(["cross_tenant"], gw.url)
