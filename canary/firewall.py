@@ -24,7 +24,7 @@ from typing import Any
 
 from canary.injection import MarkerLedger
 from canary.markers import MarkerCodec
-from canary.scanner import Finding, ScanResult, StreamScanner
+from canary.scanner import NOTHING, Finding, ScanResult, StreamScanner
 from gateway.hooks import Cut, Emit, RequestInfo
 from gateway.proxy.side import choice_texts
 
@@ -37,6 +37,7 @@ CUT_MESSAGE = (
 )
 UNDECIDED_CODE = "upstream_error"
 UNDECIDED_MESSAGE = "the engine sent a field the gateway cannot vouch for"
+_NOTHING = Emit("")  # shared: an Emit is immutable, and most held-back feeds deliver nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,7 @@ class FirewallGuard:
 
     def finish(self) -> Emit | Cut:
         if self._scanner is None:
-            return Emit("")
+            return _NOTHING
         return _verdict(self._scanner.finish())
 
     def exposed(self) -> Cut | None:
@@ -136,6 +137,8 @@ class FirewallGuard:
 
 
 def _verdict(result: ScanResult) -> Emit | Cut:
+    if result is NOTHING:
+        return _NOTHING
     if result.cut:
         return CanaryCut(
             code=ISOLATION_CODE, message=CUT_MESSAGE, status=502, findings=result.findings

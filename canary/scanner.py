@@ -98,6 +98,9 @@ _OPEN_END_RE = re.compile(
     re.escape(PREFIX) + BASE32_CLASS + "{0," + str(BODY_CHARS - 1) + r"}\Z|CNRY\Z|CNR\Z|CN\Z|C\Z"
 )
 _BREAKER = " "
+# The last character of every text that ends in a possible marker start: a base32 character or
+# the prefix's "-" ("C", "N", "R", "Y" are base32 letters). A cheap test before the regex.
+_OPEN_END_LAST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567-")
 
 KnownTags = Mapping[bytes, str] | Callable[[bytes], str | None]
 
@@ -114,6 +117,7 @@ TRANSITIONS: Mapping[ScannerState, frozenset[ScannerState]] = {
     ScannerState.FINISHED: frozenset(),
 }
 TERMINAL = frozenset({ScannerState.CUT, ScannerState.FINISHED})
+_OPEN = ScannerState.OPEN  # a module global: the per-chunk state check is on the hot path
 
 
 class ScannerStateError(RuntimeError):
@@ -166,6 +170,10 @@ class ScanResult:
     def __repr__(self) -> str:
         chars = len(self.text)
         return f"ScanResult(text=<{chars} chars>, findings={self.findings!r}, cut={self.cut})"
+
+
+NOTHING = ScanResult("")
+"""The result that delivers nothing and finds nothing (shared: results are immutable)."""
 
 
 class _Action(Enum):
@@ -255,8 +263,8 @@ class StreamScanner:
 
     def feed(self, chunk: str) -> ScanResult:
         """Scan the next chunk; return what is safe to deliver now."""
-        if self.pass_through(chunk):
-            return ScanResult(chunk)
+        if self._state is not _OPEN:
+            self._require_open()
         buf = self._pending + chunk
         if self._carry == 0 and PREFIX not in buf:
             # The common case: no candidate at all, only a possible "C".."CNRY" at the end.
@@ -270,7 +278,7 @@ class StreamScanner:
         has no "C" (every marker and every held-back prefix starts with one). True: it was
         delivered (the caller sends it unchanged, as ``feed`` would have returned it); False:
         nothing happened, it must go through ``feed``. The fast path of most chunks."""
-        if self._state is not ScannerState.OPEN:
+        if self._state is not _OPEN:
             self._require_open()
         if self._pending or self._carry or "C" in chunk:
             return False
@@ -373,6 +381,8 @@ class StreamScanner:
     def _deliver(
         self, text: str, findings: tuple[Finding, ...], *, cut: bool = False
     ) -> ScanResult:
+        if not text and not findings and not cut:
+            return NOTHING  # all held back: the usual result while a capitalised word arrives
         self._delivered += len(text)
         if self._tail or "C" in text:
             self._set_tail(text)
@@ -380,7 +390,9 @@ class StreamScanner:
 
     def _set_tail(self, text: str) -> None:
         tail = (self._tail + text)[-MAX_HOLDBACK:]
-        self._tail = tail if _OPEN_END_RE.search(tail) is not None else ""
+        if tail[-1:] not in _OPEN_END_LAST or _OPEN_END_RE.search(tail) is None:
+            tail = ""
+        self._tail = tail
 
     def _close(self, p: _Pass, state: ScannerState, finding: Finding | None) -> ScanResult:
         self._transition(state)

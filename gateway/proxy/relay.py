@@ -42,7 +42,7 @@ from gateway.errors import error_body
 from gateway.hooks import Cut, Emit, StreamGuard
 from gateway.lifecycle import Phase
 from gateway.proxy.context import HandoffProof, parse_handoff
-from gateway.proxy.side import InvalidSide, Prefilter, Rewritten, SideScreen, tail_chunk
+from gateway.proxy.side import InvalidSide, Prefilter, SideScreen, tail_chunk
 from gateway.upstream.base import Endpoint
 from gateway.upstream.sse import DONE, encode_event
 
@@ -91,6 +91,10 @@ class StreamRelay:
     _side: SideScreen | None = field(default=None, repr=False)
     _template: dict[str, Any] | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.screen_side:
+            self._side = SideScreen(self.open_guard, prefilter=self.side_prefilter)
+
     def on_event(self, raw: bytes) -> Step:
         data, canonical = parse_event(raw)
         if data is None:
@@ -104,15 +108,16 @@ class StreamRelay:
         if not isinstance(obj, dict):
             return self._invalid()
         rewritten = False
-        if self.screen_side:
+        side = self._side
+        if side is not None and not side.cleared(obj, data):  # most events: cleared
             try:
-                side = self._screen_side(obj, data)
+                verdict = side.feed(obj, raw=data)
             except InvalidSide:
                 return self._invalid()
-            if isinstance(side, Step):
-                return side
-            if side is not None:
-                obj, canonical, rewritten = side.obj, False, True
+            if isinstance(verdict, Cut):
+                return self._cut(verdict)
+            if verdict is not None:
+                obj, canonical, rewritten = verdict.obj, False, True
         if "error" in obj:
             return Step([raw if canonical else encode_event(obj)], Phase.FAILED, _error_code(obj))
         self._note(obj)
@@ -173,12 +178,6 @@ class StreamRelay:
             if _count(usage.get("prompt_tokens")) is not None:
                 self.prompt_tokens = usage["prompt_tokens"]
         self.handoff = parse_handoff(obj) or self.handoff
-
-    def _screen_side(self, obj: dict[str, Any], data: str) -> Step | Rewritten | None:
-        if self._side is None:
-            self._side = SideScreen(self.open_guard, prefilter=self.side_prefilter)
-        verdict = self._side.feed(obj, raw=data)
-        return self._cut(verdict) if isinstance(verdict, Cut) else verdict
 
     def _guard(self, index: int) -> StreamGuard:
         guard = self._guards.get(index)
