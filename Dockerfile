@@ -11,6 +11,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 
+# The Debian libraries the environment's native code links against beyond the base image (glibc,
+# libstdc++, zlib): Mooncake's transfer engine needs libibverbs.so.1, libnuma.so.1 and
+# libcurl.so.4. tests/ops/test_ops_image.py reads every shared object the pip installs below put
+# in the image and fails when one needs a library no package here (or in the base) provides.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN useradd --create-home --uid 10001 kvguard
 WORKDIR /app
 

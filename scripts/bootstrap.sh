@@ -16,6 +16,7 @@ NEEDED=(
   "promtool:prometheus"
   "libibverbs.so.1:libibverbs1"
   "libnuma.so.1:libnuma1"
+  "libcurl.so.4:libcurl4"
 )
 
 have() {
