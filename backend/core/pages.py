@@ -43,6 +43,7 @@ from backend.core.errors import (
     IsolationReason,
     OutOfPages,
 )
+from backend.core.lifecycle import check_move
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,8 +260,7 @@ class PagePool:
 
     def _move(self, page_id: int, to: PageState) -> None:
         current = self._state[page_id]
-        if to not in PAGE_TRANSITIONS[current]:
-            raise InvalidTransition("page", str(page_id), current, to)
+        check_move(PAGE_TRANSITIONS, "page", str(page_id), current, to)
         self._state[page_id] = to
         self._counts[current] -= 1
         self._counts[to] += 1

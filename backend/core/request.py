@@ -37,6 +37,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from backend.core.errors import InvalidRequest, InvalidTransition, KvguardError
+from backend.core.lifecycle import check_move
 from backend.core.pages import Owner, PageRef
 
 
@@ -244,8 +245,7 @@ class Request:
         reason is ERROR); ABORTED's reason is ABORT (``error`` optional). Non-terminal states take
         neither. On any violation nothing changes and ``InvalidTransition`` is raised.
         """
-        if to not in TRANSITIONS[self._state]:
-            raise InvalidTransition("request", self.request_id, self._state, to)
+        check_move(TRANSITIONS, "request", self.request_id, self._state, to)
         reason = self._check_outcome(to, error, finish_reason)
         self._state = to
         self._error = error

@@ -123,6 +123,9 @@ class Scheduler:
 
         Raises ``ContextLengthExceeded`` / ``InvalidRequest`` (admission) or
         ``DuplicateRequestId``; in every case the request is REJECTED and no page was reserved.
+        This is the only admission path: a role with its own queues (decode) overrides
+        ``_enqueue`` (where an admitted request waits) and ``get`` (which ids are live), never
+        the checks.
         """
         if request.state is not RequestState.WAITING:
             raise InvalidTransition(
@@ -133,12 +136,16 @@ class Scheduler:
                 "only a new request can be added",
             )
         try:
-            if request.request_id in self._live:
+            if self.get(request.request_id) is not None:
                 raise DuplicateRequestId(request.request_id)
             admit(request.num_prompt_tokens, request.sampling.max_tokens, self._limits)
         except KvguardError as error:
             request.transition(RequestState.REJECTED, error)
             raise
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Where an admitted request waits for pages (the base: the waiting queue)."""
         self._live[request.request_id] = request
         self._waiting.append(request)
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.core.errors import KvguardError
+from backend.core.lifecycle import Machine
 from backend.core.request import Request, RequestState
 from backend.disagg.decode_scheduler import DecodeScheduler, Release
 from backend.disagg.errors import (
@@ -46,7 +47,6 @@ from backend.disagg.machines import (
     DecodeHandoffState,
     Expectation,
     HandoffProof,
-    Machine,
     Verdict,
     refusal,
     release_deadline,

@@ -2,8 +2,9 @@
 
 Lifecycle of a request on decode, as queues (each holds requests of exactly the states named):
 
-1. ``add``: admission against this engine's own limits (the cross-role limit was applied by the
-   caller before); a request that can never fit is REJECTED and raises, reserving nothing.
+1. ``add`` (the base's, the one admission path): admission against this engine's own limits (the
+   cross-role limit was applied by the caller before); a request that can never fit is REJECTED
+   and raises, reserving nothing. Admitted, it is queued here by ``_enqueue``.
 2. kv_waiting (FIFO, WAITING): ``reserve_ready`` gives the head every page for prompt +
    max_tokens and a running slot, then it is AWAITING_KV. Nobody overtakes a head that does not fit.
 3. awaiting (AWAITING_KV): the pages are held but unreadable by intent: no step schedules them.
@@ -26,10 +27,8 @@ from __future__ import annotations
 from collections import deque
 from enum import StrEnum
 
-from backend.core.admission import CapacityLimits, admit
+from backend.core.admission import CapacityLimits
 from backend.core.errors import (
-    DuplicateRequestId,
-    InvalidTransition,
     InvariantViolation,
     KvguardError,
 )
@@ -92,18 +91,8 @@ class DecodeScheduler(Scheduler):
 
     # -- 1. admission -------------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
-        if request.state is not RequestState.WAITING:
-            raise InvalidTransition(
-                "request", request.request_id, request.state, RequestState.WAITING, "not new"
-            )
-        try:
-            if self.get(request.request_id) is not None:
-                raise DuplicateRequestId(request.request_id)
-            admit(request.num_prompt_tokens, request.sampling.max_tokens, self.limits)
-        except KvguardError as error:
-            request.transition(RequestState.REJECTED, error)
-            raise
+    def _enqueue(self, request: Request) -> None:
+        """Admitted by ``Scheduler.add`` (the one admission path): wait for pages for the KV."""
         self._kv_waiting.append(request)
 
     # -- 2. reservation -----------------------------------------------------------------------

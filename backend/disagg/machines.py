@@ -44,9 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Generic, TypeVar
 
-from backend.core.errors import InvalidTransition, KvguardError
+from backend.core.errors import KvguardError
 from backend.core.request import RequestState
 from backend.disagg.errors import HandoffFailed, HandoffRefused, RemoteEngineError
 from backend.disagg.protocol import HandoffOutcome, PageGrant, PrefillResult, TokenRange
@@ -127,36 +126,6 @@ OUTCOME_OF: Mapping[PrefillHandoffState, HandoffOutcome] = MappingProxyType(
         _P.FAILED: HandoffOutcome.FAILED,
     }
 )
-
-_S = TypeVar("_S", bound=StrEnum)
-
-
-class Machine(Generic[_S]):
-    """One subject's position in a transition table; ``advance`` refuses moves not in it."""
-
-    __slots__ = ("_state", "_table", "subject", "subject_id")
-
-    def __init__(
-        self, subject: str, subject_id: str, table: Mapping[_S, frozenset[_S]], start: _S
-    ) -> None:
-        self.subject, self.subject_id = subject, subject_id
-        self._table, self._state = table, start
-
-    @property
-    def state(self) -> _S:
-        return self._state
-
-    def can(self, to: _S) -> bool:
-        return to in self._table[self._state]
-
-    def advance(self, to: _S) -> None:
-        if to not in self._table[self._state]:
-            raise InvalidTransition(self.subject, self.subject_id, self._state, to)
-        self._state = to
-
-    def __repr__(self) -> str:
-        return f"Machine({self.subject} {self.subject_id}: {self._state})"
-
 
 # -- decode's verification: positive evidence only ------------------------------------------------
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from backend.core.admission import CapacityLimits, admit
 from backend.core.errors import KvguardError
+from backend.core.lifecycle import Machine
 from backend.core.messages import SchedulerOutput
 from backend.core.pages import Owner, PageRef
 from backend.core.request import RequestState, SamplingParams
@@ -44,7 +45,6 @@ from backend.disagg.machines import (
     OUTCOME_OF,
     PREFILL_TERMINAL,
     PREFILL_TRANSITIONS,
-    Machine,
     PrefillHandoffState,
     lease_cut_short,
     may_start_batch,

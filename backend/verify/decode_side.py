@@ -11,13 +11,13 @@ from collections.abc import Sequence
 
 from backend.core.admission import admit
 from backend.core.errors import KvguardError
+from backend.core.lifecycle import Machine, check_move
 from backend.core.pages import PageRef
 from backend.core.request import TERMINAL, TRANSITIONS, RequestState
 from backend.disagg.errors import HandoffTimedOut, PrefillUnavailable, ProtocolVersionMismatch
 from backend.disagg.machines import (
     DecodeHandoffState,
     Expectation,
-    Machine,
     refusal,
     verify_result,
 )
@@ -54,7 +54,8 @@ def _advance(world: World, index: int, to: DecodeHandoffState) -> None:
 
 def _end(world: World, index: int, to: RequestState, cause: Cause, error: str | None) -> None:
     state = world.requests[index].state
-    assert state is not None and to in TRANSITIONS[state] and to in TERMINAL
+    assert state is not None and to in TERMINAL
+    check_move(TRANSITIONS, "request", world.owners[index].request_id, state, to)
     world.set_request(index, state=to, cause=cause, error_code=error)
     world.events.ended.append(index)
 
@@ -92,7 +93,9 @@ def reserve(world: World) -> None:
     world.sequence += 1
     handoff_id = f"{owner.request_id}.{world.sequence}"
     grants = tuple(PageGrant(r.page_id, r.generation) for r in refs[: spec.prompt_tokens])
-    assert RequestState.AWAITING_KV in TRANSITIONS[RequestState.WAITING]
+    check_move(
+        TRANSITIONS, "request", owner.request_id, RequestState.WAITING, RequestState.AWAITING_KV
+    )
     world.set_request(
         index,
         state=RequestState.AWAITING_KV,

@@ -13,13 +13,13 @@ from dataclasses import replace
 
 from backend.core.admission import admit
 from backend.core.errors import KvguardError
+from backend.core.lifecycle import Machine
 from backend.core.pages import PageState
 from backend.disagg.errors import HandoffFailed, ProtocolVersionMismatch
 from backend.disagg.machines import (
     OUTCOME_OF,
     PREFILL_TERMINAL,
     PREFILL_TRANSITIONS,
-    Machine,
     PrefillHandoffState,
     lease_cut_short,
     may_start_batch,

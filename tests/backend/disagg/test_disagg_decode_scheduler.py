@@ -43,6 +43,21 @@ def test_admission_refuses_before_reserving() -> None:
         sched.add(req("a", 3, 2))
 
 
+def test_decode_admits_through_the_engine_schedulers_one_admission_path() -> None:
+    """#22: the admit-before-reserving checks exist once; decode only says where requests wait."""
+    from backend.core.scheduler import Scheduler
+
+    assert "add" not in DecodeScheduler.__dict__
+    assert DecodeScheduler.add is Scheduler.add
+    sched = build()
+    waiting = req("w", 3, 2)
+    sched.add(waiting)
+    sched.reserve_ready()
+    with pytest.raises(DuplicateRequestId):  # live in decode's own queues, not the base's
+        sched.add(req("w", 3, 2))
+    assert sched.awaiting("w") is waiting and sched.num_running == 0
+
+
 def test_reserve_is_fifo_and_whole_and_nobody_overtakes() -> None:
     sched = build()
     a, b, c = req("a", 10, 6), req("b", 10, 6), req("c", 1, 1)  # 4, 4 and 1 pages

@@ -10,6 +10,7 @@ import pytest
 from disagg_messages import GRANTS, ok_result
 
 from backend.core.errors import InvalidTransition
+from backend.core.lifecycle import Machine
 from backend.disagg.faults import Fault, FaultDrillRefused, FaultSet
 from backend.disagg.machines import (
     ALL_CHECKS,
@@ -23,7 +24,6 @@ from backend.disagg.machines import (
     Check,
     DecodeHandoffState,
     Expectation,
-    Machine,
     PrefillHandoffState,
     drain_bound_s,
     release_deadline,
