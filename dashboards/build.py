@@ -151,6 +151,7 @@ COMPOSE_ENGINE = "bundled"  # the name the gateway routes by (KVGUARD_ENGINES in
 # compose.yaml's ``metrics_token`` secret (KVGUARD_METRICS_TOKEN): the gateway's /metrics holds
 # every tenant's series and answers only this bearer credential (or the admin token).
 COMPOSE_METRICS_TOKEN_FILE = "/run/secrets/metrics_token"
+COMPOSE_ALERTMANAGER = "alertmanager:9093"  # compose.yaml's alertmanager service
 
 
 def compose_prometheus() -> dict[str, Any]:
@@ -168,7 +169,13 @@ def compose_prometheus() -> dict[str, Any]:
         "type": "Bearer",
         "credentials_file": COMPOSE_METRICS_TOKEN_FILE,
     }
+    config["alerting"] = alerting([COMPOSE_ALERTMANAGER])
     return config
+
+
+def alerting(alertmanagers: Sequence[str]) -> dict[str, Any]:
+    """prometheus.yml's ``alerting`` block: send firing rules to these Alertmanagers (host:port)."""
+    return {"alertmanagers": [{"static_configs": [{"targets": list(alertmanagers)}]}]}
 
 
 def grafana_datasource() -> dict[str, Any]:

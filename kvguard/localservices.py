@@ -206,6 +206,37 @@ def prometheus_server(
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def alertmanager_server(
+    config: dict[str, Any], host: str = "127.0.0.1"
+) -> Iterator[RunningService]:
+    """Alertmanager (Debian's ``prometheus-alertmanager``, upstream's ``alertmanager``) on a free
+    port with ``config`` (an alertmanager.yml as a dict), clustering off."""
+    import yaml  # local import: only these servers need YAML
+
+    try:
+        binary = find_binary("prometheus-alertmanager")
+    except ServiceUnavailable:
+        binary = find_binary("alertmanager")
+    port = free_port(host)
+    data_dir = Path(tempfile.mkdtemp(prefix="kvguard-alertmanager-"))
+    config_path = data_dir / "alertmanager.yml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    argv = [str(binary), f"--config.file={config_path}", f"--storage.path={data_dir / 'data'}"]
+    argv += [f"--web.listen-address={host}:{port}", "--cluster.listen-address=", "--log.level=warn"]
+    log = open(data_dir / "alertmanager.log", "wb")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(argv, cwd=data_dir, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{host}:{port}"
+    try:
+        _wait_for_port(proc, "alertmanager", host, port)
+        _wait_for_http_ok(proc, "alertmanager", url + "/-/ready")
+        yield RunningService("alertmanager", host, port, url, data_dir)
+    finally:
+        _stop(proc)
+        log.close()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
 def _wait_for_http_ok(proc: subprocess.Popen[bytes], name: str, url: str) -> None:
     import urllib.error
     import urllib.request

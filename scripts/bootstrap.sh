@@ -14,6 +14,8 @@ NEEDED=(
   "/usr/lib/postgresql:postgresql"
   "prometheus:prometheus"
   "promtool:prometheus"
+  "prometheus-alertmanager:prometheus-alertmanager"
+  "amtool:prometheus-alertmanager"
   "libibverbs.so.1:libibverbs1"
   "libnuma.so.1:libnuma1"
   "libcurl.so.4:libcurl4"

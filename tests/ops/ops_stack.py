@@ -3,12 +3,15 @@ role), every process is stopped at the end, start-up failures show the role's lo
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +98,49 @@ def chat(gateway: str, key: str, content: str, **extra: Any) -> httpx.Response:
 def prom_query(prometheus: str, expr: str) -> dict[str, Any]:
     response = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10)
     return dict(response.json())
+
+
+@dataclass
+class Webhook:
+    """What an HTTP receiver on 127.0.0.1 was sent: each POST body, parsed as JSON."""
+
+    url: str
+    received: list[dict[str, Any]] = field(default_factory=list)
+    arrived: threading.Condition = field(default_factory=threading.Condition)
+
+    def wait_for(self, check: Any, timeout_s: float) -> dict[str, Any]:
+        """The first body ``check`` accepts, waiting for it up to ``timeout_s``."""
+        with self.arrived:
+            found = self.arrived.wait_for(
+                lambda: next((b for b in self.received if check(b)), None), timeout_s
+            )
+        assert found is not None, f"nothing matching within {timeout_s} s: {self.received}"
+        return dict(found)
+
+
+@contextmanager
+def webhook_receiver() -> Iterator[Webhook]:
+    """A webhook endpoint (what Alertmanager's webhook_configs call) recording what it gets."""
+    hook = Webhook("")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            with hook.arrived:
+                hook.received.append(json.loads(body))
+                hook.arrived.notify_all()
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    hook.url = f"http://127.0.0.1:{server.server_address[1]}/alerts"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield hook
+    finally:
+        server.shutdown()
+        server.server_close()

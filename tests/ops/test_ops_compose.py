@@ -26,6 +26,7 @@ import yaml
 from backend.config import BackendSettings
 from canary.config import CanarySettings
 from dashboards import build
+from dashboards.alerts import ALERTS
 from gateway.config import GatewaySettings
 from kvguard.cli import build_parser
 
@@ -196,7 +197,15 @@ def test_health_checks_ask_the_service_itself_on_its_own_port() -> None:
         for host, port in HEALTH_URL.findall(test):
             assert (host, int(port)) == ("127.0.0.1", _container_port(name)), (name, test)
             checked.add(name)
-    assert checked == {"prefill", "decode", "gateway", "lb", "prometheus", "grafana"}
+    assert checked == {
+        "prefill",
+        "decode",
+        "gateway",
+        "lb",
+        "prometheus",
+        "grafana",
+        "alertmanager",
+    }
 
 
 def _probe_check() -> list[str]:
@@ -251,7 +260,7 @@ def test_migrations_run_once_before_the_gateways() -> None:
 
 def test_health_checks_everywhere() -> None:
     expected = {"gateway", "prefill", "decode", "redis", "postgres", "prometheus", "grafana"}
-    expected |= {"canary-probe"}
+    expected |= {"canary-probe", "alertmanager"}
     assert expected | {"otel-collector", "lb", "migrate"} <= set(SERVICES)
     for name, service in SERVICES.items():
         if name in ONE_SHOT:
@@ -301,3 +310,29 @@ def test_one_image_for_every_role() -> None:
     for package in ("kvguard", "backend", "gateway", "canary", "migrations"):
         assert f"COPY {package} ./{package}" in dockerfile
     assert {s.get("image") for s in KVGUARD_SERVICES.values()} == {"kvguard:latest"}
+
+
+def _amtool(*args: str) -> str:
+    done = subprocess.run(["amtool", *args], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_alertmanager_routes_every_kvguard_alert_to_the_receiver_users_point() -> None:
+    """The mounted config is the committed one; every rule reaches the ``kvguard`` receiver and
+    anything else the ``null`` one (Alertmanager's own ``amtool`` decides); Prometheus sends to
+    the service where it listens."""
+    service = SERVICES["alertmanager"]
+    mounts = dict(v.split(":")[:2] for v in service["volumes"] if v.startswith("./"))
+    flag = next(a for a in service["command"] if a.startswith("--config.file="))
+    assert mounts["./deploy/alertmanager.yml"] == flag.removeprefix("--config.file=")
+    config = str(REPO / "deploy" / "alertmanager.yml")
+    assert "SUCCESS" in _amtool("check-config", config)
+    for rule in ALERTS:
+        labels = [f"alertname={rule.name}", f"severity={rule.severity}"]
+        routed = _amtool("config", "routes", "test", f"--config.file={config}", *labels)
+        assert routed.split() == ["kvguard"], (rule.name, routed)
+    other = _amtool("config", "routes", "test", f"--config.file={config}", "alertname=Watchdog")
+    assert other.split() == ["null"]
+    (targets,) = build.compose_prometheus()["alerting"]["alertmanagers"][0]["static_configs"]
+    assert targets["targets"] == [f"alertmanager:{_container_port('alertmanager')}"]

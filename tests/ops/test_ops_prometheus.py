@@ -18,7 +18,8 @@ quarantined). Then every panel query and alert expression must parse, the panels
 lights must return data (the handoff-proof ones a count above 0), each dashboard variable's
 ``label_values`` must list the stack's tenants and engines, the cross-tenant alert must fire and
 the drift, fault-drill (``proof`` only: the drill pair runs in development mode), handoff-proof,
-probe, quarantine and coverage alerts must be active.
+probe, quarantine and coverage alerts must be active, and the leak alert must reach a webhook
+through a real Alertmanager running the committed deploy/alertmanager.yml.
 """
 
 from __future__ import annotations
@@ -30,16 +31,23 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from ops_stack import base_env, prom_query
+from ops_stack import Webhook, base_env, prom_query, webhook_receiver
 from prometheus_client.parser import text_string_to_metric_families
 
 from canary import metrics as cm
 from dashboards.alerts import ALERTS
-from dashboards.build import RULES_FILE, ScrapeTarget, engine_targets, scrape_config
+from dashboards.build import (
+    REPO,
+    RULES_FILE,
+    ScrapeTarget,
+    alerting,
+    engine_targets,
+    scrape_config,
+)
 from dashboards.catalog import DASHBOARDS, VARIABLE_QUERIES
 from kvguard import drillstack
 from kvguard.demo import echo_probe
-from kvguard.localservices import prometheus_server
+from kvguard.localservices import alertmanager_server, prometheus_server
 
 BUNDLED_MODEL = (
     Path(drillstack.__file__).resolve().parents[1] / "backend" / "bundled" / "kvguard-tiny"
@@ -128,8 +136,9 @@ def _address(url: str) -> str:
     return url.removeprefix("http://")
 
 
-def _prometheus_config(stack: drillstack.DrillStack) -> dict[str, Any]:
-    """Engines labelled with the names the gateway routes by, so the two sides join."""
+def _prometheus_config(stack: drillstack.DrillStack, alertmanager: str) -> dict[str, Any]:
+    """Engines labelled with the names the gateway routes by, so the two sides join; alerts to
+    ``alertmanager`` (host:port)."""
     targets = [ScrapeTarget("kvguard-gateway", _address(stack.gateway))]
     targets += engine_targets(drillstack.GUARDED, [("unified", _address(stack.guarded))])
     drill = [("decode", _address(stack.drill_decode)), ("prefill", _address(stack.drill_prefill))]
@@ -137,7 +146,33 @@ def _prometheus_config(stack: drillstack.DrillStack) -> dict[str, Any]:
     assert stack.proof_prefill is not None and stack.proof_decode is not None
     proof = [("decode", _address(stack.proof_decode)), ("prefill", _address(stack.proof_prefill))]
     targets += engine_targets(drillstack.PROOF, proof)
-    return scrape_config(targets, ["alerts.yml"], interval="1s")
+    return {
+        **scrape_config(targets, ["alerts.yml"], interval="1s"),
+        "alerting": alerting([alertmanager]),
+    }
+
+
+def _alertmanager_config(webhook: str) -> dict[str, Any]:
+    """The committed deploy/alertmanager.yml as a user completes it (a webhook on the ``kvguard``
+    receiver), waiting 1 s instead of 10 s before a group's first notification."""
+    config = yaml.safe_load((REPO / "deploy" / "alertmanager.yml").read_text())
+    config["route"]["group_wait"] = "1s"
+    (receiver,) = [r for r in config["receivers"] if r["name"] == "kvguard"]
+    receiver["webhook_configs"] = [{"url": webhook, "send_resolved": False}]
+    return dict(config)
+
+
+def _leak_alert_reaches_the_receiver(webhook: Webhook) -> None:
+    """Alertmanager calls the webhook with the firing leak alert, through the ``kvguard`` route."""
+
+    def leak(body: dict[str, Any]) -> bool:
+        return any(a["labels"]["alertname"] == LEAK_ALERT for a in body["alerts"])
+
+    body = webhook.wait_for(leak, timeout_s=30)
+    assert body["receiver"] == "kvguard" and body["status"] == "firing", body
+    (alert,) = [a for a in body["alerts"] if a["labels"]["alertname"] == LEAK_ALERT]
+    assert alert["labels"]["kind"] == "cross_tenant" and alert["labels"]["severity"] == "critical"
+    assert alert["annotations"]["first_response"].startswith("Treat as a data-exposure incident")
 
 
 def _fast_rules() -> str:
@@ -339,8 +374,12 @@ def test_every_panel_and_alert_against_a_real_prometheus(tmp_path: Path) -> None
     stack = drillstack.drill_stack(tmp_path / "data", env, proof=True)
     rules = {"alerts.yml": _fast_rules()}
     with (
+        webhook_receiver() as webhook,
+        alertmanager_server(_alertmanager_config(webhook.url)) as alertmanager,
         drillstack.running(stack, tmp_path),
-        prometheus_server(_prometheus_config(stack), rules) as prom,
+        prometheus_server(
+            _prometheus_config(stack, f"{alertmanager.host}:{alertmanager.port}"), rules
+        ) as prom,
         httpx.Client(base_url=stack.gateway, timeout=120) as client,
     ):
         _wait_for(prom.url, 'kvguard_gateway_engine_routable{engine=~".+"}')
@@ -374,3 +413,4 @@ def test_every_panel_and_alert_against_a_real_prometheus(tmp_path: Path) -> None
         assert drills == {drillstack.PROOF}, drills
         up = prom_query(prom.url, "up == 0")["data"]["result"]
         assert up == [], up
+        _leak_alert_reaches_the_receiver(webhook)
