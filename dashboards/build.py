@@ -19,13 +19,13 @@ import yaml
 
 from dashboards.alerts import ALERTS
 from dashboards.catalog import DASHBOARDS, VARIABLE_QUERIES
-from dashboards.spec import AlertRule, Dashboard, Panel
+from dashboards.grafana_json import dashboard_json
+from dashboards.spec import AlertRule
 
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
 RULES_FILE = ROOT / "prometheus" / "alerts.yml"
-DATASOURCE_UID = "kvguard-prometheus"
-GRID_WIDTH, PANEL_W, PANEL_H = 24, 12, 8
+DATASOURCE_UID = "kvguard-prometheus"  # the provisioned Prometheus; dashboards never name it
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,64 +35,6 @@ class ScrapeTarget:
     job: str
     address: str  # host:port
     labels: tuple[tuple[str, str], ...] = ()
-
-
-def panel_json(panel: Panel, index: int) -> dict[str, Any]:
-    targets = [
-        {
-            "refId": chr(ord("A") + i),
-            "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
-            "expr": q.expr,
-            "legendFormat": q.legend,
-            "instant": q.instant,
-            "range": not q.instant,
-            **({"format": "table"} if panel.kind == "table" else {}),
-        }
-        for i, q in enumerate(panel.queries)
-    ]
-    x = (index % (GRID_WIDTH // PANEL_W)) * PANEL_W
-    y = (index // (GRID_WIDTH // PANEL_W)) * PANEL_H
-    return {
-        "id": index + 1,
-        "type": panel.kind,
-        "title": panel.title,
-        "description": panel.description,
-        "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
-        "gridPos": {"x": x, "y": y, "w": PANEL_W, "h": PANEL_H},
-        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
-        "options": {},
-        "targets": targets,
-    }
-
-
-def variable_json(name: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "type": "query",
-        "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
-        "query": {"query": VARIABLE_QUERIES[name], "refId": name},
-        "includeAll": True,
-        "allValue": ".*",
-        "multi": True,
-        "refresh": 2,
-        "current": {"text": "All", "value": "$__all"},
-    }
-
-
-def dashboard_json(dashboard: Dashboard) -> dict[str, Any]:
-    return {
-        "uid": dashboard.uid,
-        "title": dashboard.title,
-        "tags": ["kvguard"],
-        "timezone": "utc",
-        "schemaVersion": 39,
-        "version": 1,
-        "editable": False,
-        "refresh": "30s",
-        "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": [variable_json(v) for v in dashboard.variables]},
-        "panels": [panel_json(p, i) for i, p in enumerate(dashboard.panels)],
-    }
 
 
 def rule_json(rule: AlertRule) -> dict[str, Any]:
@@ -210,7 +152,10 @@ def _yaml(data: dict[str, Any]) -> str:
 def rendered() -> dict[Path, str]:
     """Every generated file and its content."""
     files = {
-        ROOT / "grafana" / f"{d.uid}.json": json.dumps(dashboard_json(d), indent=2) + "\n"
+        ROOT / "grafana" / f"{d.uid}.json": json.dumps(
+            dashboard_json(d, VARIABLE_QUERIES), indent=2
+        )
+        + "\n"
         for d in DASHBOARDS
     }
     files[RULES_FILE] = _yaml(rules_document())

@@ -1,4 +1,5 @@
-"""The four dashboards, built from the metric-name modules (alert rules: ``dashboards.alerts``).
+"""The dashboards, built from the metric-name modules (alert rules: ``dashboards.alerts``; the
+SGLang/vLLM one: ``dashboards.engines``).
 
 A panel is added only for data some module really exports; names are never invented here.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from backend import metrics as em
 from canary import metrics as cm
+from dashboards.engines import ENGINES
 from dashboards.spec import (
     ENGINE,
     RI,
@@ -400,7 +402,7 @@ TRAFFIC = Dashboard(
     ),
 )
 
-DASHBOARDS = (ISOLATION, CAPACITY, HANDOFF, TRAFFIC)
+DASHBOARDS = (ISOLATION, CAPACITY, HANDOFF, TRAFFIC, ENGINES)
 
 # Label values Grafana offers in the variables.
 VARIABLE_QUERIES = {

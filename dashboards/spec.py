@@ -101,12 +101,14 @@ def event_count(metric: str, window: str, matcher: str = "") -> str:
     return f"sum({events_in(metric, window, matcher)}) or vector(0)"
 
 
-def _quantiles(metric: str, by: str, matcher: str = "") -> tuple[Query, ...]:
+def _quantiles(metric: str, by: str, matcher: str = "", legend: str = "") -> tuple[Query, ...]:
+    """p50/p95/p99 of a histogram by ``by``; ``legend`` prefixes each series' name."""
     sel = f"{{{matcher}}}" if matcher else ""
+    prefix = f"{legend} " if legend else ""
     return tuple(
         _q(
             f"histogram_quantile({q}, sum by (le, {by}) (rate({bucket(metric)}{sel}[{RI}])))",
-            f"p{int(q * 100)} {{{{{by.split(',')[0].strip()}}}}}",
+            f"{prefix}p{int(q * 100)} {{{{{by.split(',')[0].strip()}}}}}",
         )
         for q in (0.5, 0.95, 0.99)
     )
