@@ -1,6 +1,7 @@
 """The canary's HTTP API, mounted by the gateway: findings and probe runs.
 
-- ``GET /admin/canary/findings`` and ``GET /admin/canary/probe-runs``: admins see everything.
+- ``GET /admin/canary/findings`` (``/{id}`` for one) and ``GET /admin/canary/probe-runs``: admins
+  see everything (``kvguard canary findings|finding|probe-runs`` read them).
 - ``POST /admin/canary/probe-runs``: ``kvguard canary probe`` reports its results (admin token).
 - ``GET /v1/canary/findings``: a tenant sees the findings about its own data (it was the victim),
   without the ids of the tenant that received it or of the engine.
@@ -30,6 +31,7 @@ from canary.findings import (
 )
 from canary.metrics import CanaryMetrics
 from gateway.deps import AdminDep, CurrentTenant, SessionDep
+from gateway.errors import NotFound
 
 Limit = Annotated[int, Query(ge=1, le=1000)]
 
@@ -134,6 +136,13 @@ def _finding_routes(router: APIRouter) -> None:
             limit=limit,
         )
         return [FindingOut.of(row) for row in rows]
+
+    @router.get("/admin/canary/findings/{finding_id}")
+    def one_finding(finding_id: int, session: SessionDep, _: AdminDep) -> FindingOut:
+        row = session.get(CanaryFinding, finding_id)
+        if row is None:
+            raise NotFound(f"no finding {finding_id}", code="finding_not_found")
+        return FindingOut.of(row)
 
     @router.get("/v1/canary/findings")
     def own_findings(

@@ -1,4 +1,5 @@
-"""``kvguard canary``: run the probes against a gateway, or make a new canary key.
+"""``kvguard canary``: run the probes against a gateway, or make a new canary key (the findings
+commands, ``findings``, ``finding``, ``probe-runs``, ``clear-quarantine``: ``canary.admin_cli``).
 
 ``kvguard canary probe --gateway URL --once`` runs every probe kind once, prints a table, reports
 the results to the gateway and exits 0 only if every probe passed (CI and deploy gates); without
@@ -16,6 +17,8 @@ import sys
 import uuid
 from pathlib import Path
 from typing import Any
+
+from canary import admin_cli
 
 # Only light imports here: `kvguard --help` must not pay for httpx or pydantic-settings.
 
@@ -56,6 +59,7 @@ def register(subparsers: Any) -> None:
     probe.set_defaults(handler=run_probe)
     key = commands.add_parser("new-key", help="print a fresh random canary key")
     key.set_defaults(handler=run_new_key)
+    admin_cli.register(commands)
 
 
 def run_new_key(args: argparse.Namespace) -> int:
