@@ -30,6 +30,7 @@ from canary.findings import (
     store_probe_runs,
 )
 from canary.metrics import CanaryMetrics
+from gateway.api.timestamps import Instant
 from gateway.deps import AdminDep, CurrentTenant, SessionDep
 from gateway.errors import NotFound
 
@@ -124,7 +125,7 @@ def _finding_routes(router: APIRouter) -> None:
         kind: FindingKind | None = None,
         severity: FindingSeverity | None = None,
         tenant: str | None = None,
-        since: datetime | None = None,
+        since: Instant | None = None,
         limit: Limit = 100,
     ) -> list[FindingOut]:
         rows = list_findings(
@@ -148,7 +149,7 @@ def _finding_routes(router: APIRouter) -> None:
     def own_findings(
         session: SessionDep,
         principal: CurrentTenant,
-        since: datetime | None = None,
+        since: Instant | None = None,
         limit: Limit = 100,
     ) -> list[TenantFindingOut]:
         # The key decides the tenant; no parameter can widen it.
@@ -165,7 +166,7 @@ def _probe_routes(router: APIRouter, metrics: CanaryMetrics) -> None:
         _: AdminDep,
         kind: ProbeKind | None = None,
         run_id: str | None = None,
-        since: datetime | None = None,
+        since: Instant | None = None,
         limit: Limit = 100,
     ) -> list[ProbeRunOut]:
         kind_value = None if kind is None else kind.value

@@ -25,6 +25,7 @@ from gateway.api.schemas_admin import (
     TenantUpdate,
     UsageOut,
 )
+from gateway.api.timestamps import Instant
 from gateway.api.usage import usage_out
 from gateway.config import EngineSpec
 from gateway.db.models import utcnow
@@ -126,8 +127,8 @@ def tenant_usage(
     ref: str,
     session: SessionDep,
     _: AdminDep,
-    since: datetime | None = None,
-    until: datetime | None = None,
+    since: Instant | None = None,
+    until: Instant | None = None,
 ) -> UsageOut:
     tenant = tenant_service.get_tenant(session, ref=ref)
     return usage_out(session, tenant_id=tenant.id, since=since, until=until)

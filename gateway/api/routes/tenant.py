@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from fastapi import APIRouter
 
 from gateway.api.schemas_admin import UsageOut
+from gateway.api.timestamps import Instant
 from gateway.api.usage import usage_out
 from gateway.db.session import run_in_session
 from gateway.deps import CurrentTenant, StateDep
@@ -18,8 +17,8 @@ router = APIRouter(prefix="/v1", tags=["tenant"])
 async def own_usage(
     principal: CurrentTenant,
     state: StateDep,
-    since: datetime | None = None,
-    until: datetime | None = None,
+    since: Instant | None = None,
+    until: Instant | None = None,
 ) -> UsageOut:
     tenant_id = principal.tenant_id  # the key decides the tenant; no parameter can widen it
     return await run_in_session(
