@@ -73,11 +73,12 @@ def run_probe(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from canary.config import CanarySettings
+    from kvguard.settings import settings_error
 
     try:
         settings = CanarySettings()
     except ValidationError as exc:
-        print(f"kvguard canary: invalid settings: {exc}", file=sys.stderr)
+        print(f"kvguard canary: invalid settings: {settings_error(exc)}", file=sys.stderr)
         return EXIT_SETUP
     url = args.gateway or settings.canary_gateway_url
     if not url:

@@ -18,7 +18,12 @@ from pydantic import Field, SecretStr, model_validator
 
 from canary.markers import MAX_KEY_ID, MIN_KEY_BYTES, MarkerKeyring
 from gateway.config import DEV_ADMIN_TOKEN
-from kvguard.settings import KvguardSettings, RunMode, require_real_secret
+from kvguard.settings import (
+    KvguardSettings,
+    RunMode,
+    require_distinct_secrets,
+    require_real_secret,
+)
 
 DEV_CANARY_KEY = "kvguard-dev-canary-key-known-to-everyone"
 
@@ -77,6 +82,13 @@ class CanarySettings(KvguardSettings):
     def _check_keys(self) -> Self:
         require_real_secret("canary_key", self.canary_key, DEV_CANARY_KEY, self.mode)
         require_real_secret("admin_token", self.admin_token, DEV_ADMIN_TOKEN, self.mode)
+        require_distinct_secrets(
+            self.mode, canary_key=self.canary_key, admin_token=self.admin_token
+        )
+        for key_id, previous in self.canary_previous_keys.items():
+            require_real_secret(
+                f"canary_previous_keys[{key_id}]", previous, DEV_CANARY_KEY, self.mode
+            )
         if self.canary_key_id in self.canary_previous_keys:
             raise ValueError("KVGUARD_CANARY_KEY_ID must differ from every previous key's id")
         for key_id, key in self._secrets().items():

@@ -26,6 +26,7 @@ from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
 from gateway.errors import install_error_handlers
 from gateway.hooks import GatewayHooks
+from gateway.limits.auth_throttle import FailedCredentialThrottle
 from gateway.limits.base import Limiter
 from gateway.limits.memory_limiter import MemoryLimiter
 from gateway.limits.redis_limiter import RedisLimiter
@@ -99,6 +100,9 @@ async def build_state(
         poller=poller,
         configured_engines=settings.engine_specs(),
         auth_cache=AuthCache(ttl_s=settings.auth_cache_ttl_s),
+        credential_throttle=FailedCredentialThrottle(
+            capacity=settings.operator_failures_per_minute, window_s=60.0
+        ),
     )
     poller.reload = state.reload_engines
     return state

@@ -100,27 +100,40 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    import uvicorn
+    from pydantic import ValidationError
 
     from canary.config import CanarySettings
+    from gateway.config import GatewaySettings, parse_engine_arg
+    from kvguard.settings import settings_error
+
+    try:  # settings first: a refusal is one line, before the heavy imports below
+        env = GatewaySettings()
+        overrides: dict[str, Any] = {"engines": [*env.engines, *map(parse_engine_arg, args.engine)]}
+        if args.host is not None:
+            overrides["host"] = args.host
+        if args.port is not None:
+            overrides["port"] = args.port
+        settings = GatewaySettings(**overrides)
+        canary = CanarySettings()
+    except ValidationError as exc:
+        print(f"kvguard gateway: cannot start: {settings_error(exc)}", file=sys.stderr)
+        return 2
+    return _serve_gateway(settings, canary, log_level=args.log_level)
+
+
+def _serve_gateway(settings: Any, canary: Any, *, log_level: str) -> int:
+    import uvicorn
+
     from canary.runtime import build_hooks
     from gateway.app import create_app
-    from gateway.config import GatewaySettings, parse_engine_arg
     from kvguard.http_edge import server_config
 
-    env = GatewaySettings()
-    overrides: dict[str, Any] = {"engines": [*env.engines, *map(parse_engine_arg, args.engine)]}
-    if args.host is not None:
-        overrides["host"] = args.host
-    if args.port is not None:
-        overrides["port"] = args.port
-    settings = GatewaySettings(**overrides)
-    hooks = build_hooks(CanarySettings())  # the leak firewall: on unless KVGUARD_CANARY_ENABLED=0
+    hooks = build_hooks(canary)  # the leak firewall: on unless KVGUARD_CANARY_ENABLED=0
     config = server_config(
         create_app(settings, hooks=hooks),
         host=settings.host,
         port=settings.port,
-        log_level=args.log_level,
+        log_level=log_level,
         header_timeout_s=settings.header_timeout_s,
     )
     uvicorn.Server(config).run()
@@ -144,11 +157,12 @@ def run_admin(action: AdminAction) -> Callable[[argparse.Namespace], int]:
             upgrade_database,
         )
         from gateway.errors import GatewayError
+        from kvguard.settings import settings_error
 
         try:
             settings = GatewaySettings()
         except ValidationError as exc:
-            print(f"kvguard admin: invalid settings: {exc}", file=sys.stderr)
+            print(f"kvguard admin: invalid settings: {settings_error(exc)}", file=sys.stderr)
             return 2
         engine = make_engine(settings.sqlalchemy_url())
         try:

@@ -16,7 +16,12 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from kvguard.settings import KvguardSettings, RunMode, require_real_secret
+from kvguard.settings import (
+    KvguardSettings,
+    RunMode,
+    require_distinct_secrets,
+    require_real_secret,
+)
 
 DEV_ADMIN_TOKEN = "kvguard-dev-admin-token"
 MiB = 1 << 20
@@ -116,6 +121,12 @@ class GatewaySettings(KvguardSettings):
         description="bearer credential for GET /metrics (it carries every tenant's series; the "
         "admin token is accepted too); required outside development, where unset means open",
     )
+    operator_failures_per_minute: int = Field(
+        default=10,
+        gt=0,
+        description="wrong admin or metrics tokens an address may send per minute (per replica); "
+        "beyond that its attempts are refused with 429 before any comparison",
+    )
     migrate_on_start: bool = True
 
     engines: list[EngineSpec] = Field(default_factory=list)
@@ -162,6 +173,9 @@ class GatewaySettings(KvguardSettings):
     def _check_deployment(self) -> Self:
         require_real_secret("admin_token", self.admin_token, DEV_ADMIN_TOKEN, self.mode)
         require_real_secret("metrics_token", self.metrics_token, DEV_ADMIN_TOKEN, self.mode)
+        require_distinct_secrets(
+            self.mode, admin_token=self.admin_token, metrics_token=self.metrics_token
+        )
         if self.mode is RunMode.PRODUCTION and not self.redis_url:
             raise ValueError("KVGUARD_REDIS_URL is required when KVGUARD_MODE=production")
         if self.capacity_stale_after_s <= self.poll_interval_s:

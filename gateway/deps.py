@@ -3,6 +3,7 @@
 Credentials: tenants send ``Authorization: Bearer kvg_<prefix>_<secret>``; the admin API takes
 only the separate admin token (a tenant key there is refused, whatever tenant it belongs to);
 ``/metrics`` (every tenant's series) takes the metrics token or the admin token, never a tenant key.
+Wrong operator tokens are throttled per client address (``gateway.limits.auth_throttle``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from sqlalchemy.orm import Session
 from gateway.db.models import utcnow
 from gateway.db.session import session_scope
 from gateway.domain import Principal
-from gateway.errors import AuthenticationFailed, PermissionDenied
+from gateway.errors import AuthenticationFailed, PermissionDenied, RateLimited
 from gateway.services.keys import AuthFailure, authenticate, looks_like_tenant_key
 from gateway.state import GatewayState
 
@@ -85,13 +86,35 @@ async def current_principal(request: Request, state: StateDep) -> Principal:
 CurrentTenant = Annotated[Principal, Depends(current_principal)]
 
 
+def _client_address(request: Request) -> str:
+    return request.client.host if request.client is not None else "unknown"
+
+
+def _check_operator_token(
+    request: Request, state: GatewayState, accepted: tuple[str, ...], *, what: str
+) -> None:
+    """Compare an operator credential with every accepted one (no shortcut), throttling an
+    address after repeated failures (``FailedCredentialThrottle``)."""
+    address = _client_address(request)
+    retry = state.credential_throttle.retry_after_s(address)
+    if retry is not None:
+        raise RateLimited(
+            "Too many failed credentials from this address; retry later.",
+            retry_after_s=retry,
+            code="too_many_failed_credentials",
+        )
+    token = bearer_token(request).encode()
+    matches = [hmac.compare_digest(token, secret.encode()) for secret in accepted]
+    if not any(matches):
+        state.credential_throttle.failed(address)
+        raise AuthenticationFailed(f"Incorrect {what} token.")
+
+
 def require_admin(request: Request, state: StateDep) -> None:
     token = bearer_token(request)
     if looks_like_tenant_key(token):
         raise AuthenticationFailed("Tenant API keys cannot use the admin API.")
-    expected = state.settings.admin_secret().encode()
-    if not hmac.compare_digest(token.encode(), expected):
-        raise AuthenticationFailed("Incorrect admin token.")
+    _check_operator_token(request, state, (state.settings.admin_secret(),), what="admin")
     if request.method != "GET":
         state.auth_cache.clear()  # any admin change (revoke, disable, limits) applies at once
 
@@ -108,9 +131,7 @@ def require_scraper(request: Request, state: StateDep) -> None:
     if looks_like_tenant_key(token):
         raise AuthenticationFailed("Tenant API keys cannot read /metrics.")
     accepted = (expected, state.settings.admin_secret())
-    matches = [hmac.compare_digest(token.encode(), s.encode()) for s in accepted]  # no shortcut
-    if not any(matches):
-        raise AuthenticationFailed("Incorrect metrics token.")
+    _check_operator_token(request, state, accepted, what="metrics")
 
 
 ScraperDep = Annotated[None, Depends(require_scraper)]

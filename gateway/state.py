@@ -13,6 +13,7 @@ from gateway.db.session import run_in_session
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
 from gateway.hooks import GatewayHooks
+from gateway.limits.auth_throttle import FailedCredentialThrottle
 from gateway.limits.base import Limiter
 from gateway.metrics import GatewayMetrics
 from gateway.services import engines as engine_service
@@ -42,6 +43,7 @@ class GatewayState:
     poller: CapacityPoller
     configured_engines: list[EngineSpec]
     auth_cache: AuthCache
+    credential_throttle: FailedCredentialThrottle
 
     async def reload_engines(self) -> None:
         await reload_registry(

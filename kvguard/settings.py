@@ -1,14 +1,21 @@
-"""What every deployable's settings class shares: the run mode and the default-secret rule.
+"""What every deployable's settings class shares: the run mode and the rules for secrets.
 
 Each deployable (backend, gateway, canary) has exactly one pydantic-settings class with
 ``extra="forbid"`` and the ``KVGUARD_`` prefix, built in its ``main()``/lifespan, never at import.
+
+Secrets outside development (``require_real_secret``, ``require_distinct_secrets``): set, not the
+development default, at least ``MIN_SECRET_CHARS`` characters and ``MIN_SECRET_BITS`` of estimated
+entropy, and no two roles sharing one. A start-up that refuses its settings prints one line
+(``settings_error``) and exits 2.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from enum import StrEnum
 
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,15 +32,75 @@ class KvguardSettings(BaseSettings):
     mode: RunMode = RunMode.DEVELOPMENT
 
 
+MIN_SECRET_CHARS = 24
+MIN_SECRET_BITS = 96
+"""Outside development a secret needs this many characters and this many bits of entropy as
+``estimated_bits`` judges it (``kvguard canary new-key`` makes 384-bit ones)."""
+
+
 class DefaultSecretError(ValueError):
-    """A secret was left at its development default outside development mode."""
+    """A secret was left at its development default (or is too weak) outside development mode."""
+
+
+def estimated_bits(secret: str) -> float:
+    """Entropy of ``secret`` estimated from its own characters: length x the Shannon entropy of
+    their frequencies. Catches repeats and tiny alphabets (32 x ``a`` is 0 bits, ``abab...`` 1 bit
+    a character); it cannot tell a memorable phrase from a random string (see docs)."""
+    if not secret:
+        return 0.0
+    counts = Counter(secret)
+    size = len(secret)
+    per_char = max(0.0, -sum(n / size * math.log2(n / size) for n in counts.values()))
+    return size * per_char
+
+
+def secret_weakness(secret: str) -> str | None:
+    """Why ``secret`` is too weak for production, or None."""
+    if len(secret) < MIN_SECRET_CHARS:
+        return f"is {len(secret)} characters long; at least {MIN_SECRET_CHARS} are required"
+    bits = estimated_bits(secret)
+    if bits < MIN_SECRET_BITS:
+        return f"is too predictable (~{bits:.0f} bits of entropy; at least {MIN_SECRET_BITS})"
+    return None
 
 
 def require_real_secret(name: str, value: SecretStr | None, default: str, mode: RunMode) -> None:
-    """Refuse a missing or default secret unless we run in development mode."""
+    """Refuse a missing, default or weak secret unless we run in development mode."""
     if mode is RunMode.DEVELOPMENT:
         return
+    env = f"KVGUARD_{name.upper()}"
     if value is None or value.get_secret_value() in ("", default):
         raise DefaultSecretError(
-            f"KVGUARD_{name.upper()} must be set to a real secret when KVGUARD_MODE={mode.value}"
+            f"{env} must be set to a real secret when KVGUARD_MODE={mode.value}"
         )
+    weakness = secret_weakness(value.get_secret_value())
+    if weakness is not None:
+        raise DefaultSecretError(
+            f"{env} {weakness} when KVGUARD_MODE={mode.value} (`kvguard canary new-key` makes one)"
+        )
+
+
+def require_distinct_secrets(mode: RunMode, **secrets: SecretStr | None) -> None:
+    """Refuse two roles sharing one secret (outside development): a leaked scrape credential must
+    not also be the admin's, nor the marker key."""
+    if mode is RunMode.DEVELOPMENT:
+        return
+    seen: dict[str, str] = {}
+    for name, value in secrets.items():
+        if value is None or not value.get_secret_value():
+            continue
+        other = seen.setdefault(value.get_secret_value(), name)
+        if other != name:
+            raise DefaultSecretError(
+                f"KVGUARD_{other.upper()} and KVGUARD_{name.upper()} must be different secrets"
+            )
+
+
+def settings_error(exc: ValidationError) -> str:
+    """One line for a settings class that refused its input: what is wrong, where."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()))
+        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts) or str(exc).splitlines()[0]

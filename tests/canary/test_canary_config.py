@@ -10,6 +10,9 @@ from canary.markers import MarkerCodec
 
 KEY_A = "a" * 40
 KEY_B = "b" * 40
+# Production refuses predictable secrets (32 x "a"): these pass its entropy check.
+REAL_KEY = "Kq7-canary-key-3Vn8xLp2-Wd5mR9tB4s6h"
+REAL_ADMIN = "Zq3-admin-token-7Hx0pLw9-vK2mR5tN8s"
 
 
 def test_development_runs_on_the_known_default_key() -> None:
@@ -28,7 +31,7 @@ def test_development_runs_on_the_known_default_key() -> None:
 )
 def test_production_refuses_a_missing_or_default_key(monkeypatch, env) -> None:
     monkeypatch.setenv("KVGUARD_MODE", "production")
-    monkeypatch.setenv("KVGUARD_ADMIN_TOKEN", "a-real-admin-token")
+    monkeypatch.setenv("KVGUARD_ADMIN_TOKEN", REAL_ADMIN)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError, match="CANARY_KEY"):
@@ -37,15 +40,15 @@ def test_production_refuses_a_missing_or_default_key(monkeypatch, env) -> None:
 
 def test_production_accepts_a_real_key_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("KVGUARD_MODE", "production")
-    monkeypatch.setenv("KVGUARD_ADMIN_TOKEN", "a-real-admin-token")
-    monkeypatch.setenv("KVGUARD_CANARY_KEY", KEY_A)
+    monkeypatch.setenv("KVGUARD_ADMIN_TOKEN", REAL_ADMIN)
+    monkeypatch.setenv("KVGUARD_CANARY_KEY", REAL_KEY)
     monkeypatch.setenv("KVGUARD_REDIS_URL", "redis://x")  # a gateway setting: ignored here
-    assert CanarySettings().keyring().get(1) == KEY_A.encode()
+    assert CanarySettings().keyring().get(1) == REAL_KEY.encode()
 
 
 def test_production_refuses_the_default_admin_token(monkeypatch) -> None:
     monkeypatch.setenv("KVGUARD_MODE", "production")
-    monkeypatch.setenv("KVGUARD_CANARY_KEY", KEY_A)
+    monkeypatch.setenv("KVGUARD_CANARY_KEY", REAL_KEY)
     with pytest.raises(ValidationError, match="ADMIN_TOKEN"):
         CanarySettings()
 

@@ -16,6 +16,9 @@ from gateway.config import (
     parse_engine_arg,
 )
 
+ADMIN = "Zq3-admin-token-7Hx0pLw9-vK2mR5tN8s"  # strong enough for production
+SCRAPE = "Yb6-scrape-token-4Jd1qAe8-uT3nC7wF2k"
+
 
 def test_development_defaults(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -31,13 +34,13 @@ def test_production_refuses_default_secrets_and_missing_redis() -> None:
     with pytest.raises(ValidationError, match="KVGUARD_ADMIN_TOKEN"):
         GatewaySettings(mode="production", admin_token=DEV_ADMIN_TOKEN, redis_url="redis://x")
     with pytest.raises(ValidationError, match="KVGUARD_REDIS_URL"):
-        GatewaySettings(mode="production", admin_token="a-real-secret", metrics_token="scrape")
-    real = {"admin_token": "a-real-secret", "redis_url": "redis://x"}
+        GatewaySettings(mode="production", admin_token=ADMIN, metrics_token=SCRAPE)
+    real = {"admin_token": ADMIN, "redis_url": "redis://x"}
     with pytest.raises(ValidationError, match="KVGUARD_METRICS_TOKEN"):
         GatewaySettings(mode="production", **real)  # /metrics carries every tenant's series
-    ok = GatewaySettings(mode="production", metrics_token="a-scrape-secret", **real)
-    assert ok.admin_secret() == "a-real-secret"
-    assert ok.metrics_secret() == "a-scrape-secret"
+    ok = GatewaySettings(mode="production", metrics_token=SCRAPE, **real)
+    assert ok.admin_secret() == ADMIN
+    assert ok.metrics_secret() == SCRAPE
     assert GatewaySettings().metrics_secret() is None  # development: /metrics open unless set
 
 

@@ -189,7 +189,12 @@ def _world(gateway: ServedGateway) -> World:
 @pytest.fixture
 def world(postgres_url: str, redis_url: str, engine: EngineProcess) -> Iterator[World]:
     settings = gateway_settings(
-        postgres_url, engine.url, redis_url=redis_url, metrics_token=METRICS_TOKEN
+        postgres_url,
+        engine.url,
+        redis_url=redis_url,
+        metrics_token=METRICS_TOKEN,
+        operator_failures_per_minute=10_000,  # the matrix tries every wrong credential; the
+        # throttle itself is test_hostile_secrets's
     )
     with served_gateway(settings) as gateway:
         yield _world(gateway)

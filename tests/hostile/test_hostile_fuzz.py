@@ -124,7 +124,11 @@ def _real_model(case: Any, mode: GenerationMode) -> None:
 
 @pytest.fixture
 def fuzz_gateway(sqlite_url: str, engine: EngineProcess) -> Iterator[ServedGateway]:
-    settings = gateway_settings(sqlite_url, engine.url, engine_timeout_s=1.0)
+    # The fuzzer sends wrong admin tokens by the hundred: the throttle would answer 429s
+    # (test_hostile_secrets tests it).
+    settings = gateway_settings(
+        sqlite_url, engine.url, engine_timeout_s=1.0, operator_failures_per_minute=100_000
+    )
     with served_gateway(settings) as gateway:
         yield gateway
 

@@ -39,7 +39,7 @@ SECRETS = {
     "POSTGRES_PASSWORD": "pg-secret",
     "KVGUARD_ADMIN_TOKEN": "admin-token-for-the-compose-test",
     "KVGUARD_METRICS_TOKEN": "metrics-token-for-the-compose-test",
-    "KVGUARD_CANARY_KEY": "k" * 48,
+    "KVGUARD_CANARY_KEY": "Kq7-canary-key-3Vn8xLp2-Wd5mR9tB4s6h-compose",
     "GRAFANA_ADMIN_PASSWORD": "grafana-secret",
 }
 INTERPOLATION = re.compile(r"\$\{(\w+)(:\?[^}]*)?\}")
