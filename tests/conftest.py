@@ -8,8 +8,10 @@ running by hand. Tests get isolation per test: a fresh PostgreSQL database, a fl
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,9 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# OpenAI's published schemas and their validator (tests/openapi), for every test directory.
+sys.path.insert(0, str(Path(__file__).parent / "openapi"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

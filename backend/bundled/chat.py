@@ -44,9 +44,10 @@ ASSISTANT_CUE = ASSISTANT_HEADER + "exactly: "
 # Names this format together with the byte tokenizer (BOS + UTF-8 bytes). An engine serving a
 # byte-tokenizer checkpoint reports it in /engine/capacity, so that a gateway of the same release
 # may count prompts itself (`count_tokens`) instead of asking the engine's /tokenize. Change it
-# whenever `render` changes.
-TOKENIZER_ID = "kvguard-byte+kvguard-tiny-chat/2"
-ENGINE_ROLES = ("system", "user", "assistant")  # what the engine's chat schema accepts
+# whenever `render` or what the engine's chat schema accepts changes (/3: the developer role and
+# text content parts).
+TOKENIZER_ID = "kvguard-byte+kvguard-tiny-chat/3"
+ENGINE_ROLES = ("system", "developer", "user", "assistant")  # what the engine's chat schema accepts
 REFERENCE_REQUEST = "Repeat the reference code."
 REPEAT_PREFIX = "Repeat exactly: "
 
@@ -79,6 +80,23 @@ def render(messages: Sequence[Mapping[str, str]]) -> str:
     return "".join(turns) + ASSISTANT_CUE
 
 
+def message_text(content: Any) -> str | None:
+    """A message's text: the string itself, or its text content parts joined by newlines (as vLLM
+    joins them); None for anything else (another part type, a malformed part)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or set(part) != {"type", "text"} or part["type"] != "text":
+            return None
+        if not isinstance(part["text"], str):
+            return None
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def count_tokens(prompt: str | None, messages: Sequence[Mapping[str, Any]] | None) -> int | None:
     """Prompt tokens under TOKENIZER_ID (BOS + UTF-8 bytes of the prompt or rendered chat), the
     number the engine's /tokenize gives; None when the input is anything the engine would not
@@ -86,16 +104,18 @@ def count_tokens(prompt: str | None, messages: Sequence[Mapping[str, Any]] | Non
     if (prompt is None) == (messages is None):
         return None
     if messages is not None:
+        turns = []
         for m in messages:
-            name = m.get("name")
+            name, text = m.get("name"), message_text(m.get("content"))
             if (
                 set(m) - {"role", "content", "name"}
                 or m.get("role") not in ENGINE_ROLES
-                or not isinstance(m.get("content"), str)
+                or text is None
                 or not (name is None or (isinstance(name, str) and len(name) <= 64))
             ):
                 return None
-        prompt = render(messages)
+            turns.append({"role": m["role"], "content": text})
+        prompt = render(turns)
     assert prompt is not None
     try:
         return 1 + len(prompt.encode("utf-8"))

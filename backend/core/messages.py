@@ -7,7 +7,7 @@ One step reads as three calls::
     scheduler.pool.confirm_zeroed(out.pages_to_zero)  #   make them allocatable again
     for item in out.decodes + out.prefills:     # 2b. read-path check before attention
         scheduler.pool.verify(item.page_table, item.request.owner)
-    sampled = runner.run(out)                   # 2c. forward + sample: {request_id: token | None}
+    sampled = runner.run(out).tokens            # 2c. forward + sample: {request_id: token | None}
     results = scheduler.postprocess(out, sampled)   # 3. advance, append, finish, free
 
 A ``PrefillChunk`` writes K/V for prompt positions ``[start, end)``; only the chunk that ends the

@@ -136,6 +136,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # OpenAI's penalties over the tokens generated so far (logit -= count * frequency + presence)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # report each token's logprob and this many top alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -152,6 +157,24 @@ class SamplingParams:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise InvalidRequest("seed", f"must be an integer or null, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _number(name, getattr(self, name)) <= 2.0:
+                raise InvalidRequest(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        bias = tuple((token, _number("logit_bias", value)) for token, value in self.logit_bias)
+        for token, value in bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequest("logit_bias", "keys must be non-negative token ids")
+            if not -100.0 <= value <= 100.0:
+                raise InvalidRequest("logit_bias", f"biases must be in [-100, 100], got {value}")
+        object.__setattr__(self, "logit_bias", bias)
+        top = self.logprobs
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+            raise InvalidRequest("logprobs", f"must be a non-negative integer, got {top!r}")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether penalties or biases change the logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 def _token_ids(values: Iterable[int]) -> tuple[int, ...]:

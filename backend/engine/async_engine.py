@@ -31,6 +31,7 @@ from backend.core.errors import KvguardError
 from backend.core.request import FinishReason, Request, RequestState, SamplingParams
 from backend.disagg.machines import HandoffProof
 from backend.engine.core import EngineCore, StepOutcome
+from backend.engine.sampling import TokenLogprobs
 
 log = logging.getLogger("kvguard.engine")
 
@@ -42,6 +43,7 @@ class EngineEvent:
     finish_reason: FinishReason | None = None
     error: KvguardError | None = None
     proof: HandoffProof | None = None
+    logprobs: TokenLogprobs | None = field(default=None, repr=False)  # when the request asked
 
     @property
     def is_terminal(self) -> bool:
@@ -221,7 +223,10 @@ class AsyncEngine:
             if generation is None:
                 continue
             proof = outcome.proofs.get(result.request_id)
-            event = EngineEvent(result.token, result.state, result.finish_reason, None, proof)
+            logprobs = outcome.logprobs.get(result.request_id)
+            event = EngineEvent(
+                result.token, result.state, result.finish_reason, None, proof, logprobs
+            )
             self._deliver(generation, event)
             if event.is_terminal:
                 del self._generations[result.request_id]

@@ -23,7 +23,8 @@ from backend.core.messages import DecodeItem, PrefillChunk, SchedulerOutput, Ste
 from backend.core.request import Request
 from backend.core.scheduler import Scheduler
 from backend.disagg.machines import HandoffProof
-from backend.engine.runner import ModelRunner
+from backend.engine.runner import ModelRunner, StepSamples
+from backend.engine.sampling import TokenLogprobs
 
 log = logging.getLogger("kvguard.engine")
 
@@ -46,11 +47,13 @@ class StepOutcome:
     forward_s: float = 0.0
     zeroed_pages: int = 0
     proofs: dict[str, HandoffProof] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict, repr=False)
 
     def merge(self, other: StepOutcome) -> None:
         self.results += other.results
         self.failed += other.failed
         self.proofs.update(other.proofs)
+        self.logprobs.update(other.logprobs)
 
 
 @dataclass(slots=True)
@@ -87,14 +90,15 @@ class EngineCore:
             self._verify(output, outcome)
         started = time.perf_counter()
         try:
-            sampled = self.runner.run(output) if not output.is_empty else {}
+            sampled = self.runner.run(output) if not output.is_empty else StepSamples()
         except Exception as exc:  # any device error fails the step's requests, not the loop
             log.exception("step %d failed", output.step)
             sampled = self._fail_all(output, outcome, EngineStepFailed(type(exc).__name__))
         outcome.forward_s = time.perf_counter() - started
         if self.after_forward is not None and not output.is_empty:
             self.after_forward(output)
-        outcome.results = self.scheduler.postprocess(output, sampled)
+        outcome.results = self.scheduler.postprocess(output, sampled.tokens)
+        outcome.logprobs = sampled.logprobs
         return outcome
 
     def _zero(self, output: SchedulerOutput, outcome: StepOutcome) -> None:
@@ -121,10 +125,10 @@ class EngineCore:
 
     def _fail_all(
         self, output: SchedulerOutput, outcome: StepOutcome, error: KvguardError
-    ) -> dict[str, int | None]:
+    ) -> StepSamples:
         requests = [d.request for d in output.decodes] + [p.request for p in output.prefills]
         for request in requests:
             failed = self.scheduler.fail(request.request_id, error)
             if failed is not None:
                 outcome.failed.append(failed)
-        return {}
+        return StepSamples()

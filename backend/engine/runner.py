@@ -9,13 +9,13 @@ what runs: requests that went terminal before the forward are simply left out.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from backend.core.messages import SchedulerOutput
 from backend.core.request import Request
-from backend.engine.sampling import sample
+from backend.engine.sampling import TokenLogprobs, sample
 from backend.kernels.metadata import AttentionMetadata
 from backend.kernels.paged_attention import Backend
 from backend.model.kv_cache import KVCache
@@ -28,6 +28,15 @@ class _Seq:
     tokens: Sequence[int]
     start: int  # position of the first query token
     samples: bool
+
+
+@dataclass(slots=True)
+class StepSamples:
+    """What one step sampled: ``{request_id: token or None}`` (None for chunks that do not end a
+    prompt), and the logprobs of the requests that asked for them."""
+
+    tokens: dict[str, int | None] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict, repr=False)
 
 
 class ModelRunner:
@@ -46,11 +55,11 @@ class ModelRunner:
         if page_ids:
             self.kv_cache.zero_pages(list(page_ids))
 
-    def run(self, output: SchedulerOutput) -> dict[str, int | None]:
-        """Forward every live item of the step; returns {request_id: token or None}."""
+    def run(self, output: SchedulerOutput) -> StepSamples:
+        """Forward every live item of the step and sample the tokens it asks for."""
         seqs = _plan(output)
         if not seqs:
-            return {}
+            return StepSamples()
         device = self.model.device
         input_ids = torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int64)
         metadata = AttentionMetadata.build(
@@ -69,14 +78,18 @@ class ModelRunner:
             attention_backend=self.attention_backend,
         )
         rows = [i for i, s in enumerate(seqs) if s.samples]
-        tokens = sample(
+        sampled = sample(
             logits[rows] if rows else logits[:0],
             [seqs[i].request.sampling for i in rows],
             [seqs[i].request.num_output_tokens for i in rows],
+            [seqs[i].request.output_ids for i in rows],
         )
-        result: dict[str, int | None] = {s.request.request_id: None for s in seqs}
-        for i, token in zip(rows, tokens, strict=True):
-            result[seqs[i].request.request_id] = token
+        result = StepSamples({s.request.request_id: None for s in seqs})
+        for i, one in zip(rows, sampled, strict=True):
+            request_id = seqs[i].request.request_id
+            result.tokens[request_id] = one.token
+            if one.logprobs is not None:
+                result.logprobs[request_id] = one.logprobs
         return result
 
 

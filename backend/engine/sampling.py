@@ -1,4 +1,11 @@
-"""Token sampling for one step's batch: greedy at temperature 0, else temperature + top-p.
+"""Token sampling for one step's batch: shape the logits, pick a token, report its logprobs.
+
+Per row, in order: the OpenAI penalties over the tokens generated so far (``logit -= count *
+frequency_penalty + (count > 0) * presence_penalty``) and ``logit_bias``; then greedy at
+temperature 0, else temperature + top-p. A request that asks for logprobs gets the chosen token's
+log-probability and its ``logprobs`` most likely alternatives under the model's own distribution
+(the raw logits, before penalties, bias and temperature: what vLLM reports by default), floored at
+``LOGPROB_FLOOR`` so that a token the model rules out is still a JSON number.
 
 Seeded requests are reproducible: the generator for a request's n-th token is seeded from
 (seed, n), so the same request gives the same text whatever else shares its batch.
@@ -7,23 +14,72 @@ Seeded requests are reproducible: the generator for a request's n-th token is se
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from backend.core.request import SamplingParams
 
 _SEED_STRIDE = 1_000_003
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The sampled token's log-probability and the ``(token, logprob)`` most likely alternatives,
+    most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    token: int = field(repr=False)
+    logprobs: TokenLogprobs | None = None
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
-) -> list[int]:
-    """logits [B, vocab] (float32) -> one token id per row."""
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    steps: Sequence[int],
+    histories: Sequence[Sequence[int]] | None = None,
+) -> list[Sampled]:
+    """logits [B, vocab] (float32) -> one sampled token per row; ``histories``: each row's
+    generated tokens so far (needed only by rows with penalties)."""
+    raw = logits
+    if any(p.shapes_logits for p in params):
+        logits = logits.clone()
+        for row, p in enumerate(params):
+            if p.shapes_logits:
+                _shape_row(logits[row], p, histories[row] if histories is not None else ())
     tokens = torch.argmax(logits, dim=-1).tolist()
+    out: list[Sampled] = []
     for row, (p, step) in enumerate(zip(params, steps, strict=True)):
-        if p.temperature > 0.0:
-            tokens[row] = _sample_row(logits[row], p, step)
-    return [int(t) for t in tokens]
+        token = int(tokens[row]) if p.temperature <= 0.0 else _sample_row(logits[row], p, step)
+        reported = None if p.logprobs is None else _logprobs(raw[row], token, p.logprobs)
+        out.append(Sampled(token, reported))
+    return out
+
+
+def _shape_row(row: torch.Tensor, p: SamplingParams, history: Sequence[int]) -> None:
+    vocab = row.shape[-1]
+    if history and (p.presence_penalty or p.frequency_penalty):
+        ids = torch.tensor([t for t in history if 0 <= t < vocab], dtype=torch.int64)
+        counts = torch.bincount(ids, minlength=vocab).to(row.dtype)
+        row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+    for token, bias in p.logit_bias:
+        if token < vocab:  # the HTTP edge refuses ids outside the vocabulary
+            row[token] += bias
+
+
+def _logprobs(row: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
+    logprobs = torch.log_softmax(row.float(), dim=-1).clamp_min(LOGPROB_FLOOR)
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n > 0:
+        values, ids = torch.topk(logprobs, min(top_n, logprobs.shape[-1]))
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(float(logprobs[token]), top)
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, step: int) -> int:

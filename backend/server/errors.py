@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backend.core.errors import KvguardError
+from backend.core.errors import InvalidRequest, KvguardError
 from kvguard.http_edge import error_body, validation_message
 
 log = logging.getLogger("kvguard.engine")
@@ -34,7 +34,8 @@ def error_response(
 
 def engine_error_response(exc: KvguardError) -> JSONResponse:
     type_ = "invalid_request_error" if exc.http_status < 500 else "server_error"
-    return error_response(exc.http_status, str(exc), code=exc.code, type_=type_)
+    param = exc.param if isinstance(exc, InvalidRequest) else None
+    return error_response(exc.http_status, str(exc), code=exc.code, type_=type_, param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,13 +1,43 @@
-"""OpenAI response bodies and stream chunks (completion and chat flavours)."""
+"""OpenAI response bodies and stream chunks (completion and chat flavours), as OpenAI's published
+schemas describe them: a chat answer's choices carry ``logprobs`` and ``message.refusal`` (null
+when absent); chat ids start ``chatcmpl-``, completion ids ``cmpl-``.
+
+Logprobs come in two shapes: chat's ``{"content": [{token, logprob, bytes, top_logprobs}],
+"refusal": null}`` and the completions API's parallel lists (``tokens``, ``token_logprobs``,
+``top_logprobs`` as ``{token: logprob}``, ``text_offset``).
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from backend.engine.sampling import TokenLogprobs
+
 Kind = Literal["text", "chat"]
+ID_PREFIX: dict[Kind, str] = {"chat": "chatcmpl-", "text": "cmpl-"}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    """One generated token as logprobs show it: its text, bytes and logprobs."""
+
+    text: str = field(repr=False)
+    bytes_: tuple[int, ...] = field(repr=False)
+    logprobs: TokenLogprobs = field(repr=False)
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = field(repr=False)
+
+
+TokenText = Callable[[int], tuple[str, tuple[int, ...]]]  # token id -> (text, bytes)
+
+
+def token_info(token: int, logprobs: TokenLogprobs, token_text: TokenText) -> TokenInfo:
+    text, raw = token_text(token)
+    top = tuple((*token_text(alt), lp) for alt, lp in logprobs.top)
+    return TokenInfo(text, raw, logprobs, top)
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,8 +48,8 @@ class ResponseMeta:
     created: int
 
     @classmethod
-    def new(cls, kind: Kind, response_id: str, model: str) -> ResponseMeta:
-        return cls(kind, response_id, model, int(time.time()))
+    def new(cls, kind: Kind, request_id: str, model: str) -> ResponseMeta:
+        return cls(kind, ID_PREFIX[kind] + request_id, model, int(time.time()))
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         obj = {
@@ -31,6 +61,16 @@ class ResponseMeta:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
 
 
+@dataclass(slots=True)
+class ChoiceResult:
+    """One finished choice of a non-streaming answer."""
+
+    index: int
+    text: str
+    finish_reason: str
+    tokens: list[TokenInfo] | None  # None: logprobs were not asked for
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -39,31 +79,73 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def logprobs_body(kind: Kind, tokens: Sequence[TokenInfo] | None, offset: int = 0) -> Any:
+    """The ``logprobs`` of a choice (or a chunk of it); ``offset``: the completion text's length
+    before these tokens (completions' ``text_offset``)."""
+    if tokens is None:
+        return None
+    if kind == "chat":
+        content = [
+            {
+                "token": t.text,
+                "logprob": t.logprobs.logprob,
+                "bytes": list(t.bytes_),
+                "top_logprobs": [
+                    {"token": text, "logprob": lp, "bytes": list(raw)} for text, raw, lp in t.top
+                ],
+            }
+            for t in tokens
+        ]
+        return {"content": content, "refusal": None}
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.text)
+    return {
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprobs.logprob for t in tokens],
+        "top_logprobs": [{text: lp for text, _, lp in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
 def full_response(
-    meta: ResponseMeta, text: str, finish_reason: str, usage_: dict[str, int]
+    meta: ResponseMeta, choices: Sequence[ChoiceResult], usage_: dict[str, int]
 ) -> dict[str, Any]:
     body = meta._envelope(chunk=False)
-    if meta.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None}
-    choice["finish_reason"] = finish_reason
-    body["choices"] = [choice]
+    out = []
+    for c in choices:
+        if meta.kind == "chat":
+            message = {"role": "assistant", "content": c.text, "refusal": None}
+            choice: dict[str, Any] = {"index": c.index, "message": message}
+        else:
+            choice = {"index": c.index, "text": c.text}
+        choice["logprobs"] = logprobs_body(meta.kind, c.tokens)
+        choice["finish_reason"] = c.finish_reason
+        out.append(choice)
+    body["choices"] = out
     body["usage"] = usage_
     return body
 
 
 def chunk(
-    meta: ResponseMeta, text: str | None, finish_reason: str | None = None, *, first: bool = False
+    meta: ResponseMeta,
+    text: str | None,
+    finish_reason: str | None = None,
+    *,
+    index: int = 0,
+    first: bool = False,
+    logprobs: Any = None,
 ) -> dict[str, Any]:
     body = meta._envelope(chunk=True)
     if meta.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta}
+        choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None}
+        choice = {"index": index, "text": text or ""}
+    choice["logprobs"] = logprobs
     choice["finish_reason"] = finish_reason
     body["choices"] = [choice]
     return body

@@ -1,24 +1,32 @@
 """One OpenAI request through the engine: validate -> submit -> stream or collect.
 
 Admission happens in ``submit`` before any response byte is sent, so an over-long request is a
-plain 400 even when the client asked for a stream. After that, a stream ends in exactly one way:
-its finish chunk (plus usage when asked) and ``[DONE]``, or an error event and ``[DONE]``. A client
-that goes away aborts the request, which releases its pages.
+plain 400 even when the client asked for a stream. A request for ``n`` choices is ``n`` engine
+requests (ids ``<request id>.<index>``; a seeded one seeds choice i with ``seed + i``), admitted
+together: if one is refused, the others are aborted and the request gets that refusal. After that,
+a stream ends in exactly one way: each choice's finish chunk (plus usage when asked) and
+``[DONE]``, or an error event and ``[DONE]`` as soon as any choice fails. A client that goes away
+aborts every choice, which releases their pages.
+
+Without ``max_tokens`` (or ``max_completion_tokens``) a choice may generate as many tokens as fit
+the engine's limit after its prompt, as OpenAI and vLLM do.
 
 Every response says how its KV came to be in a ``kvguard`` extension field (the non-streaming body,
-the error body, and the final stream chunks): ``{"role": ..., "handoff": null | HandoffProof}``.
+the error body, and each choice's finish chunk): ``{"role": ..., "handoff": null | HandoffProof}``.
 On the decode role the proof carries prefill's outcome, reserved vs transferred tokens and the
-checks that ran, so the gateway can audit every answer without seeing its content.
+checks that ran, so the gateway can audit every answer without seeing its content; a body with
+several choices carries the first proof that does not hold, else the first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -28,10 +36,11 @@ from backend.core.errors import InvalidRequest, KvguardError
 from backend.core.request import FinishReason, RequestState, SamplingParams
 from backend.disagg.machines import HandoffProof
 from backend.engine.async_engine import EngineEvent, Generation
+from backend.model.tokenizer import ByteTokenizer
 from backend.server import formatting as fmt
 from backend.server.errors import error_body
 from backend.server.openai_schema import _SamplingFields
-from backend.server.schema import REQUEST_ID_HEADER, TENANT_HEADER
+from backend.server.schema import REQUEST_ID_HEADER, TENANT_HEADER, Role
 from backend.server.service import EngineService
 from backend.server.textstream import TextStream
 
@@ -41,11 +50,31 @@ DEFAULT_TENANT = "anonymous"
 
 @dataclass(slots=True)
 class _Tally:
-    text: list[str]
+    text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str = "length"
     error: KvguardError | None = None
     proof: HandoffProof | None = None
+    tokens: list[fmt.TokenInfo] | None = None  # logprobs, when asked for
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One of the ``n`` choices: its engine request, text stream and outcome."""
+
+    index: int
+    generation: Generation
+    stream: TextStream
+    tally: _Tally
+    text_offset: int = 0  # characters of token text so far (completions' text_offset)
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """What one engine event adds to a choice: released text, and its tokens' logprobs."""
+
+    text: str
+    tokens: list[fmt.TokenInfo] | None
 
 
 def _header_id(request: Request, header: str, default: str) -> str:
@@ -60,58 +89,95 @@ def _header_id(request: Request, header: str, default: str) -> str:
 async def generate(
     service: EngineService, http: Request, body: _SamplingFields, prompt: str, kind: fmt.Kind
 ) -> Response:
+    refused = body.refused(disaggregated=service.role is Role.DECODE)
+    if refused is not None:
+        raise refused
     tenant = _header_id(http, TENANT_HEADER, DEFAULT_TENANT)
     request_id = _header_id(http, REQUEST_ID_HEADER, f"req-{uuid.uuid4().hex}")
     prompt_ids = service.encode_prompt(prompt)
-    sampling = SamplingParams(
-        max_tokens=body.max_tokens,
+    sampling = _sampling(service, body, len(prompt_ids))
+    choices = _submit(service, body, request_id, tenant, prompt_ids, sampling)
+    service.metrics.prompt_tokens.inc(len(prompt_ids))
+    meta = fmt.ResponseMeta.new(kind, request_id, service.model_name)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _sse(service, choices, meta, len(prompt_ids), include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    return await _collect(service, http, choices, meta, len(prompt_ids))
+
+
+def _sampling(service: EngineService, body: _SamplingFields, prompt_tokens: int) -> SamplingParams:
+    max_tokens = body.requested_max_tokens()
+    if max_tokens is None:  # as much as fits (admission refuses a prompt that leaves no room)
+        max_tokens = max(1, service.capacity().max_request_tokens - prompt_tokens)
+    return SamplingParams(
+        max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
         stop_token_ids=tuple(sorted(service.tokenizer.stop_ids)),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=body.bias_items(service.tokenizer.vocab_size),
+        logprobs=body.top_logprobs_count(),
     )
+
+
+def _submit(
+    service: EngineService,
+    body: _SamplingFields,
+    request_id: str,
+    tenant: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+) -> list[_Choice]:
+    choices: list[_Choice] = []
     try:
-        generation = service.submit(
-            request_id=request_id, tenant=tenant, prompt_ids=prompt_ids, sampling=sampling
-        )
+        for index in range(body.n):
+            params = sampling
+            if index and sampling.seed is not None:
+                params = dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**63)
+            generation = service.submit(
+                request_id=request_id if body.n == 1 else f"{request_id}.{index}",
+                tenant=tenant,
+                prompt_ids=prompt_ids,
+                sampling=params,
+            )
+            stream = TextStream(service.tokenizer.stream_decoder(), body.stop_list())
+            tally = _Tally(tokens=None if sampling.logprobs is None else [])
+            choices.append(_Choice(index, generation, stream, tally))
     except KvguardError as error:
+        for choice in choices:
+            choice.generation.abort()
         service.metrics.rejections.labels(error.code).inc()
         raise
-    service.metrics.prompt_tokens.inc(len(prompt_ids))
-    meta = fmt.ResponseMeta.new(kind, f"cmpl-{request_id}", service.model_name)
-    stream = TextStream(service.tokenizer.stream_decoder(), body.stop_list())
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _sse(service, generation, stream, meta, len(prompt_ids), include_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
-    return await _collect(service, http, generation, stream, meta, len(prompt_ids))
+    return choices
 
 
-async def _consume(
-    service: EngineService, generation: Generation, stream: TextStream, tally: _Tally
-) -> AsyncIterator[str]:
-    """Yields text deltas; fills ``tally`` with the outcome. Aborts the request on early exit."""
+async def _consume(service: EngineService, choice: _Choice) -> AsyncIterator[_Piece]:
+    """One choice's pieces; fills its tally with the outcome. Aborts it on early exit."""
     started = time.monotonic()
+    tally = choice.tally
     try:
         async with asyncio.timeout(service.request_timeout_s):
-            async for event in generation.events():
-                for text in _apply(service, event, stream, tally, started):
-                    yield text
-                if stream.stopped:
-                    generation.abort()
+            async for event in choice.generation.events():
+                piece = _apply(service, event, choice, started)
+                if piece.text or piece.tokens:
+                    yield piece
+                if choice.stream.stopped:
+                    choice.generation.abort()
                     tally.finish_reason = "stop"
                     return
     except TimeoutError:
-        generation.abort()
+        choice.generation.abort()
         tally.error = RequestTimedOut(service.request_timeout_s)
     finally:
         service.metrics.requests.labels(_outcome(tally)).inc()
 
 
-def _apply(
-    service: EngineService, event: EngineEvent, stream: TextStream, tally: _Tally, started: float
-) -> list[str]:
-    out: list[str] = []
+def _apply(service: EngineService, event: EngineEvent, choice: _Choice, started: float) -> _Piece:
+    tally, text = choice.tally, []
+    tokens: list[fmt.TokenInfo] | None = None
     if event.proof is not None:
         tally.proof = event.proof
     if event.token is not None:
@@ -119,18 +185,30 @@ def _apply(
             service.metrics.ttft_seconds.observe(time.monotonic() - started)
         tally.completion_tokens += 1
         if event.token not in service.tokenizer.stop_ids:
-            delta = stream.push(event.token)
-            if delta.text:
-                out.append(delta.text)
+            text.append(choice.stream.push(event.token).text)
+            if event.logprobs is not None:
+                tokens = [fmt.token_info(event.token, event.logprobs, _token_text(service))]
     if event.is_terminal:
         if event.error is not None or event.state is not RequestState.FINISHED:
             tally.error = event.error or RequestAborted()
         else:
             tally.finish_reason = "stop" if event.finish_reason is FinishReason.STOP else "length"
-            tail = stream.finish()
-            if tail:
-                out.append(tail)
-    return out
+            text.append(choice.stream.finish())
+    if tokens is not None and tally.tokens is not None:
+        tally.tokens += tokens
+    return _Piece("".join(text), tokens)
+
+
+def _token_text(service: EngineService) -> fmt.TokenText:
+    tokenizer = service.tokenizer
+
+    def token_text(token: int) -> tuple[str, tuple[int, ...]]:
+        text = tokenizer.decode([token])
+        if isinstance(tokenizer, ByteTokenizer):  # a lone byte of a multi-byte character
+            return text, ((token,) if token < 256 else ())
+        return text, tuple(text.encode())
+
+    return token_text
 
 
 def _outcome(tally: _Tally) -> str:
@@ -139,66 +217,127 @@ def _outcome(tally: _Tally) -> str:
     return tally.error.code
 
 
+async def _merged(
+    service: EngineService, choices: Sequence[_Choice]
+) -> AsyncIterator[tuple[_Choice, _Piece | None]]:
+    """Every choice's pieces as they come, and ``(choice, None)`` when a choice has ended.
+    Leaving early stops (and so aborts) the choices still running."""
+    if len(choices) == 1:
+        async for piece in _consume(service, choices[0]):
+            yield choices[0], piece
+        yield choices[0], None
+        return
+    queue: asyncio.Queue[tuple[_Choice, _Piece | None]] = asyncio.Queue()
+
+    async def pump(choice: _Choice) -> None:
+        try:
+            async for piece in _consume(service, choice):
+                queue.put_nowait((choice, piece))
+        finally:
+            queue.put_nowait((choice, None))
+
+    tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
+    try:
+        running = len(choices)
+        while running:
+            item = await queue.get()
+            running -= item[1] is None
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _piece_logprobs(kind: fmt.Kind, choice: _Choice, piece: _Piece) -> Any:
+    body = fmt.logprobs_body(kind, piece.tokens, choice.text_offset)
+    choice.text_offset += sum(len(t.text) for t in piece.tokens or ())
+    return body
+
+
 async def _sse(
     service: EngineService,
-    generation: Generation,
-    stream: TextStream,
+    choices: Sequence[_Choice],
     meta: fmt.ResponseMeta,
     prompt_tokens: int,
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    tally = _Tally(text=[])
-    yield fmt.sse(fmt.chunk(meta, None, first=True))
-    async for text in _consume(service, generation, stream, tally):
-        yield fmt.sse(fmt.chunk(meta, text))
-    extension = _extension(service, tally)
-    if tally.error is not None:
-        body = error_body(str(tally.error), code=tally.error.code, type_="server_error")
-        yield fmt.sse({**body, **extension})
-    else:
-        yield fmt.sse({**fmt.chunk(meta, None, tally.finish_reason), **extension})
-        if include_usage:
-            usage = fmt.usage_chunk(meta, fmt.usage(prompt_tokens, tally.completion_tokens))
-            yield fmt.sse({**usage, **extension})
+    for choice in choices:
+        yield fmt.sse(fmt.chunk(meta, None, index=choice.index, first=True))
+    async for choice, piece in _merged(service, choices):
+        tally = choice.tally
+        if piece is not None:
+            logprobs = _piece_logprobs(meta.kind, choice, piece)
+            yield fmt.sse(fmt.chunk(meta, piece.text, index=choice.index, logprobs=logprobs))
+        elif tally.error is not None:
+            error = error_body(str(tally.error), code=tally.error.code, type_="server_error")
+            yield fmt.sse({**error, **_extension(service, [tally])})
+            yield fmt.sse("[DONE]")
+            return
+        else:
+            last = fmt.chunk(meta, None, tally.finish_reason, index=choice.index)
+            yield fmt.sse({**last, **_extension(service, [tally])})
+    if include_usage:
+        completion = sum(c.tally.completion_tokens for c in choices)
+        usage = fmt.usage_chunk(meta, fmt.usage(prompt_tokens, completion))
+        yield fmt.sse({**usage, **_extension(service, [c.tally for c in choices])})
     yield fmt.sse("[DONE]")
 
 
 async def _collect(
     service: EngineService,
     http: Request,
-    generation: Generation,
-    stream: TextStream,
+    choices: Sequence[_Choice],
     meta: fmt.ResponseMeta,
     prompt_tokens: int,
 ) -> Response:
-    tally = _Tally(text=[])
-
     async def drain() -> None:
-        async for text in _consume(service, generation, stream, tally):
-            tally.text.append(text)
+        async for choice, piece in _merged(service, choices):
+            if piece is not None:
+                choice.tally.text.append(piece.text)
+            elif choice.tally.error is not None:
+                return
 
     task = asyncio.ensure_future(drain())
     while not task.done():
         await asyncio.wait({task}, timeout=0.5)
         if not task.done() and await http.is_disconnected():
             task.cancel()
-            generation.abort()
+            for choice in choices:
+                choice.generation.abort()
             return Response(status_code=499)
     task.result()
-    extension = _extension(service, tally)
-    if tally.error is not None:
-        error = tally.error
+    tallies = [c.tally for c in choices]
+    extension = _extension(service, tallies)
+    failed = next((t for t in tallies if t.error is not None), None)
+    if failed is not None and failed.error is not None:
+        error = failed.error
         type_ = "invalid_request_error" if error.http_status < 500 else "server_error"
         body = {**error_body(str(error), code=error.code, type_=type_), **extension}
         return JSONResponse(body, status_code=error.http_status)
-    usage = fmt.usage(prompt_tokens, tally.completion_tokens)
-    body = fmt.full_response(meta, "".join(tally.text), tally.finish_reason, usage)
-    return JSONResponse({**body, **extension})
+    results = [
+        fmt.ChoiceResult(c.index, "".join(c.tally.text), c.tally.finish_reason, c.tally.tokens)
+        for c in choices
+    ]
+    usage = fmt.usage(prompt_tokens, sum(t.completion_tokens for t in tallies))
+    return JSONResponse({**fmt.full_response(meta, results, usage), **extension})
 
 
-def _extension(service: EngineService, tally: _Tally) -> dict[str, Any]:
-    handoff = tally.proof.as_dict() if tally.proof is not None else None
+def _extension(service: EngineService, tallies: Sequence[_Tally]) -> dict[str, Any]:
+    proofs = [t.proof for t in tallies if t.proof is not None]
+    broken = [p for p in proofs if not _holds(p)]
+    chosen = broken or proofs
+    handoff = chosen[0].as_dict() if chosen else None
     return {"kvguard": {"role": service.role.value, "handoff": handoff}}
+
+
+def _holds(proof: HandoffProof) -> bool:
+    return (
+        proof.outcome.lower() == "ok"
+        and proof.accepted
+        and proof.failed_check is None
+        and proof.transferred_tokens == proof.reserved_tokens
+    )
 
 
 class RequestAborted(KvguardError):

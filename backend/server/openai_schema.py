@@ -4,18 +4,41 @@ Unknown fields are refused (a typo must not silently change behaviour); every nu
 bounds, so a negative or huge ``max_tokens`` is a 400 with the field named, not an engine error.
 A temperature above 0 but below ``MIN_SAMPLING_TEMPERATURE`` is served greedily (its limit):
 dividing float32 logits by it overflows to inf and would fail the whole batch's step.
+
+What this engine serves of OpenAI's request schema: ``n`` choices, ``logprobs`` (chat:
+``top_logprobs`` alternatives; completions: an integer), presence/frequency penalties,
+``logit_bias``, text content parts, the ``developer`` role, ``max_completion_tokens``. Tool calls
+and structured output are fields it knows and refuses with ``unsupported_parameter`` naming the
+field, unless their value asks for nothing (``tools: []``, ``tool_choice: "none"``,
+``response_format: {"type": "text"}``; ``parallel_tool_calls`` alone asks for nothing).
+Without ``max_tokens`` a request gets as many tokens as fit its context (as OpenAI and vLLM do).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from backend.bundled.chat import message_text
+from backend.core.errors import InvalidRequest
 from backend.core.request import MIN_SAMPLING_TEMPERATURE
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_CEILING = 1 << 20
+MAX_CHOICES = 16  # n; the gateway relays at most this many choices per answer
+MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
+MAX_COMPLETION_LOGPROBS = 5  # completions logprobs (OpenAI's bound)
+MAX_LOGIT_BIAS = 1024
+ROLES = ("system", "developer", "user", "assistant")
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+DISAGGREGATED = "this engine's disaggregated (prefill/decode) path does not serve it yet"
+
+
+class UnsupportedField(InvalidRequest):
+    """A field of OpenAI's API this engine knows and does not serve (tools, structured output)."""
+
+    code = "unsupported_parameter"
 
 
 class StreamOptions(BaseModel):
@@ -27,15 +50,21 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] = 16
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     user: str | None = Field(default=None, max_length=256)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -52,29 +81,146 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop sequences must be non-empty")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key[:32]!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> _SamplingFields:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    def bias_items(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias); a token outside the vocabulary is a 400."""
+        items = tuple((int(key), value) for key, value in (self.logit_bias or {}).items())
+        for token, _ in items:
+            if token >= vocab_size:
+                problem = f"token id {token} is not in this model's vocabulary of {vocab_size}"
+                raise InvalidRequest("logit_bias", problem)
+        return items
+
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives to report per token (0: the token's own logprob only); None: no logprobs."""
+        return None
+
+    def refused(self, *, disaggregated: bool = False) -> UnsupportedField | None:
+        """The first field this engine knows and does not serve, as the error to answer.
+
+        ``disaggregated``: served by a decode role, whose first token prefill samples; the handoff
+        protocol (version 1) carries neither that token's logprobs nor ``logit_bias``."""
+        if disaggregated and self.logit_bias:
+            return UnsupportedField("logit_bias", DISAGGREGATED)
+        if disaggregated and self.top_logprobs_count() is not None:
+            return UnsupportedField("logprobs", DISAGGREGATED)
+        return None
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str = Field(min_length=1)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
+    """One chat turn; ``content`` is a string or a list of text parts (``{"type": "text",
+    "text": ...}``, joined by newlines). Other part types and the ``tool`` role are refused."""
+
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: str
+    content: str | list[dict[str, Any]]
     name: str | None = Field(default=None, max_length=64)
 
+    @field_validator("role")
+    @classmethod
+    def _check_role(cls, value: str) -> str:
+        if value == "tool":
+            raise ValueError("'tool' messages answer tool calls, which this engine does not serve")
+        if value not in ROLES:
+            raise ValueError(f"must be one of {', '.join(ROLES)}")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(value, list):
+            for position, part in enumerate(value):
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(
+                        f"part {position} has type {str(kind)[:32]!r}: this engine reads text "
+                        "parts only"
+                    )
+            if message_text(value) is None:
+                raise ValueError("a text part is {'type': 'text', 'text': <string>}")
+        return value
+
+    def text(self) -> str:
+        text = message_text(self.content)
+        assert text is not None  # checked on validation
+        return text
+
+    def turn(self) -> dict[str, str]:
+        """What the chat template renders. ``developer`` is OpenAI's newer name for ``system``
+        instructions; templates written before it know only ``system``."""
+        role = "system" if self.role == "developer" else self.role
+        turn = {"role": role, "content": self.text()}
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
+
     def __repr__(self) -> str:
-        return f"ChatMessage(role={self.role!r}, content=<{len(self.content)} chars>)"
+        return f"ChatMessage(role={self.role!r}, content=<{len(self.text())} chars>)"
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # Known and refused unless they ask for nothing (``refused``).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def refused(self, *, disaggregated: bool = False) -> UnsupportedField | None:
+        if self.tools:
+            return UnsupportedField("tools", "this engine does not serve tool calls")
+        if self.tool_choice not in (None, "none"):
+            return UnsupportedField("tool_choice", "this engine does not serve tool calls")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            return UnsupportedField(
+                "response_format",
+                f"this engine does not serve structured output ({str(kind)[:32]!r})",
+            )
+        return super().refused(disaggregated=disaggregated)
 
 
 class TokenizeRequest(BaseModel):

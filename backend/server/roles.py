@@ -77,7 +77,7 @@ def make_service(built: BuiltEngine, settings: BackendSettings, role: Role) -> E
         limits=limits,
         pool=built.pool,
         metrics=metrics,
-        render_chat=lambda messages: built.render_chat([m.model_dump() for m in messages]),
+        render_chat=lambda messages: built.render_chat([m.turn() for m in messages]),
         zero_on_free=built.pool.zero_on_free,
         request_timeout_s=settings.request_timeout_s,
         protocol_version=protocol_version(settings),

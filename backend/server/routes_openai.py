@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from backend.core.errors import KvguardError
+from backend.core.errors import InvalidRequest, KvguardError
 from backend.server.generate import generate
 from backend.server.openai_schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from backend.server.service import EngineService
@@ -53,24 +53,31 @@ async def chat_completions(
     return await generate(service, http, body, service.render_chat(body.messages), "chat")
 
 
-@router.get("/v1/models")
-async def models(service: ServiceDep) -> dict[str, Any]:
-    card = {
+def _model_card(service: EngineService) -> dict[str, Any]:
+    return {
         "id": service.model_name,
         "object": "model",
         "created": 0,
         "owned_by": "kvguard",
         "max_model_len": service.capacity().max_request_tokens,
     }
-    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models")
+async def models(service: ServiceDep) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(service)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, service: ServiceDep) -> dict[str, Any]:
+    _check_model(service, model)
+    return _model_card(service)
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, service: ServiceDep) -> dict[str, Any]:
     _check_model(service, body.model)
     if (body.prompt is None) == (body.messages is None):
-        from backend.core.errors import InvalidRequest
-
         raise InvalidRequest("prompt", "give exactly one of 'prompt' or 'messages'")
     text = body.prompt if body.prompt is not None else service.render_chat(body.messages or [])
     tokens = service.encode_prompt(text)

@@ -228,6 +228,10 @@ CHATS = [
         {"role": "user", "content": ""},
     ],
     [{"role": "assistant", "content": "no user turn at all"}],
+    [
+        {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ],
 ]
 
 
@@ -252,8 +256,9 @@ async def test_the_gateway_counts_as_the_engine_tokenizer_does(
             body = {"model": model, "prompt": prompt}
             engine_count = (await direct.post(f"{engine}/tokenize", json=body)).json()["count"]
             assert count_tokens(prompt, None) == engine_count
-    assert count_tokens(None, [{"role": "developer", "content": "x"}]) is None
+    assert count_tokens(None, [{"role": "tool", "content": "x"}]) is None
     assert count_tokens(None, [{"role": "user", "content": [{"type": "text"}]}]) is None
+    assert count_tokens(None, [{"role": "user", "content": [{"type": "image_url"}]}]) is None
     assert count_tokens(None, [{"role": "user", "content": "x", "tool_calls": []}]) is None
 
     async with running_gateway(make_settings(engines=[{"name": "real", "base_url": engine}])) as gw:

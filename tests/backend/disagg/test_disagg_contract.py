@@ -112,6 +112,29 @@ def test_proof_in_body_and_final_stream_chunks() -> None:
     assert unified["kvguard"] == {"role": "unified", "handoff": None}
 
 
+def test_n_choices_and_penalties_through_prefill_and_decode() -> None:
+    body = _body("abc", n=2, presence_penalty=0.5, frequency_penalty=0.5)
+    answer = httpx.post(D_OK.url + "/v1/completions", json=body, timeout=60).json()
+    unified = httpx.post(UNIFIED.url + "/v1/completions", json=body, timeout=60).json()
+    assert [c["text"] for c in answer["choices"]] == [c["text"] for c in unified["choices"]]
+    assert capacity(D_OK)["free_pages"] == 512 // PAGE
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [("logprobs", 1, "logprobs"), ("logit_bias", {"65": 5}, "logit_bias")],
+)
+def test_what_the_handoff_cannot_carry_is_refused_by_name(
+    field: str, value: Any, param: str
+) -> None:
+    # Prefill samples the first token; protocol version 1 carries neither its logprobs nor the
+    # biases: refused by name, never a first token without them.
+    refused = httpx.post(D_OK.url + "/v1/completions", json=_body("abc", **{field: value}))
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["code"] == "unsupported_parameter" and error["param"] == param
+
+
 def test_concurrent_requests_equal_sequential_ones() -> None:
     prompts = [f"prompt number {i} " * (i + 1) for i in range(6)]
     sequential = [_text(D_OK, p) for p in prompts]
