@@ -31,6 +31,7 @@ from canary.findings import (
 )
 from canary.metrics import CanaryMetrics
 from gateway.api.timestamps import Instant
+from gateway.db.text import StoredText
 from gateway.deps import AdminDep, CurrentTenant, SessionDep
 from gateway.errors import NotFound
 
@@ -79,12 +80,12 @@ class ProbeResultIn(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     kind: Annotated[ProbeKind, Field(strict=False)]
-    engine: str | None = Field(default=None, max_length=64)
-    expected: str = Field(max_length=256)
-    observed: str = Field(max_length=256)
+    engine: StoredText | None = Field(default=None, max_length=64)
+    expected: StoredText = Field(max_length=256)
+    observed: StoredText = Field(max_length=256)
     passed: bool
     duration_ms: float = Field(ge=0)
-    started_at: Annotated[datetime, Field(strict=False)]
+    started_at: Annotated[Instant, Field(strict=False)]
 
 
 class ProbeRunIn(BaseModel):

@@ -141,4 +141,12 @@ ALERTS = (
         summary="Audit rows were dropped (writer backlog full)",
         first_response="Check database latency and the gateway's audit flush interval.",
     ),
+    AlertRule(
+        name="KvguardAuditRowsSetAside",
+        expr=f"sum(increase({gm.AUDIT_SET_ASIDE_TOTAL}[10m])) > 0",
+        severity="warning",
+        summary="The database refused audit rows; they were set aside so the rest could land",
+        first_response="Search the gateway log for 'set aside' (request ids and the error class) "
+        "and fix what produced the value.",
+    ),
 )

@@ -33,6 +33,7 @@ from gateway.limits.redis_limiter import RedisLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
+from gateway.services.spool import Spool
 from gateway.state import GatewayState
 from gateway.tracing import Tracing
 from gateway.upstream.direct import DirectUpstream
@@ -89,6 +90,8 @@ async def build_state(
             session_factory=sessions,
             flush_interval_s=settings.audit_flush_interval_s,
             on_drop=metrics.audit_dropped.inc,
+            on_set_aside=metrics.audit_set_aside.inc,
+            spool=Spool(settings.spool_dir(), kind="audit"),
         ),
         metrics=metrics,
         tracing=Tracing(
@@ -112,6 +115,10 @@ async def start(state: GatewayState) -> list[asyncio.Task[None]]:
     await state.limiter.start()
     state.metrics.limiter_up.set(1 if await state.limiter.healthy() else 0)
     await state.poller.poll_once()
+    try:
+        await state.audit.drain_spool()  # rows a previous shutdown could not write
+    except Exception:
+        log.exception("audit: spooled rows not written yet; retrying in the background")
     return [
         asyncio.create_task(state.poller.run(), name="capacity-poller"),
         asyncio.create_task(state.audit.run(), name="audit-writer"),

@@ -7,6 +7,7 @@ load; default secrets are refused outside development; production requires Redis
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tomllib
 from enum import StrEnum
@@ -15,6 +16,7 @@ from typing import Annotated, Self
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from sqlalchemy.engine import make_url
 
 from kvguard.settings import (
     KvguardSettings,
@@ -193,6 +195,12 @@ class GatewaySettings(KvguardSettings):
         if self.metrics_token is not None and self.metrics_token.get_secret_value():
             return self.metrics_token.get_secret_value()
         return None
+
+    def spool_dir(self) -> Path:
+        """Where records wait for this deployment's database (``gateway.services.spool``): per
+        database, so two deployments sharing a data dir never write each other's records."""
+        url = make_url(self.sqlalchemy_url()).render_as_string(hide_password=True)
+        return self.data_dir / "spool" / hashlib.sha256(url.encode()).hexdigest()[:12]
 
     def sqlalchemy_url(self) -> str:
         if self.database_url:

@@ -28,6 +28,7 @@ ENGINE_CAPACITY_AGE = "kvguard_gateway_engine_capacity_age_seconds"
 ENGINE_POLL_ERRORS_TOTAL = "kvguard_gateway_engine_poll_errors_total"
 HANDOFF_MISMATCH_TOTAL = "kvguard_gateway_handoff_mismatch_total"
 AUDIT_DROPPED_TOTAL = "kvguard_gateway_audit_dropped_total"
+AUDIT_SET_ASIDE_TOTAL = "kvguard_gateway_audit_set_aside_total"
 TOKEN_COUNTS_TOTAL = "kvguard_gateway_token_counts_total"
 
 METRIC_NAMES = (
@@ -51,6 +52,7 @@ METRIC_NAMES = (
     ENGINE_POLL_ERRORS_TOTAL,
     HANDOFF_MISMATCH_TOTAL,
     AUDIT_DROPPED_TOTAL,
+    AUDIT_SET_ASIDE_TOTAL,
     TOKEN_COUNTS_TOTAL,
 )
 
@@ -171,6 +173,11 @@ class GatewayMetrics:
         )
         self.audit_dropped = Counter(
             _name(AUDIT_DROPPED_TOTAL), "Audit rows dropped (writer backlog full)", registry=r
+        )
+        self.audit_set_aside = Counter(
+            _name(AUDIT_SET_ASIDE_TOTAL),
+            "Audit rows the database refused, set aside (logged by request id) so the rest land",
+            registry=r,
         )
         self.token_counts = Counter(
             _name(TOKEN_COUNTS_TOTAL),

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.config import EngineKind, UpstreamPath
 from gateway.db.models import ApiKey, Tenant
+from gateway.db.text import StoredText
 from gateway.lifecycle import TenantStatus
 
 PositiveLimit = Annotated[int, Field(gt=0, le=1 << 40)] | None
@@ -33,7 +34,7 @@ class TenantCreate(LimitsIn):
     name: TenantName
     canary_sample_rate: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     synthetic: bool = False
-    key_name: str | None = Field(default=None, max_length=64)
+    key_name: StoredText | None = Field(default=None, max_length=64)
     key_expires_in_s: KeyLifetime = None
 
 
@@ -50,7 +51,7 @@ class TenantUpdate(_Closed):
 
 
 class KeyCreate(_Closed):
-    name: str | None = Field(default=None, max_length=64)
+    name: StoredText | None = Field(default=None, max_length=64)
     expires_in_s: KeyLifetime = None
 
 
@@ -120,16 +121,16 @@ class UsageOut(BaseModel):
 class EngineIn(_Closed):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     kind: Annotated[EngineKind, Field(strict=False)]  # enums arrive as JSON strings
-    base_url: str = Field(min_length=1, max_length=512)
-    model: str | None = Field(default=None, max_length=256)
-    litellm_model: str | None = Field(default=None, max_length=256)
+    base_url: StoredText = Field(min_length=1, max_length=512)
+    model: StoredText | None = Field(default=None, max_length=256)
+    litellm_model: StoredText | None = Field(default=None, max_length=256)
     declared_max_model_len: Annotated[int, Field(gt=0)] | None = None
     allow_unverified: bool = False
     upstream: Annotated[UpstreamPath | None, Field(strict=False)] = None
 
 
 class QuarantineIn(_Closed):
-    reason: str = Field(min_length=1, max_length=256)
+    reason: StoredText = Field(min_length=1, max_length=256)
 
 
 class OverrideIn(_Closed):

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.db.text import StoredText
+
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_CEILING = 1 << 20
 
@@ -48,7 +50,7 @@ class ChatMessage(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: Text = Field(min_length=1, max_length=256)
+    model: StoredText = Field(min_length=1, max_length=256)  # in every audit row
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None

@@ -2,15 +2,26 @@
 
 Lifecycle: the request path calls ``record()``/``touch_key()`` (no I/O, never blocks) -> a
 background task flushes every ``flush_interval_s`` in a worker thread -> ``close()`` flushes what
-is left at shutdown. A flush is one bulk INSERT (Core, not ORM objects): the worker thread holds
-the GIL while it builds the statement, and the event loop waits for it, so a slow flush shows up
-in every request's tail latency (ORM objects cost about three times as much CPU per row here).
-A crash loses at most one interval of rows; a failed flush keeps its rows for the next try
-(bounded: beyond ``max_pending`` the oldest are dropped and counted). A flush that failed may
-still have committed (the connection broke after the commit, before its answer), so the retry
-skips the rows the database already has: one row per request, even across an outage.
+is left at shutdown, and spools to local disk what it could not write (``gateway.services.spool``),
+to be written by the next start. A flush is one bulk INSERT (Core, not ORM objects): the worker
+thread holds the GIL while it builds the statement, and the event loop waits for it, so a slow
+flush shows up in every request's tail latency.
 
-An ``AuditRecord`` holds metadata only: ids, counts, outcome, timings. No text field exists.
+Failures, by kind:
+
+- the database is unreachable (``is_outage``): the batch stays pending for the next try
+  (bounded: beyond ``max_pending`` the oldest are dropped and counted). A flush that failed may
+  still have committed (the connection broke after the commit, before its answer), so the retry
+  skips the rows the database already has: one row per request, even across an outage;
+- the database refused something in the batch (a value it cannot store): the batch is split in
+  halves until each refused row stands alone; those rows are *set aside*: counted
+  (``on_set_aside``), logged at ERROR with their request ids, never retried for ever; every
+  other row lands. One odd row can no longer stop the audit of a whole replica.
+
+Values are made storable when recorded (``gateway.db.text.storable``: NUL and lone surrogates
+replaced, cut to the column's length), so set-aside rows are for what nobody foresaw.
+
+An ``AuditRecord`` holds metadata only: ids, counts, outcome, timings. No content field exists.
 """
 
 from __future__ import annotations
@@ -19,16 +30,21 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime
+from typing import Any
 
 import anyio
-from sqlalchemy import insert, select
+from sqlalchemy import String, insert, select
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from gateway.db.models import RequestAudit
 from gateway.db.session import session_scope
+from gateway.db.text import storable
 from gateway.services.keys import touch_keys
+from gateway.services.spool import Record, Spool
 
 log = logging.getLogger("kvguard.gateway.audit")
 _ID_CHUNK = 500  # request ids per lookup (bounded statement size)
@@ -56,6 +72,46 @@ class AuditRecord:
     ttft_ms: float | None
     duration_ms: float
 
+    def to_spool(self) -> Record:
+        return {**asdict(self), "started_at": self.started_at.isoformat()}
+
+    @classmethod
+    def from_spool(cls, raw: Record) -> AuditRecord:
+        return cls(**{**raw, "started_at": datetime.fromisoformat(raw["started_at"])})
+
+
+def _text_limits() -> dict[str, int | None]:
+    """Text fields of an audit row and the column length each is cut to."""
+    limits: dict[str, int | None] = {}
+    for f in fields(AuditRecord):
+        column_type = RequestAudit.__table__.c[f.name].type
+        if isinstance(column_type, String):
+            limits[f.name] = column_type.length
+    return limits
+
+
+_TEXT_LIMITS = _text_limits()
+
+
+def storable_record(record: AuditRecord) -> AuditRecord:
+    """``record`` with every text field storable (see ``gateway.db.text``)."""
+    changes: dict[str, Any] = {}
+    for name, limit in _TEXT_LIMITS.items():
+        value = getattr(record, name)
+        if isinstance(value, str):
+            fixed = storable(value, limit)
+            if fixed != value:
+                changes[name] = fixed
+    return replace(record, **changes) if changes else record
+
+
+def is_outage(exc: BaseException) -> bool:
+    """The database could not be reached (retry the same rows later), as opposed to a refusal
+    of something in them."""
+    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout | OSError | TimeoutError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
 
 class AuditWriter:
     def __init__(
@@ -65,6 +121,8 @@ class AuditWriter:
         flush_interval_s: float,
         max_pending: int = 100_000,
         on_drop: Callable[[], None] | None = None,
+        on_set_aside: Callable[[], None] | None = None,
+        spool: Spool | None = None,
     ) -> None:
         self._factory = session_factory
         self._interval = flush_interval_s
@@ -73,20 +131,27 @@ class AuditWriter:
         self._uncertain: set[str] = set()  # request ids whose failed flush may have committed
         self._lock = asyncio.Lock()
         self._on_drop = on_drop
+        self._on_set_aside = on_set_aside
+        self._spool = spool
 
     def record(self, record: AuditRecord) -> None:
         if len(self._pending) == self._pending.maxlen and self._on_drop is not None:
             self._on_drop()
-        self._pending.append(record)
+        self._pending.append(storable_record(record))
 
     def touch_key(self, key_id: int, at: datetime) -> None:
         self._touched[key_id] = at
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
             try:
                 await self.flush()
+                await self.drain_spool()
             except Exception:  # keep the loop alive; the rows stay pending
                 log.exception("audit flush failed; will retry")
 
@@ -98,29 +163,111 @@ class AuditWriter:
                 return
             uncertain = frozenset(self._uncertain)
             try:
-                await anyio.to_thread.run_sync(self._write, list(rows), touched, uncertain)
+                aside = await anyio.to_thread.run_sync(self._write, list(rows), touched, uncertain)
             except BaseException:
                 self._pending.extendleft(reversed(rows))  # retried next time (oldest first)
                 self._uncertain.update(row.request_id for row in rows)
                 self._touched = {**touched, **self._touched}
                 raise
             self._uncertain.clear()  # every uncertain row was in this batch (or was dropped)
+        self._report(aside)
+
+    async def drain_spool(self) -> None:
+        """Write the rows a previous shutdown spooled (deduplicated: that flush may have landed)."""
+        if self._spool is None or not self._spool.pending():
+            return
+        aside: list[tuple[AuditRecord, str]] = []
+
+        def write(raw: list[Record]) -> None:
+            rows = [AuditRecord.from_spool(item) for item in raw]
+            aside.extend(self._write(rows, {}, frozenset(row.request_id for row in rows)))
+
+        written = await anyio.to_thread.run_sync(self._spool.drain, write)
+        log.info("audit: %d spooled rows written", written)
+        self._report(aside)
 
     def _write(
         self, rows: list[AuditRecord], touched: dict[int, datetime], uncertain: frozenset[str]
+    ) -> list[tuple[AuditRecord, str]]:
+        """Write ``rows`` and the key stamps; returns the rows set aside (with why)."""
+        try:
+            self._write_batch(rows, touched, uncertain)
+            return []
+        except Exception as exc:
+            if is_outage(exc) or len(rows) == 0:
+                raise
+        aside: list[tuple[AuditRecord, str]] = []
+        self._write_batch([], touched, uncertain)  # stamps alone: ids and times, storable
+        self._split(rows, uncertain, aside)
+        return aside
+
+    def _split(
+        self,
+        rows: list[AuditRecord],
+        uncertain: frozenset[str],
+        aside: list[tuple[AuditRecord, str]],
+    ) -> None:
+        half = len(rows) // 2
+        for part in (rows[:half], rows[half:]):
+            if not part:
+                continue
+            try:
+                self._write_batch(part, {}, uncertain)
+            except Exception as exc:
+                if is_outage(exc):
+                    raise
+                if len(part) == 1:
+                    aside.append((part[0], type(exc).__name__))
+                else:
+                    self._split(part, uncertain, aside)
+
+    def _write_batch(
+        self, rows: list[AuditRecord], touched: dict[int, datetime], uncertain: frozenset[str]
     ) -> None:
         with session_scope(self._factory) as session:
-            if uncertain:
+            if uncertain and rows:
                 rows = _not_yet_written(session, rows, uncertain)
             if rows:  # one multi-row INSERT: no ORM objects (a flush holds the GIL briefly)
                 session.execute(insert(RequestAudit), [asdict(row) for row in rows])
-            touch_keys(session, last_used=touched)
+            if touched:
+                touch_keys(session, last_used=touched)
+
+    def _report(self, aside: list[tuple[AuditRecord, str]]) -> None:
+        for row, why in aside:
+            if self._on_set_aside is not None:
+                self._on_set_aside()
+            log.error(
+                "audit row of request %s (tenant %s) set aside: the database refused it (%s)",
+                row.request_id,
+                row.tenant_id,
+                why,
+            )
 
     async def close(self) -> None:
         try:
             await self.flush()
-        except Exception:
-            log.exception("final audit flush failed; %d rows lost", len(self._pending))
+        except Exception as exc:
+            self._spool_pending(exc)
+
+    def _spool_pending(self, exc: Exception) -> None:
+        rows = list(self._pending)
+        if not rows:
+            return
+        if self._spool is None:
+            log.error("final audit flush failed (%s); %d rows lost", type(exc).__name__, len(rows))
+            return
+        try:
+            path = self._spool.put([row.to_spool() for row in rows])
+        except OSError as spool_exc:
+            log.error("final audit flush failed; %d rows not spooled: %s", len(rows), spool_exc)
+            return
+        self._pending.clear()
+        log.warning(
+            "final audit flush failed (%s); %d rows spooled to %s for the next start",
+            type(exc).__name__,
+            len(rows),
+            path,
+        )
 
 
 def _not_yet_written(

@@ -1,10 +1,12 @@
-"""Audit rows across a PostgreSQL outage, with a real server behind a cuttable link: a flush whose
-connection broke may still have committed, and its retry must not write those rows again (found
-under load: two rows for one request after the database came back)."""
+"""Audit rows against a real PostgreSQL: across an outage (a server behind a cuttable link: a flush
+whose connection broke may still have committed, and its retry must not write those rows again,
+found under load), with a row the database refuses (set aside, the rest land: one bad row used to
+stop every audit write of a replica), and at a shutdown while the database is unreachable (the
+rows are spooled locally and written by the next start)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 
 import pytest
@@ -16,6 +18,7 @@ from bench.fault_stack import TcpLink
 from gateway.db.models import RequestAudit
 from gateway.db.session import make_engine, make_session_factory, session_scope, upgrade_database
 from gateway.services.audit import AuditRecord, AuditWriter
+from gateway.services.spool import Spool
 
 
 def _record(request_id: str) -> AuditRecord:
@@ -66,6 +69,98 @@ async def test_a_flush_that_committed_before_its_connection_broke_is_not_written
         with session_scope(make_session_factory(direct)) as session:
             ids = sorted(session.scalars(select(RequestAudit.request_id)))
         assert ids == ["during", "landed"]
+    finally:
+        link.close()
+        linked.dispose()
+        direct.dispose()
+
+
+# -- one row the database refuses must not stop the others ---------------------------------------
+
+
+def _ids(factory) -> list[str]:
+    with session_scope(factory) as session:
+        return sorted(session.scalars(select(RequestAudit.request_id)))
+
+
+async def test_a_row_the_database_refuses_is_set_aside_and_the_rest_land(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine that reports 2**40 completion tokens (PostgreSQL's integer column refuses it):
+    the batch is split until that row stands alone; it is counted and logged by request id; the
+    other 99 land in the same flush; the writer keeps writing afterwards."""
+    engine = make_engine(postgres_url)
+    upgrade_database(engine)
+    factory = make_session_factory(engine)
+    aside: list[int] = []
+    writer = AuditWriter(
+        session_factory=factory, flush_interval_s=60, on_set_aside=lambda: aside.append(1)
+    )
+    try:
+        for n in range(100):
+            record = _record(f"row{n:03d}")
+            if n == 37:
+                record = replace(record, completion_tokens=2**40)
+            writer.record(record)
+        await writer.flush()
+        assert writer.pending == 0
+        assert _ids(factory) == [f"row{n:03d}" for n in range(100) if n != 37]
+        assert aside == [1]
+        assert "audit row of request row037" in caplog.text and "set aside" in caplog.text
+        writer.record(_record("after"))
+        await writer.flush()
+        assert "after" in _ids(factory)
+    finally:
+        engine.dispose()
+
+
+async def test_text_postgresql_refuses_is_neutralised_when_recorded(postgres_url: str) -> None:
+    """A NUL or a lone surrogate in any text field (an engine's error code, say) and an error
+    code longer than its column: stored with U+FFFD and cut, not refused."""
+    engine = make_engine(postgres_url)
+    upgrade_database(engine)
+    factory = make_session_factory(engine)
+    writer = AuditWriter(session_factory=factory, flush_interval_s=60)
+    try:
+        writer.record(replace(_record("nul"), model="tiny\x00", error_code="x\ud800" + "y" * 99))
+        await writer.flush()
+        with session_scope(factory) as session:
+            row = session.scalars(select(RequestAudit)).one()
+        assert row.model == "tiny\ufffd"
+        assert row.error_code == "x\ufffd" + "y" * 62  # the column holds 64
+    finally:
+        engine.dispose()
+
+
+async def test_rows_pending_at_shutdown_are_spooled_and_written_by_the_next_start(
+    postgres_url: str, tmp_path
+) -> None:
+    """PostgreSQL unreachable when the gateway stops: the final flush fails, the rows go to the
+    local spool (not lost), and the next start writes them exactly once."""
+    direct = make_engine(postgres_url)
+    upgrade_database(direct)
+    url = make_url(postgres_url)
+    assert url.host is not None and url.port is not None
+    link = TcpLink(url.host, url.port)
+    linked = make_engine(url.set(port=link.port).render_as_string(hide_password=False))
+    spool = Spool(tmp_path / "spool", kind="audit")
+    writer = AuditWriter(
+        session_factory=make_session_factory(linked), flush_interval_s=60, spool=spool
+    )
+    try:
+        for name in ("a", "b", "c"):
+            writer.record(_record(name))
+        link.cut()
+        await writer.close()  # the final flush fails: spooled
+        assert writer.pending == 0 and len(spool.pending()) == 1
+        link.restore()
+        restarted = AuditWriter(
+            session_factory=make_session_factory(direct), flush_interval_s=60, spool=spool
+        )
+        await restarted.drain_spool()
+        await restarted.drain_spool()  # nothing left: no second copy
+        assert _ids(make_session_factory(direct)) == ["a", "b", "c"]
+        assert spool.pending() == []
     finally:
         link.close()
         linked.dispose()

@@ -1,0 +1,111 @@
+"""A durable local spool: records kept on disk until the database has them.
+
+What the gateway must not lose while its database is unreachable (canary findings, audit rows
+pending at shutdown) is put here first. Lifecycle of a batch: ``put(records)`` (one JSON file,
+written to a temporary name, fsynced, then renamed into place: a batch is on disk whole or not
+at all) -> ``drain(write)`` (each file in age order is handed to ``write``; a file is removed only
+after ``write`` returned, so a crash in between writes it again: at least once, and the writers
+deduplicate) -> gone. A file that cannot be parsed is renamed ``*.bad`` and logged, never retried
+for ever nor silently deleted.
+
+Several processes may share a directory (two replicas with one data dir): ``put`` never collides
+(unique names) and ``drain`` holds an exclusive ``flock`` on the directory's lock file, so one
+process at a time writes; the lock dies with its holder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kvguard.gateway.spool")
+
+Record = dict[str, Any]
+
+
+class Spool:
+    def __init__(self, directory: Path, *, kind: str) -> None:
+        self._dir = directory
+        self._kind = kind
+
+    @property
+    def directory(self) -> Path:
+        return self._dir
+
+    def put(self, records: list[Record]) -> Path:
+        """Keep ``records`` durably; returns the file holding them (raises OSError if it cannot)."""
+        self._dir.mkdir(parents=True, exist_ok=True)
+        name = f"{self._kind}-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
+        final = self._dir / name
+        temporary = self._dir / f".{name}.tmp"
+        with open(temporary, "w", encoding="utf-8") as out:
+            json.dump(records, out, separators=(",", ":"))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, final)
+        _fsync_dir(self._dir)
+        return final
+
+    def pending(self) -> list[Path]:
+        """This kind's files, oldest first."""
+        if not self._dir.is_dir():
+            return []
+        return sorted(self._dir.glob(f"{self._kind}-*.json"))
+
+    def drain(self, write: Callable[[list[Record]], None]) -> int:
+        """Hand each file's records to ``write``, removing the file once it returns; stops at the
+        first exception (which propagates; that file and later ones stay). Returns the records
+        written."""
+        if not self.pending():
+            return 0
+        written = 0
+        with self._locked():
+            for path in self.pending():  # again, under the lock: another process may have drained
+                records = self._read(path)
+                if records is None:
+                    continue
+                write(records)
+                path.unlink(missing_ok=True)
+                written += len(records)
+        return written
+
+    def _read(self, path: Path) -> list[Record] | None:
+        try:
+            records = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.error("spool file %s is unreadable (%s); kept as .bad", path.name, exc)
+            path.rename(path.with_suffix(".bad"))
+            return None
+        if not isinstance(records, list):
+            log.error("spool file %s does not hold a list; kept as .bad", path.name)
+            path.rename(path.with_suffix(".bad"))
+            return None
+        return records
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self._dir.mkdir(parents=True, exist_ok=True)
+        with open(self._dir / f".{self._kind}.lock", "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
