@@ -3,10 +3,14 @@
 An event's text (each choice's ``delta.content``, ``message.content`` or ``text``) is rewritten by
 the response guards. Every other string an engine sends reaches the client as is: ids, names,
 finish reasons, error messages, usage, extension fields, logprobs tokens. A ``SideScreen`` runs
-each of them through a guard too, one guard per *field path* (``x.y.*.z``, list positions
-folded into ``*``; all keys form one more path), fed in order across events, so a value split
-over many events or list items (a token per event) is seen whole: a foreign marker in any field
-never reaches the client complete.
+each of them through a guard too, one guard per *field key*, fed in order across events, so a
+value split over many events or list items (a token per event) is seen whole: a foreign marker in
+any field never reaches the client complete. A key is the field's path with list positions folded
+into ``*`` (``choices.*.logprobs.content.*.token``: one token sequence), except in the lists whose
+elements are separate streams (``IDENTITY_LISTS``): each choice, each tool call (by its
+``index``, else its position) and each rank of ``top_logprobs`` has its own guard, so choices
+and tool calls that interleave across events (n > 1, parallel tool calls) are each seen in order,
+never spliced into one another. All keys of all objects form one more stream (``KEYS_PATH``).
 
 Most side guards can only cut. The side fields that carry text the model wrote (``REWRITE_PATHS``:
 reasoning, refusal, tool-call arguments, logprobs tokens) are *rewritten* with what their guard
@@ -26,8 +30,10 @@ of an undecided marker through that way (less than the owner tag that names a te
 foreign marker sent a few characters per event shows the client no more than that fragment. A
 whole answer (``screen_body``) is decided by ``finish`` before anything goes out: not asked.
 
-At most ``MAX_PATHS`` paths per response: an engine inventing field names without end is refused
-(``InvalidSide``) rather than given unbounded guards.
+At most ``MAX_PATHS`` field keys per response: an engine inventing field names or indices without
+end is refused (``InvalidSide``) rather than given unbounded guards. (Across the ranks of
+``top_logprobs`` a marker can hide in no single stream only by zig-zagging between ranks; each
+rank, the sampled tokens and the text are screened.)
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ from typing import Any
 
 from gateway.hooks import Cut, Emit, StreamGuard
 
-MAX_PATHS = 64
+MAX_PATHS = 256  # 16 choices x a dozen per-choice fields, with room
 KEYS_PATH = "<keys>"
+IDENTITY_LISTS = frozenset({"choices", "tool_calls", "top_logprobs"})
 TEXT_PATHS = frozenset({"choices.*.delta.content", "choices.*.message.content", "choices.*.text"})
 _MODEL_TEXT = (
     "{m}.reasoning_content",
@@ -96,40 +103,49 @@ class SideTail:
 
 
 def side_fields(obj: dict[str, Any]) -> dict[str, list[str]]:
-    """path -> the strings at that path, in document order, leaving out the choices' texts and the
-    rewritable side fields (``rewrite_sites``)."""
+    """field key -> the strings under that key, in document order, leaving out the choices' texts
+    and the rewritable side fields (``rewrite_sites``)."""
     fields: dict[str, list[str]] = {KEYS_PATH: []}
     try:
-        _visit_dict(obj, "", fields)
+        _visit_dict(obj, "", "", fields)
     except RecursionError as exc:
         raise InvalidSide("an answer nested too deeply") from exc
     return fields
 
 
-def _visit_dict(value: dict[str, Any], path: str, fields: dict[str, list[str]]) -> None:
+def _visit_dict(value: dict[str, Any], path: str, key: str, fields: dict[str, list[str]]) -> None:
     fields[KEYS_PATH].extend(value)
-    prefix = f"{path}." if path else ""
-    for key, item in value.items():
+    for name, item in value.items():
+        inner = f"{path}.{name}" if path else name
+        inner_key = f"{key}.{name}" if key else name
         if isinstance(item, str):
-            inner = prefix + key
             if inner not in _NOT_CUT_ONLY:
-                fields.setdefault(inner, []).append(item)
+                fields.setdefault(inner_key, []).append(item)
         elif isinstance(item, dict):
-            _visit_dict(item, prefix + key, fields)
+            _visit_dict(item, inner, inner_key, fields)
         elif isinstance(item, list):
-            _visit_list(item, prefix + key, fields)
+            _visit_list(item, inner, inner_key, fields, name in IDENTITY_LISTS)
 
 
-def _visit_list(value: list[Any], path: str, fields: dict[str, list[str]]) -> None:
+def _visit_list(
+    value: list[Any], path: str, key: str, fields: dict[str, list[str]], identity: bool
+) -> None:
     inner = f"{path}.*"
-    for item in value:
+    for position, item in enumerate(value):
+        inner_key = f"{key}.{_identity(item, position)}" if identity else f"{key}.*"
         if isinstance(item, str):
             if inner not in _NOT_CUT_ONLY:
-                fields.setdefault(inner, []).append(item)
+                fields.setdefault(inner_key, []).append(item)
         elif isinstance(item, dict):
-            _visit_dict(item, inner, fields)
+            _visit_dict(item, inner, inner_key, fields)
         elif isinstance(item, list):
-            _visit_list(item, inner, fields)
+            _visit_list(item, inner, inner_key, fields, False)
+
+
+def _identity(item: Any, position: int) -> int:
+    """Which stream an element of an identity list belongs to: its ``index``, else its place."""
+    index = item.get("index") if isinstance(item, dict) else None
+    return index if isinstance(index, int) and not isinstance(index, bool) else position
 
 
 def choice_texts(obj: dict[str, Any]) -> Iterator[str]:
@@ -149,28 +165,34 @@ def choice_texts(obj: dict[str, Any]) -> Iterator[str]:
             yield text
 
 
-def rewrite_sites(obj: dict[str, Any]) -> list[tuple[str, Location, str]]:
-    """(path, location, value) of every rewritable string, in document order."""
-    sites: list[tuple[str, Location, str]] = []
+Site = tuple[str, Location, str]  # (field key, location, value)
+
+
+def rewrite_sites(obj: dict[str, Any]) -> list[Site]:
+    """(field key, location, value) of every rewritable string, in document order."""
+    sites: list[Site] = []
     choices = obj.get("choices")
     if isinstance(choices, list):
         try:
             for position, choice in enumerate(choices):
-                _sites(choice, "choices.*", ("choices", position), sites)
+                key = f"choices.{_identity(choice, position)}"
+                _sites(choice, "choices.*", key, ("choices", position), sites)
         except RecursionError as exc:
             raise InvalidSide("an answer nested too deeply") from exc
     return sites
 
 
-def _sites(value: Any, path: str, at: Location, out: list[tuple[str, Location, str]]) -> None:
+def _sites(value: Any, path: str, key: str, at: Location, out: list[Site]) -> None:
     if isinstance(value, dict):
-        for key, item in value.items():
-            _sites(item, f"{path}.{key}", (*at, key), out)
+        for name, item in value.items():
+            _sites(item, f"{path}.{name}", f"{key}.{name}", (*at, name), out)
     elif isinstance(value, list):
+        identity = path.rsplit(".", 1)[-1] in IDENTITY_LISTS
         for position, item in enumerate(value):
-            _sites(item, f"{path}.*", (*at, position), out)
+            inner_key = f"{key}.{_identity(item, position)}" if identity else f"{key}.*"
+            _sites(item, f"{path}.*", inner_key, (*at, position), out)
     elif isinstance(value, str) and path in REWRITE_PATHS:
-        out.append((path, at, value))
+        out.append((key, at, value))
 
 
 def _identities(obj: Any, location: Location) -> tuple[int | None, ...]:
@@ -262,8 +284,9 @@ class SideScreen:
         self._prefilter = prefilter
         self._max = max_paths
         self._guards: dict[str, _Entry] = {}
-        self._holding: set[str] = set()  # paths whose guard may hold text back
-        self._last: dict[str, tuple[Location, tuple[int | None, ...]]] = {}  # rewrite paths
+        self._holding: set[str] = set()  # keys whose guard may hold text back
+        self._rewritten: set[str] = set()  # keys of rewritable fields
+        self._last: dict[str, tuple[Location, tuple[int | None, ...]]] = {}  # rewrite keys
 
     def feed(self, obj: dict[str, Any], *, raw: str | None = None) -> Cut | Rewritten | None:
         """A Cut, the event rewritten (only when a rewritable field changed), or None."""
@@ -283,9 +306,9 @@ class SideScreen:
         prefilter = self._prefilter
         if idle and raw is not None and prefilter is not None and not prefilter(raw, obj):
             return None
-        for path, values in side_fields(obj).items():
+        for key, values in side_fields(obj).items():
             for value in values:
-                verdict = self._feed(path, value)
+                verdict = self._feed(key, value)
                 if isinstance(verdict, Cut):
                     return verdict
         if streamed and self._holding and (cut := self._exposed()) is not None:
@@ -293,12 +316,12 @@ class SideScreen:
         if raw is not None and "\\u" not in raw and not any(k in raw for k in _REWRITE_KEYS):
             return None
         changes: list[tuple[Location, str]] = []
-        for path, location, value in rewrite_sites(obj):
-            verdict = self._feed(path, value)
+        for key, location, value in rewrite_sites(obj):
+            verdict = self._feed(key, value, rewrite=True)
             if isinstance(verdict, Cut):
                 return verdict
             if verdict is not None:
-                self._last[path] = (location, _identities(obj, location))
+                self._last[key] = (location, _identities(obj, location))
                 if verdict.text != value:
                     changes.append((location, verdict.text))
         if not changes:
@@ -310,33 +333,35 @@ class SideScreen:
 
     def _exposed(self) -> Cut | None:
         """The Cut of a cut-only field's guard whose held-back text must not go out, or None."""
-        for path in sorted(self._holding - REWRITE_PATHS):
-            exposed = self._guards[path][2]
+        for key in sorted(self._holding - self._rewritten):
+            exposed = self._guards[key][2]
             if exposed is not None and (cut := exposed()) is not None:
                 return cut
         return None
 
-    def _feed(self, path: str, value: str) -> Emit | Cut | None:
+    def _feed(self, key: str, value: str, *, rewrite: bool = False) -> Emit | Cut | None:
         """The guard's verdict on ``value``, or None when it was skipped (delivered as is)."""
-        guard, skippable, _ = self._guard(path)
+        guard, skippable, _ = self._guard(key)
+        if rewrite:
+            self._rewritten.add(key)
         if not value or (skippable is not None and skippable(value)):
             return None
         verdict = guard.feed(value)
         if isinstance(verdict, Emit):
             if skippable is None or not skippable(""):
-                self._holding.add(path)
+                self._holding.add(key)
             else:
-                self._holding.discard(path)
+                self._holding.discard(key)
         return verdict
 
-    def _guard(self, path: str) -> _Entry:
-        entry = self._guards.get(path)
+    def _guard(self, key: str) -> _Entry:
+        entry = self._guards.get(key)
         if entry is None:
             if len(self._guards) >= self._max:
                 raise InvalidSide("too many distinct fields in one answer")
             guard = self._open()
             skippable, exposed = getattr(guard, "skippable", None), getattr(guard, "exposed", None)
-            entry = self._guards[path] = (guard, skippable, exposed)
+            entry = self._guards[key] = (guard, skippable, exposed)
         return entry
 
     def finish(self) -> Cut | list[SideTail]:
@@ -344,11 +369,11 @@ class SideScreen:
         guards, self._guards = self._guards, {}
         self._holding = set()
         tails: list[SideTail] = []
-        for path, (guard, _, _) in guards.items():
+        for key, (guard, _, _) in guards.items():
             verdict = guard.finish()
             if isinstance(verdict, Cut):
                 return verdict
-            last = self._last.get(path)
+            last = self._last.get(key)
             if verdict.text and last is not None:
                 tails.append(SideTail(last[0], last[1], verdict.text))
         return tails
