@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import secrets
 import tomllib
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Self
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from sqlalchemy.engine import make_url
 
 from kvguard.settings import (
@@ -33,8 +43,8 @@ class EngineKind(StrEnum):
     """How an engine is introspected (and, by default, how it is called)."""
 
     BUNDLED = "bundled"  # kvguard's own backend: GET /engine/capacity
-    SGLANG = "sglang"  # GET /get_server_info + /v1/models
-    VLLM = "vllm"  # GET /v1/models + /metrics vllm:cache_config_info
+    SGLANG = "sglang"  # GET /server_info (+ /get_server_info on old releases) + /v1/models
+    VLLM = "vllm"  # GET /v1/models + /metrics vllm:cache_config_info + /version
     OPENAI = "openai"  # any OpenAI-compatible server: capacity declared, not measured
     LITELLM = "litellm"  # any provider litellm supports: capacity declared, not measured
 
@@ -45,6 +55,59 @@ class UpstreamPath(StrEnum):
 
 
 INTROSPECTED_KINDS = frozenset({EngineKind.BUNDLED, EngineKind.SGLANG, EngineKind.VLLM})
+GROUP_KINDS = frozenset({EngineKind.SGLANG, EngineKind.VLLM})
+SECRET_REF = r"^[A-Z_][A-Z0-9_]{0,127}$"
+
+
+class MemberRole(StrEnum):
+    """Where a request can land inside a deployment behind a router."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    UNIFIED = "unified"  # a non-disaggregated replica (a router over plain workers)
+
+
+class MemberSpec(BaseModel):
+    """One worker of an engine group: introspected directly, never sent traffic by the gateway."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    role: MemberRole
+    url: Annotated[str, Field(min_length=1, max_length=512)]
+    api_key_env: str | None = Field(default=None, pattern=SECRET_REF)
+    declared_pool_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="vLLM without stats: the KV pool the operator provisioned; accepted only "
+        "when it is at least the worker's max_model_len (vLLM refuses to start otherwise)",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        return check_http_url(value)
+
+    def key(self) -> str | None:
+        return resolve_secret_ref(self.api_key_env)
+
+
+def check_http_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError("an engine URL must be http(s) with a host")
+    return value.rstrip("/")
+
+
+def resolve_secret_ref(name: str | None) -> str | None:
+    """The value of a secret reference (an environment variable of the gateway), read at use.
+
+    Read per call rather than once so a rotated secret applies without a restart; a reference
+    that is not set resolves to None (the engine is then called without a key).
+    """
+    if name is None:
+        return None
+    return os.environ.get(name) or None
 
 
 class EngineSpec(BaseModel):
@@ -69,14 +132,36 @@ class EngineSpec(BaseModel):
     )
     upstream: UpstreamPath | None = None
     api_key: SecretStr | None = None
+    api_key_env: str | None = Field(
+        default=None,
+        pattern=SECRET_REF,
+        description="a secret reference: the gateway environment variable holding the engine's "
+        "key (the only form the admin API accepts; the key itself is never stored)",
+    )
+    members: tuple[MemberSpec, ...] = Field(
+        default=(),
+        max_length=256,
+        description="an SGLang/vLLM deployment behind a router: base_url is the router (traffic), "
+        "every member is introspected and the smallest pool of all of them is enforced",
+    )
+    declared_pool_tokens: int | None = Field(
+        default=None, gt=0, description="vLLM without stats: see MemberSpec.declared_pool_tokens"
+    )
+    send_kvguard_headers: bool | None = Field(
+        default=None,
+        description="send the tenant id, request id and trace headers upstream; default: yes for "
+        "bundled/SGLang/vLLM (inside the deployment), no for openai/litellm (third parties)",
+    )
+    api_base: bool = Field(
+        default=True,
+        description="litellm: pass base_url as api_base (false: the provider's own endpoint, "
+        "e.g. region- or project-configured providers; base_url is then only a label)",
+    )
 
     @field_validator("base_url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError("base_url must be an http(s) URL with a host")
-        return value.rstrip("/")
+        return check_http_url(value)
 
     @model_validator(mode="after")
     def _check_kind_fields(self) -> Self:
@@ -85,7 +170,28 @@ class EngineSpec(BaseModel):
             raise ValueError(f"a {self.kind.value} engine needs model and declared_max_model_len")
         if self.kind is EngineKind.LITELLM and self.litellm_model is None:
             raise ValueError("a litellm engine needs litellm_model (e.g. 'openai/<model>')")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("give api_key or api_key_env, not both")
+        if self.members and self.kind not in GROUP_KINDS:
+            raise ValueError("members are for sglang and vllm deployments behind a router")
+        names = [member.name for member in self.members]
+        if len(set(names)) != len(names):
+            raise ValueError("member names must be unique within an engine")
+        if self.members and not any(m.role is not MemberRole.DECODE for m in self.members):
+            raise ValueError("a group needs a prefill or unified member (it counts tokens)")
         return self
+
+    def key(self) -> str | None:
+        """The engine's own credential (a literal from the config, or a secret reference)."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value() or None
+        return resolve_secret_ref(self.api_key_env)
+
+    @property
+    def sends_kvguard_headers(self) -> bool:
+        if self.send_kvguard_headers is not None:
+            return self.send_kvguard_headers
+        return self.kind in INTROSPECTED_KINDS
 
     @property
     def introspected(self) -> bool:
@@ -170,6 +276,12 @@ class GatewaySettings(KvguardSettings):
 
     otlp_endpoint: str | None = None
     service_name: str = "kvguard-gateway"
+    cache_salt_key: SecretStr | None = Field(
+        default=None,
+        description="key of the per-tenant prefix-cache salt sent to vLLM/SGLang (cache_salt); "
+        "unset: a random key per process (isolation holds; replicas do not share cache hits)",
+    )
+    _process_salt_key: bytes = PrivateAttr(default_factory=lambda: secrets.token_bytes(32))
 
     @model_validator(mode="after")
     def _check_deployment(self) -> Self:
@@ -189,6 +301,11 @@ class GatewaySettings(KvguardSettings):
         if self.admin_token is not None and self.admin_token.get_secret_value():
             return self.admin_token.get_secret_value()
         return DEV_ADMIN_TOKEN
+
+    def cache_salt_secret(self) -> bytes:
+        if self.cache_salt_key is not None and self.cache_salt_key.get_secret_value():
+            return self.cache_salt_key.get_secret_value().encode()
+        return self._process_salt_key
 
     def metrics_secret(self) -> str | None:
         """The scrape credential for /metrics; ``None`` (open) only in development when unset."""

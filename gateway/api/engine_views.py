@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.api.schemas_admin import EngineOut, RoleOut
+from gateway.api.schemas_admin import EngineOut, IsolationOut, MemberOut, RoleOut
+from gateway.config import EngineKind
+from gateway.engines.capacity import CapacitySnapshot
 from gateway.engines.registry import EngineRecord, EngineRegistry, model_of
 
 
@@ -18,6 +20,7 @@ def engine_out(registry: EngineRegistry, record: EngineRecord) -> EngineOut:
         model=model_of(record),
         routable=block is None,
         blocked_reason=None if block is None else block.value,
+        blocked_detail=registry.detail(record),
         last_error=record.last_error,
         capacity_age_s=None if age is None else round(age, 3),
         measured=None if snapshot is None else snapshot.measured,
@@ -33,10 +36,38 @@ def engine_out(registry: EngineRegistry, record: EngineRecord) -> EngineOut:
                 max_request_tokens=role.max_request_tokens,
                 free_tokens=role.free_tokens,
                 page_size=role.page_size,
+                pool_declared=role.pool_declared,
+                unknown_reason=role.unknown_reason,
             )
             for role in (snapshot.roles if snapshot is not None else ())
         ],
+        members=[MemberOut(name=m.name, role=m.role.value, url=m.url) for m in record.spec.members],
+        prefix_cache_isolation=isolation_out(record.spec.kind, snapshot),
+        version=None if snapshot is None else snapshot.version,
+        tokenize_url=None
+        if snapshot is None or snapshot.tokenize is None
+        else snapshot.tokenize.url,
+        holds_key=record.spec.api_key is not None or record.spec.api_key_env is not None,
+        sends_kvguard_headers=record.spec.sends_kvguard_headers,
         quarantine_reason=record.controls.quarantine_reason,
         allow_unsafe=record.controls.allow_unsafe,
         in_flight=record.in_flight,
     )
+
+
+def isolation_out(kind: EngineKind, snapshot: CapacitySnapshot | None) -> IsolationOut:
+    """Prefix-cache isolation as this engine kind and version allow it."""
+    if kind is EngineKind.BUNDLED:
+        return IsolationOut(
+            supported=True,
+            field=None,
+            detail="bundled engine: KV pages are never shared across tenants",
+        )
+    if kind in (EngineKind.OPENAI, EngineKind.LITELLM):
+        return IsolationOut(
+            supported=False, field=None, detail=f"{kind.value}: no per-request cache isolation"
+        )
+    if snapshot is None or snapshot.isolation is None:
+        return IsolationOut(supported=False, field=None, detail="not introspected yet")
+    field = snapshot.isolation.field
+    return IsolationOut(supported=field is not None, field=field, detail=snapshot.isolation.detail)

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.config import EngineKind, UpstreamPath
+from gateway.config import EngineKind, MemberRole, UpstreamPath
 from gateway.db.models import ApiKey, Tenant
 from gateway.db.text import StoredText
 from gateway.lifecycle import TenantStatus
@@ -118,6 +118,14 @@ class UsageOut(BaseModel):
     by_outcome: list[OutcomeUsageOut]
 
 
+class MemberIn(_Closed):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    role: Annotated[MemberRole, Field(strict=False)]
+    url: str = Field(min_length=1, max_length=512)
+    api_key_env: str | None = Field(default=None, max_length=128)
+    declared_pool_tokens: Annotated[int, Field(gt=0)] | None = None
+
+
 class EngineIn(_Closed):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     kind: Annotated[EngineKind, Field(strict=False)]  # enums arrive as JSON strings
@@ -127,6 +135,16 @@ class EngineIn(_Closed):
     declared_max_model_len: Annotated[int, Field(gt=0)] | None = None
     allow_unverified: bool = False
     upstream: Annotated[UpstreamPath | None, Field(strict=False)] = None
+    members: list[MemberIn] = Field(default_factory=list, max_length=256)
+    api_key_env: str | None = Field(
+        default=None,
+        max_length=128,
+        description="the gateway environment variable that holds the engine's key (a secret "
+        "reference: the key itself is never sent to, stored by or returned from this API)",
+    )
+    declared_pool_tokens: Annotated[int, Field(gt=0)] | None = None
+    send_kvguard_headers: bool | None = None
+    api_base: bool = True
 
 
 class QuarantineIn(_Closed):
@@ -143,6 +161,22 @@ class RoleOut(BaseModel):
     max_request_tokens: int | None
     free_tokens: int | None
     page_size: int | None
+    pool_declared: bool = False
+    unknown_reason: str | None = None
+
+
+class IsolationOut(BaseModel):
+    """Can this engine keep tenants' prefix caches apart (the gateway sets the field per tenant)?"""
+
+    supported: bool
+    field: str | None
+    detail: str
+
+
+class MemberOut(BaseModel):
+    name: str
+    role: str
+    url: str
 
 
 class EngineOut(BaseModel):
@@ -153,6 +187,7 @@ class EngineOut(BaseModel):
     model: str | None
     routable: bool
     blocked_reason: str | None
+    blocked_detail: str | None
     last_error: str | None
     capacity_age_s: float | None
     measured: bool | None
@@ -162,6 +197,12 @@ class EngineOut(BaseModel):
     drift: str | None
     faults: list[str]
     roles: list[RoleOut]
+    members: list[MemberOut]
+    prefix_cache_isolation: IsolationOut
+    version: str | None
+    tokenize_url: str | None
+    holds_key: bool
+    sends_kvguard_headers: bool
     quarantine_reason: str | None
     allow_unsafe: bool
     in_flight: int

@@ -63,6 +63,9 @@ class _Sampling(BaseModel):
     user: Text | None = Field(default=None, max_length=256)
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    # vLLM/SGLang's prefix-cache salt: accepted for compatibility, never forwarded (the gateway
+    # sets its own per tenant, gateway.engines.isolation)
+    cache_salt: Text | None = Field(default=None, max_length=1024)
 
     @field_validator("stop")
     @classmethod
@@ -90,7 +93,7 @@ class _Sampling(BaseModel):
 
     def upstream_body(self, *, max_tokens: int) -> dict[str, Any]:
         """What the engine receives: the client's fields, the enforced max_tokens, usage on."""
-        body = self.model_dump(exclude_unset=True, exclude={"max_completion_tokens"})
+        body = self.model_dump(exclude_unset=True, exclude={"max_completion_tokens", "cache_salt"})
         body["max_tokens"] = max_tokens
         if self.stream:
             body["stream_options"] = {"include_usage": True}  # the gateway needs the counts

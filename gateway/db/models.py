@@ -22,6 +22,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
     TypeDecorator,
 )
 from sqlalchemy.engine import Dialect
@@ -151,6 +152,11 @@ class RegisteredEngine(Base):
     allow_unverified: Mapped[bool] = mapped_column(Boolean, default=False)
     upstream: Mapped[str | None] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    members: Mapped[str | None] = mapped_column(Text)  # JSON list of MemberSpec
+    api_key_env: Mapped[str | None] = mapped_column(String(128))  # a reference, never the key
+    declared_pool_tokens: Mapped[int | None] = mapped_column(Integer)
+    send_kvguard_headers: Mapped[bool | None] = mapped_column(Boolean)
+    api_base: Mapped[bool | None] = mapped_column(Boolean)
 
 
 class EngineControl(Base):

@@ -6,12 +6,17 @@ advertised window, every role's real KV pool, every role's own request limit, an
 end-to-end request limit. An advertised window larger than the real pool is capacity *drift*:
 flagged, never trusted (the limit is the pool).
 
+An engine group (an SGLang or vLLM deployment behind a router) is one snapshot whose roles are
+every member's roles, named after the member: the minimum over every pool a request can land in is
+then the same ``enforceable_limit`` as for one engine, computed here and nowhere else.
+
 Pure: no I/O.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +27,24 @@ class RoleView:
     free_tokens: int | None = None
     page_size: int | None = None
     age_s: float | None = None  # how old the engine's own view of this (peer) role is
+    unknown_reason: str | None = None  # why pool_tokens is None, and what to enable
+    pool_declared: bool = False  # the pool is the operator's declaration (cross-checked)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeTarget:
+    """Where this engine's prompts are counted: a URL the engine (or one member) serves."""
+
+    url: str
+    member: str | None = None  # the group member that serves it (its key is used)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIsolation:
+    """Whether requests can carry a per-tenant prefix-cache salt this engine honours."""
+
+    field: str | None  # the request field ("cache_salt"), None: no isolation on this engine
+    detail: str  # the version rule or the reason it cannot isolate
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +59,9 @@ class CapacitySnapshot:
     engine_drift: str | None = None  # the engine's own drift statement, if it makes one
     unavailable: str | None = None  # the engine says its serving path cannot serve now
     tokenizer: str | None = None  # the engine's countable tokenizer id (see proxy.admission)
+    tokenize: TokenizeTarget | None = None  # None: the adapter's default path on base_url
+    isolation: CacheIsolation | None = None
+    version: str | None = None  # the engine's own version string, when it reports one
 
     @property
     def oldest_role_age_s(self) -> float:
@@ -50,6 +76,16 @@ class CapacitySnapshot:
     @property
     def pool_known(self) -> bool:
         return bool(self.roles) and all(role.pool_tokens is not None for role in self.roles)
+
+    @property
+    def unknown_pools(self) -> str | None:
+        """Which roles' pools are unknown and why (the reason an operator acts on)."""
+        reasons = [
+            f"{role.role}: {role.unknown_reason or 'pool not measured'}"
+            for role in self.roles
+            if role.pool_tokens is None
+        ]
+        return "; ".join(reasons) or None
 
     @property
     def enforceable_limit(self) -> int:
@@ -78,6 +114,56 @@ class CapacitySnapshot:
                     f"real KV pool of {role.pool_tokens} tokens"
                 )
         return "; ".join(reasons) or None
+
+
+def group_snapshot(
+    model: str, members: Sequence[tuple[str, CapacitySnapshot]], *, tokenize: TokenizeTarget
+) -> CapacitySnapshot:
+    """One snapshot for a deployment: every member's roles (renamed ``member/role``) on one path.
+
+    The window and prompt limit are the smallest any member reports (a request may land on any);
+    an engine-level request limit becomes a role limit of its member, so ``enforceable_limit``
+    stays the one place where the minimum is taken. Isolation holds only if every member has it.
+    """
+    roles: list[RoleView] = []
+    for name, part in members:
+        for role in part.roles:
+            limit = _smallest(role.max_request_tokens, part.max_request_tokens)
+            roles.append(replace(role, role=f"{name}/{role.role}", max_request_tokens=limit))
+    prompt_limits = [p.max_prompt_tokens for _, p in members if p.max_prompt_tokens is not None]
+    drifts = [f"{name}: {p.engine_drift}" for name, p in members if p.engine_drift]
+    unavailable = [f"{name}: {p.unavailable}" for name, p in members if p.unavailable]
+    return CapacitySnapshot(
+        model=model,
+        context_window=min(part.context_window for _, part in members),
+        roles=tuple(roles),
+        measured=all(part.measured for _, part in members),
+        max_prompt_tokens=min(prompt_limits) if prompt_limits else None,
+        faults=tuple(dict.fromkeys(f for _, part in members for f in part.faults)),
+        engine_drift="; ".join(drifts) or None,
+        unavailable="; ".join(unavailable) or None,
+        tokenize=tokenize,
+        isolation=_group_isolation(members),
+        version=", ".join(sorted({p.version for _, p in members if p.version})) or None,
+    )
+
+
+def _smallest(*values: int | None) -> int | None:
+    known = [value for value in values if value is not None]
+    return min(known) if known else None
+
+
+def _group_isolation(members: Sequence[tuple[str, CapacitySnapshot]]) -> CacheIsolation:
+    fields = {part.isolation.field if part.isolation else None for _, part in members}
+    if len(fields) == 1 and None not in fields:
+        field = fields.pop()
+        return CacheIsolation(field=field, detail="every member honours " + str(field))
+    lacking = [
+        f"{name}: {part.isolation.detail if part.isolation else 'unknown'}"
+        for name, part in members
+        if part.isolation is None or part.isolation.field is None
+    ]
+    return CacheIsolation(field=None, detail="; ".join(lacking) or "members disagree")
 
 
 @dataclass(frozen=True, slots=True)

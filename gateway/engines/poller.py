@@ -77,6 +77,10 @@ class CapacityPoller:
             log.error("capacity drift on engine %s: %s", record.name, snapshot.drift)
         if snapshot.faults:
             log.error("engine %s reports fault drills enabled: %s", record.name, snapshot.faults)
+        if snapshot.unknown_pools:
+            log.warning("engine %s is not routable: %s", record.name, snapshot.unknown_pools)
+        if snapshot.unavailable:
+            log.warning("engine %s is unavailable: %s", record.name, snapshot.unavailable)
 
     def _failed(self, record: EngineRecord, error: str) -> None:
         if record.last_error != error:

@@ -16,6 +16,8 @@ An engine is routable only with positive evidence (fail closed). ``assess`` retu
 
 STALE_CAPACITY and FAULT_DRILL can be overridden per engine by an explicit admin ``allow_unsafe``.
 Drift is not a block: the limit already is the real pool; it is flagged (health, admin, metric).
+``detail`` says, for the operator, what exactly blocks an engine (which member of a group, which
+pool, what to enable); tenants only ever see the block reason.
 """
 
 from __future__ import annotations
@@ -92,6 +94,28 @@ def assess(record: EngineRecord, *, now: float, stale_after_s: float) -> EngineB
     return None
 
 
+def block_detail(
+    record: EngineRecord, block: EngineBlock | None, *, age_s: float | None
+) -> str | None:
+    """The operator's version of ``block``: what exactly is wrong and, where known, the fix."""
+    snapshot = record.snapshot
+    if block is None:
+        return None
+    if block is EngineBlock.QUARANTINED:
+        return record.controls.quarantine_reason
+    if block is EngineBlock.UNREACHABLE:
+        return record.last_error
+    if block is EngineBlock.UNAVAILABLE:
+        return snapshot.unavailable if snapshot else None
+    if block is EngineBlock.UNKNOWN_CAPACITY:
+        return (snapshot.unknown_pools if snapshot else None) or "capacity never measured yet"
+    if block is EngineBlock.STALE_CAPACITY:
+        return f"last good capacity is {age_s or 0.0:.1f} s old"
+    if block is EngineBlock.FAULT_DRILL:
+        return "fault drills enabled: " + ", ".join(snapshot.faults if snapshot else ())
+    return "capacity is declared, not measured: set allow_unverified to route anyway"
+
+
 class EngineRegistry:
     def __init__(self, *, stale_after_s: float, clock: Callable[[], float] = time.monotonic):
         self._stale_after_s = stale_after_s
@@ -142,6 +166,9 @@ class EngineRegistry:
     # -- routing ----------------------------------------------------------------------------
     def block(self, record: EngineRecord) -> EngineBlock | None:
         return assess(record, now=self._clock(), stale_after_s=self._stale_after_s)
+
+    def detail(self, record: EngineRecord) -> str | None:
+        return block_detail(record, self.block(record), age_s=self.capacity_age_s(record))
 
     def capacity_age_s(self, record: EngineRecord) -> float | None:
         return None if record.observed_at is None else self._clock() - record.observed_at

@@ -13,7 +13,8 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
    a request that fits only without what the hooks added is sent as the client wrote it;
 5. limits: one atomic take of request, tokens and a concurrency lease (429 + Retry-After; 503 if
    the shared limiter is down, unless configured to fail open);
-6. choose: least in-flight among the engines the request fits.
+6. choose: least in-flight among the engines the request fits;
+7. isolate: the chosen engine's prefix-cache salt is set from the tenant (never the client's).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from backend.bundled.chat import TOKENIZER_ID, count_tokens
 from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.engines.adapters import AdapterError, adapter_for
 from gateway.engines.capacity import RequestSize, fits, limit_for
+from gateway.engines.isolation import isolate
 from gateway.engines.registry import EngineRecord
 from gateway.errors import (
     ContextLengthExceeded,
@@ -80,6 +82,12 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
     ctx.lease = await take_lease(state, ctx, size)
     ctx.advance(Phase.ADMITTED)
     engine = state.registry.choose(fitting)
+    upstream_body = isolate(
+        upstream_body,
+        engine.snapshot,
+        key=state.settings.cache_salt_secret(),
+        tenant_id=ctx.principal.tenant_id,
+    )
     return Admitted(engine=engine, size=size, body=upstream_body)
 
 
@@ -135,6 +143,7 @@ async def count_prompt(
                 prompt=prompt,
                 messages=messages,
                 timeout=state.settings.engine_timeout_s,
+                snapshot=record.snapshot,
             )
         except AdapterError as exc:
             log.warning("token count on engine %s failed: %s", record.name, exc)

@@ -6,10 +6,13 @@ admin route also applies a change to its own replica's registry at once.
 
 from __future__ import annotations
 
+import json
+
+from pydantic import TypeAdapter
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.config import EngineKind, EngineSpec, UpstreamPath
+from gateway.config import EngineKind, EngineSpec, MemberSpec, UpstreamPath
 from gateway.db.models import EngineControl, RegisteredEngine, utcnow
 from gateway.db.session import run_in_session
 from gateway.engines.registry import EngineControls, EngineRegistry, EngineSource
@@ -28,6 +31,13 @@ def register_engine(session: Session, *, spec: EngineSpec, taken: set[str]) -> R
         declared_max_model_len=spec.declared_max_model_len,
         allow_unverified=spec.allow_unverified,
         upstream=spec.upstream.value if spec.upstream else None,
+        members=json.dumps([m.model_dump(exclude_none=True) for m in spec.members])
+        if spec.members
+        else None,
+        api_key_env=spec.api_key_env,
+        declared_pool_tokens=spec.declared_pool_tokens,
+        send_kvguard_headers=spec.send_kvguard_headers,
+        api_base=spec.api_base,
     )
     session.add(row)
     return row
@@ -52,9 +62,17 @@ def registered_specs(session: Session) -> list[EngineSpec]:
             declared_max_model_len=row.declared_max_model_len,
             allow_unverified=row.allow_unverified,
             upstream=UpstreamPath(row.upstream) if row.upstream else None,
+            members=_MEMBERS.validate_json(row.members) if row.members else (),
+            api_key_env=row.api_key_env,
+            declared_pool_tokens=row.declared_pool_tokens,
+            send_kvguard_headers=row.send_kvguard_headers,
+            api_base=True if row.api_base is None else row.api_base,
         )
         for row in rows
     ]
+
+
+_MEMBERS = TypeAdapter(tuple[MemberSpec, ...])
 
 
 def controls(session: Session) -> dict[str, EngineControls]:

@@ -33,7 +33,11 @@ class UpstreamCall:
     spec: EngineSpec
     endpoint: Endpoint
     body: dict[str, Any] = field(repr=False)  # holds the prompt
-    headers: dict[str, str]
+    headers: dict[str, str]  # the gateway's own: tenant id, request id, trace context
+
+    def outgoing_headers(self) -> dict[str, str]:
+        """The gateway's headers as they may leave: none to a third party unless opted in."""
+        return dict(self.headers) if self.spec.sends_kvguard_headers else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,15 @@ class UpstreamReply:
     status: int
     body: dict[str, Any] | None = field(repr=False)
     raw: str | None = field(default=None, repr=False)  # the body's JSON text, when kept
+
+
+def engine_error_body(body: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An engine's error in OpenAI's shape: SGLang answers a flat ``{"object": "error", "message",
+    "type", "param", "code"}`` (its ``ErrorResponse``), OpenAI and vLLM nest it under ``error``."""
+    if body is None or "error" in body or body.get("object") != "error":
+        return body
+    fields = ("message", "type", "param", "code")
+    return {"error": {name: body.get(name) for name in fields}}
 
 
 class UpstreamUnreachable(RuntimeError):

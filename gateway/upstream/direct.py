@@ -24,6 +24,7 @@ from gateway.upstream.base import (
     UpstreamReply,
     UpstreamStream,
     UpstreamUnreachable,
+    engine_error_body,
 )
 
 _FAILURES = (aiohttp.ClientError, TimeoutError)
@@ -65,9 +66,10 @@ class DirectUpstream(Upstream):
         return self._session
 
     async def _send(self, call: UpstreamCall) -> aiohttp.ClientResponse:
-        headers = {**call.headers, "Content-Type": "application/json"}
-        if call.spec.api_key is not None:
-            headers["Authorization"] = f"Bearer {call.spec.api_key.get_secret_value()}"
+        headers = {**call.outgoing_headers(), "Content-Type": "application/json"}
+        key = call.spec.key()
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
         data = json.dumps(call.body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         url = f"{call.spec.base_url}{call.endpoint.path}"
         try:
@@ -86,6 +88,8 @@ class DirectUpstream(Upstream):
         finally:
             response.release()
         body = _json_or_none(content)
+        if response.status != 200:
+            body = engine_error_body(body)
         return UpstreamReply(status=response.status, body=body, raw=_utf8_or_none(content))
 
     async def stream(self, call: UpstreamCall) -> UpstreamStream | UpstreamReply:
@@ -96,7 +100,7 @@ class DirectUpstream(Upstream):
             body = await _read_bounded(response)
         finally:
             response.close()
-        return UpstreamReply(status=response.status, body=_json_or_none(body))
+        return UpstreamReply(status=response.status, body=engine_error_body(_json_or_none(body)))
 
     async def close(self) -> None:
         if self._session is not None:

@@ -5,6 +5,11 @@ map is read from the package and nothing is fetched at run time (``LITELLM_LOCAL
 and ``LITELLM_OFFLINE_MODE`` are set before the import). Streamed chunks are re-serialised as
 OpenAI SSE events; errors are mapped to a status and an OpenAI-style body (a litellm
 context-window error keeps the ``context_length_exceeded`` code).
+
+What reaches the provider is only what it needs: no ``api_key`` unless the engine holds one (else
+litellm reads the provider's own credentials from the environment, e.g. ``OPENAI_API_KEY``), no
+``api_base`` when the spec says the provider's own endpoint applies, and none of the gateway's
+tenant/request/trace headers unless the operator opted in (``send_kvguard_headers``).
 """
 
 from __future__ import annotations
@@ -58,10 +63,15 @@ def _kwargs(call: UpstreamCall, *, timeout_s: float) -> dict[str, Any]:
     spec = call.spec
     kwargs: dict[str, Any] = {k: call.body[k] for k in _PASSED if k in call.body}
     kwargs["model"] = spec.litellm_model or f"openai/{call.body['model']}"
-    kwargs["api_base"] = spec.base_url
-    kwargs["extra_headers"] = dict(call.headers)
+    if spec.api_base:
+        kwargs["api_base"] = spec.base_url
+    headers = call.outgoing_headers()
+    if headers:
+        kwargs["extra_headers"] = headers
     kwargs["timeout"] = timeout_s
-    kwargs["api_key"] = spec.api_key.get_secret_value() if spec.api_key else "unused"
+    key = spec.key()
+    if key is not None:
+        kwargs["api_key"] = key
     if call.endpoint is Endpoint.CHAT:
         kwargs["messages"] = call.body["messages"]
     else:

@@ -147,7 +147,7 @@ def test_canary_revisions_step_up_and_down_alone(postgres_url) -> None:
         upgrade_database(engine, "0007_create_canary_findings")
         assert "canary_findings" in inspect(engine).get_table_names()
         assert "canary_probe_runs" not in inspect(engine).get_table_names()
-        upgrade_database(engine)
+        upgrade_database(engine, "0008_create_canary_probe_runs")
         assert current_revision(engine) == "0008_create_canary_probe_runs"
         downgrade_database(engine, "0006_create_engine_controls")
         tables = set(inspect(engine).get_table_names())

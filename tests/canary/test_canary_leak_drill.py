@@ -134,6 +134,7 @@ def _incident_settings(gateway_settings, url: str, postgres_url: str, redis_url:
         "model": MODEL_NAME,
         "declared_max_model_len": 512,
         "allow_unverified": True,
+        "send_kvguard_headers": True,  # our own engine: its drill log is keyed by request id
     }
     return gateway_settings(
         database_url=postgres_url,

@@ -1,103 +1,115 @@
-"""Engine adapters: SGLang and vLLM against payloads in the shape those servers publish
-(tests/gateway/fixtures/third_party_*), served over real HTTP; the bundled adapter and token
-counting against the stand-in engine; declared (OpenAI/litellm) engines."""
+"""Engine adapters: SGLang and vLLM against stand-ins that follow those servers' sources
+(standin_sglang, standin_vllm), served over real HTTP; the bundled adapter and token counting
+against the stand-in engine; declared (OpenAI/litellm) engines."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
 from gateway_standin import serve, standin_count, static_app
+from standin_sglang import SGLangWorker
+from standin_sglang import worker_app as sglang_app
+from standin_vllm import VLLMWorker
+from standin_vllm import worker_app as vllm_app
 
 from gateway.config import EngineSpec
 from gateway.engines.adapters import AdapterError, adapter_for
-from gateway.engines.adapters.openai_generic import upper_bound_tokens
 from gateway.engines.adapters.sglang import snapshot_from_sglang
-from gateway.engines.adapters.vllm import snapshot_from_vllm
+from gateway.engines.adapters.vllm import NO_STATS, pool_from_metrics, snapshot_from_vllm
 from gateway.engines.capacity import RoleView
+from gateway.engines.provider_count import BYTES_PER_MESSAGE, BYTES_PER_REQUEST, upper_bound_tokens
 
-FIXTURES = Path(__file__).parent / "fixtures"
-JSON, TEXT = "application/json", "text/plain; version=0.0.4"
-
-
-def fixture(name: str) -> str:
-    return (FIXTURES / name).read_text()
+JSON = "application/json"
 
 
-def test_sglang_payload_to_snapshot() -> None:
-    info = json.loads(fixture("third_party_sglang_get_server_info.json"))
-    models = json.loads(fixture("third_party_sglang_v1_models.json"))
-    snapshot = snapshot_from_sglang(info, models)
+def test_sglang_server_info_to_snapshot() -> None:
+    worker = SGLangWorker(rank_pools=[20480, 18000], context_len=32768)
+    models = {"object": "list", "data": [{"id": worker.model, "max_model_len": 32768}]}
+    snapshot = snapshot_from_sglang(worker.server_info(), models)
     assert snapshot.model == "qwen/qwen2.5-0.5b-instruct"
     assert snapshot.context_window == 32768
-    assert snapshot.roles == (RoleView(role="unified", pool_tokens=20480, page_size=1),)
-    assert (snapshot.max_prompt_tokens, snapshot.enforceable_limit) == (20474, 20480)
+    # rank 1's memory_usage.token_capacity is the smallest pool (the handshake shows rank 0's)
+    assert snapshot.roles == (RoleView(role="unified", pool_tokens=18000, page_size=1),)
+    assert (snapshot.max_prompt_tokens, snapshot.enforceable_limit) == (20474, 18000)
     assert snapshot.drift == (
-        "advertised window 32768 exceeds the unified role's real KV pool of 20480 tokens"
+        "advertised window 32768 exceeds the unified role's real KV pool of 18000 tokens"
     )
-    info["disaggregation_mode"] = "prefill"
-    info["internal_states"].append({"max_total_num_tokens": 12000, "max_req_input_len": 11990})
-    split = snapshot_from_sglang(info, models)
-    assert (split.roles[0].role, split.real_pool, split.max_prompt_tokens) == (
-        "prefill",
-        12000,
-        11990,
-    )
+    assert snapshot.isolation is not None and snapshot.isolation.field == "cache_salt"
+    worker.mode, worker.version = "prefill", "0.5.10"
+    split = snapshot_from_sglang(worker.server_info(), models)
+    assert split.roles[0].role == "prefill"
+    assert split.isolation is not None and split.isolation.field is None
+    assert "honoured from 0.5.12" in split.isolation.detail
+    worker.version, worker.hicache_storage_backend = "0.5.23", "mooncake"
+    stored = snapshot_from_sglang(worker.server_info(), models).isolation
+    assert stored is not None and stored.field is None and "token-only" in stored.detail
+    info = worker.server_info()
+    del info["internal_states"][1]["memory_usage"]["token_capacity"]
+    with pytest.raises(AdapterError, match=r"internal_states\[1\] has no token_capacity"):
+        snapshot_from_sglang(info, models)
     del info["max_total_num_tokens"]
     with pytest.raises(AdapterError, match="max_total_num_tokens"):
         snapshot_from_sglang(info, models)
 
 
-def test_vllm_payload_to_snapshot() -> None:
-    models = json.loads(fixture("third_party_vllm_v1_models.json"))
-    snapshot = snapshot_from_vllm(models, fixture("third_party_vllm_metrics.txt"), wanted=None)
-    assert (snapshot.model, snapshot.context_window) == ("qwen3-32b", 8192)
-    assert snapshot.roles == (RoleView(role="unified", pool_tokens=573 * 16, page_size=16),)
-    assert (snapshot.enforceable_limit, snapshot.drift) == (8192, None)
-    unprofiled = snapshot_from_vllm(
-        models, fixture("third_party_vllm_metrics_unprofiled.txt"), wanted=None
-    )
-    assert unprofiled.real_pool is None and not unprofiled.pool_known
-    nothing = snapshot_from_vllm(models, "# no metrics\n", wanted=None)
-    assert not nothing.pool_known
+def test_vllm_metrics_to_pool() -> None:
+    worker = VLLMWorker(core_pools=[9168, 8000])  # two data-parallel cores
+    assert pool_from_metrics(worker.metrics()) == (8000, 16, None)
+    worker.with_size_tokens = False  # before kv_cache_size_tokens: num_gpu_blocks is summed
+    pool, _, reason = pool_from_metrics(worker.metrics())
+    assert pool is None and reason is not None and "2 engine cores" in reason
+    worker.core_pools = [9168]
+    assert pool_from_metrics(worker.metrics()) == (9168, 16, None)  # 573 blocks * 16
+    unprofiled = worker.metrics().replace('num_gpu_blocks="573"', 'num_gpu_blocks="None"')
+    assert pool_from_metrics(unprofiled)[2] == "vllm:cache_config_info: KV cache not profiled yet"
+    worker.log_stats = False
+    assert pool_from_metrics(worker.metrics()) == (None, None, NO_STATS)
+    with pytest.raises(AdapterError, match="not Prometheus text"):
+        pool_from_metrics("vllm:cache_config_info{ 1\n")
+    models = {"data": [{"id": "qwen3-32b", "max_model_len": 8192, "parent": None}]}
     with pytest.raises(AdapterError, match="does not list the configured model 'other'"):
-        snapshot_from_vllm(models, fixture("third_party_vllm_metrics.txt"), wanted="other")
+        snapshot_from_vllm(models, worker.metrics(), wanted="other")
 
 
 async def test_sglang_and_vllm_adapters_over_http() -> None:
-    sglang = await serve(
-        static_app(
-            {
-                "/server_info": (200, JSON, fixture("third_party_sglang_get_server_info.json")),
-                "/v1/models": (200, JSON, fixture("third_party_sglang_v1_models.json")),
-            }
-        )
-    )  # a newer release: /get_server_info is gone, /server_info answers
-    vllm = await serve(
-        static_app(
-            {
-                "/v1/models": (200, JSON, fixture("third_party_vllm_v1_models.json")),
-                "/metrics": (200, TEXT, fixture("third_party_vllm_metrics.txt")),
-            }
-        )
-    )
-    broken = await serve(static_app({"/v1/models": (200, JSON, "[1, 2]")}))
+    current, legacy = SGLangWorker(), SGLangWorker(legacy=True, version="0.5.5")
+    vllm = VLLMWorker()
+    servers = [await serve(sglang_app(current)), await serve(sglang_app(legacy))]
+    servers += [await serve(vllm_app(vllm))]
+    servers += [await serve(static_app({"/v1/models": (200, JSON, "[1, 2]")}))]
+    s_url, legacy_url, v_url, broken_url = (server.url for server in servers)
     try:
         async with httpx.AsyncClient() as client:
-            spec = EngineSpec(name="s", kind="sglang", base_url=sglang.url)
+            spec = EngineSpec(name="s", kind="sglang", base_url=s_url)
             snapshot = await adapter_for(spec).introspect(client, timeout=2)
             assert (snapshot.real_pool, snapshot.context_window) == (20480, 32768)
-            spec = EngineSpec(name="v", kind="vllm", base_url=vllm.url, model="qwen3-32b")
+            assert snapshot.tokenize is not None and snapshot.tokenize.url.endswith("/v1/tokenize")
+            assert current.traffic.hits("/get_server_info") == 0  # the deprecated path: never
+            spec = EngineSpec(name="old", kind="sglang", base_url=legacy_url)
+            old = await adapter_for(spec).introspect(client, timeout=2)
+            assert old.real_pool == 20480 and legacy.traffic.hits("/get_server_info") == 1
+            assert old.isolation is not None and old.isolation.field is None
+            spec = EngineSpec(name="v", kind="vllm", base_url=v_url, model="qwen3-32b")
             snapshot = await adapter_for(spec).introspect(client, timeout=2)
-            assert (snapshot.real_pool, snapshot.model) == (9168, "qwen3-32b")
+            assert (snapshot.real_pool, snapshot.model, snapshot.version) == (
+                9168,
+                "qwen3-32b",
+                "0.33.0",
+            )
+            assert snapshot.tokenize is not None and snapshot.tokenize.url == f"{v_url}/tokenize"
+            messages = [{"role": "user", "content": "a b c"}]
+            count = await adapter_for(spec).count_tokens(
+                client, model="qwen3-32b", messages=messages, timeout=2, snapshot=snapshot
+            )
+            assert count == 3 + 3 and vllm.traffic.hits("/tokenize") == 2  # probe + count
             for kind, error in (("vllm", "not a JSON object"), ("sglang", "HTTP 404")):
                 with pytest.raises(AdapterError, match=error):
-                    spec = EngineSpec(name="b", kind=kind, base_url=broken.url)
+                    spec = EngineSpec(name="b", kind=kind, base_url=broken_url)
                     await adapter_for(spec).introspect(client, timeout=2)
     finally:
-        for server in (sglang, vllm, broken):
+        for server in servers:
             await server.stop()
 
 
@@ -159,5 +171,6 @@ async def test_declared_engines(standin) -> None:
         count = await adapter_for(spec).count_tokens(
             client, model="hosted", prompt="héllo", timeout=2
         )
-    assert count == upper_bound_tokens("héllo", None) == 6 + 16
-    assert upper_bound_tokens(None, [{"role": "user", "content": "ab"}]) == 16 + 16 + 4 + 2
+    assert count == upper_bound_tokens("hosted", "héllo", None) == 6 + BYTES_PER_REQUEST
+    two = [{"role": "user", "content": "ab"}]
+    assert upper_bound_tokens(None, None, two) == BYTES_PER_REQUEST + BYTES_PER_MESSAGE + 4 + 2

@@ -1,4 +1,6 @@
-"""The litellm upstream path (offline), against the stand-in engine's OpenAI-compatible routes."""
+"""The litellm upstream path (offline), against the stand-in engine's OpenAI-compatible routes:
+an engine of our own deployment reached through litellm (it opts in to the gateway's headers; its
+credential comes from litellm's own environment variable)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ def _spec(standin) -> dict:
         "litellm_model": "openai/standin-model",
         "declared_max_model_len": 4096,
         "allow_unverified": True,
+        "send_kvguard_headers": True,
     }
 
 
-async def test_litellm_chat_and_completions(make_settings, standin) -> None:
+async def test_litellm_chat_and_completions(make_settings, standin, monkeypatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-the-environment")
     async with running_gateway(make_settings(engines=[_spec(standin)])) as gw:
         tenant_id, key = await gw.create_tenant("acme")
         chat = {
@@ -33,6 +37,9 @@ async def test_litellm_chat_and_completions(make_settings, standin) -> None:
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == WORDS
         assert standin.controls.seen_headers[-1]["x-kvguard-tenant"] == tenant_id
+        assert (
+            standin.controls.seen_headers[-1]["authorization"] == "Bearer sk-from-the-environment"
+        )
 
         r = await gw.client.post(
             "/v1/chat/completions", json={**chat, "stream": True}, headers=bearer(key)

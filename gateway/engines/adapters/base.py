@@ -2,9 +2,10 @@
 
 One adapter per engine kind (bundled, SGLang, vLLM, declared OpenAI/litellm). ``introspect``
 returns a ``CapacitySnapshot`` or raises ``AdapterError`` with a short reason (never a payload
-echo). ``count_tokens`` asks the engine's own tokenizer (``POST /tokenize``, the shape the bundled
-backend, vLLM and SGLang share: ``{"count": N, ...}``) so the count matches what the engine will
-admit; declared engines without a tokenizer endpoint use a safe upper bound instead.
+echo). ``count_tokens`` asks the engine's own tokenizer at the target the last introspection found
+(``snapshot.tokenize``: the path the engine really serves, ``/v1/tokenize`` or ``/tokenize``, on
+the engine or on one member of its group; the answer shape is shared: ``{"count": N, ...}``) so
+the count matches what the engine will admit; declared engines count locally instead.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 import httpx
 
 from gateway.config import EngineSpec
-from gateway.engines.capacity import CapacitySnapshot
+from gateway.engines.capacity import CapacitySnapshot, TokenizeTarget
 
 MAX_INTROSPECTION_BYTES = 4 << 20
+DEFAULT_TOKENIZE_PATH = "/tokenize"
 
 
 class AdapterError(RuntimeError):
@@ -40,7 +42,7 @@ class EngineAdapter(ABC):
         prompt: str | None = None,
         messages: list[dict[str, Any]] | None = None,
         timeout: float,
-        headers: dict[str, str] | None = None,
+        snapshot: CapacitySnapshot | None = None,
     ) -> int:
         """Exact prompt tokens (chat template applied for messages), from the engine's tokenizer."""
         body: dict[str, Any] = {"model": model}
@@ -48,20 +50,20 @@ class EngineAdapter(ABC):
             body["messages"] = messages
         else:
             body["prompt"] = prompt or ""
-        headers = {**self.headers(), **(headers or {})}
-        data = await post_json(
-            client, self.url("/tokenize"), body, timeout=timeout, headers=headers
-        )
-        count = data.get("count")
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise AdapterError("tokenize answer has no valid 'count'")
-        return count
+        target = snapshot.tokenize if snapshot is not None else None
+        if target is None:
+            target = TokenizeTarget(url=self.url(DEFAULT_TOKENIZE_PATH))
+        headers = self.headers(member=target.member)
+        data = await post_json(client, target.url, body, timeout=timeout, headers=headers)
+        return _count(data)
 
-    def headers(self) -> dict[str, str]:
-        """Credentials for the engine itself (never the tenant's key)."""
-        if self.spec.api_key is None:
-            return {}
-        return {"Authorization": f"Bearer {self.spec.api_key.get_secret_value()}"}
+    def headers(self, *, member: str | None = None) -> dict[str, str]:
+        """Credentials for the engine (or one member of its group), never the tenant's key."""
+        key = self.spec.key()
+        if member is not None:
+            found = [m for m in self.spec.members if m.name == member]
+            key = found[0].key() if found else None
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
 
     def url(self, path: str) -> str:
         return f"{self.spec.base_url}{path}"
@@ -72,6 +74,48 @@ class EngineAdapter(ABC):
                 f"engine serves model '{reported}', configured as '{self.spec.model}'"
             )
         return reported
+
+
+def _count(data: dict[str, Any]) -> int:
+    count = data.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise AdapterError("tokenize answer has no valid 'count'")
+    return count
+
+
+async def probe_tokenize(
+    client: httpx.AsyncClient,
+    base: str,
+    paths: tuple[str, ...],
+    *,
+    model: str,
+    timeout: float,
+    headers: dict[str, str],
+) -> str:
+    """The first of ``paths`` on ``base`` that counts a prompt (404/405: not served, try the next).
+
+    Routers differ from their workers here (the SGLang model gateway routes only /v1/tokenize,
+    vLLM serves only /tokenize), so the path is found by asking, not assumed per kind.
+    """
+    tried = []
+    for path in paths:
+        url = f"{base}{path}"
+        try:
+            _count(
+                await post_json(
+                    client,
+                    url,
+                    {"model": model, "prompt": "kvguard"},
+                    timeout=timeout,
+                    headers=headers,
+                )
+            )
+            return url
+        except AdapterError as exc:
+            if not ("HTTP 404" in str(exc) or "HTTP 405" in str(exc)):
+                raise
+            tried.append(path)
+    raise AdapterError(f"no tokenize endpoint on {base} (tried {', '.join(tried)})")
 
 
 async def get_response(
@@ -135,3 +179,15 @@ def optional_positive_int(data: dict[str, Any], key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         return None
     return value
+
+
+def parse_version(version: Any) -> tuple[int, ...] | None:
+    if not isinstance(version, str):
+        return None
+    numbers = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers) if numbers else None

@@ -6,10 +6,9 @@ marked ``measured=False``; the registry refuses such an engine unless its spec s
 ``allow_unverified``. Liveness: an OpenAI-compatible engine must answer ``GET /v1/models``; a
 litellm provider is not probed (its API may bill or rate-limit listing calls).
 
-Token counts use a safe upper bound rather than a guess: every token of a byte-level or
-byte-fallback tokenizer covers at least one UTF-8 byte, so bytes + a per-message allowance for
-the chat template can only over-count. Over-counting refuses borderline requests; it never
-admits one that does not fit.
+Token counts are an upper bound that never undercounts (``gateway.engines.provider_count``:
+the model's own tiktoken encoding where it has one, else UTF-8 bytes); over-counting refuses
+borderline requests, it never admits one that does not fit.
 """
 
 from __future__ import annotations
@@ -21,20 +20,7 @@ import httpx
 from gateway.config import EngineKind
 from gateway.engines.adapters.base import EngineAdapter, get_json
 from gateway.engines.capacity import CapacitySnapshot, RoleView
-
-TEMPLATE_TOKENS_PER_MESSAGE = 16
-SPECIAL_TOKENS = 16
-
-
-def upper_bound_tokens(prompt: str | None, messages: list[dict[str, Any]] | None) -> int:
-    if messages is None:
-        return len((prompt or "").encode("utf-8")) + SPECIAL_TOKENS
-    total = SPECIAL_TOKENS
-    for message in messages:
-        total += TEMPLATE_TOKENS_PER_MESSAGE
-        for value in message.values():
-            total += len(str(value).encode("utf-8"))
-    return total
+from gateway.engines.provider_count import upper_bound_tokens
 
 
 class DeclaredAdapter(EngineAdapter):
@@ -57,6 +43,6 @@ class DeclaredAdapter(EngineAdapter):
         prompt: str | None = None,
         messages: list[dict[str, Any]] | None = None,
         timeout: float,
-        headers: dict[str, str] | None = None,
+        snapshot: CapacitySnapshot | None = None,
     ) -> int:
-        return upper_bound_tokens(prompt, messages)
+        return upper_bound_tokens(self.spec.litellm_model or model, prompt, messages)

@@ -1,11 +1,28 @@
-"""SGLang: ``GET /get_server_info`` for the real pool, ``GET /v1/models`` for the window.
+"""SGLang: ``GET /server_info`` for the real pool, ``GET /v1/models`` for the window.
 
-``/get_server_info`` publishes the server arguments flattened at the top level (``page_size``,
-``served_model_name``, ``context_length`` (often null: the model's own length applies),
-``disaggregation_mode``) plus the scheduler's ``max_total_num_tokens`` (the KV pool in tokens)
-and ``max_req_input_len`` (the longest prompt), repeated per data-parallel rank in
-``internal_states``. ``/v1/models`` reports the effective ``max_model_len``. Newer releases also
-serve ``/server_info``; the older path is tried first and the newer one on a 404.
+Checked against SGLang's own sources (the released wheels): 0.5.5 (``/get_server_info`` only),
+0.5.9, 0.5.10, 0.5.12, 0.5.14 and 0.5.23 (``/server_info``; ``/get_server_info`` logs a
+deprecation warning on every call, so it is asked only when ``/server_info`` is a 404).
+
+``/server_info`` publishes the resolved server arguments at the top level (``page_size``,
+``served_model_name``, ``context_length``, ``disaggregation_mode``, ``hicache_storage_backend``,
+``enable_lmcache``), the scheduler's handshake (``max_total_num_tokens``: the KV pool in tokens,
+``max_req_input_len``: the longest prompt; with data parallelism these are rank 0's only) and
+``internal_states``: one entry per DP rank (``Scheduler.get_internal_state``) whose pool is
+``memory_usage.token_capacity``. The smallest pool of any rank is the pool. ``/v1/models``
+reports the effective ``max_model_len``.
+
+Behind the Python ``mini_lb`` (sglang-router 0.3.2) ``/get_server_info`` answers
+``{"prefill": [info...], "decode": [info...], "internal_states": [...]}``: every worker's own
+info, each read as a role. Behind the SGLang model gateway (SMG 1.9.0), ``/get_server_info`` is
+the first prefill worker's only; a standalone engine that reports a disaggregation mode is
+therefore refused with the instruction to register the deployment as a group.
+
+Prefix-cache isolation: ``cache_salt`` on chat/completion requests namespaces the radix cache
+(0.5.5-0.5.14: joined into ``extra_key``; 0.5.23: its own radix-key field). Upstream fixed salts
+not reaching the scheduler in April 2026 (sgl-project/sglang#23300), so isolation is reported
+from 0.5.12, the first release checked after the fix; never with a hierarchical-cache storage
+backend or LMCache, whose external keys are token-only (SGLang's radix-key contract).
 """
 
 from __future__ import annotations
@@ -16,69 +33,143 @@ import httpx
 
 from gateway.engines.adapters.base import (
     AdapterError,
-    EngineAdapter,
     get_json,
     optional_positive_int,
+    parse_version,
     positive_int,
 )
-from gateway.engines.capacity import CapacitySnapshot, RoleView
+from gateway.engines.adapters.group import GroupAdapter, Worker
+from gateway.engines.capacity import CacheIsolation, CapacitySnapshot, RoleView
 
-SERVER_INFO_PATHS = ("/get_server_info", "/server_info")
+SERVER_INFO = "/server_info"
+LEGACY_SERVER_INFO = "/get_server_info"
+SALT_FROM = (0, 5, 12)
+PD_MODES = ("prefill", "decode")
 
 
-class SGLangAdapter(EngineAdapter):
-    async def introspect(self, client: httpx.AsyncClient, *, timeout: float) -> CapacitySnapshot:
-        info = await self._server_info(client, timeout=timeout)
+class SGLangAdapter(GroupAdapter):
+    tokenize_paths = ("/v1/tokenize", "/tokenize")
+
+    async def read_worker(
+        self, client: httpx.AsyncClient, worker: Worker, *, timeout: float
+    ) -> CapacitySnapshot:
+        info = await _server_info(client, worker, timeout=timeout)
         models = await get_json(
-            client, self.url("/v1/models"), timeout=timeout, headers=self.headers()
+            client, f"{worker.url}/v1/models", timeout=timeout, headers=worker.headers
         )
-        return snapshot_from_sglang(info, models, check_model=self.check_model)
+        return snapshot_from_sglang(info, models)
 
-    async def _server_info(self, client: httpx.AsyncClient, *, timeout: float) -> dict[str, Any]:
-        last: AdapterError | None = None
-        for path in SERVER_INFO_PATHS:
-            try:
-                return await get_json(
-                    client, self.url(path), timeout=timeout, headers=self.headers()
-                )
-            except AdapterError as exc:
-                last = exc
-                if "HTTP 404" not in str(exc):
-                    raise
-        assert last is not None
-        raise last
+    def standalone_problem(self, snapshot: CapacitySnapshot) -> str | None:
+        modes = sorted({role.role for role in snapshot.roles if role.role in PD_MODES})
+        if modes and set(modes) != set(PD_MODES):
+            return (
+                f"this URL reports a {'/'.join(modes)} worker only (a PD router shows one "
+                "worker's info): register the deployment as a group listing every prefill and "
+                "decode worker as members, with the router as base_url"
+            )
+        return None
 
 
-def snapshot_from_sglang(
-    info: dict[str, Any], models: dict[str, Any], *, check_model: Any = None
-) -> CapacitySnapshot:
-    where = "sglang server_info"
+async def _server_info(
+    client: httpx.AsyncClient, worker: Worker, *, timeout: float
+) -> dict[str, Any]:
+    try:
+        return await get_json(
+            client, f"{worker.url}{SERVER_INFO}", timeout=timeout, headers=worker.headers
+        )
+    except AdapterError as exc:
+        if "HTTP 404" not in str(exc):
+            raise
+    return await get_json(
+        client, f"{worker.url}{LEGACY_SERVER_INFO}", timeout=timeout, headers=worker.headers
+    )
+
+
+def snapshot_from_sglang(info: dict[str, Any], models: dict[str, Any]) -> CapacitySnapshot:
+    """One worker's info, or a mini_lb answer (every prefill and decode worker's info)."""
+    workers = _router_workers(info)
+    roles = [_role(part, where=f"sglang {name}") for name, part in workers]
+    card = _model_card(models, _first(workers, "served_model_name"))
+    window = optional_positive_int(card, "max_model_len") or _first_int(workers, "context_length")
+    if window is None:
+        raise AdapterError("sglang: no context_length and no max_model_len in /v1/models")
+    prompt_limits = [
+        limit for _, part in workers for limit in _prompt_limits(part) if limit is not None
+    ]
+    version = _first(workers, "version")
+    return CapacitySnapshot(
+        model=str(card["id"]),
+        context_window=window,
+        roles=tuple(roles),
+        measured=True,
+        max_prompt_tokens=min(prompt_limits) if prompt_limits else None,
+        isolation=isolation(version, [part for _, part in workers]),
+        version=version if isinstance(version, str) else None,
+    )
+
+
+def _router_workers(info: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    listed = {mode: info.get(mode) for mode in PD_MODES}
+    if not any(isinstance(value, list) for value in listed.values()):
+        return [("server_info", info)]
+    workers: list[tuple[str, dict[str, Any]]] = []
+    for mode, parts in listed.items():
+        for index, part in enumerate(parts if isinstance(parts, list) else []):
+            if not isinstance(part, dict):
+                raise AdapterError(f"sglang router: {mode}[{index}] is not an object")
+            workers.append((f"{mode}[{index}]", {**part, "disaggregation_mode": mode}))
+    if not workers or {part["disaggregation_mode"] for _, part in workers} != set(PD_MODES):
+        raise AdapterError("sglang router: its info lists no prefill or no decode worker")
+    return workers
+
+
+def _role(info: dict[str, Any], *, where: str) -> RoleView:
+    """Every DP rank's pool; the smallest is this worker's pool."""
     pools = [positive_int(info, "max_total_num_tokens", where=where)]
-    prompt_limits = [optional_positive_int(info, "max_req_input_len")]
+    for index, state in enumerate(info.get("internal_states") or []):
+        if not isinstance(state, dict):
+            continue
+        usage = state.get("memory_usage")
+        rank_pool = (
+            optional_positive_int(usage, "token_capacity") if isinstance(usage, dict) else None
+        )
+        rank_pool = rank_pool or optional_positive_int(state, "max_total_num_tokens")
+        if rank_pool is None and "memory_usage" in state:
+            raise AdapterError(f"{where}: internal_states[{index}] has no token_capacity")
+        if rank_pool is not None:
+            pools.append(rank_pool)
+    mode = info.get("disaggregation_mode")
+    return RoleView(
+        role=mode if mode in PD_MODES else "unified",
+        pool_tokens=min(pools),
+        page_size=optional_positive_int(info, "page_size"),
+    )
+
+
+def _prompt_limits(info: dict[str, Any]) -> list[int | None]:
+    limits = [optional_positive_int(info, "max_req_input_len")]
     for state in info.get("internal_states") or []:
         if isinstance(state, dict):
-            pools.append(optional_positive_int(state, "max_total_num_tokens") or pools[0])
-            prompt_limits.append(optional_positive_int(state, "max_req_input_len"))
-    card = _model_card(models, info.get("served_model_name"))
-    model = str(card["id"])
-    if check_model is not None:
-        model = check_model(model)
-    # /v1/models reports the effective length (a context_length override already applied).
-    window = optional_positive_int(card, "max_model_len") or optional_positive_int(
-        info, "context_length"
-    )
-    if window is None:
-        raise AdapterError(f"{where}: no context_length and no max_model_len in /v1/models")
-    known_prompt = [limit for limit in prompt_limits if limit is not None]
-    mode = info.get("disaggregation_mode")
-    role = mode if mode in ("prefill", "decode") else "unified"
-    return CapacitySnapshot(
-        model=model,
-        context_window=window,
-        roles=(RoleView(role=role, pool_tokens=min(pools), page_size=_page_size(info)),),
-        measured=True,
-        max_prompt_tokens=min(known_prompt) if known_prompt else None,
-    )
+            limits.append(optional_positive_int(state, "max_req_input_len"))
+    return limits
+
+
+def isolation(version: Any, infos: list[dict[str, Any]]) -> CacheIsolation:
+    parsed = parse_version(version)
+    if parsed is None or parsed < SALT_FROM:
+        return CacheIsolation(
+            field=None,
+            detail=f"SGLang {version or 'of unknown version'}: cache_salt is honoured from "
+            f"{'.'.join(map(str, SALT_FROM))} (upgrade to isolate tenants' prefix caches)",
+        )
+    for info in infos:
+        if info.get("hicache_storage_backend") or info.get("enable_lmcache"):
+            return CacheIsolation(
+                field=None,
+                detail="hierarchical-cache storage / LMCache keys are token-only in SGLang: "
+                "cache_salt does not reach them (disable them to isolate tenants)",
+            )
+    return CacheIsolation(field="cache_salt", detail=f"SGLang {version}: radix cache salted")
 
 
 def _model_card(models: dict[str, Any], served: Any) -> dict[str, Any]:
@@ -88,8 +179,15 @@ def _model_card(models: dict[str, Any], served: Any) -> dict[str, Any]:
     for card in cards:
         if card["id"] == served:
             return card
-    return cards[0]
+    base = [card for card in cards if not card.get("parent")]  # LoRA adapters have a parent
+    return (base or cards)[0]
 
 
-def _page_size(info: dict[str, Any]) -> int | None:
-    return optional_positive_int(info, "page_size")
+def _first(workers: list[tuple[str, dict[str, Any]]], key: str) -> Any:
+    return next((part[key] for _, part in workers if part.get(key) is not None), None)
+
+
+def _first_int(workers: list[tuple[str, dict[str, Any]]], key: str) -> int | None:
+    values = [optional_positive_int(part, key) for _, part in workers]
+    known = [value for value in values if value is not None]
+    return min(known) if known else None

@@ -1,0 +1,140 @@
+"""Engines that can be one worker or a deployment of workers behind a router (SGLang, vLLM).
+
+Lifecycle of one introspection:
+
+1. workers: the spec's members (each with its own role, URL, key and optional declared pool), or
+   the engine itself when it has none;
+2. each worker is read concurrently with the kind's own endpoints (``read_worker``); any failure
+   fails the whole engine with a reason naming the member (fail closed: a request could land on
+   the worker nobody measured);
+3. every worker must serve the same model (and the configured one, if set);
+4. the counting target is probed on the first prefill/unified worker (routers do not count chat
+   prompts: the SGLang model gateway's /v1/tokenize takes a prompt string only, mini_lb and the
+   vLLM PD proxy serve no tokenize route at all);
+5. ``group_snapshot`` joins the workers into one path whose limit is the smallest pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import abstractmethod
+from dataclasses import dataclass, replace
+
+import httpx
+
+from gateway.config import MemberRole, MemberSpec
+from gateway.engines.adapters.base import AdapterError, EngineAdapter, probe_tokenize
+from gateway.engines.capacity import CapacitySnapshot, TokenizeTarget, group_snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """One worker to read: the engine itself (member None) or one member of its group."""
+
+    url: str
+    headers: dict[str, str]
+    declared_pool_tokens: int | None
+    member: MemberSpec | None = None
+
+    @property
+    def counts(self) -> bool:
+        return self.member is None or self.member.role is not MemberRole.DECODE
+
+
+class GroupAdapter(EngineAdapter):
+    tokenize_paths: tuple[str, ...] = ("/tokenize",)
+
+    @abstractmethod
+    async def read_worker(
+        self, client: httpx.AsyncClient, worker: Worker, *, timeout: float
+    ) -> CapacitySnapshot:
+        """One worker's capacity, read from its own endpoints."""
+
+    def standalone_problem(self, snapshot: CapacitySnapshot) -> str | None:
+        """Why a worker registered alone (no members) cannot be a whole serving path, if so."""
+        return None
+
+    async def introspect(self, client: httpx.AsyncClient, *, timeout: float) -> CapacitySnapshot:
+        workers = self.workers()
+        parts = await asyncio.gather(
+            *(self._read(client, worker, timeout=timeout) for worker in workers)
+        )
+        model = self.check_model(parts[0].model)
+        for worker, part in zip(workers, parts, strict=True):
+            if part.model != model:
+                raise AdapterError(
+                    f"member '{_name(worker)}' serves model '{part.model}', the group '{model}'"
+                )
+        counter = next(worker for worker in workers if worker.counts)
+        target = TokenizeTarget(
+            url=await self._probe(client, counter, model=model, timeout=timeout),
+            member=None if counter.member is None else counter.member.name,
+        )
+        if counter.member is None:
+            snapshot = parts[0]
+            problem = self.standalone_problem(snapshot)
+            return _with(snapshot, tokenize=target, unavailable=problem or snapshot.unavailable)
+        named = [(_name(worker), part) for worker, part in zip(workers, parts, strict=True)]
+        return group_snapshot(model, named, tokenize=target)
+
+    def workers(self) -> list[Worker]:
+        if not self.spec.members:
+            return [
+                Worker(
+                    url=self.spec.base_url,
+                    headers=self.headers(),
+                    declared_pool_tokens=self.spec.declared_pool_tokens,
+                )
+            ]
+        return [
+            Worker(
+                url=member.url,
+                headers=self.headers(member=member.name),
+                declared_pool_tokens=member.declared_pool_tokens,
+                member=member,
+            )
+            for member in self.spec.members
+        ]
+
+    async def _read(
+        self, client: httpx.AsyncClient, worker: Worker, *, timeout: float
+    ) -> CapacitySnapshot:
+        if worker.member is None:
+            return await self.read_worker(client, worker, timeout=timeout)
+        try:
+            return await self.read_worker(client, worker, timeout=timeout)
+        except AdapterError as exc:
+            member = worker.member
+            raise AdapterError(
+                f"member '{member.name}' ({member.role.value}, {member.url}): {exc}"
+            ) from exc
+
+    async def _probe(
+        self, client: httpx.AsyncClient, worker: Worker, *, model: str, timeout: float
+    ) -> str:
+        try:
+            return await probe_tokenize(
+                client,
+                worker.url,
+                self.tokenize_paths,
+                model=model,
+                timeout=timeout,
+                headers=worker.headers,
+            )
+        except AdapterError as exc:
+            if worker.member is None:
+                raise AdapterError(
+                    f"{exc}: a router that counts no chat prompts needs the deployment "
+                    "registered as a group (register its workers as members)"
+                ) from exc
+            raise AdapterError(f"member '{worker.member.name}': {exc}") from exc
+
+
+def _name(worker: Worker) -> str:
+    return "engine" if worker.member is None else worker.member.name
+
+
+def _with(
+    snapshot: CapacitySnapshot, *, tokenize: TokenizeTarget, unavailable: str | None
+) -> CapacitySnapshot:
+    return replace(snapshot, tokenize=tokenize, unavailable=unavailable)

@@ -1,0 +1,227 @@
+"""Shared parts of the STAND-IN engines (tests only): scripted answers and OpenAI-shaped bodies.
+
+The SGLang and vLLM stand-ins (``standin_sglang``, ``standin_vllm``) and the third-party provider
+below build their completion bodies and stream chunks here, in the shapes of the OpenAI API
+reference (``/work/shared/reference/openai-openapi.yaml``: ``CreateChatCompletionResponse``,
+``CreateChatCompletionStreamResponse``, ``ChatCompletionMessageToolCallChunk``) with each
+engine's own differences passed in (vLLM's first chunk carries ``role``; SGLang's does too; vLLM
+adds ``stop_reason``). They are NOT the engines: they exist to drive the gateway's real code.
+
+A test scripts an answer with ``Script``: fixed text (default: echo the last user message word by
+word), tool-call deltas split into argument pieces, per-token logprobs, or text copied from the
+previous request's prompt (a cross-request leak, to exercise the firewall).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn  # noqa: F401  (the servers run through gateway_standin.serve)
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+MESSAGE_OVERHEAD = 3  # the stand-in chat template: tokens per message besides its words
+
+
+def word_count(prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> int:
+    """The stand-ins' tokenizer: one token per whitespace-separated word (+ per-message frame)."""
+    if messages is not None:
+        return sum(len(str(m.get("content", "")).split()) + MESSAGE_OVERHEAD for m in messages)
+    return len((prompt or "").split())
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, streamed in ``pieces`` parts
+    pieces: int = 3
+
+
+@dataclass
+class Script:
+    text: str | None = None  # None: echo the last user message (or the prompt)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: bool = False
+    leak_previous: bool = False  # answer with the previous request's last user message
+
+
+@dataclass
+class Traffic:
+    """What an engine saw (tests assert on it)."""
+
+    paths: list[str] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
+
+    def hits(self, path: str) -> int:
+        return self.paths.count(path)
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """Everything the request's prompt holds (every message), as the engine would see it."""
+    if "messages" in body:
+        return " ".join(str(m.get("content", "")) for m in body["messages"])
+    prompt = body.get("prompt", "")
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _last_user(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        users = [str(m.get("content", "")) for m in body["messages"] if m.get("role") == "user"]
+        return users[-1] if users else ""
+    return prompt_text(body)
+
+
+def answer_words(body: dict[str, Any], script: Script, traffic: Traffic) -> list[str]:
+    if script.leak_previous and len(traffic.prompts) >= 2:
+        text = traffic.prompts[-2]  # another request's prompt: what a KV leak looks like
+    elif script.text is not None:
+        text = script.text
+    else:
+        text = _last_user(body)
+    return text.split()[: int(body.get("max_tokens") or 16)]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _logprobs(word: str, *, chat: bool) -> dict[str, Any]:
+    if chat:
+        entry = {"token": word, "logprob": -0.25, "bytes": list(word.encode()), "top_logprobs": []}
+        return {"content": [entry]}
+    return {"tokens": [word], "token_logprobs": [-0.25], "top_logprobs": None, "text_offset": [0]}
+
+
+def full_body(
+    body: dict[str, Any], words: list[str], prompt_tokens: int, script: Script, *, model: str
+) -> dict[str, Any]:
+    chat = "messages" in body
+    text = " ".join(words)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "logprobs": None}
+    if chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if script.tool_calls:
+            message["content"] = None
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for i, call in enumerate(script.tool_calls)
+            ]
+            choice["finish_reason"] = "tool_calls"
+        choice["message"] = message
+    else:
+        choice["text"] = text
+    return {
+        "id": "cmpl-standin",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, len(words)),
+    }
+
+
+def chunks(
+    body: dict[str, Any],
+    words: list[str],
+    prompt_tokens: int,
+    script: Script,
+    *,
+    model: str,
+    extra_choice: dict[str, Any] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Stream chunk objects: role chunk, text or tool-call deltas, finish, usage (if asked)."""
+    chat = "messages" in body
+    base = {
+        "id": "cmpl-standin",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+    extra = extra_choice or {}
+
+    def choice(delta: dict[str, Any] | str, finish: str | None = None, **more: Any) -> dict:
+        out: dict[str, Any] = {"index": 0, "finish_reason": finish, **extra, **more}
+        out.update({"delta": delta} if chat else {"text": delta})
+        return {**base, "choices": [out]}
+
+    if chat:
+        yield choice({"role": "assistant", "content": ""})
+    for i, word in enumerate(words if not script.tool_calls else []):
+        piece = word if i == 0 else " " + word
+        more = {"logprobs": _logprobs(piece, chat=chat)} if script.logprobs else {}
+        yield choice({"content": piece} if chat else piece, **more)
+    for index, call in enumerate(script.tool_calls if chat else []):
+        yield choice(
+            {
+                "tool_calls": [
+                    {
+                        "index": index,
+                        "id": f"call_{index}",
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                ]
+            }
+        )
+        size = max(1, -(-len(call.arguments) // call.pieces))
+        for start in range(0, len(call.arguments), size):
+            part = call.arguments[start : start + size]
+            yield choice({"tool_calls": [{"index": index, "function": {"arguments": part}}]})
+    finish = "tool_calls" if script.tool_calls and chat else "stop"
+    yield choice({} if chat else "", finish)
+    if (body.get("stream_options") or {}).get("include_usage"):
+        yield {**base, "choices": [], "usage": usage(prompt_tokens, len(words))}
+
+
+def sse(objects: Iterator[dict[str, Any]]) -> Iterator[bytes]:
+    for obj in objects:
+        yield f"data: {json.dumps(obj)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+# -- a third-party provider (what litellm reaches) -------------------------------------------------
+
+
+@dataclass
+class ProviderControls:
+    model: str = "gpt-4o-mini"
+    script: Script = field(default_factory=Script)
+    traffic: Traffic = field(default_factory=Traffic)
+
+
+def provider_app(controls: ProviderControls) -> FastAPI:
+    """An OpenAI-compatible THIRD-PARTY provider: records every header it is sent."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat(request: Request) -> Any:
+        body = await request.json()
+        controls.traffic.paths.append(request.url.path)
+        controls.traffic.headers.append({k.lower(): v for k, v in request.headers.items()})
+        controls.traffic.bodies.append(body)
+        controls.traffic.prompts.append(prompt_text(body))
+        words = answer_words(body, controls.script, controls.traffic)
+        tokens = word_count(None, body.get("messages"))
+        if body.get("stream"):
+            return StreamingResponse(
+                sse(chunks(body, words, tokens, controls.script, model=controls.model)),
+                media_type="text/event-stream",
+            )
+        return JSONResponse(full_body(body, words, tokens, controls.script, model=controls.model))
+
+    return app

@@ -1,0 +1,280 @@
+"""STAND-INs for SGLang workers and the routers in front of them (tests only; not SGLang).
+
+Shapes follow these upstream sources, read from the released packages:
+
+- worker: SGLang 0.5.23, ``python/sglang/srt/entrypoints/http_server.py`` (``/server_info``;
+  ``/get_server_info`` deprecated alias that logs a warning; ``/model_info``; ``/v1/models`` with
+  ``ModelCard.max_model_len``; ``/v1/tokenize`` and ``/tokenize`` answering ``TokenizeResponse``
+  ``{tokens, count, max_model_len}``), ``srt/utils/common.py`` ``build_server_info`` (resolved
+  server args + scheduler handshake ``max_total_num_tokens``/``max_req_input_len`` = rank 0),
+  ``srt/managers/scheduler_components/internal_state.py`` + ``memory_usage.py`` (one
+  ``internal_states`` entry per DP rank, pool in ``memory_usage.token_capacity``), errors from
+  ``srt/entrypoints/openai/serving_base.py`` ``create_error_response`` (a flat
+  ``{"object": "error", "message", "type", "param", "code"}``, not OpenAI's nested ``error``).
+  ``legacy=True`` answers like 0.5.5 (no ``/server_info``).
+- ``MiniLB``: sglang-router 0.3.2, ``sglang_router/mini_lb.py`` (``/get_server_info`` =
+  ``{"internal_states": decode ranks', "prefill": [infos], "decode": [infos]}``; ``/v1/models``
+  from the first prefill; completions sent to a prefill and a decode worker, the decode answer
+  returned; no tokenize route).
+- ``ModelGatewayRouter``: the SGLang model gateway (Shepherd Model Gateway 1.9.0, commit
+  73da68ca of lightseekorg/smg), ``model_gateway/src/server.rs`` and
+  ``routers/http/pd_router.rs``: ``/get_server_info`` proxied to the FIRST prefill worker only;
+  ``/v1/tokenize`` (router-side tokenizer, ``{model, prompt}`` only: no chat messages) and no
+  ``/tokenize``; ``/v1/models``; chat/completions dual-dispatched to a prefill/decode pair.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from gateway_standin import RunningServer, serve
+from standin_openai import (
+    Script,
+    Traffic,
+    answer_words,
+    chunks,
+    full_body,
+    prompt_text,
+    sse,
+    word_count,
+)
+
+VERSION = "0.5.23"
+
+
+@dataclass
+class SGLangWorker:
+    """Knobs of one SGLang worker; read per request."""
+
+    model: str = "qwen/qwen2.5-0.5b-instruct"
+    context_len: int = 32768
+    rank_pools: list[int] = field(default_factory=lambda: [20480])  # one per DP rank
+    page_size: int = 1
+    mode: str = "null"  # disaggregation_mode: null | prefill | decode
+    version: str = VERSION
+    legacy: bool = False  # 0.5.5: /get_server_info only
+    hicache_storage_backend: str | None = None
+    status: int = 200  # != 200: every route answers this (a sick worker)
+    refuse: str | None = None  # completions answer SGLang's 400 with this message
+    script: Script = field(default_factory=Script)
+    traffic: Traffic = field(default_factory=Traffic)
+
+    def server_info(self) -> dict[str, Any]:
+        args = {
+            "model_path": self.model,
+            "served_model_name": self.model,
+            "context_length": None,
+            "page_size": self.page_size,
+            "max_total_tokens": None,
+            "dp_size": len(self.rank_pools),
+            "disaggregation_mode": self.mode,
+            "hicache_storage_backend": self.hicache_storage_backend,
+            "enable_lmcache": False,
+        }
+        states = [
+            {
+                **args,
+                "last_gen_throughput": 0.0,
+                "memory_usage": {
+                    "weight": 0.98,
+                    "kvcache": 0.23,
+                    "startup_available": 60.0,
+                    "token_capacity": pool,
+                    "token_capacity_swa": None,
+                    "graph": {"decode": 0.0},
+                },
+                "effective_max_running_requests_per_dp": 128,
+            }
+            for pool in self.rank_pools
+        ]
+        return {
+            **args,
+            "status": "ready",
+            "max_total_num_tokens": self.rank_pools[0],  # the handshake keeps rank 0's
+            "max_req_input_len": self.rank_pools[0] - 6,
+            "internal_states": states,
+            "version": self.version,
+        }
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    body = {"object": "error", "message": message, "type": "BadRequestError", "param": None}
+    return JSONResponse({**body, "code": status}, status_code=status)
+
+
+def worker_app(w: SGLangWorker) -> FastAPI:
+    app = FastAPI()
+
+    @app.middleware("http")
+    async def record(request: Request, call_next: Any) -> Response:
+        w.traffic.paths.append(request.url.path)
+        w.traffic.headers.append({k.lower(): v for k, v in request.headers.items()})
+        if w.status != 200:
+            return JSONResponse({"detail": "sick"}, status_code=w.status)
+        response: Response = await call_next(request)
+        return response
+
+    @app.get("/server_info")
+    async def server_info() -> Any:
+        if w.legacy:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return w.server_info()
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Any:
+        return w.server_info()
+
+    @app.get("/model_info")
+    async def model_info() -> Any:
+        return {"model_path": w.model, "is_generation": True, "disaggregation_mode": w.mode}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        card = {"id": w.model, "object": "model", "owned_by": "sglang", "root": w.model}
+        return {
+            "object": "list",
+            "data": [{**card, "parent": None, "max_model_len": w.context_len}],
+        }
+
+    @app.post("/v1/tokenize")
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        body = await request.json()
+        count = word_count(body.get("prompt"), body.get("messages"))
+        return {"tokens": list(range(count)), "count": count, "max_model_len": w.context_len}
+
+    @app.post("/v1/chat/completions")
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> Any:
+        body = await request.json()
+        w.traffic.bodies.append(body)
+        if w.refuse is not None:
+            return _error(400, w.refuse)
+        w.traffic.prompts.append(prompt_text(body))
+        tokens = word_count(body.get("prompt"), body.get("messages"))
+        if tokens + int(body.get("max_tokens") or 16) > min(w.context_len, *w.rank_pools):
+            return _error(400, f"The input ({tokens} tokens) is longer than the model's context")
+        words = answer_words(body, w.script, w.traffic)
+        if body.get("stream"):
+            objs = chunks(body, words, tokens, w.script, model=w.model)
+            return StreamingResponse(sse(objs), media_type="text/event-stream")
+        return full_body(body, words, tokens, w.script, model=w.model)
+
+    return app
+
+
+@dataclass
+class PDRouter:
+    """A PD router over SGLang workers: ``mini_lb`` or the model gateway (``flavor``)."""
+
+    prefill: list[str]
+    decode: list[str]
+    flavor: str = "model_gateway"  # or "mini_lb"
+    traffic: Traffic = field(default_factory=Traffic)
+
+    def __post_init__(self) -> None:
+        self._pairs = itertools.cycle(
+            [(p, d) for p in self.prefill for d in self.decode] or [("", "")]
+        )
+
+
+def router_app(r: PDRouter) -> FastAPI:
+    app = FastAPI()
+    client = httpx.AsyncClient(timeout=30)
+
+    @app.middleware("http")
+    async def record(request: Request, call_next: Any) -> Response:
+        r.traffic.paths.append(request.url.path)
+        response: Response = await call_next(request)
+        return response
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Any:
+        if r.flavor == "model_gateway":
+            return (await client.get(f"{r.prefill[0]}/get_server_info")).json()
+        prefill = [(await client.get(f"{u}/get_server_info")).json() for u in r.prefill]
+        decode = [(await client.get(f"{u}/get_server_info")).json() for u in r.decode]
+        states = [s for info in decode for s in info.get("internal_states", [])]
+        return {"internal_states": states, "prefill": prefill, "decode": decode}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return (await client.get(f"{r.prefill[0]}/v1/models")).json()
+
+    if r.flavor == "model_gateway":
+
+        @app.post("/v1/tokenize")
+        async def tokenize(request: Request) -> Any:
+            body = await request.json()
+            if not isinstance(body.get("prompt"), str | list):  # serde: prompt is required
+                return JSONResponse({"error": "missing field `prompt`"}, status_code=422)
+            count = word_count(body["prompt"] if isinstance(body["prompt"], str) else "")
+            return {"tokens": list(range(count)), "count": count, "char_count": 0}
+
+    @app.post("/v1/chat/completions")
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> Any:
+        body = await request.json()
+        prefill, decode = next(r._pairs)
+        headers = {k: v for k, v in request.headers.items() if k.lower().startswith("x-")}
+        sent = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_room": 7}
+        path = request.url.path
+        await client.post(f"{prefill}{path}", json={**sent, "stream": False}, headers=headers)
+        if not body.get("stream"):
+            answer = await client.post(f"{decode}{path}", json=sent, headers=headers)
+            return JSONResponse(answer.json(), status_code=answer.status_code)
+        upstream = client.build_request("POST", f"{decode}{path}", json=sent, headers=headers)
+        opened = await client.send(upstream, stream=True)
+        if opened.status_code != 200:
+            await opened.aread()
+            return JSONResponse(opened.json(), status_code=opened.status_code)
+        return StreamingResponse(opened.aiter_raw(), media_type="text/event-stream")
+
+    return app
+
+
+@dataclass
+class SGLangPD:
+    """A running PD deployment: router + workers on real 127.0.0.1 ports."""
+
+    router: PDRouter
+    router_server: RunningServer
+    workers: dict[str, SGLangWorker]
+    urls: dict[str, str]
+    servers: list[RunningServer]
+
+    @property
+    def url(self) -> str:
+        return self.router_server.url
+
+    def members(self) -> list[dict[str, Any]]:
+        return [
+            {"name": name, "role": w.mode, "url": self.urls[name]}
+            for name, w in self.workers.items()
+        ]
+
+    async def stop(self) -> None:
+        await self.router_server.stop()
+        for server in self.servers:
+            await server.stop()
+
+
+async def start_sglang_pd(
+    workers: dict[str, SGLangWorker], *, flavor: str = "model_gateway"
+) -> SGLangPD:
+    servers, urls = [], {}
+    for name, worker in workers.items():
+        server = await serve(worker_app(worker))
+        servers.append(server)
+        urls[name] = server.url
+    router = PDRouter(
+        prefill=[urls[n] for n, w in workers.items() if w.mode == "prefill"],
+        decode=[urls[n] for n, w in workers.items() if w.mode == "decode"],
+        flavor=flavor,
+    )
+    return SGLangPD(router, await serve(router_app(router)), workers, urls, servers)

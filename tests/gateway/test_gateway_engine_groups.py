@@ -1,0 +1,290 @@
+"""SGLang and vLLM deployments behind routers, registered as engine groups the way docs/engines
+tells an operator to, against stand-ins that follow the upstream sources (standin_sglang,
+standin_vllm): the enforced limit is the smallest pool of every member, one sick member fails the
+group closed with a reason naming it, token counts come from the endpoint the worker serves, the
+tenant's prefix-cache salt replaces the client's, and requests stream through the canary
+firewall and into the audit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gateway_harness import bearer, running_gateway
+from sqlalchemy import select
+from standin_openai import Script, Traffic
+from standin_sglang import SGLangWorker, start_sglang_pd
+from standin_vllm import VLLMWorker, start_vllm_routed
+
+from canary.config import CanarySettings
+from canary.runtime import CanaryRuntime
+from gateway.db.models import RequestAudit
+from gateway.db.session import session_scope
+from gateway.engines.isolation import tenant_salt
+
+CANARY_KEY = "canary-test-key-0123456789abcdef0123456789"
+
+
+def _toml(name: str, kind: str, url: str, members: list[dict[str, Any]], extra: str = "") -> str:
+    """The engines file an operator writes for a deployment (docs/engines.md)."""
+    text = f'[[engines]]\nname = "{name}"\nkind = "{kind}"\nbase_url = "{url}"\n{extra}'
+    for m in members:
+        text += f'\n[[engines.members]]\nname = "{m["name"]}"\nrole = "{m["role"]}"\n'
+        text += f'url = "{m["url"]}"\n' + "".join(
+            f"{k} = {v}\n" for k, v in m.items() if k not in ("name", "role", "url")
+        )
+    return text
+
+
+def _chat(model: str, words: int, *, stream: bool = True, **extra: Any) -> dict[str, Any]:
+    content = " ".join(["word"] * words)
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        "stream": stream,
+        **extra,
+    }
+
+
+def _text(raw: str) -> str:
+    out = []
+    for block in raw.split("\n\n"):
+        data = block.removeprefix("data: ").strip()
+        if data.startswith("{"):
+            for choice in json.loads(data).get("choices", []):
+                out.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
+async def _engine(gw: Any, name: str) -> dict[str, Any]:
+    r = await gw.client.get("/admin/engines", headers=gw.admin)
+    return next(e for e in r.json() if e["name"] == name)
+
+
+async def _audit(gw: Any) -> list[RequestAudit]:
+    await gw.state.audit.flush()
+    with session_scope(gw.state.sessions) as session:
+        return list(session.scalars(select(RequestAudit).order_by(RequestAudit.id)))
+
+
+def _canary_hooks() -> Any:
+    return CanaryRuntime(CanarySettings(canary_key=CANARY_KEY)).hooks()
+
+
+async def test_sglang_pd_group_behind_the_model_gateway(make_settings, tmp_path: Path) -> None:
+    shared = Traffic()  # the decode workers' pages: a leak there reaches any of them
+    workers = {
+        "p1": SGLangWorker(mode="prefill", rank_pools=[3000], context_len=4096),
+        "p2": SGLangWorker(mode="prefill", rank_pools=[2600, 2400]),  # DP: rank 1 is smaller
+        "d1": SGLangWorker(mode="decode", rank_pools=[4000], traffic=shared),
+        "d2": SGLangWorker(mode="decode", rank_pools=[1800], traffic=shared),
+    }
+    pd = await start_sglang_pd(workers, flavor="model_gateway")
+    try:
+        engines = tmp_path / "engines.toml"
+        engines.write_text(_toml("sglang-pd", "sglang", pd.url, pd.members()))
+        settings = make_settings(engines_file=engines)
+        async with running_gateway(settings, hooks=_canary_hooks()) as gw:
+            view = await _engine(gw, "sglang-pd")
+            assert view["routable"], view
+            assert view["enforceable_limit"] == 1800  # d2's pool: the smallest on any path
+            assert {r["role"]: r["pool_tokens"] for r in view["roles"]} == {
+                "p1/prefill": 3000,
+                "p2/prefill": 2400,
+                "d1/decode": 4000,
+                "d2/decode": 1800,
+            }
+            assert view["tokenize_url"] == f"{pd.urls['p1']}/v1/tokenize"
+            assert view["prefix_cache_isolation"] == {
+                "supported": True,
+                "field": "cache_salt",
+                "detail": "every member honours cache_salt",
+            }
+            for worker in workers.values():  # /server_info, never the deprecated path
+                assert worker.traffic.hits("/get_server_info") == 0
+                assert worker.traffic.hits("/server_info") >= 1
+
+            victim, victim_key = await gw.create_tenant("victim", canary_sample_rate=1.0)
+            _, observer_key = await gw.create_tenant("observer")
+            model = workers["p1"].model
+            too_long = await gw.client.post(
+                "/v1/chat/completions", json=_chat(model, 1790), headers=bearer(victim_key)
+            )  # 1790 words + 3 frame + 8 max_tokens = 1801 > 1800
+            assert too_long.status_code == 400
+            assert too_long.json()["error"]["code"] == "context_length_exceeded"
+            assert "limit is 1800 tokens" in too_long.json()["error"]["message"]
+
+            r = await gw.client.post(
+                "/v1/chat/completions",
+                json=_chat(model, 20, cache_salt="the-client-chose-this"),
+                headers=bearer(victim_key),
+            )
+            assert r.status_code == 200 and "[DONE]" in r.text
+            assert _text(r.text) == " ".join(["word"] * 8)  # echoed up to max_tokens
+            sent = shared.bodies[-1]
+            assert sent["cache_salt"] == tenant_salt(settings.cache_salt_secret(), victim)
+            assert "the-client-chose-this" not in str(shared.bodies)
+            assert pd.router.traffic.hits("/v1/tokenize") == 0  # counted on p1, with messages
+            assert workers["p1"].traffic.hits("/v1/tokenize") >= 2
+
+            for worker in ("d1", "d2"):  # SGLang's own 400 (a flat body) reaches the client
+                workers[worker].refuse = "Requested token count exceeds the model's maximum"
+            refused = await gw.client.post(
+                "/v1/chat/completions", json=_chat(model, 5), headers=bearer(observer_key)
+            )
+            assert refused.status_code == 400, refused.text
+            assert "Requested token count exceeds" in refused.json()["error"]["message"]
+            for worker in ("d1", "d2"):
+                workers[worker].refuse = None
+                workers[worker].script = Script(leak_previous=True)
+            leak = await gw.client.post(
+                "/v1/chat/completions", json=_chat(model, 5), headers=bearer(observer_key)
+            )
+            assert leak.status_code == 200 and "isolation_violation" in leak.text
+            assert "CNRY-" not in leak.text
+
+            rows = await _audit(gw)
+            assert [(row.engine, row.outcome) for row in rows[-3:]] == [
+                ("sglang-pd", "completed"),
+                ("sglang-pd", "rejected"),
+                ("sglang-pd", "cut"),
+            ]
+            assert rows[-3].prompt_tokens is not None and rows[-3].prompt_tokens > 20
+
+            await gw.client.delete("/admin/engines/sglang-pd/quarantine", headers=gw.admin)
+            workers["d2"].status = 500  # one decode worker stops answering its introspection
+            await gw.state.poller.poll_once()
+            view = await _engine(gw, "sglang-pd")
+            assert (view["routable"], view["blocked_reason"]) == (False, "unreachable")
+            assert "member 'd2' (decode" in view["blocked_detail"]
+            refused = await gw.client.post(
+                "/v1/chat/completions", json=_chat(model, 5), headers=bearer(observer_key)
+            )
+            assert refused.status_code == 503
+            assert pd.url not in refused.text and "d2" not in refused.text
+    finally:
+        await pd.stop()
+
+
+async def test_sglang_router_alone_is_refused_with_the_fix(make_settings) -> None:
+    workers = {
+        "p1": SGLangWorker(mode="prefill", rank_pools=[3000]),
+        "d1": SGLangWorker(mode="decode", rank_pools=[1000]),
+    }
+    gateway_pd = await start_sglang_pd(workers, flavor="model_gateway")
+    mini = await start_sglang_pd(
+        {"p": SGLangWorker(mode="prefill"), "d": SGLangWorker(mode="decode")}, flavor="mini_lb"
+    )
+    try:
+        settings = make_settings(
+            engines=[
+                {"name": "smg", "kind": "sglang", "base_url": gateway_pd.url},
+                {"name": "mini", "kind": "sglang", "base_url": mini.url},
+            ]
+        )
+        async with running_gateway(settings) as gw:
+            smg = await _engine(gw, "smg")
+            assert smg["blocked_reason"] == "unavailable"  # it shows only p1: d1 is unseen
+            assert "listing every prefill and decode worker as members" in smg["blocked_detail"]
+            mini_view = await _engine(gw, "mini")
+            assert mini_view["blocked_reason"] == "unreachable"
+            assert "no tokenize endpoint" in mini_view["blocked_detail"]
+            assert "register its workers as members" in mini_view["blocked_detail"]
+    finally:
+        await gateway_pd.stop()
+        await mini.stop()
+
+
+async def test_vllm_deployment_behind_the_pd_proxy(make_settings, tmp_path: Path) -> None:
+    decoded = Traffic()
+    routed = await start_vllm_routed(
+        {
+            "prefill-0": ("prefill", VLLMWorker(core_pools=[12000])),
+            "decode-0": ("decode", VLLMWorker(core_pools=[9168], traffic=decoded)),
+            "decode-1": ("decode", VLLMWorker(core_pools=[6000, 7000], traffic=decoded)),
+        }
+    )
+    try:
+        engines = tmp_path / "engines.toml"
+        engines.write_text(_toml("vllm-pd", "vllm", routed.url, routed.members()))
+        async with running_gateway(make_settings(engines_file=engines)) as gw:
+            view = await _engine(gw, "vllm-pd")
+            assert view["routable"] and view["enforceable_limit"] == 6000
+            assert view["tokenize_url"] == f"{routed.urls['prefill-0']}/tokenize"
+            assert view["prefix_cache_isolation"]["field"] == "cache_salt"
+            tenant, key = await gw.create_tenant("acme")
+            body = _chat("qwen3-32b", 12, cache_salt="mine")
+            r = await gw.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+            assert r.status_code == 200 and '"stop_reason"' in r.text
+            salt = decoded.bodies[-1]["cache_salt"]
+            assert salt == tenant_salt(gw.state.settings.cache_salt_secret(), tenant) != "mine"
+            assert len(salt) <= 128 and not set(salt) & set("@/\\\0")
+            assert routed.workers["prefill-0"].traffic.hits("/tokenize") >= 2  # probe + count
+            rows = await _audit(gw)
+            assert (rows[-1].engine, rows[-1].outcome, rows[-1].prompt_tokens) == (
+                "vllm-pd",
+                "completed",
+                12 + 3,
+            )
+
+            routed.workers["decode-1"].log_stats = False  # --disable-log-stats on one worker
+            await gw.state.poller.poll_once()
+            view = await _engine(gw, "vllm-pd")
+            assert view["blocked_reason"] == "unknown_capacity"
+            assert view["blocked_detail"].startswith("decode-1/unified: /metrics has no")
+            assert "--disable-log-stats" in view["blocked_detail"]
+    finally:
+        await routed.stop()
+
+
+async def test_vllm_without_stats_routes_only_on_a_consistent_declared_pool(make_settings) -> None:
+    low = await start_vllm_routed({"w": ("unified", VLLMWorker(log_stats=False))})
+    old_dp = await start_vllm_routed(
+        {"w": ("unified", VLLMWorker(core_pools=[9000, 9000], with_size_tokens=False))}
+    )
+    try:
+        url = low.urls["w"]
+        settings = make_settings(
+            engines=[
+                {"name": "declared", "kind": "vllm", "base_url": url, "declared_pool_tokens": 9000},
+                {"name": "too-low", "kind": "vllm", "base_url": url, "declared_pool_tokens": 4096},
+                {"name": "old-dp", "kind": "vllm", "base_url": old_dp.urls["w"]},
+            ]
+        )
+        async with running_gateway(settings) as gw:
+            declared = await _engine(gw, "declared")
+            assert declared["routable"] and declared["enforceable_limit"] == 8192
+            assert declared["roles"][0]["pool_declared"] is True
+            too_low = await _engine(gw, "too-low")
+            assert too_low["blocked_reason"] == "unknown_capacity"
+            assert "below the worker's max_model_len 8192" in too_low["blocked_detail"]
+            dp = await _engine(gw, "old-dp")
+            assert "2 engine cores share one summed num_gpu_blocks" in dp["blocked_detail"]
+    finally:
+        await low.stop()
+        await old_dp.stop()
+
+
+async def test_group_registered_through_the_admin_api(make_settings) -> None:
+    workers = {
+        "p": SGLangWorker(mode="prefill", rank_pools=[5000], context_len=4096),
+        "d": SGLangWorker(mode="decode", rank_pools=[3000], context_len=4096),
+    }
+    pd = await start_sglang_pd(workers)
+    try:
+        async with running_gateway(make_settings()) as gw:
+            entry = {"name": "pd", "kind": "sglang", "base_url": pd.url, "members": pd.members()}
+            r = await gw.client.post("/admin/engines", json=entry, headers=gw.admin)
+            assert r.status_code == 201, r.text
+            assert r.json()["routable"] and r.json()["enforceable_limit"] == 3000
+            assert [m["name"] for m in r.json()["members"]] == ["p", "d"]
+            await gw.state.reload_engines()  # read back from the database, as a replica does
+            await gw.state.poller.poll_once()
+            assert (await _engine(gw, "pd"))["enforceable_limit"] == 3000
+            bad = {**entry, "name": "pd2", "members": [{**pd.members()[1]}]}
+            r = await gw.client.post("/admin/engines", json=bad, headers=gw.admin)
+            assert r.status_code == 400 and "prefill or unified member" in r.text
+    finally:
+        await pd.stop()
