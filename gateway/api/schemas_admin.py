@@ -121,7 +121,7 @@ class UsageOut(BaseModel):
 class MemberIn(_Closed):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     role: Annotated[MemberRole, Field(strict=False)]
-    url: str = Field(min_length=1, max_length=512)
+    url: StoredText = Field(min_length=1, max_length=512)
     api_key_env: str | None = Field(default=None, max_length=128)
     declared_pool_tokens: Annotated[int, Field(gt=0)] | None = None
 
