@@ -1,15 +1,29 @@
-"""OpenTelemetry for the gateway: one span per tenant request, its context sent to the engine.
+"""OpenTelemetry for the gateway: a SERVER span per tenant request, a CLIENT span per engine call.
+
+Per request: ``start_request`` opens the SERVER span -> ``start_upstream`` opens its CLIENT child
+when the request is forwarded and puts that child's ``traceparent`` on the engine call (the
+bundled engine's decode and prefill spans join below it) -> ``end`` closes both with the outcome.
+
+Trust boundary: every request starts a NEW trace. A client's ``traceparent`` is never the parent
+and its ``tracestate`` is never kept: either would reach the engine verbatim (what the engine
+receives comes from the gateway's own span only). A well-formed client context is recorded as a
+span link (trace and span id only) so a tenant's trace can still be found from ours.
+
+Attributes follow OpenTelemetry's semantic conventions: GenAI (``gen_ai.operation.name``,
+``gen_ai.request.model``, ``gen_ai.request.max_tokens``, ``gen_ai.provider.name``,
+``gen_ai.usage.input_tokens``/``output_tokens``, ``gen_ai.response.finish_reasons``) and HTTP
+(``http.request.method``, ``http.route``, ``http.response.status_code``, ``error.type``,
+``server.address``/``server.port``, ``url.full``), plus ``kvguard.*`` ids and outcome. Never a
+prompt or a completion.
 
 Each app owns its tracer provider (never the global one, so several apps can live in one test
-process). Spans are always created and their ``traceparent`` always propagated to the engine, so
-the backend's prefill and decode spans join the trace; spans are exported only when an OTLP
-endpoint is configured (or a test passes its own exporter). Span attributes are ids, counts and
-outcomes, never content.
+process). Spans are exported when an OTLP endpoint is configured (or a test passes an exporter).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -19,8 +33,11 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+# The GenAI operation of each OpenAI endpoint the gateway serves (by its path).
+OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 
 
 class Tracing:
@@ -45,21 +62,103 @@ class Tracing:
         self.tracer = self.provider.get_tracer("kvguard.gateway")
         self._propagator = TraceContextTextMapPropagator()
 
-    def start_request_span(self, name: str, incoming: Mapping[str, str]) -> Span:
-        parent = self._propagator.extract(carrier=dict(incoming))
-        return self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER)
+    def start_request(self, route: str, model: str, incoming: Mapping[str, str]) -> Span:
+        """The SERVER span of a tenant request to ``route``: a new trace, linked to the
+        client's (if it sent a valid ``traceparent``)."""
+        operation = OPERATIONS.get(route, route)
+        attributes = {
+            "http.request.method": "POST",
+            "http.route": route,
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": model[:256],
+        }
+        return self.tracer.start_span(
+            f"POST {route}",
+            context=trace.set_span_in_context(trace.INVALID_SPAN),  # a new root, always
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            links=self._client_link(incoming),
+        )
 
-    def inject(self, span: Span, headers: dict[str, str]) -> None:
+    def _client_link(self, incoming: Mapping[str, str]) -> Sequence[Link]:
+        carrier = {k.lower(): v for k, v in incoming.items() if k.lower() == "traceparent"}
+        theirs = trace.get_current_span(self._propagator.extract(carrier=carrier))
+        context = theirs.get_span_context()
+        if not context.is_valid:
+            return []
+        # Ids only: the client's tracestate (free text of its vendors) is dropped.
+        bare = SpanContext(context.trace_id, context.span_id, is_remote=True)
+        return [Link(bare, {"kvguard.link": "client_traceparent"})]
+
+    def start_upstream(
+        self,
+        request_span: Span,
+        *,
+        base_url: str,
+        route: str,
+        provider: str,
+        model: str,
+        max_tokens: int,
+        headers: dict[str, str],
+    ) -> Span:
+        """The CLIENT span of the engine call (child of ``request_span``); its ``traceparent``
+        goes into ``headers``, the only trace context the engine receives."""
+        url = urlsplit(base_url.rstrip("/") + route)
+        operation = OPERATIONS.get(route, route)
+        attributes: dict[str, str | int] = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": provider,
+            "gen_ai.request.model": model[:256],
+            "gen_ai.request.max_tokens": max_tokens,
+            "http.request.method": "POST",
+            "server.address": url.hostname or "",
+            "url.full": url.geturl(),
+        }
+        if url.port is not None:
+            attributes["server.port"] = url.port
+        span = self.tracer.start_span(
+            f"{operation} {model[:256]}",
+            context=trace.set_span_in_context(request_span),
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+        )
+        headers.pop("tracestate", None)
         self._propagator.inject(headers, context=trace.set_span_in_context(span))
+        return span
 
     @staticmethod
-    def end(span: Span, *, outcome: str, status: int, error_code: str | None) -> None:
+    def end(
+        span: Span,
+        upstream: Span | None,
+        *,
+        outcome: str,
+        status: int,
+        error_code: str | None,
+        usage: tuple[int | None, int | None] = (None, None),
+        finish_reasons: Sequence[str] = (),
+    ) -> None:
+        """Close the engine call's span (if any), then the request's, with the usage (input,
+        output tokens), finish reasons and the outcome."""
+        answered = {
+            "gen_ai.usage.input_tokens": usage[0],
+            "gen_ai.usage.output_tokens": usage[1],
+            "gen_ai.response.finish_reasons": tuple(finish_reasons) or None,
+        }
+        for target in (upstream, span):
+            if target is None:
+                continue
+            for key, value in answered.items():
+                if value is not None:
+                    target.set_attribute(key, value)
+            if error_code is not None and status >= 500:
+                target.set_attribute("error.type", error_code)
+                target.set_status(Status(StatusCode.ERROR, error_code))
         span.set_attribute("kvguard.outcome", outcome)
         span.set_attribute("http.response.status_code", status)
         if error_code is not None:
             span.set_attribute("kvguard.error_code", error_code)
-        if status >= 500:
-            span.set_status(Status(StatusCode.ERROR, error_code or "error"))
+        if upstream is not None:
+            upstream.end()
         span.end()
 
     def shutdown(self) -> None:

@@ -11,13 +11,16 @@ The engine thread decides (``DecodeEngineCore``); this driver only moves message
    Without a quiescence ack the core's drain deadline releases the pages.
 
 No wait is unbounded: every channel call has a timeout, and the core has deadlines of its own.
+Each prefill call runs inside ``traced(request_id, tenant)`` (a no-op unless tracing is on: see
+``backend.server.tracing.HandoffTraces``), so the call carries the request's trace context.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 from backend.core.errors import KvguardError
@@ -33,6 +36,11 @@ from backend.disagg.protocol import (
 from backend.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("kvguard.disagg.decode")
+Traced = Callable[[str, str], AbstractContextManager[None]]
+
+
+def _untraced(request_id: str, tenant: str) -> AbstractContextManager[None]:
+    return nullcontext()
 
 
 class PrefillChannel(Protocol):
@@ -59,6 +67,7 @@ class HandoffDriver:
         self._target = target
         self._abort_timeout_s = abort_timeout_s
         self._tasks: set[asyncio.Task[None]] = set()
+        self.traced: Traced = _untraced  # set by the app when it exports spans
 
     def notify_from_engine(self, notice: Notice) -> None:
         """Called on the engine thread: hop to the event loop."""
@@ -95,7 +104,10 @@ class HandoffDriver:
         )
         rid, core = ticket.request_id, self._core
         try:
-            result = await self._channel.prefill(message, config.lease_s + config.result_grace_s)
+            with self.traced(rid, ticket.tenant):
+                result = await self._channel.prefill(
+                    message, config.lease_s + config.result_grace_s
+                )
         except TimeoutError:
             error: KvguardError = HandoffTimedOut(rid, config.lease_s)
             self._engine.post(lambda: core.lost(rid, error))

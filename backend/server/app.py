@@ -54,9 +54,12 @@ def create_app(settings: BackendSettings, role: Role = Role.UNIFIED) -> FastAPI:
     )
     install_error_handlers(app)
     _mount(app, runtime, role, settings)
-    provider = install_tracing(app, role=role.value, otlp_endpoint=settings.otlp_endpoint)
-    if provider is not None:
+    tracing = install_tracing(app, role=role.value, otlp_endpoint=settings.otlp_endpoint)
+    if tracing is not None:
+        provider, handoffs = tracing
         runtime.closers.append(provider.shutdown)  # flushes the spans still batched
+        if runtime.handoff is not None:
+            runtime.handoff.traced = handoffs.handoff
     return app
 
 

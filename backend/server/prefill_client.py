@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import ValidationError
 
 from backend.core.admission import CapacityLimits, admit
@@ -49,6 +50,7 @@ class PrefillLink(PrefillChannel, Protocol):
 
 PREFILL_PATH = "/kv/v1/prefill"
 ABORT_PATH = "/kv/v1/abort"
+_PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class HttpPrefillChannel:
@@ -78,8 +80,12 @@ class HttpPrefillChannel:
             raise PrefillUnavailable("capacity report does not match the schema") from exc
 
     async def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> object:
+        headers: dict[str, str] = {}
+        _PROPAGATOR.inject(headers)  # the handoff's span, when the driver traces this call
         try:
-            response = await self._client.post(self._base + path, json=body, timeout=timeout_s)
+            response = await self._client.post(
+                self._base + path, json=body, timeout=timeout_s, headers=headers
+            )
         except httpx.TimeoutException as exc:
             raise TimeoutError(f"{path} took longer than {timeout_s:.1f} s") from exc
         # 409 carries the peer's protocol version: the codec turns it into a clear refusal.

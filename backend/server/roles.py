@@ -59,6 +59,7 @@ class RoleRuntime:
     stop: Hook = _nothing  # before the engine loop stops
     prefill: PrefillService | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
+    handoff: HandoffDriver | None = None  # decode: sends the handoffs (the app traces them)
 
 
 def make_service(built: BuiltEngine, settings: BackendSettings, role: Role) -> EngineService:
@@ -291,4 +292,4 @@ def _decode_runtime(
         await driver.close()
         await client.aclose()
 
-    return RoleRuntime(service, start=start, stop=stop)
+    return RoleRuntime(service, start=start, stop=stop, handoff=driver)

@@ -1,21 +1,29 @@
-"""OpenTelemetry for the engine: each OpenAI request becomes a span in its caller's trace.
+"""OpenTelemetry for the engine: each OpenAI request and each KV handoff is a span in its caller's
+trace (gateway -> decode -> prefill).
 
 Lifecycle: ``install_tracing`` (in ``create_app``) gives the app its own tracer provider (never the
 global one, so several apps can live in one process) and an ASGI middleware. Per request to a
-traced path: the caller's ``traceparent`` (the gateway propagates it) is extracted -> a SERVER span
-starts as its child -> the response streams -> the span ends with the final body message (so a
-streamed answer's span covers the whole stream), or with the error that ended it. Spans are
-exported over OTLP/HTTP when ``otlp_endpoint`` is set (the same ``KVGUARD_OTLP_ENDPOINT`` the
-gateway reads) or to an exporter a test passes; otherwise nothing is built at all.
+traced path: the caller's ``traceparent`` (the gateway's CLIENT span) is extracted -> a SERVER
+span starts as its child -> the response streams -> the span ends with the final body message (so a
+streamed answer's span covers the whole stream), or with the error that ended it.
 
-Attributes are ids and statuses only (role, request id, tenant id, route, HTTP status), never a
-prompt or a completion. Not covered yet: the decode -> prefill handoff call carries no trace
-context, so prefill work shows inside decode's span rather than as a span of its own.
+Decode -> prefill: the handoff is sent later, from the event loop's handoff driver, outside the
+request's context. The middleware therefore remembers each decode request's span by (request
+id, tenant) while it runs (``HandoffTraces``); the driver opens a CLIENT span ``kv handoff`` under
+it around the prefill call, and ``HttpPrefillChannel`` puts that span's ``traceparent`` on the
+``/kv/v1/prefill`` request, whose SERVER span on prefill is its child.
+
+Spans are exported over OTLP/HTTP when ``otlp_endpoint`` is set (the same
+``KVGUARD_OTLP_ENDPOINT`` the gateway reads) or to an exporter a test passes; otherwise nothing is
+built at all. Attributes follow the HTTP semantic conventions (``http.request.method``,
+``http.route``, ``http.response.status_code``, ``error.type``) plus ids (role, request id, tenant
+id), never a prompt or a completion.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -23,12 +31,14 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from backend.server.schema import REQUEST_ID_HEADER, TENANT_HEADER
 
-TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/kv/v1/prefill"})
+HANDOFF_PATH = "/kv/v1/prefill"
+MAX_REMEMBERED = 4096  # decode requests in flight whose handoff may still be sent
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
@@ -54,25 +64,67 @@ def tracer_provider(
     return provider
 
 
+class HandoffTraces:
+    """Decode requests' spans by (request id, tenant) while they run, and the handoff's span."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        self._tracer = provider.get_tracer("kvguard.backend")
+        self._running: dict[tuple[str, str], SpanContext] = {}
+
+    def remember(self, request_id: str, tenant: str, context: SpanContext) -> None:
+        if len(self._running) < MAX_REMEMBERED:
+            self._running[(request_id, tenant)] = context
+
+    def forget(self, request_id: str, tenant: str) -> None:
+        self._running.pop((request_id, tenant), None)
+
+    @contextmanager
+    def handoff(self, request_id: str, tenant: str) -> Iterator[None]:
+        """A CLIENT span around one prefill call, current while it runs (so the channel
+        propagates it); no span when the request's own span is unknown."""
+        parent = self._running.get((request_id, tenant))
+        if parent is None:
+            yield
+            return
+        span = self._tracer.start_span(
+            "kv handoff",
+            context=trace.set_span_in_context(trace.NonRecordingSpan(parent)),
+            kind=SpanKind.CLIENT,
+            attributes={
+                "http.request.method": "POST",
+                "url.path": HANDOFF_PATH,
+                "kvguard.request_id": request_id[:128],
+            },
+        )
+        with trace.use_span(span, end_on_exit=True, record_exception=False):
+            yield
+
+
 def install_tracing(
     app: FastAPI, *, role: str, otlp_endpoint: str | None, exporter: SpanExporter | None = None
-) -> TracerProvider | None:
-    """Add the tracing middleware when spans are exported; returns the provider to shut down."""
+) -> tuple[TracerProvider, HandoffTraces] | None:
+    """Add the tracing middleware when spans are exported; returns the provider to shut down
+    and the handoff traces decode's driver uses."""
     provider = tracer_provider(
         f"kvguard-backend-{role}", otlp_endpoint=otlp_endpoint, exporter=exporter
     )
-    if provider is not None:
-        app.add_middleware(TracingMiddleware, provider=provider, role=role)
-    return provider
+    if provider is None:
+        return None
+    handoffs = HandoffTraces(provider)
+    app.add_middleware(TracingMiddleware, provider=provider, role=role, handoffs=handoffs)
+    return provider, handoffs
 
 
 class TracingMiddleware:
     """A SERVER span per request to ``TRACED_PATHS``, child of the incoming ``traceparent``."""
 
-    def __init__(self, app: ASGIApp, *, provider: TracerProvider, role: str) -> None:
+    def __init__(
+        self, app: ASGIApp, *, provider: TracerProvider, role: str, handoffs: HandoffTraces
+    ) -> None:
         self.app = app
         self._tracer = provider.get_tracer("kvguard.backend")
         self._role = role
+        self._handoffs = handoffs
         self._propagator = TraceContextTextMapPropagator()
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
@@ -81,17 +133,24 @@ class TracingMiddleware:
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         parent = self._propagator.extract(carrier=headers)
+        path = scope["path"]
         span = self._tracer.start_span(
-            f"engine {scope['path']}", context=parent, kind=SpanKind.SERVER
+            f"{scope['method']} {path}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": scope["method"],
+                "http.route": path,
+                "kvguard.role": self._role,
+            },
         )
-        span.set_attribute("kvguard.role", self._role)
-        span.set_attribute("http.route", scope["path"])
-        for header, attribute in (
-            (REQUEST_ID_HEADER.lower(), "kvguard.request_id"),
-            (TENANT_HEADER.lower(), "kvguard.tenant_id"),
-        ):
-            if header in headers:
-                span.set_attribute(attribute, headers[header][:128])
+        ids = (headers.get(REQUEST_ID_HEADER.lower()), headers.get(TENANT_HEADER.lower()))
+        for value, attribute in zip(ids, ("kvguard.request_id", "kvguard.tenant_id"), strict=True):
+            if value is not None:
+                span.set_attribute(attribute, value[:128])
+        request_id, tenant = ids
+        if request_id is not None and tenant is not None:
+            self._handoffs.remember(request_id, tenant, span.get_span_context())
         ended = False
 
         async def traced_send(message: Message) -> None:
@@ -100,6 +159,7 @@ class TracingMiddleware:
                 status = int(message["status"])
                 span.set_attribute("http.response.status_code", status)
                 if status >= 500:
+                    span.set_attribute("error.type", str(status))
                     span.set_status(Status(StatusCode.ERROR))
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -110,8 +170,11 @@ class TracingMiddleware:
             with trace.use_span(span, end_on_exit=False):
                 await self.app(scope, receive, traced_send)
         except BaseException as exc:
+            span.set_attribute("error.type", type(exc).__name__)
             span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             raise
         finally:
+            if request_id is not None and tenant is not None:
+                self._handoffs.forget(request_id, tenant)
             if not ended:
                 span.end()

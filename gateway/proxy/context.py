@@ -81,6 +81,7 @@ class RequestContext:
     model: str
     stream: bool
     span: Span
+    upstream_span: Span | None = None  # the engine call's CLIENT span (gateway.tracing)
     started_mono: float = field(default_factory=time.perf_counter)
     started_at: datetime = field(default_factory=utcnow)
     phase: Phase = Phase.RECEIVED
@@ -96,6 +97,7 @@ class RequestContext:
     first_token_s: float | None = None  # forwarding -> first streamed text
     text_events: int = 0  # streamed engine events with text seen so far (gateway.proxy.latency)
     last_text_s: float | None = None  # arrival -> the latest of them
+    finish_reasons: tuple[str, ...] = ()  # each choice's, as the engine ended it
 
     def advance(self, phase: Phase) -> None:
         self.phase = check_transition(self.phase, phase)

@@ -119,5 +119,12 @@ def _record(state: GatewayState, ctx: RequestContext, *, status: int, code: str 
             duration_ms=duration * 1000,
         )
     )
-    ctx.span.set_attribute("kvguard.completion_tokens", ctx.completion_tokens or 0)
-    Tracing.end(ctx.span, outcome=ctx.phase.value, status=status, error_code=code)
+    Tracing.end(
+        ctx.span,
+        ctx.upstream_span,
+        outcome=ctx.phase.value,
+        status=status,
+        error_code=code,
+        usage=(ctx.engine_prompt_tokens or ctx.prompt_tokens, ctx.completion_tokens),
+        finish_reasons=ctx.finish_reasons,
+    )

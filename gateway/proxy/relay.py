@@ -86,6 +86,7 @@ class StreamRelay:
     cut: Cut | None = None
     saw_text: bool = False
     text_events: int = 0  # events carrying any choice text (the token clock's ticks)
+    finish_reasons: list[str] = field(default_factory=list)  # per choice, as the engine ended it
     _guards: dict[int, StreamGuard] = field(default_factory=dict, repr=False)
     _finished: set[int] = field(default_factory=set)
     _side: SideScreen | None = field(default=None, repr=False)
@@ -198,7 +199,10 @@ class StreamRelay:
         for position, choice in enumerate(choices):
             index = _choice_index(choice, position)
             text = _chunk_text(self.endpoint, choice)
-            ends = choice.get("finish_reason") is not None
+            reason = choice.get("finish_reason")
+            ends = reason is not None
+            if isinstance(reason, str) and len(self.finish_reasons) < MAX_CHOICES:
+                self.finish_reasons.append(reason[:64])
             verdict = self._feed_choice(index, text, ends=ends)
             if isinstance(verdict, Cut):
                 return self._cut(verdict)

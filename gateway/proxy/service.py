@@ -27,7 +27,14 @@ from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
 from gateway.proxy.context import RequestContext, parse_handoff
 from gateway.proxy.finish import finish, handoff_refused, note_handoff
-from gateway.proxy.relay import InvalidUpstream, OpenGuard, StreamRelay, relay_body, screen
+from gateway.proxy.relay import (
+    MAX_CHOICES,
+    InvalidUpstream,
+    OpenGuard,
+    StreamRelay,
+    relay_body,
+    screen,
+)
 from gateway.proxy.side import Prefilter
 from gateway.state import GatewayState
 from gateway.upstream.base import Endpoint, UpstreamCall, UpstreamReply, UpstreamUnreachable
@@ -45,7 +52,7 @@ async def serve_completion(
     incoming_headers: Mapping[str, str],
 ) -> Response:
     request_id = uuid.uuid4().hex
-    span = state.tracing.start_request_span(f"gateway {endpoint.value}", incoming_headers)
+    span = state.tracing.start_request(endpoint.path, body.model, incoming_headers)
     span.set_attribute("kvguard.tenant_id", principal.tenant_id)
     span.set_attribute("kvguard.request_id", request_id)
     ctx = RequestContext(
@@ -84,9 +91,18 @@ def _forward(state: GatewayState, ctx: RequestContext, admitted: Admitted) -> Up
     state.metrics.overhead_seconds.labels(endpoint=ctx.endpoint.value).observe(ctx.forwarded_s)
     ctx.span.set_attribute("kvguard.engine", admitted.engine.name)
     ctx.span.set_attribute("kvguard.prompt_tokens", admitted.size.prompt_tokens)
-    ctx.span.set_attribute("kvguard.max_tokens", admitted.size.max_tokens)
+    ctx.span.set_attribute("gen_ai.request.max_tokens", admitted.size.max_tokens)
     headers = {TENANT_HEADER: ctx.principal.tenant_id, REQUEST_ID_HEADER: ctx.request_id}
-    state.tracing.inject(ctx.span, headers)
+    spec = admitted.engine.spec
+    ctx.upstream_span = state.tracing.start_upstream(
+        ctx.span,
+        base_url=spec.base_url,
+        route=ctx.endpoint.path,
+        provider=spec.kind.value,
+        model=str(admitted.body.get("model") or ctx.model),
+        max_tokens=admitted.size.max_tokens,
+        headers=headers,
+    )
     return UpstreamCall(
         spec=admitted.engine.spec, endpoint=ctx.endpoint, body=admitted.body, headers=headers
     )
@@ -186,6 +202,7 @@ async def _deliver_body(
     if isinstance(usage, dict):
         ctx.completion_tokens = _count(usage.get("completion_tokens"))
         ctx.engine_prompt_tokens = _count(usage.get("prompt_tokens"))
+    ctx.finish_reasons = _finish_reasons(body)
     if not note_handoff(state, ctx, parse_handoff(body)):
         await finish(state, ctx, Phase.FAILED, status=502, code="handoff_mismatch")
         raise _with_headers(handoff_refused(), headers)
@@ -208,6 +225,15 @@ async def _deliver_body(
     latency.answered(state, ctx)
     await finish(state, ctx, Phase.COMPLETED, status=200)
     return JSONResponse(result, headers=headers)
+
+
+def _finish_reasons(body: dict[str, Any]) -> tuple[str, ...]:
+    """Each choice's ``finish_reason`` in a whole (non-streamed) answer, for the span."""
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return ()
+    reasons = (c.get("finish_reason") for c in choices[:MAX_CHOICES] if isinstance(c, dict))
+    return tuple(r[:64] for r in reasons if isinstance(r, str))
 
 
 def _count(value: Any) -> int | None:
@@ -292,6 +318,7 @@ async def _end_stream(
 ) -> None:
     ctx.completion_tokens = relay.completion_tokens
     ctx.engine_prompt_tokens = relay.prompt_tokens
+    ctx.finish_reasons = tuple(relay.finish_reasons)
     note_handoff(state, ctx, relay.handoff)
     if end is Phase.CUT and relay.cut is not None:
         await _report_cut(state, ctx, relay.cut)

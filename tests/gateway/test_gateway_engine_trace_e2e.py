@@ -1,7 +1,9 @@
-"""The engine's span joins the gateway's trace, end to end: a REAL bundled engine process exports
-its spans over OTLP/HTTP (``KVGUARD_OTLP_ENDPOINT``) to a receiver in this test (a real HTTP server
-on 127.0.0.1 decoding the OTLP protobuf), the gateway exports to an in-memory exporter, and the
-engine's span must be the child of the gateway's request span, with ids and no content."""
+"""One trace from the gateway through decode to prefill, end to end: the gateway and REAL bundled
+prefill and decode processes export their spans over OTLP/HTTP (``KVGUARD_OTLP_ENDPOINT``) to a
+receiver in this test (a real HTTP server on 127.0.0.1 decoding the OTLP protobuf). The chain must
+be gateway SERVER -> gateway CLIENT (the engine call, GenAI attributes) -> decode SERVER -> decode
+CLIENT (``kv handoff``) -> prefill SERVER (``/kv/v1/prefill``), one trace id, each span inside its
+parent's time, ids and counts only (no prompt, no completion)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 from gateway_harness import bearer, running_gateway
 from gateway_standin import serve
@@ -18,7 +21,6 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -64,43 +66,97 @@ async def receiver() -> AsyncIterator[tuple[OtlpReceiver, str]]:
         await running.stop()
 
 
-async def test_engine_span_is_a_child_of_the_gateway_span(
-    receiver, tiny_checkpoint, make_settings
+def _attrs(span: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for a in span.attributes:
+        value = a.value
+        kind = value.WhichOneof("value")
+        if kind == "array_value":
+            out[a.key] = tuple(v.string_value for v in value.array_value.values)
+        else:
+            out[a.key] = getattr(value, kind)
+    return out
+
+
+def _launch_pair(model: str, env: dict[str, str]) -> tuple[Any, Any]:
+    prefill = launch_engine(model, role="prefill", env=env, pool_tokens=512, page_size=16)
+    try:
+        decode = launch_engine(
+            model, role="decode", env=env, pool_tokens=512, page_size=16, prefill_url=prefill.url
+        )
+    except BaseException:
+        prefill.stop()
+        raise
+    return prefill, decode
+
+
+async def _wait_until(check: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        await asyncio.sleep(0.05)
+
+
+async def test_one_trace_from_the_gateway_through_decode_to_prefill(
+    receiver, tiny_checkpoint, make_settings, monkeypatch
 ) -> None:
     collector, collector_url = receiver
     env = {"KVGUARD_OTLP_ENDPOINT": collector_url, "OTEL_BSP_SCHEDULE_DELAY": "50"}
-    engine = await anyio.to_thread.run_sync(
-        lambda: launch_engine(tiny_checkpoint, env=env, pool_tokens=512, page_size=16)
-    )
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the gateway's batch processor too
+    prefill, decode = await anyio.to_thread.run_sync(lambda: _launch_pair(tiny_checkpoint, env))
     try:
-        exporter = InMemorySpanExporter()
-        settings = make_settings(engines=[{"name": "real", "base_url": engine.url}])
-        async with running_gateway(settings, span_exporter=exporter) as gw:
+        await _wait_until(
+            lambda: httpx.get(decode.url + "/engine/capacity").json().get("unavailable") is None,
+            "decode reached its prefill",
+        )
+        settings = make_settings(
+            engines=[{"name": "real", "base_url": decode.url}], otlp_endpoint=collector_url
+        )
+        async with running_gateway(settings) as gw:
             tenant_id, key = await gw.create_tenant("acme")
             model = (await gw.client.get("/v1/models", headers=bearer(key))).json()["data"][0]
             body = {"model": model["id"], "prompt": "secret words", "max_tokens": 3}
             r = await gw.client.post("/v1/completions", headers=bearer(key), json=body)
             assert r.status_code == 200, r.text
             request_id = r.headers["x-kvguard-request-id"]
-            deadline = time.monotonic() + 30
-            while not any(s.name == "engine /v1/completions" for _, s in collector.spans):
-                assert time.monotonic() < deadline, "the engine exported no request span"
-                await asyncio.sleep(0.05)
+        names = {"POST /v1/completions", "kv handoff", "POST /kv/v1/prefill"}
+        await _wait_until(
+            lambda: names <= {s.name for _, s in collector.spans}, "every hop exported"
+        )
     finally:
-        await anyio.to_thread.run_sync(engine.stop)
-    [gateway_span] = [s for s in exporter.get_finished_spans() if s.name == "gateway completions"]
-    [(service, engine_span)] = [
-        (svc, s) for svc, s in collector.spans if s.name == "engine /v1/completions"
-    ]
-    assert service == "kvguard-backend-unified"
-    assert engine_span.trace_id.hex() == format(gateway_span.context.trace_id, "032x")
-    assert engine_span.parent_span_id.hex() == format(gateway_span.context.span_id, "016x")
-    attrs = {a.key: a.value for a in engine_span.attributes}
-    assert attrs["kvguard.role"].string_value == "unified"
-    assert attrs["http.response.status_code"].int_value == 200
-    assert attrs["kvguard.request_id"].string_value == request_id
-    assert attrs["kvguard.tenant_id"].string_value == tenant_id
-    assert "secret" not in str(engine_span)
-    # The engine's span lies inside the gateway's.
-    assert gateway_span.start_time <= engine_span.start_time_unix_nano
-    assert engine_span.end_time_unix_nano <= gateway_span.end_time
+        await anyio.to_thread.run_sync(decode.stop)
+        await anyio.to_thread.run_sync(prefill.stop)
+    by_service: dict[str, list[Any]] = {}
+    for service, span in collector.spans:
+        by_service.setdefault(service, []).append(span)
+    gateway = {s.name: s for s in by_service["kvguard-gateway"]}
+    [server, call] = gateway["POST /v1/completions"], gateway[f"text_completion {model['id']}"]
+    [decode_server] = [s for s in by_service["kvguard-backend-decode"] if s.kind == 2]
+    [handoff] = [s for s in by_service["kvguard-backend-decode"] if s.name == "kv handoff"]
+    [prefill_server] = by_service["kvguard-backend-prefill"]
+    chain = [server, call, decode_server, handoff, prefill_server]
+    assert {s.trace_id for s in chain} == {server.trace_id}
+    for parent, child in zip(chain, chain[1:], strict=False):
+        assert child.parent_span_id == parent.span_id, (parent.name, child.name)
+        assert parent.start_time_unix_nano <= child.start_time_unix_nano
+        assert child.end_time_unix_nano <= parent.end_time_unix_nano
+    assert [s.kind for s in chain] == [2, 3, 2, 3, 2]  # SERVER, CLIENT, ...
+    assert decode_server.name == "POST /v1/completions"
+    attrs = _attrs(call)
+    assert (attrs["gen_ai.operation.name"], attrs["gen_ai.request.model"]) == (
+        "text_completion",
+        model["id"],
+    )
+    assert attrs["gen_ai.usage.output_tokens"] == r.json()["usage"]["completion_tokens"]
+    assert attrs["gen_ai.usage.input_tokens"] == r.json()["usage"]["prompt_tokens"]
+    assert attrs["gen_ai.response.finish_reasons"] == (r.json()["choices"][0]["finish_reason"],)
+    assert _attrs(server)["kvguard.tenant_id"] == tenant_id
+    decode_attrs = _attrs(decode_server)
+    assert (decode_attrs["kvguard.role"], decode_attrs["kvguard.request_id"]) == (
+        "decode",
+        request_id,
+    )
+    assert _attrs(prefill_server)["http.response.status_code"] == 200
+    assert _attrs(handoff)["kvguard.request_id"] == request_id
+    for span in chain:
+        assert "secret" not in str(span)

@@ -53,7 +53,13 @@ async def test_metrics_carry_ids_not_content(gateway) -> None:
     assert families <= expected | {n.removesuffix("_total") for n in expected}
 
 
-async def test_spans_with_ids_and_propagation(make_settings, standin) -> None:
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+async def test_spans_follow_the_genai_and_http_conventions(make_settings, standin) -> None:
+    """A SERVER span per request and a CLIENT span per engine call, whose context alone reaches
+    the engine; GenAI and HTTP attributes, ids, never content."""
     exporter = InMemorySpanExporter()
     settings = make_settings(engines=[{"name": "s", "base_url": standin.url}])
     async with running_gateway(settings, span_exporter=exporter) as gw:
@@ -71,15 +77,70 @@ async def test_spans_with_ids_and_propagation(make_settings, standin) -> None:
         )
         assert refused.status_code == 404
     spans = exporter.get_finished_spans()
-    assert [span.name for span in spans] == ["gateway completions"] * 2
-    ok, missing = spans
+    assert [(s.name, s.kind.name) for s in spans] == [
+        (f"text_completion {MODEL}", "CLIENT"),
+        ("POST /v1/completions", "SERVER"),
+        ("POST /v1/completions", "SERVER"),
+    ]
+    call, ok, missing = spans
+    assert call.parent is not None and call.parent.span_id == ok.context.span_id
     attrs = dict(ok.attributes or {})
     assert attrs["kvguard.tenant_id"] == tenant_id
     assert attrs["kvguard.engine"] == "s"
-    assert (attrs["kvguard.prompt_tokens"], attrs["kvguard.completion_tokens"]) == (2, 2)
+    assert (attrs["http.request.method"], attrs["http.route"]) == ("POST", "/v1/completions")
+    assert (attrs["gen_ai.operation.name"], attrs["gen_ai.request.model"]) == (
+        "text_completion",
+        MODEL,
+    )
+    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == (2, 2)
+    assert attrs["gen_ai.response.finish_reasons"] == ("stop",)
     assert (attrs["kvguard.outcome"], attrs["http.response.status_code"]) == ("completed", 200)
-    assert "secret" not in repr(attrs)
+    client = dict(call.attributes or {})
+    port = int(standin.url.rsplit(":", 1)[1])
+    assert client == {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.provider.name": "bundled",
+        "gen_ai.request.model": MODEL,
+        "gen_ai.request.max_tokens": 2,
+        "http.request.method": "POST",
+        "server.address": "127.0.0.1",
+        "server.port": port,
+        "url.full": standin.url + "/v1/completions",
+        "gen_ai.usage.input_tokens": 2,
+        "gen_ai.usage.output_tokens": 2,
+        "gen_ai.response.finish_reasons": ("stop",),
+    }
+    assert "secret" not in repr(attrs) + repr(client)
     traceparent = standin.controls.seen_headers[-1]["traceparent"]
-    assert traceparent.split("-")[1] == format(ok.context.trace_id, "032x")
-    assert traceparent.split("-")[2] == format(ok.context.span_id, "016x")
+    assert traceparent.split("-")[1] == format(call.context.trace_id, "032x")
+    assert traceparent.split("-")[2] == format(call.context.span_id, "016x")
     assert dict(missing.attributes or {})["kvguard.error_code"] == "model_not_found"
+
+
+async def test_a_clients_trace_context_never_reaches_the_engine(make_settings, standin) -> None:
+    """The gateway starts its own trace (the client's becomes a link, ids only): the engine
+    never sees the client's traceparent or tracestate."""
+    exporter = InMemorySpanExporter()
+    settings = make_settings(engines=[{"name": "s", "base_url": standin.url}])
+    async with running_gateway(settings, span_exporter=exporter) as gw:
+        _, key = await gw.create_tenant("acme")
+        client_context = {
+            "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01",
+            "tracestate": "vendor=opaque-client-data",
+        }
+        r = await gw.client.post(
+            "/v1/completions",
+            headers={**bearer(key), **client_context},
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+        )
+        assert r.status_code == 200
+    seen = standin.controls.seen_headers[-1]
+    assert CLIENT_TRACE not in seen["traceparent"] and "tracestate" not in seen
+    assert "opaque-client-data" not in repr(seen)
+    server = next(s for s in exporter.get_finished_spans() if s.kind.name == "SERVER")
+    assert server.parent is None
+    assert format(server.context.trace_id, "032x") != CLIENT_TRACE
+    (link,) = server.links
+    assert format(link.context.trace_id, "032x") == CLIENT_TRACE
+    assert format(link.context.span_id, "016x") == CLIENT_SPAN
+    assert not link.context.trace_state

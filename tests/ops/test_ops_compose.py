@@ -275,7 +275,7 @@ def test_health_checks_everywhere() -> None:
 def test_mounted_files_exist_and_prometheus_accepts_its_config(tmp_path: Path) -> None:
     for name, service in SERVICES.items():
         for volume in service.get("volumes", []):
-            source = volume.split(":")[0]
+            source = volume.split(":")[0] if isinstance(volume, str) else volume["type"]
             if source.startswith("./"):
                 assert (REPO / source).exists(), (name, source)
     mounts = dict(v.split(":")[:2] for v in SERVICES["prometheus"]["volumes"] if v.startswith("./"))
@@ -336,3 +336,19 @@ def test_alertmanager_routes_every_kvguard_alert_to_the_receiver_users_point() -
     assert other.split() == ["null"]
     (targets,) = build.compose_prometheus()["alerting"]["alertmanagers"][0]["static_configs"]
     assert targets["targets"] == [f"alertmanager:{_container_port('alertmanager')}"]
+
+
+def test_every_role_sends_its_traces_to_the_collector_which_keeps_them() -> None:
+    """Gateway, decode and prefill export to the collector's OTLP/HTTP receiver (one trace across
+    the three); the collector writes them to a file on a volume and logs a summary."""
+    collector = yaml.safe_load((REPO / "deploy" / "otel-collector.yaml").read_text())
+    receiver = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    for name in ("gateway", "decode", "prefill"):
+        otlp = urlsplit(env_of(name)["KVGUARD_OTLP_ENDPOINT"])
+        assert otlp.hostname == "otel-collector" and receiver.endswith(f":{otlp.port}"), name
+    pipeline = collector["service"]["pipelines"]["traces"]
+    assert pipeline["receivers"] == ["otlp"] and "debug" in pipeline["exporters"]
+    (file_exporter,) = [e for e in pipeline["exporters"] if e.startswith("file")]
+    path = Path(collector["exporters"][file_exporter]["path"])
+    mounts = [v for v in SERVICES["otel-collector"]["volumes"] if isinstance(v, dict)]
+    assert [m["target"] for m in mounts] == [str(path.parent)]
