@@ -1,9 +1,10 @@
 """``kvguard load``: a bounded Locust run through a gateway that checks content, not only statuses.
 
 ``kvguard load --gateway URL --users N --duration 30s [--tenants K] [--max-requests M]
-[--out DIR]`` prints a summary table and exits 0 only if every request got the status its size
-calls for, passed every content check and finished before the stop timeout (1 otherwise, 2 when
-the run could not start). The admin
+[--out DIR]`` prints a progress line every 2 s while it runs, then a summary table, and exits 0
+only if every request got the status its size calls for, passed every content check and finished
+before the stop timeout (1 otherwise, 2 when the run could not start). ``--write-plan FILE`` only
+sets up and writes the plan for Locust's own CLI and web UI (``kvguard.load.locustfile``). The admin
 token (``--admin-token`` or ``KVGUARD_ADMIN_TOKEN``) and the canary key (``KVGUARD_CANARY_KEY``)
 are the gateway's, as for ``kvguard canary probe``.
 """
@@ -68,6 +69,14 @@ def register(subparsers: Any) -> None:
     load.add_argument("--request-timeout", type=float, default=120.0, metavar="SECONDS")
     load.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound")
     load.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
+    load.add_argument(
+        "--write-plan",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="only set up (tenants, calibrated sizes) and write the plan to FILE for "
+        "`locust -f kvguard/load/locustfile.py --kvguard-plan FILE` (keys valid for a day)",
+    )
     load.set_defaults(handler=run)
 
 
@@ -105,11 +114,38 @@ def run(args: argparse.Namespace) -> int:
         slo=Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
     )
     admin_token = args.admin_token or settings.admin_secret()
+    codec = MarkerCodec(settings.keyring())
+    if args.write_plan is not None:
+        return _write_plan(args.write_plan, options, codec=codec, admin_token=admin_token)
     try:
-        summary = run_load(options, codec=MarkerCodec(settings.keyring()), admin_token=admin_token)
+        summary = run_load(options, codec=codec, admin_token=admin_token)
     except (LoadSetupError, httpx.HTTPError) as exc:
         print(f"kvguard load: the run could not complete: {exc}", file=sys.stderr, flush=True)
         return EXIT_SETUP
     print(format_summary(summary), flush=True)
     print(f"results: {args.out}/summary.json, locust.html, locust_*.csv", flush=True)
     return EXIT_OK if passed(summary) else EXIT_FAILED
+
+
+def _write_plan(path: Path, options: Any, *, codec: Any, admin_token: str) -> int:
+    import dataclasses
+
+    import httpx
+
+    from kvguard.load.runner import PLAN_FILE_KEY_LIFETIME_S, prepare_plan
+    from kvguard.load.setup import LoadSetupError
+
+    options = dataclasses.replace(options, key_lifetime_s=PLAN_FILE_KEY_LIFETIME_S)
+    try:
+        plan = prepare_plan(options, codec=codec, admin_token=admin_token)
+    except (LoadSetupError, httpx.HTTPError) as exc:
+        print(f"kvguard load: the plan could not be made: {exc}", file=sys.stderr, flush=True)
+        return EXIT_SETUP
+    plan.save(path)
+    print(f"plan: {path} (tenant keys inside, readable by you only)")
+    print(
+        f"run: locust -f kvguard/load/locustfile.py --host {plan.gateway} --kvguard-plan {path}"
+        " [-f ...,kvguard/load/shape.py for the long-context ramp]",
+        flush=True,
+    )
+    return EXIT_OK

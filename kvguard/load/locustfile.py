@@ -12,12 +12,22 @@ while a marker of another tenant is refused at the door and cut from any answer;
 the chat, timing every content chunk -> ``check_answer`` -> one Locust request event (response
 time = end-to-end, failure = the checks' reasons) and one ``Sample`` for the summary.
 
-Standalone: ``locust -f kvguard/load/locustfile.py --kvguard-plan PLAN.json`` (a plan written by
-``kvguard load``) runs the same users under Locust's own UI or headless flags.
+Standalone, under Locust's own web UI or headless flags, against any kvguard gateway::
+
+    locust -f kvguard/load/locustfile.py --host http://GATEWAY --kvguard-plan plan.json
+
+At the start of the run the plan is read from ``--kvguard-plan`` or, when that file does not exist
+yet, made against ``--host`` (load tenants, the model's limit, calibrated sizes; the gateway's
+admin token and canary key from ``KVGUARD_ADMIN_TOKEN``/``KVGUARD_CANARY_KEY``, as for
+``kvguard load``) and written there (readable by its owner only: it holds tenant keys), so the
+next run reuses it; ``kvguard load --write-plan FILE`` writes one too. Add ``kvguard/load/shape.py``
+to ``-f`` for the long-context ramp. Locust's ``--csv``/``--csv-full-history``/``--html`` give its
+tables; each failed request's error text is the checks' reasons.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,8 +50,9 @@ from kvguard.load.content import (
     error_code,
     read_sse_line,
 )
-from kvguard.load.plan import LoadPlan, LoadTenant, SizeClass
+from kvguard.load.plan import SIZE_NAMES, LoadPlan, LoadTenant, SizeClass
 from kvguard.load.report import Sample
+from kvguard.load.stage import CURRENT_STAGE
 
 
 class CheckFailed(Exception):
@@ -89,7 +100,10 @@ class LoadContext:
         return tenants[(index + 1) % len(tenants)] if size.name == "foreign" else tenants[index]
 
     def pick(self, slot: int) -> tuple[int, LoadTenant, SizeClass]:
+        """The tenant and size of the run's ``slot``-th request (among the stage's sizes)."""
         sizes, tenants = self.plan.sizes, self.plan.tenants
+        if CURRENT_STAGE.sizes is not None:
+            sizes = tuple(s for s in sizes if s.name in CURRENT_STAGE.sizes) or sizes
         index = (slot // len(sizes)) % len(tenants)
         return index, tenants[index], sizes[slot % len(sizes)]
 
@@ -235,14 +249,58 @@ def _int(value: Any) -> int | None:
 
 
 @events.init_command_line_parser.add_listener
-def _plan_option(parser: Any) -> None:
-    parser.add_argument("--kvguard-plan", default="", help="a plan file written by kvguard load")
+def _options(parser: Any) -> None:
+    parser.add_argument(
+        "--kvguard-plan",
+        default="",
+        help="plan file: read it, or make it against --host and write it there",
+    )
+    parser.add_argument("--kvguard-tenants", type=int, default=2, help="synthetic tenants")
+    parser.add_argument("--kvguard-model", default="", help="default: the first model served")
+    parser.add_argument(
+        "--kvguard-sizes", default=",".join(SIZE_NAMES), help="comma-separated size classes"
+    )
+    parser.add_argument(
+        "--kvguard-stage-seconds", type=float, default=20.0, help="kvguard/load/shape.py stages"
+    )
 
 
 @events.test_start.add_listener
 def _load_plan(environment: Any, **_: Any) -> None:
-    # Only a standalone `locust -f` run sets the option; the worker sets ChatUser.ctx itself.
+    # `kvguard load`'s worker sets ChatUser.ctx itself; a `locust -f` run gets it here.
     options = environment.parsed_options
-    path = getattr(options, "kvguard_plan", "") if options is not None else ""
-    if ChatUser.ctx is None and path:
-        ChatUser.ctx = LoadContext.from_plan(LoadPlan.load(Path(path)))
+    if ChatUser.ctx is not None or options is None:
+        return
+    try:
+        plan = _standalone_plan(options, environment.host)
+    except Exception as exc:
+        logging.getLogger("kvguard.load").error("kvguard load plan: %s", exc)
+        environment.process_exit_code = 2
+        if environment.runner is not None:
+            environment.runner.quit()
+        return
+    ChatUser.ctx = LoadContext.from_plan(plan)
+
+
+def _standalone_plan(options: Any, host: str | None) -> LoadPlan:
+    path = Path(options.kvguard_plan) if options.kvguard_plan else None
+    if path is not None and path.exists():
+        return LoadPlan.load(path)
+    if not host:
+        raise ValueError("pass --host (the gateway) or an existing --kvguard-plan")
+    from kvguard.load.runner import PLAN_FILE_KEY_LIFETIME_S, LoadOptions, prepare_plan
+
+    settings = CanarySettings()
+    load_options = LoadOptions(
+        gateway=host.rstrip("/"),
+        out_dir=Path("."),
+        tenants=options.kvguard_tenants,
+        model=options.kvguard_model or None,
+        sizes=tuple(s.strip() for s in options.kvguard_sizes.split(",") if s.strip()),
+        key_lifetime_s=PLAN_FILE_KEY_LIFETIME_S,
+    )
+    codec = MarkerCodec(settings.keyring())
+    plan = prepare_plan(load_options, codec=codec, admin_token=settings.admin_secret())
+    if path is not None:
+        plan.save(path)
+    return plan

@@ -56,6 +56,11 @@ class Sample:
         return not self.failure_kinds
 
     @property
+    def content_failed(self) -> bool:
+        """The answer failed a content check (not only its status)."""
+        return "content" in self.failure_kinds
+
+    @property
     def tpot_ms(self) -> float | None:
         if self.ttft_ms is None or not self.completion_tokens or self.completion_tokens < 2:
             return None
@@ -148,7 +153,7 @@ def summarize(
 ) -> dict[str, Any]:
     slo = slo or Slo()
     wall = max(wall_s, 1e-9)
-    content = [s for s in samples if "content" in s.failure_kinds]
+    content = [s for s in samples if s.content_failed]
     unexpected = [s for s in samples if "status" in s.failure_kinds]
     good = [s for s in samples if s.ok and s.status == 200 and slo.met(s)]
     completion = sum(s.completion_tokens or 0 for s in samples if s.status == 200)
@@ -179,6 +184,18 @@ def summarize(
         **latency_metrics(samples),
         "by_size": by_size,
     }
+
+
+def progress_line(samples: Sequence[Sample], *, elapsed_s: float, users: int) -> str:
+    """One line of a running load: users, requests and their rate, failures (any check), and
+    content-check failures (an answer that did not carry its own marker, or carried another's)."""
+    failed = sum(1 for s in samples if not s.ok)
+    content = sum(1 for s in samples if s.content_failed)
+    rate = len(samples) / max(elapsed_s, 1e-9)
+    return (
+        f"[{elapsed_s:6.1f} s] users {users}  requests {len(samples)} ({rate:.1f}/s)  "
+        f"failures {failed}  content-check failures {content}"
+    )
 
 
 def passed(summary: dict[str, Any]) -> bool:

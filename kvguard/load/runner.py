@@ -2,7 +2,8 @@
 
 Lifecycle of ``run_load``: tenants, model limit and calibrated sizes (``kvguard.load.setup``) ->
 the plan into a private temporary directory -> ``python -m kvguard.load.worker PLAN`` (Locust
-and gevent live only in that child; this process never imports them) -> its samples ->
+and gevent live only in that child; this process never imports them; its progress lines reach
+the terminal) -> its samples ->
 ``summarize`` -> ``summary.json`` next to Locust's CSVs and HTML in the output directory. The
 caller decides what a failed run means (the CLI exits non-zero; a benchmark reports it).
 
@@ -29,6 +30,7 @@ from kvguard.load.report import Slo, read_samples, summarize
 from kvguard.load.setup import GatewaySetup, LoadSetupError, calibrate, describe
 
 KEY_MARGIN_S = 600
+PLAN_FILE_KEY_LIFETIME_S = 86400  # a plan file's keys: a day of `locust -f` runs
 WORKER_GRACE_S = 120.0
 _DURATION_RE = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
 
@@ -60,6 +62,7 @@ class LoadOptions:
     request_timeout_s: float = 120.0
     stop_timeout_s: float = 30.0
     slo: Slo = field(default_factory=Slo)
+    key_lifetime_s: int | None = None  # default: the run's duration plus margins
 
 
 def prepare_plan(options: LoadOptions, *, codec: MarkerCodec, admin_token: str) -> LoadPlan:
@@ -68,7 +71,9 @@ def prepare_plan(options: LoadOptions, *, codec: MarkerCodec, admin_token: str) 
         raise LoadSetupError(f"sizes must be among {', '.join(ALL_SIZE_NAMES)}")
     if "foreign" in options.sizes and options.tenants < 2:
         raise LoadSetupError("the foreign size needs at least two tenants")
-    key_lifetime = int(options.duration_s + options.stop_timeout_s) + KEY_MARGIN_S
+    key_lifetime = options.key_lifetime_s or (
+        int(options.duration_s + options.stop_timeout_s) + KEY_MARGIN_S
+    )
     timeout = httpx.Timeout(options.request_timeout_s, connect=10.0)
     with httpx.Client(base_url=options.gateway, timeout=timeout) as http:
         gateway = GatewaySetup(http, admin_token=admin_token)
@@ -107,8 +112,8 @@ def run_worker(plan: LoadPlan) -> dict[str, Any]:
         argv = [sys.executable, "-m", "kvguard.load.worker", str(plan_path)]
         limit = plan.duration_s + plan.stop_timeout_s + WORKER_GRACE_S
         with log.open("wb") as sink:
-            try:
-                done = subprocess.run(argv, stdout=sink, stderr=subprocess.STDOUT, timeout=limit)
+            try:  # Locust's log to worker.log; the progress lines (stderr) to our terminal
+                done = subprocess.run(argv, stdout=sink, timeout=limit)
             except subprocess.TimeoutExpired as exc:
                 raise LoadSetupError(f"the Locust worker ran past {limit:.0f} s") from exc
     if done.returncode != 0:

@@ -6,21 +6,26 @@ A separate process because Locust monkey-patches the standard library with geven
 spawned at ``plan.spawn_rate`` -> stop when the duration passes or the request budget is spent
 and no request is in flight (users finish their current request, up to ``plan.stop_timeout_s``)
 -> write, under ``plan.out_dir``: Locust's CSVs (``locust_stats.csv``, ``locust_failures.csv``,
-``locust_exceptions.csv``), its HTML report (``locust.html``), one
-JSON line per request (``samples.jsonl``) and the run's wall time (``run.json``). The exit status
-only says whether the run itself worked; the parent judges the results.
+``locust_exceptions.csv``, and ``locust_stats_history.csv``, a row per second and per request
+name, written while the run goes), its HTML report (``locust.html``), one
+JSON line per request (``samples.jsonl``) and the run's wall time (``run.json``). While it runs it
+prints a progress line every ``PROGRESS_INTERVAL_S`` to stderr (the terminal of ``kvguard load``;
+Locust's own log goes to stdout, the parent's ``worker.log``). The exit status only says whether
+the run itself worked; the parent judges the results.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 WATCH_INTERVAL_S = 0.05
+PROGRESS_INTERVAL_S = 2.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,14 +33,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m kvguard.load.worker PLAN.json", file=sys.stderr)
         return 2
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO)
     import gevent
     from locust.env import Environment
     from locust.html import get_html_report
-    from locust.stats import PERCENTILES_TO_REPORT, StatsCSV, stats_history
+    from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
 
     from kvguard.load import locustfile
     from kvguard.load.plan import LoadPlan
-    from kvguard.load.report import write_samples
+    from kvguard.load.report import progress_line, write_samples
 
     plan = LoadPlan.load(Path(args[0]))
     out = Path(plan.out_dir)
@@ -50,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     runner = env.create_local_runner()
     history = gevent.spawn(stats_history, runner)
+    tables = StatsCSVFileWriter(env, PERCENTILES_TO_REPORT, str(out / "locust"), full_history=True)
+    writer = gevent.spawn(tables.stats_writer)
     started = time.time()
     runner.start(plan.users, spawn_rate=plan.spawn_rate)
 
@@ -59,18 +67,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             gevent.sleep(WATCH_INTERVAL_S)
         runner.quit()
 
+    def progress() -> None:
+        while True:
+            gevent.sleep(PROGRESS_INTERVAL_S)
+            line = progress_line(
+                ctx.samples, elapsed_s=time.time() - started, users=runner.user_count
+            )
+            print(line, file=sys.stderr, flush=True)
+
     gevent.spawn(watch)
+    ticker = gevent.spawn(progress)
     runner.greenlet.join()
     wall_s = time.time() - started
+    ticker.kill(block=True)
     history.kill(block=True)
-    tables = StatsCSV(env, PERCENTILES_TO_REPORT)
-    for name, write in (
+    writer.kill(block=True)
+    tables.close_files()
+    for name, write in (  # the final tables (the writer refreshes them once a second)
         ("stats", tables.requests_csv),
         ("failures", tables.failures_csv),
         ("exceptions", tables.exceptions_csv),
     ):
         with (out / f"locust_{name}.csv").open("w", newline="") as f:
             write(csv.writer(f))
+    print(progress_line(ctx.samples, elapsed_s=wall_s, users=0), file=sys.stderr, flush=True)
     (out / "locust.html").write_text(get_html_report(env, show_download_link=False))
     write_samples(out / "samples.jsonl", ctx.samples)
     run = {"started_at": started, "wall_s": wall_s, "users": plan.users}

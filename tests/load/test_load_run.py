@@ -125,15 +125,21 @@ def _load(stack: str, out: Path, *extra: str) -> int:
 
 
 def test_bounded_load_run_passes_every_content_check(
-    stack: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    stack: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("KVGUARD_ADMIN_TOKEN", ADMIN_TOKEN)
     monkeypatch.setenv("KVGUARD_CANARY_KEY", CANARY_KEY)
     sizes = "short,mid,near,over,over_prompt,foreign"
     extra = ("--model", "kvguard-tiny", "--max-requests", "24", "--sizes", sizes)
     status = _load(stack, tmp_path, *extra)
-    table, err = capsys.readouterr()
+    table, err = capfd.readouterr()
     assert status == 0, table + err
+    # Progress while it ran (the worker's lines), the last one with every request counted.
+    progress = [line for line in err.splitlines() if "content-check failures" in line]
+    assert len(progress) >= 2, err
+    assert "requests 24 (" in progress[-1] and progress[-1].endswith(
+        "failures 0  content-check failures 0"
+    )
     assert "locust" not in sys.modules and "gevent" not in sys.modules  # the caller stays clean
 
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -173,6 +179,10 @@ def test_bounded_load_run_passes_every_content_check(
         rows = {row["Name"]: row for row in csv.DictReader(f)}
     assert {rows[f"chat {n}"]["Request Count"] for n in sizes} == {"4"}
     assert rows["Aggregated"]["Failure Count"] == "0"
+    with (tmp_path / "locust_stats_history.csv").open() as f:
+        history = list(csv.DictReader(f))
+    assert {row["Name"] for row in history} >= {"Aggregated", "chat short"}
+    assert max(int(row["User Count"]) for row in history) == 3
     assert (tmp_path / "locust.html").stat().st_size > 0
     assert "PASS" in table and "TTFT ms p50/p90/p99" in table
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -223,3 +233,37 @@ def test_bench_hook_reports_the_near_limit_numbers(
     assert LIMIT // 2 < row["prompt_tokens"] < LIMIT
     assert row["output_tokens_per_s"] > 0
     assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+
+
+LOAD_PACKAGE = Path(__file__).resolve().parents[2] / "kvguard" / "load"
+
+
+def test_the_locust_cli_runs_the_shipped_locustfile_and_long_context_shape(
+    stack: str, tmp_path: Path
+) -> None:
+    """Locust's own CLI, headless, with the shipped locustfile and shape: the plan is made
+    against --host and written where asked (owner-only), the stages send short, then near-limit,
+    then over-limit requests (refused as expected: no failure), and Locust writes its CSVs
+    including the stats history."""
+    env = {**os.environ, "KVGUARD_ADMIN_TOKEN": ADMIN_TOKEN, "KVGUARD_CANARY_KEY": CANARY_KEY}
+    plan = tmp_path / "plans" / "plan.json"
+    plan.parent.mkdir()
+    files = f"{LOAD_PACKAGE / 'locustfile.py'},{LOAD_PACKAGE / 'shape.py'}"
+    argv = [str(Path(sys.executable).parent / "locust"), "-f", files, "--headless"]
+    argv += ["--host", stack, "-u", "2", "-r", "2", "--kvguard-plan", str(plan)]
+    argv += ["--kvguard-model", "kvguard-tiny", "--kvguard-stage-seconds", "3"]
+    argv += ["--csv", str(tmp_path / "run"), "--csv-full-history", "--only-summary"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert plan.stat().st_mode & 0o777 == 0o600
+    assert json.loads(plan.read_text())["gateway"] == stack
+    with (tmp_path / "run_stats.csv").open() as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    stages = {"chat short", "chat near", "chat over", "chat over_prompt"}
+    assert set(rows) - {"Aggregated"} == stages  # mid is in no stage
+    for name in stages:
+        assert int(rows[name]["Request Count"]) > 0 and rows[name]["Failure Count"] == "0", name
+    with (tmp_path / "run_stats_history.csv").open() as f:
+        history = list(csv.DictReader(f))
+    assert {row["Name"] for row in history} >= stages | {"Aggregated"}
+    assert max(int(row["User Count"]) for row in history) == 2
