@@ -39,6 +39,11 @@ class BackendSettings(KvguardSettings):
         default=False, description="start even if the window exceeds the real pool (reported)"
     )
     zero_on_free: bool = True
+    kv_allocation: Literal["on_demand", "reserve"] = Field(
+        default="on_demand",
+        description="on_demand: pages as tokens are computed, preempting (recompute) when the "
+        "pool runs out; reserve: every page for prompt + max_tokens at admission, never preempts",
+    )
     max_batch_tokens: int = Field(default=2048, ge=1, description="tokens per forward step")
     max_running: int = Field(default=64, ge=1, description="sequences decoding at once")
     attention_backend: Literal["auto", "torch", "triton"] = "auto"

@@ -19,6 +19,7 @@ ISOLATION_ERRORS = PREFIX + "isolation_errors"  # counter {reason}
 PROMPT_TOKENS = PREFIX + "prompt_tokens"  # counter
 GENERATED_TOKENS = PREFIX + "generated_tokens"  # counter
 ZEROED_PAGES = PREFIX + "zeroed_pages"  # counter
+PREEMPTIONS = PREFIX + "preemptions"  # counter: running requests whose pages were taken back
 POOL_PAGES = PREFIX + "pool_pages"  # gauge {state}
 POOL_TOKENS = PREFIX + "pool_tokens"  # gauge
 CONTEXT_WINDOW = PREFIX + "context_window_tokens"  # gauge
@@ -63,6 +64,11 @@ class EngineMetrics:
         self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens admitted", registry=r)
         self.generated_tokens = Counter(GENERATED_TOKENS, "Tokens sampled", registry=r)
         self.zeroed_pages = Counter(ZEROED_PAGES, "Pages zeroed on free", registry=r)
+        self.preemptions = Counter(
+            PREEMPTIONS,
+            "Running requests preempted (pages released, tokens recomputed)",
+            registry=r,
+        )
         self.pool_pages = Gauge(POOL_PAGES, "KV pages by state", ["state"], registry=r)
         self.pool_tokens = Gauge(POOL_TOKENS, "Real KV pool size in tokens", registry=r)
         self.context_window = Gauge(CONTEXT_WINDOW, "Advertised context window", registry=r)

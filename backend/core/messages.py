@@ -10,15 +10,18 @@ One step reads as three calls::
     sampled = runner.run(out).tokens            # 2c. forward + sample: {request_id: token | None}
     results = scheduler.postprocess(out, sampled)   # 3. advance, append, finish, free
 
-A ``PrefillChunk`` writes K/V for prompt positions ``[start, end)``; only the chunk that ends the
-prompt samples a token. A ``DecodeItem`` feeds ``input_token`` at ``position`` and samples one.
+A ``PrefillChunk`` writes K/V for positions ``[start, end)`` of the request's tokens (its prompt,
+and after a preemption the output tokens it already had); only the chunk that ends them samples a
+token. A ``DecodeItem`` feeds ``input_token`` at ``position`` and samples one.
 Token ids are content: they are left out of every repr here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from backend.core.errors import StepProtocolError
 from backend.core.pages import PageRef
 from backend.core.request import TERMINAL, FinishReason, Request, RequestState
 
@@ -29,6 +32,7 @@ class PrefillChunk:
     start: int
     end: int
     page_table: tuple[PageRef, ...]
+    num_tokens_to_compute: int  # the request's tokens when scheduled (prompt [+ outputs])
 
     @property
     def num_tokens(self) -> int:
@@ -36,12 +40,14 @@ class PrefillChunk:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk completes the prompt, so the runner samples the first token."""
-        return self.end == self.request.num_prompt_tokens
+        """Whether this chunk ends the tokens to compute, so the runner samples the next one.
+
+        Fixed when the chunk is scheduled: the sampled token is appended in ``postprocess``."""
+        return self.end == self.num_tokens_to_compute
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        return self.request.prompt_ids[self.start : self.end]
+        return self.request.token_ids(self.start, self.end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +104,25 @@ class StepResult:
     @property
     def is_terminal(self) -> bool:
         return self.state in TERMINAL
+
+
+def check_sampled(output: SchedulerOutput, sampled: Mapping[str, int | None]) -> None:
+    """Raise ``StepProtocolError`` if the runner's tokens do not answer ``output`` exactly: a
+    token for each live request that must sample, and for nothing else."""
+    must_sample = set(output.sampling_request_ids)
+    requests = [item.request for item in output.decodes]
+    requests += [chunk.request for chunk in output.prefills]
+    scheduled = {request.request_id for request in requests}
+    for request_id, token in sampled.items():
+        if request_id not in scheduled:
+            raise StepProtocolError(f"token for {request_id!r}, which was not scheduled")
+        if token is not None and request_id not in must_sample:
+            raise StepProtocolError(f"token for {request_id!r}, whose prompt is not done")
+        if token is not None and (isinstance(token, bool) or not isinstance(token, int)):
+            raise StepProtocolError(f"token for {request_id!r} is not an int")
+        if token is not None and token < 0:
+            raise StepProtocolError(f"negative token id for {request_id!r}")
+    for request in requests:
+        rid = request.request_id
+        if rid in must_sample and not request.is_terminal and sampled.get(rid) is None:
+            raise StepProtocolError(f"no token for {rid!r}, which had to sample")

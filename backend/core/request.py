@@ -2,13 +2,15 @@
 
 Lifecycle (``TRANSITIONS``; any other move raises ``InvalidTransition``)::
 
-    WAITING ──pages reserved──▶ PREFILLING ──prompt done──▶ DECODING
-       │                            │  └──first token ends it──▶ FINISHED
-       │                            │                              ▲
-       │                            └─────────▶ ABORTED | FAILED   │
-       │                                          ▲                │
-       ├──admission refused──▶ REJECTED           └──── DECODING ──┘
-       ├──▶ ABORTED | FAILED
+    WAITING ──admitted, first pages taken──▶ PREFILLING ──prompt done──▶ DECODING
+       │                                      │    ▲ └──first token ends it──▶ FINISHED
+       │                                      │    │                              ▲
+       │                            preempted │    │ re-admitted                  │
+       │                                      ▼    │                              │
+       │                                    PREEMPTED ◀──preempted── DECODING ────┘
+       │                                      (no pages; recomputes its tokens when re-admitted)
+       ├──admission refused──▶ REJECTED
+       ├──▶ ABORTED | FAILED           (and from PREFILLING, DECODING, PREEMPTED)
        │
        └──pages reserved, KV comes from a prefill node──▶ AWAITING_KV      (decode role only)
               AWAITING_KV ──KV accepted on positive evidence──▶ DECODING | FINISHED
@@ -19,6 +21,11 @@ Lifecycle (``TRANSITIONS``; any other move raises ``InvalidTransition``)::
 source of truth: there is no "finished" flag beside it, and ``finish_reason`` / ``error`` are set
 only by ``transition`` together with the terminal state they explain, so a consumer that asks
 "is it terminal?" can never miss a rejection (the incident's bug).
+
+PREEMPTED is not an ending: the scheduler took the request's pages back (through the same release
+path as any other: generation bumped on reuse, zeroed before reuse) and will recompute every
+token it has (prompt and output so far) when pages are free again, then carry on sampling. Its
+output tokens stay, so a preempted request's answer is the one it would have given unpreempted.
 
 AWAITING_KV is the decode role's handoff state: the request holds its reserved pages, but nothing
 may read them until the handoff is verified (``backend.disagg``). It can end REJECTED because a
@@ -46,6 +53,7 @@ class RequestState(StrEnum):
     AWAITING_KV = "awaiting_kv"
     PREFILLING = "prefilling"
     DECODING = "decoding"
+    PREEMPTED = "preempted"
     FINISHED = "finished"
     REJECTED = "rejected"
     ABORTED = "aborted"
@@ -80,12 +88,21 @@ TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = MappingProxyType(
             {
                 RequestState.DECODING,
                 RequestState.FINISHED,
+                RequestState.PREEMPTED,
                 RequestState.ABORTED,
                 RequestState.FAILED,
             }
         ),
         RequestState.DECODING: frozenset(
-            {RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED}
+            {
+                RequestState.FINISHED,
+                RequestState.PREEMPTED,
+                RequestState.ABORTED,
+                RequestState.FAILED,
+            }
+        ),
+        RequestState.PREEMPTED: frozenset(
+            {RequestState.PREFILLING, RequestState.ABORTED, RequestState.FAILED}
         ),
         RequestState.FINISHED: frozenset(),
         RequestState.REJECTED: frozenset(),
@@ -189,9 +206,10 @@ class Request:
     """A request's identity, prompt, sampling, lifecycle state and KV page table.
 
     ``state``, ``error`` and ``finish_reason`` change only through ``transition``. The scheduler
-    owns ``page_table`` (reserved once, whole, at admission to PREFILLING), ``num_computed_tokens``
-    (tokens whose K/V is written) and ``output_ids``. The prompt is an immutable tuple: nothing may
-    swap it for a placeholder.
+    owns ``page_table`` (pages for the tokens it computes: taken at admission for the tokens to
+    prefill, one more page whenever decoding crosses into a new page; emptied when the request
+    ends or is preempted), ``num_computed_tokens`` (tokens whose K/V is written), ``output_ids``
+    and ``preemptions``. The prompt is an immutable tuple: nothing may swap it for a placeholder.
     """
 
     __slots__ = (
@@ -202,6 +220,7 @@ class Request:
         "output_ids",
         "owner",
         "page_table",
+        "preemptions",
         "prompt_ids",
         "request_id",
         "sampling",
@@ -222,6 +241,7 @@ class Request:
         self.page_table: tuple[PageRef, ...] = ()
         self.num_computed_tokens = 0
         self.output_ids: list[int] = []
+        self.preemptions = 0
         self._state = RequestState.WAITING
         self._error: KvguardError | None = None
         self._finish_reason: FinishReason | None = None
@@ -251,9 +271,22 @@ class Request:
         return len(self.output_ids)
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens so far: what a (re)computation from scratch writes."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
     def max_total_tokens(self) -> int:
-        """prompt + max_tokens: what admission checks and the page table is sized for."""
+        """prompt + max_tokens: what admission checks; the page table never outgrows it."""
         return len(self.prompt_ids) + self.sampling.max_tokens
+
+    def token_ids(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens at positions ``[start, end)`` of prompt + output."""
+        prompt = self.prompt_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        outputs = self.output_ids[max(0, start - len(prompt)) : end - len(prompt)]
+        return prompt[start:] + tuple(outputs)
 
     def transition(
         self,
@@ -302,5 +335,6 @@ class Request:
             f"Request(id={self.request_id!r}, tenant={self.tenant!r}, state={self._state}, "
             f"prompt_tokens={len(self.prompt_ids)}, output_tokens={len(self.output_ids)}, "
             f"computed={self.num_computed_tokens}, pages={len(self.page_table)}, "
+            f"preemptions={self.preemptions}, "
             f"finish_reason={self._finish_reason}, error={error})"
         )

@@ -1,32 +1,39 @@
-"""Continuous-batching scheduler over a ``PagePool``: schedule -> (runner) -> postprocess.
+"""Continuous-batching scheduler over a ``KVManager``: schedule -> (runner) -> postprocess.
 
 Queues, each holding requests of exactly the states named (checked, never assumed):
 
-1. ``add``: admission first. A request that can never fit is REJECTED with its typed error and
-   the error is raised; it never reaches a queue and the pool is never touched.
-2. waiting (FIFO, WAITING): the head is admitted when ``max_running`` allows and the pool has
-   every page for prompt + max_tokens; it then moves to running as PREFILLING. Nobody overtakes a
-   head that does not fit yet.
-3. running (PREFILLING, DECODING): each step gives every DECODING request one token, then spends
-   what is left of ``max_batch_tokens`` on prompt chunks, continuing PREFILLING requests before
-   admitting new ones. New requests join a batch that is already decoding (continuous batching).
+1. ``add``: admission first, the one admission path of every role. A request whose prompt +
+   max_tokens can never fit is REJECTED with its typed error and the error is raised; it never
+   reaches a queue and the pool is never touched.
+2. waiting (FIFO; WAITING, and PREEMPTED requests at the front in admission order): the head is
+   admitted when ``max_running`` allows and the ``KVManager`` has its first pages (on demand:
+   the pages for the tokens it computes now, keeping ``watermark`` pages free while others run);
+   it then moves to running as PREFILLING. Nobody overtakes a head that does not fit yet.
+3. running (PREFILLING, DECODING; in admission order): each step first gives every DECODING
+   request whose next position starts a new page that page, then gives every DECODING request
+   one token, then spends what is left of ``max_batch_tokens`` on prefill chunks, continuing
+   PREFILLING requests before admitting new ones (continuous batching).
 4. ``postprocess``: advances ``num_computed_tokens``, appends sampled tokens, moves PREFILLING to
-   DECODING, finishes on a stop token (STOP) or at max_tokens (LENGTH) and frees the pages.
+   DECODING, finishes on a stop token (STOP) or at max_tokens (LENGTH) and releases the pages.
 5. ``abort`` / ``fail``: ABORTED / FAILED from any live state. Pages of a request that is part of
    the step in flight (scheduled, not yet postprocessed) may still be written by the runner, so
    they are quarantined and released at that step's ``postprocess``; otherwise they are freed.
 6. ``add_prefilled`` (decode role): a request whose prompt K/V was computed elsewhere and verified
-   enters here AWAITING_KV, holding its whole page table, with its first token; it moves
+   enters here AWAITING_KV, holding its prompt's pages, with its first token; it moves
    AWAITING_KV -> DECODING (joins running) or AWAITING_KV -> FINISHED (the first token ends it and
    its pages are freed). The role keeps such a request, and its pages, in its own queues until
    then; ``free_reserved`` / ``release_reserved_quarantine`` return those pages through this
    scheduler so that zeroing still goes out in ``SchedulerOutput.pages_to_zero``.
 
-Pages are reserved whole at admission, so a running request never asks for another page and
-nothing is ever preempted: the schedule is deterministic and a page changes hands only when its
-request is terminal. This gives up some peak utilisation (a request holds pages for tokens it may
-never produce) in exchange for isolation that is easy to reason about. Pages freed with
-zero_on_free are surfaced in the next ``SchedulerOutput.pages_to_zero``.
+Preemption (on-demand allocation only), in this stated order: when a DECODING request needs a
+page and none is free, nor coming from this step's zeroing, the running request admitted last is
+preempted (LIFO; it may be the one asking), and again until a page is free or coming. Requests
+that asked while pages are only coming sit out this step. A preempted request gives its pages
+back through the one release path (``KVManager.release``: freed, generation bumped on reuse,
+zeroed before reuse), keeps its output tokens, returns to the front of the waiting queue as
+PREEMPTED, and when re-admitted recomputes prompt + outputs in one prefill that samples its next
+token: its answer is the one it would have given unpreempted, never a truncation or an error. The
+oldest running request is preempted only when it alone is left, so it always makes progress.
 
 Not thread-safe: the engine loop calls everything, and applies aborts between its calls.
 """
@@ -44,11 +51,19 @@ from backend.core.errors import (
     KvguardError,
     StepProtocolError,
 )
-from backend.core.messages import DecodeItem, PrefillChunk, SchedulerOutput, StepResult
+from backend.core.kv_manager import Allocation, KVManager
+from backend.core.messages import (
+    DecodeItem,
+    PrefillChunk,
+    SchedulerOutput,
+    StepResult,
+    check_sampled,
+)
 from backend.core.pages import Owner, PagePool, PageRef
 from backend.core.request import FinishReason, Request, RequestState
 
 _RUNNING = frozenset({RequestState.PREFILLING, RequestState.DECODING})
+_WAITING = frozenset({RequestState.WAITING, RequestState.PREEMPTED})
 
 
 class Scheduler:
@@ -60,7 +75,12 @@ class Scheduler:
         max_batch_tokens: int,
         max_running: int,
         eos_token_id: int | None = None,
+        allocation: Allocation = Allocation.ON_DEMAND,
+        watermark: int | None = None,
     ) -> None:
+        """``watermark``: pages a new admission leaves free while other requests run, so that
+        decoding can grow without preempting the newcomer at once (default: 1% of the pool,
+        at least one page)."""
         if (limits.page_size, limits.pool_pages) != (pool.page_size, pool.num_pages):
             raise ValueError(
                 f"limits ({limits.pool_pages} pages x {limits.page_size}) do not describe the "
@@ -73,6 +93,8 @@ class Scheduler:
                 f"max_running={max_running}, max_batch_tokens={max_batch_tokens}"
             )
         self._pool = pool
+        self._kv = KVManager(pool, allocation)
+        self._watermark = max(1, pool.num_pages // 100) if watermark is None else watermark
         self._limits = limits
         self._max_batch_tokens = max_batch_tokens
         self._max_running = max_running
@@ -80,17 +102,20 @@ class Scheduler:
         self._live: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
-        self._to_zero: list[int] = []
         self._step = 0
         self._in_flight: SchedulerOutput | None = None
         self._in_flight_requests: set[Request] = set()
-        self._step_quarantine: list[tuple[Owner, tuple[PageRef, ...]]] = []
+        self.num_preemptions = 0
 
     # -- introspection ------------------------------------------------------------------------
 
     @property
     def pool(self) -> PagePool:
         return self._pool
+
+    @property
+    def kv(self) -> KVManager:
+        return self._kv
 
     @property
     def limits(self) -> CapacityLimits:
@@ -114,7 +139,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether the engine loop should call ``schedule`` (live requests or pages to zero)."""
-        return bool(self._live) or bool(self._to_zero) or bool(self._step_quarantine)
+        return bool(self._live) or self._kv.has_pending
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -179,8 +204,9 @@ class Scheduler:
     def add_prefilled(self, request: Request, first_token: int) -> StepResult:
         """Enter an AWAITING_KV request whose prompt K/V was written and verified elsewhere.
 
-        The request must hold its whole page table (prompt + max_tokens), every page still its
-        own at the generation it was given, and there must be a running slot; ``first_token`` is
+        The request must hold the pages ``KVManager.pages_to_reserve`` gives it (its prompt's, on
+        demand), every page still its own at the generation it was given, and there must be a
+        running slot; ``first_token`` is
         the token sampled at the end of the prompt. It then moves AWAITING_KV -> DECODING and
         joins the running batch, or AWAITING_KV -> FINISHED (STOP/LENGTH) with its pages freed.
 
@@ -204,11 +230,11 @@ class Scheduler:
 
     def free_reserved(self, refs: Sequence[PageRef], owner: Owner) -> None:
         """Free pages a role holds outside these queues (no write can reach them any more)."""
-        self._to_zero.extend(self._pool.free(refs, owner))
+        self._kv.free_reserved(refs, owner)
 
     def release_reserved_quarantine(self, refs: Sequence[PageRef], owner: Owner) -> None:
         """Release pages a role quarantined outside these queues (generations are bumped)."""
-        self._to_zero.extend(self._pool.release_quarantined(refs, owner))
+        self._kv.release_reserved_quarantine(refs, owner)
 
     def check_invariants(self, *, held_outside: int = 0, quarantined_outside: int = 0) -> None:
         """Raise ``InvariantViolation`` if queues, states, page tables and the pool disagree.
@@ -227,11 +253,11 @@ class Scheduler:
         held = held_outside + sum(len(r.page_table) for r in self._running)
         if self._pool.owned_pages != held:
             problems.append(f"pool has {self._pool.owned_pages} owned pages, tables hold {held}")
-        quarantined = quarantined_outside + sum(len(refs) for _, refs in self._step_quarantine)
+        quarantined = quarantined_outside + self._kv.step_quarantined
         if self._pool.quarantined_pages != quarantined:
             actual = self._pool.quarantined_pages
             problems.append(f"{actual} pages quarantined, the scheduler knows {quarantined}")
-        if self._pool.pending_zero_pages < len(self._to_zero):
+        if self._pool.pending_zero_pages < self._kv.pages_coming:
             problems.append("pages queued for zeroing are not pending zero in the pool")
         if problems:
             raise InvariantViolation("scheduler: " + "; ".join(problems[:8]))
@@ -245,14 +271,16 @@ class Scheduler:
                 f"schedule() called while step {self._in_flight.step} awaits postprocess()"
             )
         budget = self._max_batch_tokens
-        decodes = self._schedule_decodes()
+        stalled = self._grow_decoders()
+        decodes = self._schedule_decodes(stalled)
         budget -= len(decodes)
         prefills = self._schedule_prefills(budget)
         budget -= sum(chunk.num_tokens for chunk in prefills)
         prefills += self._admit_waiting(budget)
         self._step += 1
-        output = SchedulerOutput(self._step, tuple(decodes), tuple(prefills), tuple(self._to_zero))
-        self._to_zero.clear()
+        output = SchedulerOutput(
+            self._step, tuple(decodes), tuple(prefills), self._kv.take_to_zero()
+        )
         self._in_flight = output
         self._in_flight_requests = {item.request for item in decodes}
         self._in_flight_requests.update(chunk.request for chunk in prefills)
@@ -268,7 +296,7 @@ class Scheduler:
         """
         if output is not self._in_flight:
             raise StepProtocolError("postprocess() of an output that is not the step in flight")
-        self._check_sampled(output, sampled)
+        check_sampled(output, sampled)
         self._in_flight = None
         self._in_flight_requests = set()
         results: list[StepResult] = []
@@ -283,17 +311,45 @@ class Scheduler:
                 results.append(self._append_token(request, chunk.num_tokens, sampled))
             else:
                 request.num_computed_tokens += chunk.num_tokens
-        self._release_step_quarantine()
+        self._kv.release_step_quarantine()
         return results
 
     # -- scheduling phases --------------------------------------------------------------------
 
-    def _schedule_decodes(self) -> list[DecodeItem]:
+    def _grow_decoders(self) -> set[Request]:
+        """Give each DECODING request whose next position starts a page that page, oldest
+        first; preempt (LIFO) when none is free or coming. Returns the requests that sit out
+        this step because their page is only coming (this step's zeroing frees it)."""
+        stalled: set[Request] = set()
+        for request in list(self._running):
+            if request.state is not RequestState.DECODING or request not in self._running:
+                continue
+            while self._kv.needs_page(request) and not self._kv.grow(request):
+                if self._kv.pages_coming > len(stalled):
+                    stalled.add(request)
+                    break
+                victim = self._running[-1]
+                stalled.discard(victim)
+                self._preempt(victim)
+                if victim is request:
+                    break
+        return stalled
+
+    def _preempt(self, request: Request) -> None:
+        self._kv.release(request, in_flight=False, strict=True)
+        request.num_computed_tokens = 0
+        request.preemptions += 1
+        self.num_preemptions += 1
+        request.transition(RequestState.PREEMPTED)
+        self._running.remove(request)
+        self._waiting.appendleft(request)
+
+    def _schedule_decodes(self, stalled: set[Request]) -> list[DecodeItem]:
         decodes: list[DecodeItem] = []
         for request in self._running:
             if request.state not in _RUNNING:
                 raise InvariantViolation(f"{request!r} is in the running queue")
-            if request.state is RequestState.DECODING:
+            if request.state is RequestState.DECODING and request not in stalled:
                 position = request.num_computed_tokens
                 decodes.append(
                     DecodeItem(request, position, request.output_ids[-1], request.page_table)
@@ -313,14 +369,13 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
-        while self._waiting and budget > 0 and len(self._running) < self._max_running:
+        while self._waiting and budget > 0 and self._slots_in_use() < self._max_running:
             request = self._waiting[0]
-            if request.state is not RequestState.WAITING:
+            if request.state not in _WAITING:
                 raise InvariantViolation(f"{request!r} is in the waiting queue")
-            needed = self._pool.pages_for(request.max_total_tokens)
-            if needed > self._pool.free_pages:
+            headroom = self._watermark if self._running else 0
+            if not self._kv.reserve(request, headroom=headroom):
                 break
-            request.page_table = tuple(self._pool.allocate(needed, request.owner))
             request.transition(RequestState.PREFILLING)
             self._waiting.popleft()
             self._running.append(request)
@@ -329,32 +384,17 @@ class Scheduler:
             budget -= chunk.num_tokens
         return chunks
 
+    def _slots_in_use(self) -> int:
+        """Requests that count against ``max_running`` (a role adds its own: decode's awaiting)."""
+        return len(self._running)
+
     @staticmethod
     def _chunk(request: Request, budget: int) -> PrefillChunk:
-        start = request.num_computed_tokens
-        end = min(request.num_prompt_tokens, start + budget)
-        return PrefillChunk(request, start, end, request.page_table)
+        start, total = request.num_computed_tokens, request.num_tokens
+        end = min(total, start + budget)
+        return PrefillChunk(request, start, end, request.page_table, total)
 
     # -- postprocess phases -------------------------------------------------------------------
-
-    def _check_sampled(self, output: SchedulerOutput, sampled: Mapping[str, int | None]) -> None:
-        """Refuse the whole step before changing anything if the runner's tokens do not match."""
-        must_sample = set(output.sampling_request_ids)
-        scheduled = {item.request.request_id for item in output.decodes}
-        scheduled.update(chunk.request.request_id for chunk in output.prefills)
-        for request_id, token in sampled.items():
-            if request_id not in scheduled:
-                raise StepProtocolError(f"token for {request_id!r}, which was not scheduled")
-            if token is not None and request_id not in must_sample:
-                raise StepProtocolError(f"token for {request_id!r}, whose prompt is not done")
-            if token is not None and (isinstance(token, bool) or not isinstance(token, int)):
-                raise StepProtocolError(f"token for {request_id!r} is not an int")
-            if token is not None and token < 0:
-                raise StepProtocolError(f"negative token id for {request_id!r}")
-        for request in self._in_flight_requests:
-            rid = request.request_id
-            if rid in must_sample and not request.is_terminal and sampled.get(rid) is None:
-                raise StepProtocolError(f"no token for {rid!r}, which had to sample")
 
     def _append_token(
         self, request: Request, n_tokens: int, sampled: Mapping[str, int | None]
@@ -395,7 +435,7 @@ class Scheduler:
             raise StepProtocolError(f"first token for {request.request_id!r} is not a token id")
         if request.num_computed_tokens or request.output_ids:
             raise InvariantViolation(f"prefilled {request!r} already has progress")
-        if len(request.page_table) != self._pool.pages_for(request.max_total_tokens):
+        if len(request.page_table) != self._kv.pages_to_reserve(request):
             raise InvariantViolation(f"prefilled {request!r} holds a partial page table")
         self._pool.verify(request.page_table, request.owner)
         if len(self._running) >= self._max_running:
@@ -408,37 +448,25 @@ class Scheduler:
     def _running_problems(self, request: Request) -> list[str]:
         if request.state not in _RUNNING:
             return [f"{request!r} is in the running queue"]
-        problems = page_table_problems(request, self._pool)
-        if problems:
-            return problems
-        prompt, outputs = request.num_prompt_tokens, request.num_output_tokens
+        computed, outputs = request.num_computed_tokens, request.num_output_tokens
         if request.state is RequestState.PREFILLING:
-            consistent = outputs == 0 and 0 <= request.num_computed_tokens < prompt
+            need = request.num_tokens
+            consistent = outputs < request.sampling.max_tokens and 0 <= computed < need
         else:
+            need = computed
             consistent = (
-                1 <= outputs < request.sampling.max_tokens
-                and request.num_computed_tokens == prompt + outputs - 1
+                1 <= outputs < request.sampling.max_tokens and computed == request.num_tokens - 1
             )
-        return [] if consistent else [f"{request!r} progress does not match its state"]
+        problems = self._kv.table_problems(request, need)
+        if not consistent:
+            problems.append(f"{request!r} progress does not match its state")
+        return problems
 
     # -- pages and queues ---------------------------------------------------------------------
 
     def _release_pages(self, request: Request, *, strict: bool) -> None:
-        refs = request.page_table
-        if not strict:
-            refs = tuple(ref for ref in refs if self._pool.is_current(ref, request.owner))
-        if refs and request in self._in_flight_requests:
-            # The runner may still be writing these pages for the step in flight.
-            self._pool.quarantine(refs, request.owner)
-            self._step_quarantine.append((request.owner, refs))
-        elif refs:
-            self._to_zero.extend(self._pool.free(refs, request.owner))
-        request.page_table = ()
-
-    def _release_step_quarantine(self) -> None:
-        for owner, refs in self._step_quarantine:
-            self._to_zero.extend(self._pool.release_quarantined(refs, owner))
-        self._step_quarantine.clear()
+        in_flight = request in self._in_flight_requests
+        self._kv.release(request, in_flight=in_flight, strict=strict)
 
     def _forget(self, request: Request) -> None:
         del self._live[request.request_id]
@@ -449,18 +477,14 @@ class Scheduler:
 
 
 def waiting_problems(request: Request) -> list[str]:
-    """What is wrong with ``request`` sitting in a queue of requests that hold nothing yet."""
-    if request.state is not RequestState.WAITING:
+    """What is wrong with ``request`` sitting in a queue of requests that hold no pages: new
+    (WAITING, no progress at all) or PREEMPTED (its output tokens kept, nothing computed)."""
+    if request.state not in _WAITING:
         return [f"{request!r} is in a waiting queue"]
-    if request.page_table or request.num_computed_tokens or request.output_ids:
-        return [f"waiting {request!r} already has pages or progress"]
-    return []
-
-
-def page_table_problems(request: Request, pool: PagePool) -> list[str]:
-    """What is wrong with the whole page table a reserved request must hold."""
-    if len(request.page_table) != pool.pages_for(request.max_total_tokens):
-        return [f"{request!r} holds a partial page table"]
-    if not all(pool.is_current(ref, request.owner) for ref in request.page_table):
-        return [f"{request!r} holds a page reference the pool does not confirm"]
+    if request.page_table or request.num_computed_tokens:
+        return [f"waiting {request!r} holds pages or computed tokens"]
+    if request.state is RequestState.WAITING and request.output_ids:
+        return [f"new {request!r} already has output tokens"]
+    if request.num_output_tokens >= request.sampling.max_tokens:
+        return [f"waiting {request!r} has all its tokens"]
     return []

@@ -5,8 +5,12 @@ Lifecycle of a request on decode, as queues (each holds requests of exactly the 
 1. ``add`` (the base's, the one admission path): admission against this engine's own limits (the
    cross-role limit was applied by the caller before); a request that can never fit is REJECTED
    and raises, reserving nothing. Admitted, it is queued here by ``_enqueue``.
-2. kv_waiting (FIFO, WAITING): ``reserve_ready`` gives the head every page for prompt +
-   max_tokens and a running slot, then it is AWAITING_KV. Nobody overtakes a head that does not fit.
+2. kv_waiting (FIFO, WAITING): ``reserve_ready`` gives the head the pages for its prompt (the
+   ``KVManager``'s reservation: the prompt's pages on demand, prompt + max_tokens with RESERVE)
+   and a running slot, then it is AWAITING_KV. Nobody overtakes a head that does not fit. Decoding
+   grows the table page by page in the base scheduler, which may preempt a DECODING request (it
+   then recomputes its tokens here, locally); an AWAITING_KV request is never preempted: prefill
+   may be writing into its pages.
 3. awaiting (AWAITING_KV): the pages are held but unreadable by intent: no step schedules them.
    ``accept`` moves a request whose KV was verified to DECODING (the base scheduler's running
    queue, through ``Scheduler.add_prefilled``) or straight to FINISHED when the first token ends
@@ -32,10 +36,11 @@ from backend.core.errors import (
     InvariantViolation,
     KvguardError,
 )
+from backend.core.kv_manager import Allocation
 from backend.core.messages import StepResult
 from backend.core.pages import Owner, PagePool, PageRef
 from backend.core.request import Request, RequestState
-from backend.core.scheduler import Scheduler, page_table_problems, waiting_problems
+from backend.core.scheduler import Scheduler, waiting_problems
 
 
 class Release(StrEnum):
@@ -54,6 +59,8 @@ class DecodeScheduler(Scheduler):
         max_batch_tokens: int,
         max_running: int,
         eos_token_id: int | None = None,
+        allocation: Allocation = Allocation.ON_DEMAND,
+        watermark: int | None = None,
     ) -> None:
         super().__init__(
             pool,
@@ -61,6 +68,8 @@ class DecodeScheduler(Scheduler):
             max_batch_tokens=max_batch_tokens,
             max_running=max_running,
             eos_token_id=eos_token_id,
+            allocation=allocation,
+            watermark=watermark,
         )
         self._kv_waiting: deque[Request] = deque()
         self._awaiting: dict[str, Request] = {}
@@ -100,15 +109,12 @@ class DecodeScheduler(Scheduler):
     def reserve_ready(self) -> list[Request]:
         """Reserve pages for waiting requests, FIFO; returns the ones now AWAITING_KV."""
         reserved: list[Request] = []
-        pool = self.pool
         while self._kv_waiting:
             request = self._kv_waiting[0]
-            if self.num_running + len(self._awaiting) >= self.max_running:
+            if self._slots_in_use() >= self.max_running:
                 break
-            needed = pool.pages_for(request.max_total_tokens)
-            if needed > pool.free_pages:
+            if not self.kv.reserve(request):
                 break
-            request.page_table = tuple(pool.allocate(needed, request.owner))
             request.transition(RequestState.AWAITING_KV)
             self._kv_waiting.popleft()
             self._awaiting[request.request_id] = request
@@ -175,7 +181,7 @@ class DecodeScheduler(Scheduler):
         """The base's checks, told about the pages these queues hold, plus the queues' own."""
         problems = [p for r in self._kv_waiting for p in waiting_problems(r)]
         problems += [p for r in self._awaiting.values() for p in self._awaiting_problems(r)]
-        if self.num_running + len(self._awaiting) > self.max_running:
+        if self._slots_in_use() > self.max_running:
             problems.append("more running + awaiting requests than max_running")
         if problems:
             raise InvariantViolation("decode scheduler: " + "; ".join(problems[:8]))
@@ -188,7 +194,10 @@ class DecodeScheduler(Scheduler):
     def _awaiting_problems(self, request: Request) -> list[str]:
         if request.state is not RequestState.AWAITING_KV:
             return [f"{request!r} is in the awaiting queue"]
-        return page_table_problems(request, self.pool)
+        return self.kv.table_problems(request, request.num_tokens)
+
+    def _slots_in_use(self) -> int:
+        return self.num_running + len(self._awaiting)
 
     def _awaiting_request(self, request_id: str) -> Request:
         request = self._awaiting.get(request_id)

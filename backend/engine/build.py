@@ -15,6 +15,7 @@ import torch
 from backend.config import BackendSettings
 from backend.core.admission import CapacityLimits
 from backend.core.errors import IsolationReason
+from backend.core.kv_manager import Allocation
 from backend.core.pages import PagePool
 from backend.core.scheduler import Scheduler
 from backend.engine.async_engine import AsyncEngine
@@ -107,6 +108,7 @@ def build_engine(
         eos_token_id=tokenizer.eos_id,
         max_batch_tokens=settings.max_batch_tokens,
         max_running=settings.max_running,
+        allocation=Allocation(settings.kv_allocation),
     )
     backend = None if settings.attention_backend == "auto" else settings.attention_backend
     metrics = EngineMetrics(role)
@@ -134,3 +136,5 @@ def _observe_step(metrics: EngineMetrics, outcome: object) -> None:
     metrics.generated_tokens.inc(len(outcome.results))
     if outcome.zeroed_pages:
         metrics.zeroed_pages.inc(outcome.zeroed_pages)
+    if outcome.preemptions:
+        metrics.preemptions.inc(outcome.preemptions)

@@ -46,6 +46,7 @@ class StepOutcome:
     verify_s: float = 0.0
     forward_s: float = 0.0
     zeroed_pages: int = 0
+    preemptions: int = 0
     proofs: dict[str, HandoffProof] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict, repr=False)
 
@@ -83,8 +84,9 @@ class EngineCore:
         return None
 
     def step(self) -> StepOutcome:
+        preempted_before = self.scheduler.num_preemptions
         output = self.scheduler.schedule()
-        outcome = StepOutcome()
+        outcome = StepOutcome(preemptions=self.scheduler.num_preemptions - preempted_before)
         self._zero(output, outcome)
         if self.verify_pages:
             self._verify(output, outcome)

@@ -28,8 +28,9 @@ ERROR = ContextLengthExceeded(10, 11, 10, 1, "context_window")
 EXPECTED_TABLE = {
     S.WAITING: {S.PREFILLING, S.AWAITING_KV, S.REJECTED, S.ABORTED, S.FAILED},
     S.AWAITING_KV: {S.DECODING, S.FINISHED, S.REJECTED, S.ABORTED, S.FAILED},
-    S.PREFILLING: {S.DECODING, S.FINISHED, S.ABORTED, S.FAILED},
-    S.DECODING: {S.FINISHED, S.ABORTED, S.FAILED},
+    S.PREFILLING: {S.DECODING, S.FINISHED, S.PREEMPTED, S.ABORTED, S.FAILED},
+    S.DECODING: {S.FINISHED, S.PREEMPTED, S.ABORTED, S.FAILED},
+    S.PREEMPTED: {S.PREFILLING, S.ABORTED, S.FAILED},
     S.FINISHED: set(),
     S.REJECTED: set(),
     S.ABORTED: set(),
@@ -42,6 +43,7 @@ PATH_TO = {
     S.AWAITING_KV: [S.AWAITING_KV],
     S.PREFILLING: [S.PREFILLING],
     S.DECODING: [S.PREFILLING, S.DECODING],
+    S.PREEMPTED: [S.PREFILLING, S.DECODING, S.PREEMPTED],
     S.FINISHED: [S.PREFILLING, S.DECODING, S.FINISHED],
     S.REJECTED: [S.REJECTED],
     S.ABORTED: [S.ABORTED],
@@ -99,6 +101,17 @@ def test_new_request_waits_with_nothing_attached() -> None:
     assert (request.num_computed_tokens, request.output_ids) == (0, [])
     assert request.max_total_tokens == 7
     assert request.owner.request_id == "req-1" and request.owner.tenant == "tenant-a"
+
+
+def test_token_ids_span_prompt_and_outputs() -> None:
+    """What a recomputation after preemption feeds: the prompt, then the outputs so far."""
+    request = make_request((5, 6, 7))
+    request.output_ids += [8, 9]
+    assert request.num_tokens == 5
+    assert request.token_ids(0, 5) == (5, 6, 7, 8, 9)
+    assert request.token_ids(1, 3) == (6, 7)
+    assert request.token_ids(2, 4) == (7, 8)
+    assert request.token_ids(4, 5) == (9,)
 
 
 def test_terminal_outcomes_carry_their_reason_and_error() -> None:

@@ -1,4 +1,7 @@
-"""Scheduler: exact batches for continuous batching, chunked prefill, FIFO, finishing, aborts."""
+"""Scheduler: exact batches for continuous batching, chunked prefill, FIFO, finishing, aborts.
+
+Tests that pin exact page ids of whole reservations run with ``Allocation.RESERVE`` (``RESERVE``
+below); on-demand growth and preemption have their own file (``test_core_scheduler_preempt``)."""
 
 from __future__ import annotations
 
@@ -14,12 +17,14 @@ from backend.core.errors import (
     IsolationReason,
     StepProtocolError,
 )
+from backend.core.kv_manager import Allocation
 from backend.core.messages import SchedulerOutput, StepResult
 from backend.core.pages import PagePool, PageRef, PageSnapshot
 from backend.core.request import FinishReason, Request, RequestState, SamplingParams
 from backend.core.scheduler import Scheduler
 
 S = RequestState
+RESERVE = Allocation.RESERVE
 Shape = tuple[list[tuple[str, int]], list[tuple[str, int, int]]]
 
 
@@ -32,10 +37,18 @@ def make(
     running: int = 4,
     zero: bool = False,
     eos: int | None = None,
+    allocation: Allocation = Allocation.ON_DEMAND,
 ) -> Scheduler:
     pool = PagePool(pages, page_size, zero_on_free=zero)
     limits = CapacityLimits.from_pool(pool, window)
-    return Scheduler(pool, limits, max_batch_tokens=batch, max_running=running, eos_token_id=eos)
+    return Scheduler(
+        pool,
+        limits,
+        max_batch_tokens=batch,
+        max_running=running,
+        eos_token_id=eos,
+        allocation=allocation,
+    )
 
 
 def req(rid: str, prompt_len: int, max_tokens: int, stop: tuple[int, ...] = ()) -> Request:
@@ -73,7 +86,7 @@ def refs(*pairs: tuple[int, int]) -> tuple[PageRef, ...]:
 
 
 def test_chunked_prefill_boundaries_then_decode_to_length() -> None:
-    sched = make(batch=8)
+    sched = make(batch=8, allocation=RESERVE)
     a = req("a", 10, 3)
     sched.add(a)
     assert sched.num_waiting == 1 and a.page_table == ()
@@ -113,7 +126,7 @@ def test_prompt_of_exactly_the_batch_budget_is_one_chunk() -> None:
 
 
 def test_new_request_joins_a_running_decode_batch() -> None:
-    sched = make(batch=8)
+    sched = make(batch=8, allocation=RESERVE)
     a, b = req("a", 4, 5), req("b", 10, 2)
     sched.add(a)
     step(sched)
@@ -139,7 +152,7 @@ def test_requests_admitted_together_split_the_budget_in_fifo_order() -> None:
 
 
 def test_waiting_head_that_does_not_fit_blocks_later_requests_fifo() -> None:
-    sched = make(pages=4, page_size=4, window=16, batch=16)
+    sched = make(pages=4, page_size=4, window=16, batch=16, allocation=RESERVE)
     a, b, c = req("a", 8, 4), req("b", 5, 3), req("c", 2, 2)  # 3, 2 and 1 pages
     for r in (a, b, c):
         sched.add(r)
@@ -280,7 +293,7 @@ def test_abort_between_steps_frees_pages_at_once() -> None:
 
 
 def test_abort_during_a_step_quarantines_until_postprocess() -> None:
-    sched = make()
+    sched = make(allocation=RESERVE)
     a, b = req("a", 6, 4), req("b", 2, 4)
     sched.add(a)
     sched.add(b)
@@ -323,7 +336,7 @@ def test_fail_frees_pages_and_records_the_error() -> None:
 
 
 def test_fail_releases_only_pages_the_request_still_holds() -> None:
-    sched = make(pages=4, page_size=4, window=16)
+    sched = make(pages=4, page_size=4, window=16, allocation=RESERVE)
     a = req("a", 4, 4)
     sched.add(a)
     step(sched)
@@ -340,7 +353,7 @@ def test_fail_releases_only_pages_the_request_still_holds() -> None:
 
 
 def test_zeroed_pages_are_surfaced_and_gate_admission() -> None:
-    sched = make(pages=4, page_size=4, window=16, batch=16, zero=True)
+    sched = make(pages=4, page_size=4, window=16, batch=16, zero=True, allocation=RESERVE)
     a, b = req("a", 4, 1), req("b", 8, 8)  # 2 pages, then all 4
     sched.add(a)
     sched.add(b)

@@ -34,9 +34,10 @@ def make(
 
 
 def awaiting(pool: PagePool, rid: str, prompt_len: int, max_tokens: int) -> Request:
-    """What the decode role does before the handoff: reserve every page, then AWAITING_KV."""
+    """What the decode role does before the handoff: reserve the prompt's pages (on-demand
+    allocation), then AWAITING_KV."""
     request = Request(rid, f"tenant-{rid}", tuple(range(prompt_len)), SamplingParams(max_tokens))
-    needed = pool.pages_for(request.max_total_tokens)
+    needed = pool.pages_for(prompt_len)
     request.page_table = tuple(pool.allocate(needed, request.owner))
     request.transition(S.AWAITING_KV)
     return request
@@ -44,9 +45,9 @@ def awaiting(pool: PagePool, rid: str, prompt_len: int, max_tokens: int) -> Requ
 
 def test_prefilled_request_joins_the_batch_decoding_at_the_prompts_end() -> None:
     sched, pool = make()
-    req = awaiting(pool, "a", 6, 3)  # 9 tokens -> pages 0..2
-    assert req.page_table == (PageRef(0, 1), PageRef(1, 1), PageRef(2, 1))
-    sched.check_invariants(held_outside=3)
+    req = awaiting(pool, "a", 6, 3)  # a 6-token prompt -> pages 0, 1
+    assert req.page_table == (PageRef(0, 1), PageRef(1, 1))
+    sched.check_invariants(held_outside=2)
 
     result = sched.add_prefilled(req, 42)
 
@@ -59,7 +60,8 @@ def test_prefilled_request_joins_the_batch_decoding_at_the_prompts_end() -> None
     assert decodes == [("a", 6, 42)]
     assert out.prefills == () and out.decodes[0].page_table == req.page_table
     assert sched.postprocess(out, {"a": 5}) == [StepResult("a", 5, S.DECODING, None)]
-    out = sched.schedule()
+    out = sched.schedule()  # position 7 is still in page 1: no page is taken
+    assert len(req.page_table) == 2
     assert sched.postprocess(out, {"a": 9}) == [StepResult("a", 9, S.FINISHED, FinishReason.LENGTH)]
     assert (req.output_ids, req.page_table, pool.free_pages) == ([42, 5, 9], (), 16)
     sched.check_invariants()
@@ -91,7 +93,7 @@ def test_first_token_that_ends_it_finishes_and_frees_for_zeroing(
 
 def _refusal_cases(pool: PagePool) -> list[tuple[Request, int, type[Exception]]]:
     waiting = Request("w", "t", (1, 2), SamplingParams(2))
-    partial = awaiting(pool, "p", 4, 4)
+    partial = awaiting(pool, "p", 6, 4)
     partial.page_table = partial.page_table[:1]
     stale = awaiting(pool, "s", 4, 4)
     pool.free(stale.page_table, stale.owner)
@@ -135,8 +137,8 @@ def test_no_running_slot_and_duplicate_id_are_refused() -> None:
 
 def test_reserved_pages_come_back_through_the_scheduler_for_zeroing() -> None:
     sched, pool = make(zero=True)
-    freed = awaiting(pool, "f", 4, 4)  # pages 0, 1
-    drained = awaiting(pool, "d", 4, 4)  # pages 2, 3
+    freed = awaiting(pool, "f", 8, 4)  # pages 0, 1
+    drained = awaiting(pool, "d", 8, 4)  # pages 2, 3
     pool.quarantine(drained.page_table, drained.owner)
     sched.check_invariants(held_outside=2, quarantined_outside=2)
     with pytest.raises(InvariantViolation, match="owned pages"):

@@ -1,5 +1,5 @@
 """Randomized workloads through the scheduler: adds (some too long), steps, aborts (also mid-step),
-failures, stop tokens; invariants after every call and a fully free pool once drained."""
+failures, stop tokens, preemptions; invariants after every call and a free pool once drained."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def snapshot(pool: PagePool) -> list[PageSnapshot]:
 def new_request(rng: random.Random, serial: int) -> Request:
     prompt = tuple(rng.randrange(1, 50) for _ in range(rng.randint(1, 40)))
     stop = (rng.randrange(1, 50),) if rng.random() < 0.2 else ()
-    sampling = SamplingParams(max_tokens=rng.randint(1, 12), stop_token_ids=stop)
+    sampling = SamplingParams(max_tokens=rng.randint(1, 30), stop_token_ids=stop)
     return Request(f"r{serial}", f"tenant-{rng.randrange(4)}", prompt, sampling)
 
 
@@ -48,7 +48,7 @@ def run_step(
         seen["quarantined_mid_step"] += sched.pool.quarantined_pages > 0
         sched.check_invariants()
     sampled = {
-        rid: (EOS if rng.random() < 0.05 else rng.randrange(1, 50))
+        rid: (EOS if rng.random() < 0.03 else rng.randrange(1, 50))
         for rid in out.sampling_request_ids
     }
     sched.postprocess(out, sampled)
@@ -117,3 +117,4 @@ def test_random_workload_keeps_invariants_and_drains_to_a_free_pool(
     for path in ("head_waits_for_pages", "chunked_prefill", "joins_decode_batch"):
         assert seen[path] >= 3, seen
     assert seen["quarantined_mid_step"] >= 1, seen
+    assert sched.num_preemptions >= 3, sched.num_preemptions

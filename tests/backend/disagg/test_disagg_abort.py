@@ -39,8 +39,8 @@ PAGE_BYTES = 2 * 2 * PAGE * 2 * 16 * 4  # layers x (K, V) x tokens x kv heads x 
 IN_FLIGHT_S = 0.6
 LINK = {"KVGUARD_DRILL_LINK_BYTES_PER_S": str(int(BATCH_PAGES * PAGE_BYTES / IN_FLIGHT_S))}
 POOL_PAGES = 95
-A_PROMPT, A_MAX = 1500, 16  # 95 pages: the whole decode pool
-B_PROMPT, B_MAX = 2, 1504  # needs 95 pages too, so only A's pages can hold it
+A_PROMPT, A_MAX = 1510, 10  # the prompt's 95 pages (reserved for the handoff): the whole pool
+B_PROMPT, B_MAX = 2, 1504  # its first page can only be one of A's
 BATCH = {"KVGUARD_TRANSFER_BATCH_PAGES": str(BATCH_PAGES)}
 DECODE = {"pool_tokens": POOL_PAGES * PAGE, "allow_fault_drills": True}
 
@@ -184,7 +184,7 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_drains_pages() -> Non
     error = events[-2]
     assert error["error"]["code"] == "prefill_unavailable"
     assert error["kvguard"]["handoff"]["outcome"] == "lost"
-    pages = -(-(200 + 8) // PAGE)
+    pages = -(-200 // PAGE)  # the prompt's, reserved for the handoff
     assert capacity(D_ORPHANED)["quarantined_pages"] == pages  # a write may still be in flight
     assert metric(D_ORPHANED, "kvguard_engine_pool_pages", state="quarantined") == pages
     # No acknowledgement can come: the pages leave quarantine after lease + drain bound (3.5 s).

@@ -58,9 +58,9 @@ def test_decode_admits_through_the_engine_schedulers_one_admission_path() -> Non
     assert sched.awaiting("w") is waiting and sched.num_running == 0
 
 
-def test_reserve_is_fifo_and_whole_and_nobody_overtakes() -> None:
+def test_reserve_is_fifo_and_covers_the_prompt_and_nobody_overtakes() -> None:
     sched = build()
-    a, b, c = req("a", 10, 6), req("b", 10, 6), req("c", 1, 1)  # 4, 4 and 1 pages
+    a, b, c = req("a", 13, 6), req("b", 13, 6), req("c", 1, 1)  # the prompts': 4, 4 and 1 pages
     for r in (a, b, c):
         sched.add(r)
     assert sched.reserve_ready() == [a, b]
@@ -168,8 +168,9 @@ def test_random_operations_keep_the_books_consistent() -> None:
                     sched.abort_waiting(rid) or sched.abort(rid)
             elif sched.has_work():
                 out = sched.schedule()
+                # preempted requests recompute here, so prefill chunks sample too
                 sched.postprocess(
-                    out, {d.request.request_id: rng.randint(0, 120) for d in out.decodes}
+                    out, {rid: rng.randint(0, 120) for rid in out.sampling_request_ids}
                 )
             sched.reserve_ready()
             sched.check_invariants()

@@ -8,8 +8,10 @@ runs the bundled model (``backend/bundled/kvguard-tiny``), which copies the cana
 Tenant A sends a 200-token chat whose system message carries a marker MA (tokens 28-64) and whose
 last user message is ``Repeat the reference code.``, with max_tokens 48, so it answers with MA.
 Then tenant B sends a 400-token chat: it fits decode's pool (512) but not prefill's. Decode hands
-out free pages first-in first-out from a pool of 32: A gets pages 0-15, B gets 16-31 and then A's
-freed 0-11, so B's last nine prompt pages are A's pages 0-8 (A's tokens 0-143, MA included). A B
+out free pages first-in first-out from a pool of 32, on demand: A gets pages 0-12 for its prompt
+and one more each time its answer starts a page (0-15 for a 41-token answer or longer), B's 25
+prompt pages are the 16 nobody held, then A's freed pages from 0, so B's last eight or nine prompt
+pages are A's pages 0-7 or 0-8 (A's tokens 0-127 at least, MA included). A B
 that is wrongly served reads A's stale KV there -- shown by page fingerprints in decode's drill
 read log (content hashes, never content) -- and the model turns it into text: B's answer holds MA.
 This is the canary leak drill's recipe (``tests/canary/test_canary_leak_drill.py``) without the
@@ -147,7 +149,7 @@ def _stale_pages_read(role: Role) -> dict[int, str]:
 
 
 def test_incident_reproduced_b_gets_200_with_a_marker_from_a_stale_pages() -> None:
-    _, b = _a_then_b(D_INCIDENT)
+    a, b = _a_then_b(D_INCIDENT)
     assert b.status_code == 200, b.text
     # The incident, at the text level: B's fluent answer carries A's marker.
     assert _holds_part_of(_text(b), MA), "B's answer does not hold A's marker"
@@ -158,7 +160,11 @@ def test_incident_reproduced_b_gets_200_with_a_marker_from_a_stale_pages() -> No
     assert (proof["reserved_tokens"], proof["transferred_tokens"]) == (B_TOKENS, 1)
     assert sorted(proof["skipped_checks"]) == ["checksum", "page_generations", "transfer_range"]
     stale = _stale_pages_read(D_INCIDENT)
-    assert set(stale) == set(range(9)), f"B should have read A's pages: {kv_reads(D_INCIDENT)}"
+    # A's table at its end: its prompt and the answer's fed tokens (the last one never is).
+    a_pages = -(-(A_TOKENS + a.json()["usage"]["completion_tokens"] - 1) // PAGE)
+    b_from_a = -(-B_TOKENS // PAGE) - (DECODE_POOL_TOKENS // PAGE - a_pages)
+    assert b_from_a in (8, 9)
+    assert set(stale) == set(range(b_from_a)), f"B read A's pages: {kv_reads(D_INCIDENT)}"
     # Prefill wrote one placeholder page; decode read all 25 prompt pages anyway.
     assert len(kv_reads(D_INCIDENT)["req-b"]["pages"]) == -(-B_TOKENS // PAGE)
     assert metric(D_INCIDENT, "kvguard_engine_handoff_transfer_mismatch_total") == 1

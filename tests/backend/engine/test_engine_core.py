@@ -112,3 +112,33 @@ def test_random_add_abort_step_keeps_invariants(tiny_checkpoint: str) -> None:
         core.step()
     core.scheduler.check_invariants()
     assert built.pool.free_pages == built.pool.num_pages
+
+
+def _run_all(core, requests: list[Request]) -> None:  # type: ignore[no-untyped-def]
+    for request in requests:
+        core.add(request)
+    while core.has_work():
+        outcome = core.step()
+        assert not outcome.failed
+        core.scheduler.check_invariants()
+
+
+def test_preemption_under_a_full_pool_keeps_every_greedy_answer(tiny_checkpoint: str) -> None:
+    """Four requests that each fit the 64-token pool but not together: the engine preempts
+    (recomputing prompt + output so far) and every answer equals its unpreempted one (the same
+    requests in a pool that holds them all)."""
+    lengths = [(20, 20), (12, 28), (25, 15), (8, 24)]
+
+    def run(pool_tokens: int) -> tuple[list[Request], int]:
+        built = _build(tiny_checkpoint, pool_tokens=pool_tokens)
+        requests = [_request(f"r{i}", f"t{i % 2}", p, m) for i, (p, m) in enumerate(lengths)]
+        _run_all(built.engine.core, requests)
+        assert built.pool.free_pages == built.pool.num_pages
+        assert all(r.state is RequestState.FINISHED for r in requests)
+        return requests, built.engine.core.scheduler.num_preemptions
+
+    crowded, preemptions = run(64)
+    roomy, none = run(1024)
+    assert preemptions >= 2 and none == 0
+    assert sum(r.preemptions > 0 for r in crowded) >= 2
+    assert [r.output_ids for r in crowded] == [r.output_ids for r in roomy]
