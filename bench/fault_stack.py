@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from kvguard.localservices import free_port, postgres_server, redis_server
+from kvguard.localservices import RunningService, free_port, postgres_server, redis_server
 from kvguard.testing import stop_process, wait_for, wait_for_health
 
 KVGUARD = [sys.executable, "-m", "kvguard"]
@@ -190,6 +190,8 @@ class FaultStack:
     admin_token: str = field(repr=False)
     canary_key: str = field(repr=False)
     tenant: Tenant | None = None
+    redis: RunningService | None = None  # the servers behind the links (``frozen`` stops them)
+    postgres: RunningService | None = None
 
     @property
     def url(self) -> str:
@@ -385,6 +387,8 @@ def fault_stack(
             database_url=postgres.url,
             admin_token=admin_token,
             canary_key=canary_key,
+            redis=redis,
+            postgres=postgres,
         )
         fs.wait_routable()
         fs.tenant = fs.create_tenant("load", max_concurrency=max_concurrency)

@@ -57,13 +57,22 @@ def _http_client(settings: GatewaySettings) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
 
 
+def _migrate(url: str) -> None:
+    """Upgrade on an engine of its own: a migration may take longer than a request's bound."""
+    engine = make_engine(url)
+    try:
+        upgrade_database(engine)
+    finally:
+        engine.dispose()
+
+
 async def build_state(
     settings: GatewaySettings, *, hooks: GatewayHooks, span_exporter: SpanExporter | None
 ) -> GatewayState:
-    db = make_engine(settings.sqlalchemy_url())
     if settings.migrate_on_start:
-        await anyio.to_thread.run_sync(upgrade_database, db)
-    sessions = make_session_factory(db)
+        await anyio.to_thread.run_sync(_migrate, settings.sqlalchemy_url())
+    db = make_engine(settings.sqlalchemy_url(), timeout_s=settings.database_timeout_s)
+    sessions = make_session_factory(db, timeout_s=settings.database_timeout_s)
     metrics = GatewayMetrics()
     client = _http_client(settings)
     registry = EngineRegistry(stale_after_s=settings.capacity_stale_after_s)
@@ -114,6 +123,7 @@ async def build_state(
 async def start(state: GatewayState) -> list[asyncio.Task[None]]:
     await state.limiter.start()
     state.metrics.limiter_up.set(1 if await state.limiter.healthy() else 0)
+    await state.poller.reload_once()
     await state.poller.poll_once()
     try:
         await state.audit.drain_spool()  # rows a previous shutdown could not write
@@ -121,6 +131,7 @@ async def start(state: GatewayState) -> list[asyncio.Task[None]]:
         log.exception("audit: spooled rows not written yet; retrying in the background")
     return [
         asyncio.create_task(state.poller.run(), name="capacity-poller"),
+        asyncio.create_task(state.poller.run_reload(), name="engine-reload"),
         asyncio.create_task(state.audit.run(), name="audit-writer"),
     ]
 

@@ -236,6 +236,13 @@ class GatewaySettings(KvguardSettings):
         "beyond that its attempts are refused with 429 before any comparison",
     )
     migrate_on_start: bool = True
+    database_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="the most any database operation may take (connect, pool checkout, each "
+        "round trip; PostgreSQL): past it the request gets its 503 database_unavailable, even "
+        "from a frozen server",
+    )
 
     engines: list[EngineSpec] = Field(default_factory=list)
     engines_file: Path | None = None

@@ -13,12 +13,11 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Annotated
 
-import anyio
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from gateway.db.models import utcnow
-from gateway.db.session import session_scope
+from gateway.db.session import run_in_session, session_scope
 from gateway.domain import Principal
 from gateway.errors import AuthenticationFailed, PermissionDenied, RateLimited
 from gateway.services.keys import AuthFailure, authenticate, looks_like_tenant_key
@@ -67,11 +66,10 @@ async def current_principal(request: Request, state: StateDep) -> Principal:
     if cached is not None:
         return cached
 
-    def lookup() -> Principal | AuthFailure:
-        with session_scope(state.sessions) as session:
-            return authenticate(session, token=token, now=now)
+    def lookup(session: Session) -> Principal | AuthFailure:
+        return authenticate(session, token=token, now=now)
 
-    result = await anyio.to_thread.run_sync(lookup)
+    result = await run_in_session(state.sessions, lookup)
     if isinstance(result, AuthFailure):
         if result is AuthFailure.TENANT_DISABLED:
             raise PermissionDenied("This tenant is disabled.", code="tenant_disabled")

@@ -12,6 +12,7 @@ import contextlib
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -35,6 +36,7 @@ class RunningService:
     port: int
     url: str
     data_dir: Path
+    pid: int | None = None  # the server's process (``frozen`` stops it and its children)
 
 
 # Ports this process has already handed out. The kernel may give the same ephemeral port to two
@@ -91,6 +93,47 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
+def frozen(service: RunningService) -> Iterator[None]:
+    """The server and every process it started stopped (SIGSTOP) inside the block: their sockets
+    stay open and accept connections, nothing answers (a hung host, a stalled disk). SIGCONT
+    after. (PostgreSQL's backends run in sessions of their own: they are found as children.)"""
+    if service.pid is None:
+        raise ServiceUnavailable(f"{service.name} was not started here: it cannot be frozen")
+    os.kill(service.pid, signal.SIGSTOP)  # first: it forks no new process while we look
+    stopped = [service.pid]
+    try:
+        for pid in _descendants(service.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@contextlib.contextmanager
 def redis_server(host: str = "127.0.0.1") -> Iterator[RunningService]:
     binary = find_binary("redis-server")
     port = free_port(host)
@@ -100,7 +143,7 @@ def redis_server(host: str = "127.0.0.1") -> Iterator[RunningService]:
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_port(proc, "redis-server", host, port)
-        yield RunningService("redis", host, port, f"redis://{host}:{port}/0", data_dir)
+        yield RunningService("redis", host, port, f"redis://{host}:{port}/0", data_dir, proc.pid)
     finally:
         _stop(proc)
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -152,6 +195,7 @@ def postgres_server(host: str = "127.0.0.1") -> Iterator[RunningService]:
             port,
             f"postgresql+psycopg://postgres@{host}:{port}/postgres",
             data_dir,
+            proc.pid,
         )
     finally:
         _stop(proc)

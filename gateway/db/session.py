@@ -4,10 +4,17 @@ The gateway uses synchronous SQLAlchemy: the hot path runs its few short stateme
 thread, admin routes are plain ``def`` routes (FastAPI runs them in its threadpool). SQLite gets
 WAL, a busy timeout and enforced foreign keys so several processes can share the embedded file.
 On PostgreSQL, upgrades hold an advisory lock: replicas starting together migrate once.
+
+Bounded time (``timeout_s``, the gateway's ``database_timeout_s``): on PostgreSQL every connect,
+pool checkout and round trip is bounded (``gateway.db.watchdog``), and ``run_in_session`` gives up
+waiting for its worker thread after the same time (``DatabaseTimeout``, which the app answers as
+its 503 ``database_unavailable``), so a frozen database never holds a request, ``/health`` or a
+background loop for longer. Migrations run on an engine of their own, without the bound.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,19 +25,27 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
+from gateway.db import watchdog
 
 # __path__, not __file__: an editable install made before migrations/__init__.py existed maps
 # the directory as a namespace package (no __file__); both forms have a __path__.
+_TIMEOUT = "kvguard_timeout_s"
 MIGRATIONS_DIR = Path(next(iter(migrations.__path__))).resolve()
 # Any constant works; it only has to be the same in every replica.
 _ADVISORY_LOCK_KEY = 0x6B76_6775_6172_64
 T = TypeVar("T")
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
+class DatabaseTimeout(PoolTimeout):
+    """The database did not answer within the bound (a pool timeout to every handler)."""
+
+
+def make_engine(url: str, *, timeout_s: float | None = None, **kwargs: Any) -> Engine:
+    """An engine for ``url``; with ``timeout_s`` every PostgreSQL operation is bounded by it."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -38,7 +53,12 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False}, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True, **kwargs)
+    if timeout_s is None:
+        return create_engine(url, pool_pre_ping=True, **kwargs)
+    connect_args = {"connect_timeout": max(2, math.ceil(timeout_s))}  # libpq: whole s, >= 2
+    engine = create_engine(url, pool_timeout=timeout_s, connect_args=connect_args, **kwargs)
+    watchdog.install(engine, timeout_s)  # its checkout ping replaces pool_pre_ping
+    return engine
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -50,8 +70,11 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def make_session_factory(engine: Engine) -> sessionmaker[Session]:
-    return sessionmaker(engine, expire_on_commit=False)
+def make_session_factory(
+    engine: Engine, *, timeout_s: float | None = None
+) -> sessionmaker[Session]:
+    """Sessions on ``engine``; ``timeout_s`` bounds each ``run_in_session`` with them."""
+    return sessionmaker(engine, expire_on_commit=False, info={_TIMEOUT: timeout_s})
 
 
 @contextmanager
@@ -69,13 +92,21 @@ def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
 
 
 async def run_in_session(factory: sessionmaker[Session], work: Callable[[Session], T]) -> T:
-    """Run ``work`` in one unit of work on a worker thread (the event loop never blocks on SQL)."""
+    """Run ``work`` in one unit of work on a worker thread (the event loop never blocks on SQL);
+    with the factory's ``timeout_s``, raise ``DatabaseTimeout`` once that has passed (the thread
+    itself is released by the watchdog)."""
 
     def run() -> T:
         with session_scope(factory) as session:
             return work(session)
 
-    return await anyio.to_thread.run_sync(run)
+    timeout_s = factory.kw.get("info", {}).get(_TIMEOUT)
+    if timeout_s is None:
+        return await anyio.to_thread.run_sync(run)
+    with anyio.move_on_after(timeout_s) as scope:
+        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+    assert scope.cancelled_caught
+    raise DatabaseTimeout(f"the database did not answer within {timeout_s:.1f} s")
 
 
 def alembic_config(engine: Engine) -> Config:

@@ -1,9 +1,12 @@
 """The capacity poller: introspects every engine on start and then every ``interval_s``.
 
-One cycle: reload admin-registered engines and controls (so replicas converge) -> introspect all
-engines concurrently (each bounded by a timeout) -> store snapshots or errors in the registry ->
-publish per-engine gauges (routable, block reason, window/pool/enforced tokens, drift, faults,
-age). A failed introspection keeps the old snapshot for reference but blocks routing at once.
+Two loops, every ``interval_s``: ``run`` introspects all engines concurrently (each bounded by a
+timeout), stores snapshots or errors in the registry and publishes per-engine gauges (routable,
+block reason, window/pool/enforced tokens, drift, faults, age); ``run_reload`` reloads the
+admin-registered engines and controls from the database (so replicas converge). They are apart
+so that a database that does not answer never delays a capacity poll: the engines stay fresh
+(and routable) through a database outage. A failed introspection keeps the old snapshot for
+reference but blocks routing at once.
 """
 
 from __future__ import annotations
@@ -49,12 +52,22 @@ class CapacityPoller:
             except Exception:  # the loop must outlive any single bad cycle
                 log.exception("capacity poll cycle failed")
 
+    async def run_reload(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self.reload_once()
+
+    async def reload_once(self) -> None:
+        if self.reload is None:
+            return
+        try:
+            await self.reload()
+        except Exception as exc:
+            log.warning(
+                "could not reload engines from the database (%s); keeping the last set", exc
+            )
+
     async def poll_once(self) -> None:
-        if self.reload is not None:
-            try:
-                await self.reload()
-            except Exception:
-                log.exception("could not reload engines from the database; keeping the last set")
         records = self._registry.records()
         await asyncio.gather(*(self._poll(record) for record in records))
         self.publish()

@@ -11,6 +11,14 @@ so a gateway that dies frees its slots within one lease time. Any Redis error ra
 unreachable) is kept and retried before the next admit and on every refresh, so the tenant gets
 its slots back as soon as Redis answers again instead of a lease time later; the deadline stays
 the backstop.
+
+An admit the gateway gave up on (a timeout: Redis frozen, its socket still open) may still run
+when Redis resumes, and would hold a slot nobody releases. So it is *abandoned*: released like a
+failed release (retried until Redis answers), and that release also leaves a tombstone under the
+lease id for one lease time, which the admit script checks first. Whichever runs first, the slot
+ends free: a late admit finds the tombstone and takes nothing; an earlier one is removed (and its
+tokens refunded). An abandoned admit of a plan without a concurrency cap may keep its rate charge
+(nothing shows whether it ran): at most one request's worth.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from gateway.limits.base import (
 )
 
 log = logging.getLogger("kvguard.gateway.limits")
+MAX_UNRELEASED = 10_000  # releases kept for a retry; beyond, the oldest expire on their own
+INLINE_RETRIES = 16  # retried before an admit (the refresh loop retries the rest)
 
 _LEVEL = """
 local function level(key, cap, now, window)
@@ -52,12 +62,14 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: requests bucket, tokens bucket, lease zset.
+# KEYS: requests bucket, tokens bucket, lease zset, the lease's tombstone.
 # ARGV: rpm cap, tpm cap, concurrency cap ('' = no limit), cost, lease id, lease ms, window ms.
-# Returns {1} admitted, or {0, kind, wait_ms} (wait_ms -1: can never fit).
+# Returns {1} admitted, or {0, kind, wait_ms} (wait_ms -1: can never fit; kind 'abandoned': the
+# gateway gave this admit up before it ran).
 ADMIT_LUA = (
     _LEVEL
     + """
+if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 'abandoned', -1} end
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cost, lease = tonumber(ARGV[4]), ARGV[5]
 local lease_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -91,12 +103,18 @@ return {1}
 """
 )
 
-# KEYS: tokens bucket, lease zset. ARGV: tpm cap ('' = none), refund, lease id, window ms.
+# KEYS: tokens bucket, lease zset, the lease's tombstone.
+# ARGV: tpm cap ('' = none), refund, lease id, window ms, tombstone ms ('' = a normal release).
+# An abandoned admit's release leaves the tombstone and refunds only a lease it removed.
 RELEASE_LUA = (
     _LEVEL
     + """
-redis.call('ZREM', KEYS[2], ARGV[3])
+local removed = redis.call('ZREM', KEYS[2], ARGV[3])
 local tpm, refund, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
+if ARGV[5] ~= '' then
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[5])
+  if removed == 0 then refund = 0 end
+end
 if tpm and refund > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
   local lvl = level(KEYS[1], tpm, now, window) + refund
   if lvl > tpm then lvl = tpm end
@@ -118,6 +136,10 @@ return redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
 def _keys(tenant_id: str) -> tuple[str, str, str]:
     base = f"kvg:lim:{{{tenant_id}}}"
     return f"{base}:requests", f"{base}:tokens", f"{base}:leases"
+
+
+def _tombstone(lease: Lease) -> str:
+    return f"kvg:lim:{{{lease.tenant_id}}}:gone:{lease.lease_id}"
 
 
 def _arg(value: int | None) -> str:
@@ -144,7 +166,8 @@ class RedisLimiter(Limiter):
         self._release = self._client.register_script(RELEASE_LUA)
         self._refresh = self._client.register_script(REFRESH_LUA)
         self._held: dict[str, Lease] = {}
-        self._unreleased: dict[str, tuple[Lease, int]] = {}  # lease id -> (lease, unused tokens)
+        # lease id -> (lease, unused tokens, abandoned: an admit given up on, see the docstring)
+        self._unreleased: dict[str, tuple[Lease, int, bool]] = {}
         self._refresher: asyncio.Task[None] | None = None
 
     async def admit(self, *, tenant_id: str, plan: TenantPlan, tokens: int) -> Lease | Refusal:
@@ -159,16 +182,21 @@ class RedisLimiter(Limiter):
             str(WINDOW_MS),
         ]
         with contextlib.suppress(RedisError, OSError):
-            await self._retry_releases()  # first give back slots a past outage kept
+            await self._retry_releases(INLINE_RETRIES)  # first give back what an outage kept
         try:
-            result = await self._admit(keys=list(_keys(tenant_id)), args=args)
+            result = await self._admit(keys=[*_keys(tenant_id), _tombstone(lease)], args=args)
         except (RedisError, OSError) as exc:
+            # It may still run when Redis answers: release it then (tombstoned).
+            self._keep_unreleased(lease, tokens, abandoned=True)
             raise LimiterUnavailable(f"redis: {exc.__class__.__name__}") from exc
         if int(result[0]) == 1:
             if plan.max_concurrency is not None:
                 self._held[lease.lease_id] = lease
             return lease
-        kind = LimitKind(result[1].decode() if isinstance(result[1], bytes) else result[1])
+        raw_kind = result[1].decode() if isinstance(result[1], bytes) else str(result[1])
+        if raw_kind == "abandoned":
+            raise LimiterUnavailable("redis: admit abandoned")
+        kind = LimitKind(raw_kind)
         wait_ms = int(result[2])
         retry = None if wait_ms < 0 else max(1, -(-wait_ms // 1000))
         return Refusal(kind, retry)
@@ -176,23 +204,30 @@ class RedisLimiter(Limiter):
     async def release(self, lease: Lease, *, unused_tokens: int) -> None:
         self._held.pop(lease.lease_id, None)
         try:
-            await self._release_one(lease, unused_tokens)
+            await self._release_one(lease, unused_tokens, abandoned=False)
         except (RedisError, OSError):
             # Kept for a retry: without it the slot stays taken until the lease's deadline.
-            self._unreleased[lease.lease_id] = (lease, unused_tokens)
+            self._keep_unreleased(lease, unused_tokens, abandoned=False)
             log.warning(
                 "lease release failed for tenant %s; retrying when Redis answers", lease.tenant_id
             )
 
-    async def _release_one(self, lease: Lease, unused_tokens: int) -> None:
+    async def _release_one(self, lease: Lease, unused_tokens: int, *, abandoned: bool) -> None:
         _, tokens_key, leases_key = _keys(lease.tenant_id)
         args = [_arg(lease.plan.tokens_per_minute), str(max(0, unused_tokens)), lease.lease_id]
-        await self._release(keys=[tokens_key, leases_key], args=[*args, str(WINDOW_MS)])
+        args += [str(WINDOW_MS), str(self._lease_ms) if abandoned else ""]
+        await self._release(keys=[tokens_key, leases_key, _tombstone(lease)], args=args)
 
-    async def _retry_releases(self) -> None:
-        """Releases that failed earlier, oldest first; raises (keeping the rest) on an error."""
-        for lease_id, (lease, unused_tokens) in list(self._unreleased.items()):
-            await self._release_one(lease, unused_tokens)
+    def _keep_unreleased(self, lease: Lease, unused_tokens: int, *, abandoned: bool) -> None:
+        self._unreleased[lease.lease_id] = (lease, unused_tokens, abandoned)
+        while len(self._unreleased) > MAX_UNRELEASED:  # the oldest expire on their own
+            self._unreleased.pop(next(iter(self._unreleased)))
+
+    async def _retry_releases(self, limit: int | None = None) -> None:
+        """Releases that failed earlier and abandoned admits, oldest first (at most ``limit``);
+        raises (keeping the rest) on an error."""
+        for lease_id, (lease, unused_tokens, abandoned) in list(self._unreleased.items())[:limit]:
+            await self._release_one(lease, unused_tokens, abandoned=abandoned)
             self._unreleased.pop(lease_id, None)
 
     async def healthy(self) -> bool:

@@ -174,7 +174,7 @@ async def test_quarantine_reaches_every_replica(make_settings, standin) -> None:
             r = await gw.client.post("/v1/completions", json=body, headers=bearer(key))
             assert r.status_code == 200
         await first.state.quarantine("shared", reason="canary: foreign marker")
-        await second.state.poller.poll_once()  # the next cycle reloads controls from SQL
+        await second.state.poller.reload_once()  # the next reload reads controls from SQL
         for gw in (first, second):
             r = await gw.client.post("/v1/completions", json=body, headers=bearer(key))
             assert (r.status_code, r.json()["error"]["code"]) == (503, "no_healthy_engine")

@@ -5,13 +5,17 @@ so it takes the metrics token (``KVGUARD_METRICS_TOKEN``, or the admin token) as
 credential; only a development gateway without one serves it openly. ``/health`` stays public and
 names engines and shared services only, never a tenant.
 
-Health is 503 when the gateway would refuse requests it should serve: database unreachable,
+Health answers within ``database_timeout_s`` + 0.5 s whatever the shared services do (a frozen
+database or Redis counts as unreachable). It is 503 when the gateway would refuse requests it
+should serve: database unreachable,
 limiter unreachable (limited tenants fail closed), or no engine routable. Capacity drift does not
 stop serving (requests are held to the real pool) but is listed and marks the status degraded.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter
@@ -35,6 +39,14 @@ async def _database_ok(state: GatewayState) -> bool:
     return True
 
 
+async def _bounded(check: Awaitable[bool], timeout_s: float) -> bool:
+    """A check's answer, or False when it has none within ``timeout_s``: /health always answers."""
+    try:
+        return await asyncio.wait_for(check, timeout_s)
+    except TimeoutError:
+        return False
+
+
 def _engines(state: GatewayState) -> list[dict[str, Any]]:
     out = []
     for record in state.registry.records():
@@ -55,9 +67,11 @@ def _engines(state: GatewayState) -> list[dict[str, Any]]:
 
 @router.get("/health")
 async def health(state: StateDep) -> JSONResponse:
-    limiter_ok = await state.limiter.healthy()
+    bound = state.settings.database_timeout_s + 0.5
+    limiter_ok, database_ok = await asyncio.gather(
+        _bounded(state.limiter.healthy(), bound), _bounded(_database_ok(state), bound)
+    )
     state.metrics.limiter_up.set(1 if limiter_ok else 0)
-    database_ok = await _database_ok(state)
     engines = _engines(state)
     problems = []
     if not database_ok:
