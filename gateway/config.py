@@ -147,6 +147,12 @@ class EngineSpec(BaseModel):
     declared_pool_tokens: int | None = Field(
         default=None, gt=0, description="vLLM without stats: see MemberSpec.declared_pool_tokens"
     )
+    discover_members: bool = Field(
+        default=False,
+        description="sglang/vllm behind a router: also read the router's own worker list each "
+        "poll (SGLang model gateway GET /workers, vLLM PD proxy GET /status); a listed worker "
+        "that is not a member fails the engine closed; with no members, the list is the members",
+    )
     send_kvguard_headers: bool | None = Field(
         default=None,
         description="send the tenant id, request id and trace headers upstream; default: yes for "
@@ -172,7 +178,7 @@ class EngineSpec(BaseModel):
             raise ValueError("a litellm engine needs litellm_model (e.g. 'openai/<model>')")
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("give api_key or api_key_env, not both")
-        if self.members and self.kind not in GROUP_KINDS:
+        if (self.members or self.discover_members) and self.kind not in GROUP_KINDS:
             raise ValueError("members are for sglang and vllm deployments behind a router")
         names = [member.name for member in self.members]
         if len(set(names)) != len(names):

@@ -145,6 +145,7 @@ class EngineIn(_Closed):
     declared_pool_tokens: Annotated[int, Field(gt=0)] | None = None
     send_kvguard_headers: bool | None = None
     api_base: bool = True
+    discover_members: bool = False
 
 
 class QuarantineIn(_Closed):

@@ -157,6 +157,7 @@ class RegisteredEngine(Base):
     declared_pool_tokens: Mapped[int | None] = mapped_column(Integer)
     send_kvguard_headers: Mapped[bool | None] = mapped_column(Boolean)
     api_base: Mapped[bool | None] = mapped_column(Boolean)
+    discover_members: Mapped[bool | None] = mapped_column(Boolean)
 
 
 class EngineControl(Base):

@@ -38,6 +38,7 @@ def register_engine(session: Session, *, spec: EngineSpec, taken: set[str]) -> R
         declared_pool_tokens=spec.declared_pool_tokens,
         send_kvguard_headers=spec.send_kvguard_headers,
         api_base=spec.api_base,
+        discover_members=spec.discover_members,
     )
     session.add(row)
     return row
@@ -67,6 +68,7 @@ def registered_specs(session: Session) -> list[EngineSpec]:
             declared_pool_tokens=row.declared_pool_tokens,
             send_kvguard_headers=row.send_kvguard_headers,
             api_base=True if row.api_base is None else row.api_base,
+            discover_members=bool(row.discover_members),
         )
         for row in rows
     ]

@@ -20,7 +20,10 @@ Shapes follow these upstream sources, read from the released packages:
   73da68ca of lightseekorg/smg), ``model_gateway/src/server.rs`` and
   ``routers/http/pd_router.rs``: ``/get_server_info`` proxied to the FIRST prefill worker only;
   ``/v1/tokenize`` (router-side tokenizer, ``{model, prompt}`` only: no chat messages) and no
-  ``/tokenize``; ``/v1/models``; chat/completions dual-dispatched to a prefill/decode pair.
+  ``/tokenize``; ``/v1/models``; ``GET /workers`` (``crates/protocols/src/worker.rs``
+  ``WorkerListResponse``: ``WorkerInfo`` with the flattened ``WorkerSpec``: ``url``,
+  ``worker_type`` prefill/decode/regular, ``bootstrap_port``...), to which workers can be added
+  at run time; chat/completions dual-dispatched to a prefill/decode pair.
 """
 
 from __future__ import annotations
@@ -182,6 +185,35 @@ class PDRouter:
             [(p, d) for p in self.prefill for d in self.decode] or [("", "")]
         )
 
+    def add(self, url: str, role: str) -> None:
+        """A worker registered with the running router (the model gateway's POST /workers)."""
+        (self.prefill if role == "prefill" else self.decode).append(url)
+        self.__post_init__()
+
+    def worker_list(self) -> dict[str, Any]:
+        listed = [(u, "prefill") for u in self.prefill] + [(u, "decode") for u in self.decode]
+        workers = [
+            {
+                "id": f"worker-{i}",
+                "url": url,
+                "worker_type": role,
+                "connection_mode": "http",
+                "runtime_type": "sglang",
+                "priority": 50,
+                "cost": 1.0,
+                **({"bootstrap_port": 8998} if role == "prefill" else {}),
+                "is_healthy": True,
+                "status": "ready",
+                "load": 0,
+                "job_status": None,
+            }
+            for i, (url, role) in enumerate(listed)
+        ]
+        by_type = {"regular": 0, "prefill": len(self.prefill), "decode": len(self.decode)}
+        stats = {"total_workers": len(workers), "healthy_workers": len(workers)}
+        stats |= {"total_models": 1, "total_load": 0, "by_type": by_type}
+        return {"workers": workers, "total": len(workers), "stats": stats}
+
 
 def router_app(r: PDRouter) -> FastAPI:
     app = FastAPI()
@@ -207,6 +239,10 @@ def router_app(r: PDRouter) -> FastAPI:
         return (await client.get(f"{r.prefill[0]}/v1/models")).json()
 
     if r.flavor == "model_gateway":
+
+        @app.get("/workers")
+        async def workers() -> Any:
+            return r.worker_list()
 
         @app.post("/v1/tokenize")
         async def tokenize(request: Request) -> Any:

@@ -148,7 +148,7 @@ def worker_app(w: VLLMWorker) -> FastAPI:
 
 @dataclass
 class PDProxy:
-    prefill: list[str]
+    prefill: list[str]  # "host:port", as the demo takes --prefill / --decode
     decode: list[str]
     traffic: Traffic = field(default_factory=Traffic)
 
@@ -175,8 +175,9 @@ def proxy_app(p: PDProxy) -> FastAPI:
         p.traffic.paths.append(request.url.path)
         body = await request.json()
         path = request.url.path
-        await client.post(f"{next(p._p)}{path}", json={**body, "max_tokens": 1, "stream": False})
-        upstream = client.build_request("POST", f"{next(p._d)}{path}", json=body)
+        kv_prepare = {**body, "max_tokens": 1, "stream": False}
+        await client.post(f"http://{next(p._p)}{path}", json=kv_prepare)
+        upstream = client.build_request("POST", f"http://{next(p._d)}{path}", json=body)
         opened = await client.send(upstream, stream=True)
         if opened.status_code != 200:
             await opened.aread()
@@ -218,8 +219,8 @@ async def start_vllm_routed(workers: dict[str, tuple[str, VLLMWorker]]) -> VLLMR
         urls[name] = server.url
     roles = {name: role for name, (role, _) in workers.items()}
     proxy = PDProxy(
-        prefill=[urls[n] for n, r in roles.items() if r == "prefill"],
-        decode=[urls[n] for n, r in roles.items() if r == "decode"],
+        prefill=[urls[n].removeprefix("http://") for n, r in roles.items() if r == "prefill"],
+        decode=[urls[n].removeprefix("http://") for n, r in roles.items() if r == "decode"],
     )
     plain = {name: worker for name, (_, worker) in workers.items()}
     return VLLMRouted(proxy, await serve(proxy_app(proxy)), plain, urls, roles, servers)

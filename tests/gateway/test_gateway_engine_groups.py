@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from gateway_harness import bearer, running_gateway
+from gateway_standin import serve
 from sqlalchemy import select
 from standin_openai import Script, Traffic
 from standin_sglang import SGLangWorker, start_sglang_pd
+from standin_sglang import worker_app as sglang_worker_app
 from standin_vllm import VLLMWorker, start_vllm_routed
 
 from canary.config import CanarySettings
@@ -288,3 +290,50 @@ async def test_group_registered_through_the_admin_api(make_settings) -> None:
             assert r.status_code == 400 and "prefill or unified member" in r.text
     finally:
         await pd.stop()
+
+
+async def test_router_worker_lists_keep_members_complete(make_settings) -> None:
+    workers = {
+        "p1": SGLangWorker(mode="prefill", rank_pools=[5000], context_len=4096),
+        "d1": SGLangWorker(mode="decode", rank_pools=[3000], context_len=4096),
+    }
+    pd = await start_sglang_pd(workers)
+    late = SGLangWorker(mode="decode", rank_pools=[900], context_len=4096)
+    late_server = await serve(sglang_worker_app(late))
+    routed = await start_vllm_routed(
+        {
+            "prefill-0": ("prefill", VLLMWorker(core_pools=[12000])),
+            "decode-0": ("decode", VLLMWorker(core_pools=[7000])),
+        }
+    )
+    try:
+        listed = {"name": "listed", "kind": "sglang", "base_url": pd.url, "members": pd.members()}
+        settings = make_settings(
+            engines=[
+                {**listed, "discover_members": True},
+                {"name": "found", "kind": "sglang", "base_url": pd.url, "discover_members": True},
+                {"name": "vllm", "kind": "vllm", "base_url": routed.url, "discover_members": True},
+            ]
+        )
+        async with running_gateway(settings) as gw:
+            assert (await _engine(gw, "listed"))["enforceable_limit"] == 3000
+            found = await _engine(gw, "found")
+            assert [m["name"] for m in found["members"]] == []  # none configured ...
+            assert {r["role"] for r in found["roles"]} == {"prefill-0/prefill", "decode-1/decode"}
+            vllm = await _engine(gw, "vllm")  # ... the routers' lists are the members
+            assert vllm["routable"] and vllm["enforceable_limit"] == 7000
+
+            pd.router.add(late_server.url, "decode")  # scaled out behind the gateway's back
+            await gw.state.poller.poll_once()
+            listed_view = await _engine(gw, "listed")
+            assert listed_view["blocked_reason"] == "unreachable"
+            assert (
+                f"routes to decode worker {late_server.url}, which is not a member"
+                in (listed_view["blocked_detail"])
+            )
+            found = await _engine(gw, "found")
+            assert found["routable"] and found["enforceable_limit"] == 900  # measured at once
+    finally:
+        await pd.stop()
+        await late_server.stop()
+        await routed.stop()

@@ -59,10 +59,10 @@ class EngineAdapter(ABC):
 
     def headers(self, *, member: str | None = None) -> dict[str, str]:
         """Credentials for the engine (or one member of its group), never the tenant's key."""
-        key = self.spec.key()
-        if member is not None:
-            found = [m for m in self.spec.members if m.name == member]
-            key = found[0].key() if found else None
+        key = self.spec.key()  # also a discovered worker's: it sits behind the same router
+        found = [m for m in self.spec.members if m.name == member]
+        if found:
+            key = found[0].key()
         return {} if key is None else {"Authorization": f"Bearer {key}"}
 
     def url(self, path: str) -> str:

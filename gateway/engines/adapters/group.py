@@ -3,7 +3,9 @@
 Lifecycle of one introspection:
 
 1. workers: the spec's members (each with its own role, URL, key and optional declared pool), or
-   the engine itself when it has none;
+   the engine itself when it has none; with ``discover_members``, the router's own worker list
+   too: a worker it routes to that is not a member fails the engine closed (its pool would be
+   unmeasured), and with no members the listed workers are the members;
 2. each worker is read concurrently with the kind's own endpoints (``read_worker``); any failure
    fails the whole engine with a reason naming the member (fail closed: a request could land on
    the worker nobody measured);
@@ -54,8 +56,17 @@ class GroupAdapter(EngineAdapter):
         """Why a worker registered alone (no members) cannot be a whole serving path, if so."""
         return None
 
+    async def listed_workers(
+        self, client: httpx.AsyncClient, *, timeout: float
+    ) -> list[tuple[str, MemberRole]]:
+        """(URL, role) of every worker the router routes to, from the router itself."""
+        raise AdapterError(f"{self.spec.kind.value}: no router worker list is known")
+
     async def introspect(self, client: httpx.AsyncClient, *, timeout: float) -> CapacitySnapshot:
         workers = self.workers()
+        if self.spec.discover_members:
+            listed = await self.listed_workers(client, timeout=timeout)
+            workers = reconcile(workers, listed, headers=self.headers())
         parts = await asyncio.gather(
             *(self._read(client, worker, timeout=timeout) for worker in workers)
         )
@@ -128,6 +139,37 @@ class GroupAdapter(EngineAdapter):
                     "registered as a group (register its workers as members)"
                 ) from exc
             raise AdapterError(f"member '{worker.member.name}': {exc}") from exc
+
+
+def reconcile(
+    workers: list[Worker], listed: list[tuple[str, MemberRole]], *, headers: dict[str, str]
+) -> list[Worker]:
+    """The workers to read, given the router's list: a listed worker must be a member."""
+    if not listed:
+        raise AdapterError("the router lists no worker")
+    known = {_base(w.url) for w in workers if w.member is not None}
+    if not known:
+        return [
+            Worker(
+                url=url,
+                headers=headers,
+                declared_pool_tokens=None,
+                member=MemberSpec(name=f"{role.value}-{index}", role=role, url=url),
+            )
+            for index, (url, role) in enumerate(listed)
+        ]
+    for url, role in listed:
+        if _base(url) not in known:
+            raise AdapterError(
+                f"the router routes to {role.value} worker {url}, which is not a member: add it "
+                "to members (its pool is not measured)"
+            )
+    return workers
+
+
+def _base(url: str) -> str:
+    """A worker URL without a data-parallel rank suffix (the model gateway's ``url@rank``)."""
+    return url.rstrip("/").split("@")[0].rstrip("/")
 
 
 def _name(worker: Worker) -> str:

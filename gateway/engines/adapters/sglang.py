@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from gateway.config import MemberRole
 from gateway.engines.adapters.base import (
     AdapterError,
     get_json,
@@ -50,6 +51,13 @@ PD_MODES = ("prefill", "decode")
 class SGLangAdapter(GroupAdapter):
     tokenize_paths = ("/v1/tokenize", "/tokenize")
 
+    async def listed_workers(
+        self, client: httpx.AsyncClient, *, timeout: float
+    ) -> list[tuple[str, MemberRole]]:
+        """The SGLang model gateway's ``GET /workers`` (``WorkerListResponse``, admin auth)."""
+        data = await get_json(client, self.url("/workers"), timeout=timeout, headers=self.headers())
+        return listed_roles(data.get("workers"), url_key="url", role_key="worker_type")
+
     async def read_worker(
         self, client: httpx.AsyncClient, worker: Worker, *, timeout: float
     ) -> CapacitySnapshot:
@@ -68,6 +76,21 @@ class SGLangAdapter(GroupAdapter):
                 "decode worker as members, with the router as base_url"
             )
         return None
+
+
+def listed_roles(entries: Any, *, url_key: str, role_key: str) -> list[tuple[str, MemberRole]]:
+    if not isinstance(entries, list):
+        raise AdapterError("router worker list: not a list")
+    listed = []
+    roles = {role.value for role in MemberRole}
+    for entry in entries:
+        fields = entry if isinstance(entry, dict) else {}
+        url, raw = fields.get(url_key), str(fields.get(role_key))
+        role = "unified" if raw == "regular" else raw  # the model gateway's non-PD workers
+        if not isinstance(url, str) or role not in roles:
+            raise AdapterError(f"router worker list: an entry without a url or a known {role_key}")
+        listed.append((url, MemberRole(role)))
+    return listed
 
 
 async def _server_info(

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config import MemberRole
 from gateway.engines.adapters.base import (
     AdapterError,
     get_json,
@@ -52,6 +53,19 @@ NO_STATS = (
 
 class VLLMAdapter(GroupAdapter):
     tokenize_paths = ("/tokenize", "/v1/tokenize")
+
+    async def listed_workers(
+        self, client: httpx.AsyncClient, *, timeout: float
+    ) -> list[tuple[str, MemberRole]]:
+        """vLLM's PD proxy demo: ``GET /status`` lists ``prefill_nodes``/``decode_nodes``."""
+        data = await get_json(client, self.url("/status"), timeout=timeout, headers=self.headers())
+        listed = []
+        for role in (MemberRole.PREFILL, MemberRole.DECODE):
+            nodes = data.get(f"{role.value}_nodes")
+            if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+                raise AdapterError(f"vllm proxy /status: no {role.value}_nodes list")
+            listed += [(n if "://" in n else f"http://{n}", role) for n in nodes]
+        return listed
 
     async def read_worker(
         self, client: httpx.AsyncClient, worker: Worker, *, timeout: float
