@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn  # noqa: F401  (the servers run through gateway_standin.serve)
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from gateway_standin import RunningServer, serve
 
 MESSAGE_OVERHEAD = 3  # the stand-in chat template: tokens per message besides its words
 
@@ -191,6 +191,41 @@ def sse(objects: Iterator[dict[str, Any]]) -> Iterator[bytes]:
     for obj in objects:
         yield f"data: {json.dumps(obj)}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+# -- a deployment: workers behind a router, each on a real 127.0.0.1 port --------------------------
+
+
+@dataclass
+class Deployment:
+    """Workers (by name, with their role) and the router in front of them, all running."""
+
+    router_server: RunningServer
+    urls: dict[str, str]
+    roles: dict[str, str]
+    servers: list[RunningServer]
+
+    @property
+    def url(self) -> str:
+        return self.router_server.url
+
+    def members(self) -> list[dict[str, Any]]:
+        """The ``members`` entries an operator writes for this deployment."""
+        return [{"name": n, "role": self.roles[n], "url": self.urls[n]} for n in self.urls]
+
+    async def stop(self) -> None:
+        await self.router_server.stop()
+        for server in self.servers:
+            await server.stop()
+
+
+async def serve_workers(apps: dict[str, FastAPI]) -> tuple[list[RunningServer], dict[str, str]]:
+    servers, urls = [], {}
+    for name, app in apps.items():
+        server = await serve(app)
+        servers.append(server)
+        urls[name] = server.url
+    return servers, urls
 
 
 # -- a third-party provider (what litellm reaches) -------------------------------------------------

@@ -35,14 +35,16 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from gateway_standin import RunningServer, serve
+from gateway_standin import serve
 from standin_openai import (
+    Deployment,
     Script,
     Traffic,
     answer_words,
     chunks,
     full_body,
     prompt_text,
+    serve_workers,
     sse,
     word_count,
 )
@@ -275,42 +277,22 @@ def router_app(r: PDRouter) -> FastAPI:
 
 
 @dataclass
-class SGLangPD:
-    """A running PD deployment: router + workers on real 127.0.0.1 ports."""
+class SGLangPD(Deployment):
+    """A running PD deployment: the router and its workers."""
 
-    router: PDRouter
-    router_server: RunningServer
-    workers: dict[str, SGLangWorker]
-    urls: dict[str, str]
-    servers: list[RunningServer]
-
-    @property
-    def url(self) -> str:
-        return self.router_server.url
-
-    def members(self) -> list[dict[str, Any]]:
-        return [
-            {"name": name, "role": w.mode, "url": self.urls[name]}
-            for name, w in self.workers.items()
-        ]
-
-    async def stop(self) -> None:
-        await self.router_server.stop()
-        for server in self.servers:
-            await server.stop()
+    router: PDRouter = field(kw_only=True)
+    workers: dict[str, SGLangWorker] = field(kw_only=True)
 
 
 async def start_sglang_pd(
     workers: dict[str, SGLangWorker], *, flavor: str = "model_gateway"
 ) -> SGLangPD:
-    servers, urls = [], {}
-    for name, worker in workers.items():
-        server = await serve(worker_app(worker))
-        servers.append(server)
-        urls[name] = server.url
+    servers, urls = await serve_workers({name: worker_app(w) for name, w in workers.items()})
+    roles = {name: worker.mode for name, worker in workers.items()}
     router = PDRouter(
-        prefill=[urls[n] for n, w in workers.items() if w.mode == "prefill"],
-        decode=[urls[n] for n, w in workers.items() if w.mode == "decode"],
+        prefill=[urls[n] for n, role in roles.items() if role == "prefill"],
+        decode=[urls[n] for n, role in roles.items() if role == "decode"],
         flavor=flavor,
     )
-    return SGLangPD(router, await serve(router_app(router)), workers, urls, servers)
+    router_server = await serve(router_app(router))
+    return SGLangPD(router_server, urls, roles, servers, router=router, workers=workers)

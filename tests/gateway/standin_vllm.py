@@ -28,14 +28,16 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from gateway_standin import RunningServer, serve
+from gateway_standin import serve
 from standin_openai import (
+    Deployment,
     Script,
     Traffic,
     answer_words,
     chunks,
     full_body,
     prompt_text,
+    serve_workers,
     sse,
     word_count,
 )
@@ -189,38 +191,19 @@ def proxy_app(p: PDProxy) -> FastAPI:
 
 
 @dataclass
-class VLLMRouted:
-    proxy: PDProxy
-    proxy_server: RunningServer
-    workers: dict[str, VLLMWorker]
-    urls: dict[str, str]
-    roles: dict[str, str]
-    servers: list[RunningServer]
-
-    @property
-    def url(self) -> str:
-        return self.proxy_server.url
-
-    def members(self) -> list[dict[str, Any]]:
-        return [{"name": n, "role": self.roles[n], "url": self.urls[n]} for n in self.workers]
-
-    async def stop(self) -> None:
-        await self.proxy_server.stop()
-        for server in self.servers:
-            await server.stop()
+class VLLMRouted(Deployment):
+    proxy: PDProxy = field(kw_only=True)
+    workers: dict[str, VLLMWorker] = field(kw_only=True)
 
 
 async def start_vllm_routed(workers: dict[str, tuple[str, VLLMWorker]]) -> VLLMRouted:
     """Workers by name -> (role, worker), behind the PD proxy demo."""
-    servers, urls = [], {}
-    for name, (_, worker) in workers.items():
-        server = await serve(worker_app(worker))
-        servers.append(server)
-        urls[name] = server.url
+    plain = {name: worker for name, (_, worker) in workers.items()}
+    servers, urls = await serve_workers({name: worker_app(w) for name, w in plain.items()})
     roles = {name: role for name, (role, _) in workers.items()}
     proxy = PDProxy(
         prefill=[urls[n].removeprefix("http://") for n, r in roles.items() if r == "prefill"],
         decode=[urls[n].removeprefix("http://") for n, r in roles.items() if r == "decode"],
     )
-    plain = {name: worker for name, (_, worker) in workers.items()}
-    return VLLMRouted(proxy, await serve(proxy_app(proxy)), plain, urls, roles, servers)
+    proxy_server = await serve(proxy_app(proxy))
+    return VLLMRouted(proxy_server, urls, roles, servers, proxy=proxy, workers=plain)
