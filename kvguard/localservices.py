@@ -226,28 +226,12 @@ def prometheus_server(
     ``rule_files`` maps file names to rule YAML written beside the config; the config's
     ``rule_files`` may name them relative to that directory.
     """
-    import yaml  # local import: only this server needs YAML
-
     binary = find_binary("prometheus")
-    port = free_port(host)
-    data_dir = Path(tempfile.mkdtemp(prefix="kvguard-prometheus-"))
-    for name, text in (rule_files or {}).items():
-        (data_dir / name).write_text(text, encoding="utf-8")
-    config_path = data_dir / "prometheus.yml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    argv = [str(binary), f"--config.file={config_path}", f"--storage.tsdb.path={data_dir / 'tsdb'}"]
-    argv += [f"--web.listen-address={host}:{port}", "--web.enable-lifecycle", "--log.level=warn"]
-    log = open(data_dir / "prometheus.log", "wb")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen(argv, cwd=data_dir, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://{host}:{port}"
-    try:
-        _wait_for_port(proc, "prometheus", host, port)
-        _wait_for_http_ok(proc, "prometheus", url + "/-/ready")
-        yield RunningService("prometheus", host, port, url, data_dir)
-    finally:
-        _stop(proc)
-        log.close()
-        shutil.rmtree(data_dir, ignore_errors=True)
+    with _yaml_configured("prometheus", config, rule_files or {}) as (data_dir, config_path):
+        argv = [str(binary), f"--config.file={config_path}"]
+        argv += [f"--storage.tsdb.path={data_dir / 'tsdb'}", "--web.enable-lifecycle"]
+        with _http_server("prometheus", argv, data_dir, host) as running:
+            yield running
 
 
 @contextlib.contextmanager
@@ -256,29 +240,51 @@ def alertmanager_server(
 ) -> Iterator[RunningService]:
     """Alertmanager (Debian's ``prometheus-alertmanager``, upstream's ``alertmanager``) on a free
     port with ``config`` (an alertmanager.yml as a dict), clustering off."""
-    import yaml  # local import: only these servers need YAML
-
     try:
         binary = find_binary("prometheus-alertmanager")
     except ServiceUnavailable:
         binary = find_binary("alertmanager")
+    with _yaml_configured("alertmanager", config, {}) as (data_dir, config_path):
+        argv = [str(binary), f"--config.file={config_path}"]
+        argv += [f"--storage.path={data_dir / 'data'}", "--cluster.listen-address="]
+        with _http_server("alertmanager", argv, data_dir, host) as running:
+            yield running
+
+
+@contextlib.contextmanager
+def _yaml_configured(
+    name: str, config: dict[str, Any], extra_files: dict[str, str]
+) -> Iterator[tuple[Path, Path]]:
+    """A temporary data dir holding ``NAME.yml`` (``config``) and ``extra_files``; removed after."""
+    import yaml  # local import: only these servers need YAML
+
+    data_dir = Path(tempfile.mkdtemp(prefix=f"kvguard-{name}-"))
+    try:
+        for file_name, text in extra_files.items():
+            (data_dir / file_name).write_text(text, encoding="utf-8")
+        config_path = data_dir / f"{name}.yml"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+        yield data_dir, config_path
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _http_server(name: str, argv: list[str], data_dir: Path, host: str) -> Iterator[RunningService]:
+    """A Prometheus-family server (``--web.listen-address``, ``/-/ready``) on a free port, its
+    log in ``data_dir``, stopped at the end."""
     port = free_port(host)
-    data_dir = Path(tempfile.mkdtemp(prefix="kvguard-alertmanager-"))
-    config_path = data_dir / "alertmanager.yml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    argv = [str(binary), f"--config.file={config_path}", f"--storage.path={data_dir / 'data'}"]
-    argv += [f"--web.listen-address={host}:{port}", "--cluster.listen-address=", "--log.level=warn"]
-    log = open(data_dir / "alertmanager.log", "wb")  # noqa: SIM115 - closed in finally
+    argv = [*argv, f"--web.listen-address={host}:{port}", "--log.level=warn"]
+    log = open(data_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(argv, cwd=data_dir, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://{host}:{port}"
     try:
-        _wait_for_port(proc, "alertmanager", host, port)
-        _wait_for_http_ok(proc, "alertmanager", url + "/-/ready")
-        yield RunningService("alertmanager", host, port, url, data_dir)
+        _wait_for_port(proc, name, host, port)
+        _wait_for_http_ok(proc, name, url + "/-/ready")
+        yield RunningService(name, host, port, url, data_dir)
     finally:
         _stop(proc)
         log.close()
-        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def _wait_for_http_ok(proc: subprocess.Popen[bytes], name: str, url: str) -> None:

@@ -15,6 +15,10 @@ from typing import Any
 
 from backend.transport.base import KvTransport, Segment, TransferError, TransportUnavailable
 
+# The system libraries Mooncake's native module links against (libibverbs.so.1, libnuma.so.1,
+# libcurl.so.4), by Debian package; tests/ops/test_ops_image.py derives them from the wheel.
+SYSTEM_PACKAGES = ("libibverbs1", "libnuma1", "libcurl4")
+
 
 class MooncakeTransport(KvTransport):
     name = "mooncake"
@@ -22,12 +26,18 @@ class MooncakeTransport(KvTransport):
     def __init__(self, host: str, *, protocol: str = "tcp", device: str = "") -> None:
         try:
             from mooncake.engine import TransferEngine
-        except ImportError as exc:
+        except ModuleNotFoundError as exc:
             raise TransportUnavailable(
                 "the Mooncake transfer engine is not installed (pip install "
                 "'kvguard[mooncake]', i.e. mooncake-transfer-engine-non-cuda on CPU hosts); it "
                 "is needed when prefill and decode run on separate hosts. With both roles on "
                 "this host, set KVGUARD_TRANSPORT=loopback (TCP on 127.0.0.1, single-host only)"
+            ) from exc
+        except ImportError as exc:  # installed, but a system library it links against is not
+            raise TransportUnavailable(
+                f"the Mooncake transfer engine cannot load ({exc}); it needs the Debian/Ubuntu "
+                f"packages {' '.join(SYSTEM_PACKAGES)} (the Dockerfile and scripts/bootstrap.sh "
+                "install them)"
             ) from exc
         self._engine: Any = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)

@@ -7,6 +7,8 @@ import re
 
 from image_runtime import DOCKERFILE, image_needs, load_debian, missing_from_image, parse_dockerfile
 
+from backend.transport.mooncake import SYSTEM_PACKAGES
+
 MOONCAKE_LIBRARIES = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1"}
 
 
@@ -51,3 +53,16 @@ def test_a_library_debian_data_does_not_know_fails_until_refreshed() -> None:
     needs.by_library["libnew.so.7"] = ["somewheel/_native.so"]
     missing = missing_from_image(recipe, needs, load_debian())
     assert [(m.library, m.package) for m in missing] == [("libnew.so.7", None)]
+
+
+def test_the_transports_load_error_names_the_packages_mooncake_needs() -> None:
+    """The packages MooncakeTransport names when its native module cannot load are exactly
+    those its shared objects need beyond the base image."""
+    needs, _ = image_needs(parse_dockerfile(_dockerfile()))
+    debian = load_debian()
+    mooncake = {
+        debian["libraries"][library]
+        for library, users in needs.by_library.items()
+        if any(u.startswith("mooncake") for u in users)
+    }
+    assert mooncake - set(debian["base_packages"]) == set(SYSTEM_PACKAGES)

@@ -52,3 +52,27 @@ def test_prefill_without_mooncake_exits_2_cannot_start(tiny_checkpoint: str) -> 
     assert result.returncode == 2, result.stderr[-2000:]
     assert "kvguard backend prefill: cannot start:" in result.stderr
     assert FALLBACK in result.stderr
+
+
+class _BrokenNativeModule:
+    """A meta path finder whose ``mooncake.engine`` fails as a native module does when a library
+    it links against is missing (the message is the dynamic loader's)."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "mooncake.engine":
+            raise ImportError(
+                "libibverbs.so.1: cannot open shared object file: No such file or directory"
+            )
+        return None
+
+
+def test_a_missing_system_library_is_named_with_its_packages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenNativeModule(), *sys.meta_path])
+    with pytest.raises(TransportUnavailable) as refused:
+        MooncakeTransport("127.0.0.1")
+    message = str(refused.value)
+    assert "libibverbs.so.1: cannot open shared object file" in message
+    assert "libibverbs1 libnuma1 libcurl4" in message and "not installed" not in message
