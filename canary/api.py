@@ -15,7 +15,7 @@ import time
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Path, Query, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from canary.findings import (
@@ -36,6 +36,7 @@ from gateway.deps import AdminDep, CurrentTenant, SessionDep
 from gateway.errors import NotFound
 
 Limit = Annotated[int, Query(ge=1, le=1000)]
+RowId = Annotated[int, Path(ge=1, le=2**63 - 1)]  # a row id fits the 64-bit column (else a 500)
 
 
 class FindingOut(BaseModel):
@@ -140,7 +141,7 @@ def _finding_routes(router: APIRouter) -> None:
         return [FindingOut.of(row) for row in rows]
 
     @router.get("/admin/canary/findings/{finding_id}")
-    def one_finding(finding_id: int, session: SessionDep, _: AdminDep) -> FindingOut:
+    def one_finding(finding_id: RowId, session: SessionDep, _: AdminDep) -> FindingOut:
         row = session.get(CanaryFinding, finding_id)
         if row is None:
             raise NotFound(f"no finding {finding_id}", code="finding_not_found")

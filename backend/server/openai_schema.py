@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from backend.bundled.chat import message_text
 from backend.core.errors import InvalidRequest
 from backend.core.request import MIN_SAMPLING_TEMPERATURE
+from kvguard.http_edge import check_stops, lone_surrogate
 
-MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_CEILING = 1 << 20
 MAX_CHOICES = 16  # n; the gateway relays at most this many choices per answer
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
@@ -46,9 +46,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _UnicodeOnly(BaseModel):
+    """Refuses a body holding a lone surrogate anywhere (a union-typed field such as ``content``
+    or ``stop`` lets pydantic pass one through; the tokenizer then failed with a 500)."""
+
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        path = lone_surrogate(data)
+        if path is not None:  # not a ValueError: it reaches the handler with its param intact
+            raise InvalidRequest(path, "text is not valid Unicode (it holds a lone surrogate)")
+        return data
+
+
+class _SamplingFields(_UnicodeOnly):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
@@ -74,11 +87,7 @@ class _SamplingFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else (value or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
+        check_stops([value] if isinstance(value, str) else (value or []))
         return value
 
     @field_validator("logit_bias")
@@ -223,9 +232,7 @@ class ChatCompletionRequest(_SamplingFields):
         return super().refused(disaggregated=disaggregated)
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TokenizeRequest(_UnicodeOnly):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

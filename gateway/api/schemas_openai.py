@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.db.text import StoredText
+from kvguard.http_edge import check_stops
 
-MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_CEILING = 1 << 20
 
 
@@ -70,11 +70,7 @@ class _Sampling(BaseModel):
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else (value or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-        if any(not stop for stop in stops):
-            raise ValueError("stop sequences must be non-empty")
+        check_stops([value] if isinstance(value, str) else (value or []))
         return value
 
     @model_validator(mode="after")
