@@ -277,7 +277,13 @@ class GatewaySettings(KvguardSettings):
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="a client must send its whole request body within this"
     )
-    default_max_tokens: int = Field(default=16, gt=0)
+    default_max_tokens_cap: int | None = Field(
+        default=None,
+        gt=0,
+        description="a request without max_tokens may generate as many tokens as fit its "
+        "engine's limit after the prompt (as OpenAI and vLLM do), at most this many; engines "
+        "that reserve KV for max_tokens up front (the bundled one) hold that much per request",
+    )
     key_last_used_interval_s: float = Field(default=60.0, ge=0)
     auth_cache_ttl_s: float = Field(
         default=1.0,

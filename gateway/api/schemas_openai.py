@@ -1,8 +1,16 @@
 """OpenAI-compatible request bodies the gateway accepts (HTTP edge; tables live in db.models).
 
-Strict and closed: unknown fields, wrong JSON types and out-of-range numbers are 400s naming the
-field, before any engine is asked anything. What the engine receives is exactly the fields the
-client set, plus the ``max_tokens`` the gateway enforced and the usage request it needs.
+Every field of OpenAI's published request schemas for chat completions and completions is
+declared here, so a request any OpenAI client may send is read, not refused as unknown; what each
+engine kind does with each field (forward, refuse at the door) is decided in one place,
+``gateway.api.surface``. Unknown fields, wrong JSON types and out-of-range numbers are 400s naming
+the field, before any engine is asked anything. The fields the gateway itself interprets (model,
+messages, prompt, token limits, n, stream) are typed exactly; the objects it only passes on
+(tools, response_format, metadata, ...) are checked for their outer shape, and every string in
+them for valid Unicode.
+
+What the engine receives is exactly the fields the client set (less what ``surface`` drops for
+that engine), plus the ``max_tokens`` the gateway enforced and the usage request it needs.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from gateway.db.text import StoredText
 from kvguard.http_edge import check_stops
 
 MAX_TOKENS_CEILING = 1 << 20
+MAX_CHOICES = 16  # n: the relay screens at most this many choices per answer
+CONTENT_PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")
 
 
 def _unicode(value: str) -> str:
@@ -26,46 +36,117 @@ def _unicode(value: str) -> str:
     return value
 
 
+def _unicode_within(value: Any) -> Any:
+    """Every string in a passed-on object (keys too) is valid Unicode."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            _unicode(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
+
+
 Text = Annotated[str, AfterValidator(_unicode)]  # every free-text field of a request
+Json = Annotated[Any, AfterValidator(_unicode_within)]  # an object the gateway only passes on
+JsonObject = Annotated[dict[str, Any], AfterValidator(_unicode_within)]
+JsonObjects = Annotated[list[dict[str, Any]], AfterValidator(_unicode_within)]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content: ``{"type": "text", "text": ...}`` or a non-text part
+    (``image_url``, ``input_audio``, ``file``, ``refusal``) passed on as is."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text", "image_url", "input_audio", "file", "refusal"]
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ContentPart:
+        _unicode_within(self.model_extra or {})
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs 'text'")
+        return self
+
+
+def _content(value: Any) -> str | list[ContentPart] | None:
+    """A message's content: a string, a non-empty list of content parts, or null (one error
+    naming ``content`` for anything else, not one per alternative)."""
+    if value is None or isinstance(value, str):
+        return value if value is None else _unicode(value)
+    if isinstance(value, list) and value:
+        return [ContentPart.model_validate(part) for part in value]
+    raise ValueError("must be a string, a non-empty list of content parts, or null")
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    role: Literal["developer", "system", "user", "assistant", "tool", "function"]
+    content: Annotated[Any, AfterValidator(_content)] = None
     name: Text | None = Field(default=None, max_length=64)
+    tool_calls: JsonObjects | None = None
+    tool_call_id: Text | None = Field(default=None, max_length=256)
+    refusal: Text | None = None
+    audio: JsonObject | None = None
+    function_call: JsonObject | None = None
+
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        if self.content is None and self.role not in ("assistant", "function"):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_call_id is None and self.role == "tool":
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def part_types(self) -> set[str]:
+        return {p.type for p in self.content} if isinstance(self.content, list) else set()
 
     def __repr__(self) -> str:
-        return f"ChatMessage(role={self.role!r}, content=<{len(self.content)} chars>)"
+        size = len(self.content) if isinstance(self.content, str | list) else 0
+        return f"ChatMessage(role={self.role!r}, content=<{size} chars or parts>)"
 
     __str__ = __repr__
 
 
 class _Sampling(BaseModel):
+    """The fields chat completions and completions share."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: StoredText = Field(min_length=1, max_length=256)  # in every audit row
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     user: Text | None = Field(default=None, max_length=256)
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[Text, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=1024
+    )
     # vLLM/SGLang's prefix-cache salt: accepted for compatibility, never forwarded (the gateway
     # sets its own per tenant, gateway.engines.isolation)
     cache_salt: Text | None = Field(default=None, max_length=1024)
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _null_stream(cls, value: Any) -> Any:
+        return False if value is None else value  # OpenAI's schema lets a client send null
 
     @field_validator("stop")
     @classmethod
@@ -73,22 +154,33 @@ class _Sampling(BaseModel):
         check_stops([value] if isinstance(value, str) else (value or []))
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key[:32]!r}")
+        return value
+
     @model_validator(mode="after")
-    def _one_max(self) -> _Sampling:
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("give max_tokens or max_completion_tokens, not both")
+    def _check_stream_options(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        return self.max_tokens
 
     def wants_usage_chunk(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def upstream_body(self, *, max_tokens: int) -> dict[str, Any]:
-        """What the engine receives: the client's fields, the enforced max_tokens, usage on."""
+        """What the engine receives: the client's fields, the enforced max_tokens, usage on
+        (``gateway.api.surface.for_engine`` then drops what the chosen engine does not take)."""
         body = self.model_dump(exclude_unset=True, exclude={"max_completion_tokens", "cache_salt"})
         body["max_tokens"] = max_tokens
         if self.stream:
@@ -98,16 +190,58 @@ class _Sampling(BaseModel):
 
 class ChatCompletionBody(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: JsonObjects | None = None
+    tool_choice: Literal["none", "auto", "required"] | JsonObject | None = None
+    parallel_tool_calls: bool | None = None
+    functions: JsonObjects | None = None
+    function_call: Literal["none", "auto"] | JsonObject | None = None
+    response_format: JsonObject | None = None
+    metadata: dict[Text, Text] | None = Field(default=None, max_length=16)
+    store: bool | None = None
+    service_tier: Text | None = None
+    modalities: list[Text] | None = None
+    audio: JsonObject | None = None
+    prediction: JsonObject | None = None
+    web_search_options: JsonObject | None = None
+    reasoning_effort: Text | None = None
+    verbosity: Text | None = None
+    safety_identifier: Text | None = Field(default=None, max_length=256)
+    prompt_cache_key: Text | None = None
+    prompt_cache_options: Json | None = None
+    prompt_cache_retention: Text | None = None
+    moderation: Json | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionBody:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.response_format is not None and not isinstance(
+            self.response_format.get("type"), str
+        ):
+            raise ValueError("response_format needs a 'type'")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
     def token_input(self) -> tuple[str | None, list[dict[str, Any]] | None]:
         return None, [m.model_dump(exclude_none=True) for m in self.messages]
 
 
 class CompletionBody(_Sampling):
-    prompt: Text = Field(min_length=1)
+    prompt: Text | Annotated[list[Any], AfterValidator(_unicode_within)] = Field(min_length=1)
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = None
+    suffix: Text | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
 
     def __repr__(self) -> str:
         return f"CompletionBody(model={self.model!r}, prompt=<{len(self.prompt)} chars>)"
 
     def token_input(self) -> tuple[str | None, list[dict[str, Any]] | None]:
-        return self.prompt, None
+        return (self.prompt if isinstance(self.prompt, str) else None), None

@@ -3,18 +3,25 @@
 Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet):
 
 1. route: engines that serve the model and may serve now (404 unknown model, 503 if all blocked);
-2. hooks: request hooks may rewrite the upstream body (canary markers are counted like text);
-3. count: exact prompt tokens -- applied here when the engine reports a tokenizer this release
+2. surface: of those, the engines whose kind takes every field the request uses
+   (``gateway.api.surface``); none: 400 ``unsupported_parameter`` naming the field and engine;
+3. hooks: request hooks may rewrite the upstream body (canary markers are counted like text);
+4. count: exact prompt tokens -- applied here when the engine reports a tokenizer this release
    can apply itself (the bundled byte tokenizer and chat format), else from the engine's own
    ``/tokenize``;
-4. fit: prompt + max_tokens <= min(window, every role's real pool, engine limits, plan cap)
+5. max_tokens: the client's, or as many as fit (the largest enforceable limit among the engines
+   less the prompt), at most ``default_max_tokens_cap`` and what the plan's tokens per minute
+   leave for each of the ``n`` choices;
+6. fit: prompt + max_tokens <= min(window, every role's real pool, engine limits, plan cap)
    on at least one engine (400 ``context_length_exceeded`` stating the real limit and the size;
    if engines turned unavailable while the prompt was counted, route again: 503, never a 400);
    a request that fits only without what the hooks added is sent as the client wrote it;
-5. limits: one atomic take of request, tokens and a concurrency lease (429 + Retry-After; 503 if
-   the shared limiter is down, unless configured to fail open);
-6. choose: least in-flight among the engines the request fits;
-7. isolate: the chosen engine's prefix-cache salt is set from the tenant (never the client's).
+7. limits: one atomic take of request, tokens (prompt + n x max_tokens: the prompt is read once)
+   and a concurrency lease (429 + Retry-After; 503 if the shared limiter is down, unless
+   configured to fail open);
+8. choose: least in-flight among the engines the request fits; the body loses what that engine
+   does not take (``surface.for_engine``);
+9. isolate: the chosen engine's prefix-cache salt is set from the tenant (never the client's).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.bundled.chat import TOKENIZER_ID, count_tokens
+from gateway.api import surface
 from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.engines.adapters import AdapterError, adapter_for
 from gateway.engines.capacity import RequestSize, fits, limit_for
@@ -58,19 +66,23 @@ class Admitted:
 async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitted:
     routable = route(state, ctx.model)
     ctx.advance(Phase.ROUTED)
-    max_tokens = body.requested_max_tokens() or state.settings.default_max_tokens
-    plain_body = body.upstream_body(max_tokens=max_tokens)
+    routable, unsupported = surface.serving(routable, surface.requested(body))
+    if not routable:
+        assert unsupported is not None
+        raise unsupported
+    plain_body = body.upstream_body(max_tokens=body.requested_max_tokens() or 1)
     upstream_body = plain_body
     for hook in state.hooks.request_hooks:
         upstream_body = await hook.prepare(ctx.info(), upstream_body)
     plan_cap = ctx.principal.plan.max_context_tokens
-    size, fitting = await _measure(state, routable, upstream_body, ctx, max_tokens, plan_cap)
+    size, fitting = await _measure(state, routable, upstream_body, ctx, body, plan_cap)
     if not fitting and upstream_body is not plain_body:
         # What a hook added (a canary marker) must never be the reason a request is refused:
         # send it as the client wrote it, or refuse it with the client's own size.
         upstream_body = plain_body
-        size, fitting = await _measure(state, routable, plain_body, ctx, max_tokens, plan_cap)
-    ctx.prompt_tokens, ctx.max_tokens = size.prompt_tokens, max_tokens
+        size, fitting = await _measure(state, routable, plain_body, ctx, body, plan_cap)
+    upstream_body["max_tokens"] = size.max_tokens
+    ctx.prompt_tokens, ctx.max_tokens = size.prompt_tokens, size.max_tokens * body.choices
     if not fitting:
         # Counting awaited the engine: an engine that became unavailable meanwhile now reports
         # a limit of 0. That is a 503 (route again), never a "too long" 400 the client would
@@ -79,11 +91,11 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
         fitting = _fitting(routable, size, plan_cap)
     if not fitting:
         raise too_long(routable, size, plan_cap, param=_param(body))
-    ctx.lease = await take_lease(state, ctx, size)
+    ctx.lease = await take_lease(state, ctx, size, choices=body.choices)
     ctx.advance(Phase.ADMITTED)
     engine = state.registry.choose(fitting)
     upstream_body = isolate(
-        upstream_body,
+        surface.for_engine(upstream_body, engine),
         engine.snapshot,
         key=state.settings.cache_salt_secret(),
         tenant_id=ctx.principal.tenant_id,
@@ -94,14 +106,38 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
 async def _measure(
     state: GatewayState,
     routable: list[EngineRecord],
-    body: dict[str, Any],
+    upstream_body: dict[str, Any],
     ctx: RequestContext,
-    max_tokens: int,
+    body: Body,
     plan_cap: int | None,
 ) -> tuple[RequestSize, list[EngineRecord]]:
-    prompt_tokens = await count_prompt(state, routable, body, ctx)
+    prompt_tokens = await count_prompt(state, routable, upstream_body, ctx)
+    max_tokens = body.requested_max_tokens()
+    if max_tokens is None:
+        max_tokens = _as_much_as_fits(state, ctx, routable, prompt_tokens, body.choices)
     size = RequestSize(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
     return size, _fitting(routable, size, plan_cap)
+
+
+def _as_much_as_fits(
+    state: GatewayState,
+    ctx: RequestContext,
+    routable: list[EngineRecord],
+    prompt_tokens: int,
+    choices: int,
+) -> int:
+    """A request without max_tokens may generate what fits after its prompt on the roomiest
+    engine, at most the operator's cap and what the plan's tokens per minute leave each choice.
+    At least 1: a prompt that leaves no room is refused as too long, by the same check as any."""
+    plan = ctx.principal.plan
+    limits = [limit_for(r.snapshot, plan.max_context_tokens) for r in routable if r.snapshot]
+    room = max(limits, default=0) - prompt_tokens
+    cap = state.settings.default_max_tokens_cap
+    if cap is not None:
+        room = min(room, cap)
+    if plan.rate_limited and plan.tokens_per_minute is not None:
+        room = min(room, (plan.tokens_per_minute - prompt_tokens) // choices)
+    return max(1, room)
 
 
 def _fitting(
@@ -177,13 +213,16 @@ def too_long(
     )
 
 
-async def take_lease(state: GatewayState, ctx: RequestContext, size: RequestSize) -> Lease | None:
+async def take_lease(
+    state: GatewayState, ctx: RequestContext, size: RequestSize, *, choices: int = 1
+) -> Lease | None:
     plan = ctx.principal.plan
     if not plan.rate_limited:
         return None
+    tokens = size.prompt_tokens + size.max_tokens * choices
     try:
         result = await state.limiter.admit(
-            tenant_id=ctx.principal.tenant_id, plan=plan, tokens=size.total
+            tenant_id=ctx.principal.tenant_id, plan=plan, tokens=tokens
         )
     except LimiterUnavailable as exc:
         state.metrics.limiter_up.set(0)
@@ -195,19 +234,19 @@ async def take_lease(state: GatewayState, ctx: RequestContext, size: RequestSize
             return None
         raise LimiterDown("rate limiter unavailable; request refused") from exc
     if isinstance(result, Refusal):
-        raise refused(state, ctx, result, size)
+        raise refused(state, ctx, result, tokens)
     return result
 
 
 def refused(
-    state: GatewayState, ctx: RequestContext, refusal: Refusal, size: RequestSize
+    state: GatewayState, ctx: RequestContext, refusal: Refusal, tokens: int
 ) -> InvalidRequest | RateLimited:
     state.metrics.rate_limited.labels(
         tenant=ctx.principal.tenant_id, limit=refusal.kind.value
     ).inc()
     if refusal.retry_after_s is None:
         return InvalidRequest(
-            f"This request needs {size.total} tokens, more than your plan's "
+            f"This request needs {tokens} tokens, more than your plan's "
             f"{ctx.principal.plan.tokens_per_minute} tokens per minute.",
             code="exceeds_tokens_per_minute",
         )

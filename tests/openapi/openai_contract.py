@@ -32,6 +32,20 @@ def _validator(name: str) -> Draft202012Validator:
     return Draft202012Validator({**document, "$ref": f"#/components/schemas/{name}"})
 
 
+def request_fields(name: str) -> set[str]:
+    """The top-level properties of a published request schema (``allOf`` parts included)."""
+    schemas = _document()["components"]["schemas"]
+
+    def props(schema: dict[str, Any]) -> set[str]:
+        found = set(schema.get("properties", {}))
+        for part in schema.get("allOf", []):
+            ref = part.get("$ref")
+            found |= props(schemas[ref.rsplit("/", 1)[-1]] if ref else part)
+        return found
+
+    return props(schemas[name])
+
+
 def violations(name: str, obj: Any) -> list[str]:
     return [
         f"{'/'.join(str(p) for p in error.absolute_path) or '<root>'}: {error.message}"
