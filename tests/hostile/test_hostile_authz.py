@@ -105,6 +105,8 @@ MATRIX: dict[tuple[str, str], Call] = {
     ("DELETE", "/admin/engines/{name}/quarantine"): Call(ADMIN, 200),
     ("DELETE", "/admin/engines/{name}"): Call(ADMIN, 204),
     ("GET", "/admin/canary/findings"): Call(ADMIN, 200),
+    # No finding exists in this world: the admin reaches the lookup (404), nobody else does.
+    ("GET", "/admin/canary/findings/{finding_id}"): Call(ADMIN, 404),
     ("GET", "/admin/canary/probe-runs"): Call(ADMIN, 200),
     (
         "POST",
@@ -143,7 +145,10 @@ class World:
 
     def path(self, template: str) -> str:
         return template.format(
-            ref=self.throwaway_tenant, name=THROWAWAY_ENGINE, prefix=self.throwaway_prefix
+            ref=self.throwaway_tenant,
+            name=THROWAWAY_ENGINE,
+            prefix=self.throwaway_prefix,
+            finding_id=1,
         )
 
     def call(self, method: str, template: str, token: str | None, **kw: Any) -> httpx.Response:
