@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.db.text import StoredText
-from kvguard.http_edge import check_stops
+from kvguard.http_edge import check_stops, lone_surrogate
 
 MAX_TOKENS_CEILING = 1 << 20
 MAX_CHOICES = 16  # n: the relay screens at most this many choices per answer
@@ -38,16 +38,8 @@ def _unicode(value: str) -> str:
 
 def _unicode_within(value: Any) -> Any:
     """Every string in a passed-on object (keys too) is valid Unicode."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            _unicode(item)
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+    if lone_surrogate(value) is not None:
+        raise ValueError("text is not valid Unicode (it holds a lone surrogate)")
     return value
 
 
