@@ -25,7 +25,7 @@ from typing import Any
 from canary.injection import MarkerLedger
 from canary.markers import MarkerCodec
 from canary.scanner import NOTHING, Finding, ScanResult, StreamScanner
-from gateway.hooks import Cut, Emit, RequestInfo
+from gateway.hooks import Cut, Emit, GuardCapabilities, RequestInfo, StreamGuard
 from gateway.proxy.side import choice_texts
 
 log = logging.getLogger("kvguard.canary")
@@ -87,7 +87,7 @@ def _add(tags: dict[bytes, str | None], codec: MarkerCodec, tenant_id: str) -> N
             tags[tag] = None
 
 
-class FirewallGuard:
+class FirewallGuard(StreamGuard):
     """``StreamGuard`` over one ``StreamScanner``, built on the first text that needs it (most
     side fields never do: see ``skippable``)."""
 
@@ -153,6 +153,7 @@ class LeakFirewall:
         self._codec = codec
         self._ledger = ledger
         self._tags = tags
+        self.capabilities = GuardCapabilities(side_prefilter=self.side_prefilter)
 
     @staticmethod
     def side_prefilter(raw_json: str, obj: dict[str, Any] | None = None) -> bool:

@@ -4,9 +4,11 @@
 (``kvguard gateway`` builds it from ``KVGUARD_CANARY_*``). Lifecycle:
 
 1. built before the app (pure: keys, codec, ledger, tag index, metrics with their own registry);
-2. ``start(state)`` in the gateway's lifespan: metrics join the gateway's ``/metrics``, the marker
-   records store opens (Redis when ``KVGUARD_REDIS_URL`` is set, else in-process), the tag index
-   is loaded from the tenants table and refreshed every ``canary_tag_refresh_s``;
+2. ``start(context)`` in the gateway's lifespan (``ServiceContext``: the gateway's metrics
+   registry, database sessions, Redis URL and engine quarantine, nothing else): metrics join the
+   gateway's ``/metrics``, the marker records store opens (Redis when ``KVGUARD_REDIS_URL`` is
+   set, else in-process), the tag index is loaded from the tenants table and refreshed every
+   ``canary_tag_refresh_s``;
 3. per request: ``MarkerInjector.prepare`` -> ``LeakFirewall.open`` (per choice) ->
    ``on_cut`` (a firewall cut: quarantine the engine -- for a suspected-only cut only with
    ``canary_quarantine_on_suspected`` --, store critical/high findings, metrics, one log line of
@@ -22,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from prometheus_client import CollectorRegistry
@@ -46,10 +48,7 @@ from canary.records import MarkerRecord, MemoryRecordStore, RecordStore, RedisRe
 from canary.scanner import Finding, Severity
 from gateway.db.models import Tenant
 from gateway.db.session import run_in_session
-from gateway.hooks import Cut, GatewayHooks, RequestInfo, RequestReport
-
-if TYPE_CHECKING:
-    from gateway.state import GatewayState
+from gateway.hooks import Cut, GatewayHooks, RequestInfo, RequestReport, ServiceContext
 
 log = logging.getLogger("kvguard.canary")
 
@@ -95,7 +94,7 @@ class CanaryRuntime:
         )
         self._clock = clock
         self._last_low: dict[tuple[str, FindingKind], float] = {}
-        self._state: GatewayState | None = None
+        self._gateway: ServiceContext | None = None
         self._store: RecordStore | None = None
         self._refresher: asyncio.Task[None] | None = None
 
@@ -113,11 +112,11 @@ class CanaryRuntime:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self, state: GatewayState) -> None:
-        self._state = state
-        state.metrics.registry.register(_Forward(self.metrics.registry))
+    async def start(self, context: ServiceContext) -> None:
+        self._gateway = context
+        context.metrics.register(_Forward(self.metrics.registry))
         ttl = self.settings.canary_record_ttl_s
-        url = state.settings.redis_url
+        url = context.redis_url
         self._store = RedisRecordStore(url=url, ttl_s=ttl) if url else MemoryRecordStore(ttl_s=ttl)
         await self.refresh_tags()
         self._refresher = asyncio.create_task(self._refresh_loop(), name="canary-tag-refresh")
@@ -132,8 +131,8 @@ class CanaryRuntime:
             await self._store.close()
 
     async def refresh_tags(self) -> None:
-        state = self._require_state()
-        ids = await run_in_session(state.sessions, lambda s: list(s.scalars(select(Tenant.id))))
+        gateway = self._require_gateway()
+        ids = await run_in_session(gateway.sessions, lambda s: list(s.scalars(select(Tenant.id))))
         await anyio.to_thread.run_sync(self.tags.replace, ids)
 
     async def _refresh_loop(self) -> None:
@@ -144,28 +143,28 @@ class CanaryRuntime:
             except Exception:
                 log.exception("canary: tenant tag refresh failed; keeping the previous index")
 
-    def _require_state(self) -> GatewayState:
-        if self._state is None:
+    def _require_gateway(self) -> ServiceContext:
+        if self._gateway is None:
             raise RuntimeError("the canary runtime has not been started")
-        return self._state
+        return self._gateway
 
     # -- a cut: the leak firewall stopped a response --------------------------------------------
 
     async def on_cut(self, info: RequestInfo, cut: Cut) -> None:
         if not isinstance(cut, CanaryCut):
             return
-        state = self._require_state()
+        gateway = self._require_gateway()
         engine = info.engine or "unknown"
         quarantine = self._quarantines(cut.findings) and info.engine is not None
         if quarantine and info.engine is not None:
             reason = f"canary: isolation finding on request {info.request_id}"
-            await state.quarantine(info.engine, reason=reason)
+            await gateway.quarantine(info.engine, reason=reason)
             self.metrics.quarantines.labels(engine=engine).inc()
         action = Action.CUT_AND_QUARANTINED if quarantine else Action.CUT
         for finding in cut.findings:
             record = await self._record_of(finding)
             new = _isolation_finding(info, finding, record, action)
-            row_id = await _store(state, new)
+            row_id = await _store(gateway, new)
             self.metrics.findings.labels(kind=new.kind.value, severity=new.severity.value).inc()
             self.metrics.cuts.labels(engine=engine, kind=new.kind.value).inc()
             log.error(
@@ -259,7 +258,7 @@ class CanaryRuntime:
             observer_request_id=info.request_id,
             detail=anomaly.detail,
         )
-        row_id = await _store(self._require_state(), new)
+        row_id = await _store(self._require_gateway(), new)
         log.warning(
             "canary finding %s: kind=%s severity=low engine=%s tenant=%s request=%s",
             row_id,
@@ -270,8 +269,8 @@ class CanaryRuntime:
         )
 
 
-async def _store(state: GatewayState, finding: NewFinding) -> int:
-    return await run_in_session(state.sessions, lambda s: store_finding(s, finding).id)
+async def _store(gateway: ServiceContext, finding: NewFinding) -> int:
+    return await run_in_session(gateway.sessions, lambda s: store_finding(s, finding).id)
 
 
 def victim_record(finding: Finding, record: MarkerRecord | None) -> MarkerRecord | None:

@@ -166,7 +166,7 @@ def create_app(
         started = []
         try:
             for service in state.hooks.services:
-                await service.start(state)
+                await service.start(state.service_context())
                 started.append(service)
             yield
         finally:

@@ -9,6 +9,7 @@ and its message says nothing about internals.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,6 +19,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.hooks import Cut
 from kvguard.http_edge import error_body, validation_message
 
 log = logging.getLogger("kvguard.gateway")
@@ -48,8 +50,10 @@ class GatewayError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, code=self.code, type_=self.type_, param=self.param)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, *, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        """The error response, with ``headers`` added to the error's own."""
+        merged = {**self.headers, **headers} if headers else self.headers
+        return JSONResponse(self.body(), status_code=self.status, headers=merged)
 
 
 class InvalidRequest(GatewayError):
@@ -93,6 +97,24 @@ class RateLimited(GatewayError):
 
 class UpstreamFailed(GatewayError):
     status, code, type_ = 502, "upstream_error", "server_error"
+
+
+class HandoffMismatch(UpstreamFailed):
+    """The engine's handoff proof shows the KV it read may not be this request's."""
+
+    code = "handoff_mismatch"
+    MESSAGE = "the engine could not prove this answer's KV belongs to this request"
+
+    def __init__(self) -> None:
+        super().__init__(self.MESSAGE)
+
+
+class Stopped(GatewayError):
+    """A response guard stopped the answer (a ``Cut``): its status, code and message."""
+
+    def __init__(self, verdict: Cut) -> None:
+        super().__init__(verdict.message, code=verdict.code)
+        self.status = verdict.status
 
 
 class ServiceUnavailable(GatewayError):

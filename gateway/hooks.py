@@ -11,9 +11,15 @@
 - ``on_cut``: told ids only (request, tenant, engine), never content.
 - ``on_finish``: told, once per request at its single exit, the ids, counts and timings of a
   ``RequestReport`` (never content): the canary's lower-severity checks and per-request cleanup.
-- ``services``: started with the gateway's state once the lifespan has built it, stopped before
-  it is torn down (the canary's background work and its access to the state).
+- ``services``: started once the lifespan has built the gateway, with the few parts of it a
+  service may use (``ServiceContext``), and stopped before it is torn down (the canary's
+  background work).
 - ``routers``: extra API routers the app mounts (the canary's findings and probe-run API).
+
+A guard factory states its ``capabilities`` (``GuardCapabilities``) instead of being probed: whether
+its guards can find anything outside the text (the default pass-through cannot, so side fields are
+not screened at all), and a cheap prefilter that clears an answer's side fields without walking
+them.
 
 A response can carry several choices: the relay opens one guard per choice (``GuardFactory.open``
 is called once per choice and once for the event fields around the text), so a guard only ever
@@ -31,8 +37,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from fastapi import APIRouter
-
-    from gateway.state import GatewayState
+    from prometheus_client import CollectorRegistry
+    from sqlalchemy.orm import Session, sessionmaker
 
 
 ENGINE_HEADER = "x-kvguard-engine"
@@ -63,12 +69,42 @@ class Cut:
 
 
 class StreamGuard(Protocol):
+    """One text stream's guard. ``feed`` and ``finish`` are required; a guard that subclasses
+    this protocol inherits the defaults of the two optional capabilities the side-field screen
+    uses (``gateway.proxy.side.SideScreen``), which a guard overrides to make screening cheap and
+    cut-only fields safe."""
+
+    __slots__ = ()
+
     def feed(self, text: str) -> Emit | Cut: ...
 
     def finish(self) -> Emit | Cut: ...
 
+    def skippable(self, text: str) -> bool:
+        """True when feeding ``text`` now could change nothing this guard reports or delivers."""
+        return False
+
+    def exposed(self) -> Cut | None:
+        """Asked while the guard holds text back that goes out anyway: the Cut to end the stream
+        first, or None when that is safe."""
+        return None
+
+
+Prefilter = Callable[[str, dict[str, Any]], bool]  # (an event's JSON text, the event)
+
+
+@dataclass(frozen=True, slots=True)
+class GuardCapabilities:
+    """What a guard factory's guards can do, stated once by the factory."""
+
+    screens_side: bool = True  # False only when the guards pass everything: no side screening
+    side_prefilter: Prefilter | None = None  # False: no side field can hold what the guards seek
+
 
 class GuardFactory(Protocol):
+    @property
+    def capabilities(self) -> GuardCapabilities: ...
+
     def open(self, info: RequestInfo) -> StreamGuard: ...
 
 
@@ -76,7 +112,7 @@ class RequestHook(Protocol):
     async def prepare(self, info: RequestInfo, body: dict[str, Any]) -> dict[str, Any]: ...
 
 
-class PassThroughGuard:
+class PassThroughGuard(StreamGuard):
     def feed(self, text: str) -> Emit | Cut:
         return Emit(text)
 
@@ -85,6 +121,8 @@ class PassThroughGuard:
 
 
 class PassThroughFactory:
+    capabilities = GuardCapabilities(screens_side=False)
+
     def open(self, info: RequestInfo) -> StreamGuard:
         return PassThroughGuard()
 
@@ -114,8 +152,22 @@ OnCut = Callable[[RequestInfo, Cut], Awaitable[None]]
 OnFinish = Callable[[RequestReport], Awaitable[None]]
 
 
+class Quarantine(Protocol):
+    async def __call__(self, name: str, *, reason: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceContext:
+    """The parts of a running gateway a hook service may use."""
+
+    metrics: CollectorRegistry  # the gateway's /metrics: a service registers its collectors here
+    sessions: sessionmaker[Session]  # the gateway's database
+    redis_url: str | None  # the shared Redis, when the gateway runs with one
+    quarantine: Quarantine  # take an engine out of routing now, on every replica
+
+
 class HookService(Protocol):
-    async def start(self, state: GatewayState) -> None: ...
+    async def start(self, context: ServiceContext) -> None: ...
 
     async def stop(self) -> None: ...
 

@@ -12,7 +12,7 @@ from gateway.config import EngineSpec, GatewaySettings, UpstreamPath
 from gateway.db.session import run_in_session
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
-from gateway.hooks import GatewayHooks
+from gateway.hooks import GatewayHooks, ServiceContext
 from gateway.limits.auth_throttle import FailedCredentialThrottle
 from gateway.limits.base import Limiter
 from gateway.metrics import GatewayMetrics
@@ -57,6 +57,15 @@ class GatewayState:
             lambda session: engine_service.quarantine(session, name=name, reason=reason),
         )
         self.registry.set_controls(name, controls)
+
+    def service_context(self) -> ServiceContext:
+        """What the hook services get (``GatewayHooks.services``): a few parts, not the state."""
+        return ServiceContext(
+            metrics=self.metrics.registry,
+            sessions=self.sessions,
+            redis_url=self.settings.redis_url,
+            quarantine=self.quarantine,
+        )
 
     def upstream_for(self, spec: EngineSpec) -> Upstream:
         return self.litellm if spec.upstream_path is UpstreamPath.LITELLM else self.direct

@@ -85,8 +85,9 @@ class RequestContext:
     started_mono: float = field(default_factory=time.perf_counter)
     started_at: datetime = field(default_factory=utcnow)
     phase: Phase = Phase.RECEIVED
-    engine: EngineRecord | None = None
+    engine: EngineRecord | None = None  # set with the engine's in-flight slot taken (forwarding)
     lease: Lease | None = None
+    answered: bool = False  # the engine answered 200 (a body or an open stream): it did work
     prompt_tokens: int | None = None
     max_tokens: int | None = None
     completion_tokens: int | None = None

@@ -1,4 +1,11 @@
-"""The single exit of every tenant request: ``finish`` (see ``gateway.proxy.service``)."""
+"""Applying a request's ``Ending`` once: ``finish`` (called from ``gateway.proxy.service``'s one
+``finally``).
+
+In order, shielded from cancellation (a client that goes away still releases everything): the
+context moves to its terminal phase (once; later calls are no-ops), the concurrency lease is
+released with its refund, the engine's in-flight slot is freed, then the audit row (metadata
+only), metrics, the span, and the ``on_finish`` hook.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,9 @@ import logging
 
 import anyio
 
-from gateway.errors import UpstreamFailed
-from gateway.lifecycle import TERMINAL, Phase
-from gateway.proxy.context import HandoffProof, RequestContext
+from gateway.lifecycle import TERMINAL, InvalidTransition, Phase
+from gateway.proxy.context import RequestContext
+from gateway.proxy.ending import INTERNAL, Ending, Refund
 from gateway.services.audit import AuditRecord
 from gateway.state import GatewayState
 from gateway.tracing import Tracing
@@ -16,59 +23,29 @@ from gateway.tracing import Tracing
 log = logging.getLogger("kvguard.gateway.proxy")
 
 
-def handoff_refused() -> UpstreamFailed:
-    return UpstreamFailed(
-        "the engine could not prove this answer's KV belongs to this request",
-        code="handoff_mismatch",
-    )
-
-
-def note_handoff(state: GatewayState, ctx: RequestContext, proof: HandoffProof | None) -> bool:
-    """Record the engine's handoff proof; False when it shows a mismatch and the gateway refuses
-    such answers (``refuse_on_handoff_mismatch``, on by default: never trust that KV)."""
-    if proof is None:
-        return True
-    ctx.handoff = proof
-    if proof.consistent:
-        return True
-    engine = ctx.engine.name if ctx.engine is not None else "unknown"
-    state.metrics.handoff_mismatch.labels(engine=engine).inc()
-    log.error(
-        "handoff mismatch on engine %s for request %s: outcome=%s reserved=%s transferred=%s",
-        engine,
-        ctx.request_id,
-        proof.outcome,
-        proof.reserved_tokens,
-        proof.transferred_tokens,
-    )
-    return not state.settings.refuse_on_handoff_mismatch
-
-
-def _refund(ctx: RequestContext, phase: Phase, refund_all: bool) -> int:
+def _refund(ctx: RequestContext, refund: Refund) -> int:
     if ctx.lease is None:
         return 0
-    if refund_all:  # the engine did no work for this request
+    if refund is Refund.ALL:
         return ctx.lease.tokens
     if ctx.completion_tokens is not None and ctx.max_tokens is not None:
         return max(0, ctx.max_tokens - ctx.completion_tokens)
     return 0  # unknown use (client gone mid-stream): keep the charge
 
 
-async def finish(
-    state: GatewayState,
-    ctx: RequestContext,
-    phase: Phase,
-    *,
-    status: int,
-    code: str | None = None,
-    refund_all: bool = False,
-) -> None:
+async def finish(state: GatewayState, ctx: RequestContext, ending: Ending) -> None:
     if ctx.phase in TERMINAL:
         return
-    ctx.advance(phase)
+    try:
+        ctx.advance(ending.phase)
+    except InvalidTransition:  # a gateway bug: still release everything, and say so
+        log.exception("request %s cannot end as %s", ctx.request_id, ending.phase.value)
+        ending = INTERNAL
+        ctx.advance(ending.phase)
+    status, code = ending.status, ending.code
     with anyio.CancelScope(shield=True):
         if ctx.lease is not None:
-            await state.limiter.release(ctx.lease, unused_tokens=_refund(ctx, phase, refund_all))
+            await state.limiter.release(ctx.lease, unused_tokens=_refund(ctx, ending.refund))
         if ctx.engine is not None:
             ctx.engine.in_flight -= 1
             state.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).dec()

@@ -38,11 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import error_body
-from gateway.hooks import Cut, Emit, StreamGuard
+from gateway.errors import HandoffMismatch, error_body
+from gateway.hooks import Cut, Emit, Prefilter, StreamGuard
 from gateway.lifecycle import Phase
 from gateway.proxy.context import HandoffProof, parse_handoff
-from gateway.proxy.side import InvalidSide, Prefilter, SideScreen, tail_chunk
+from gateway.proxy.side import InvalidSide, SideScreen, tail_chunk
 from gateway.upstream.base import Endpoint
 from gateway.upstream.sse import DONE, encode_event
 
@@ -124,10 +124,8 @@ class StreamRelay:
         self._note(obj)
         mismatch = self.handoff is not None and not self.handoff.consistent
         if mismatch and self.refuse_handoff_mismatch:
-            message = "the engine could not prove this answer's KV belongs to this request"
-            return Step(
-                [error_event(message, "handoff_mismatch")], Phase.FAILED, "handoff_mismatch"
-            )
+            mismatch_event = error_event(HandoffMismatch.MESSAGE, HandoffMismatch.code)
+            return Step([mismatch_event], Phase.FAILED, HandoffMismatch.code)
         choices = obj.get("choices")
         if not choices:
             keep = self.wants_usage or "usage" not in obj

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.hooks import Cut, Emit, StreamGuard
+from gateway.hooks import Cut, Emit, Prefilter, StreamGuard
 
 MAX_PATHS = 256  # 16 choices x a dozen per-choice fields, with room
 KEYS_PATH = "<keys>"
@@ -73,9 +73,6 @@ _NOT_CUT_ONLY = TEXT_PATHS | REWRITE_PATHS
 _REWRITE_KEYS = ("reasoning", "refusal", "arguments", "logprobs")
 
 Location = tuple[str | int, ...]  # dict keys and list positions from the event's root
-Prefilter = Callable[[str, dict[str, Any]], bool]  # (an event's JSON text, the event)
-# A guard, its optional ``skippable(text)`` and ``exposed()`` (see ``SideScreen``).
-_Entry = tuple[StreamGuard, Callable[[str], bool] | None, Callable[[], Cut | None] | None]
 
 
 class InvalidSide(ValueError):
@@ -255,8 +252,9 @@ def _element(items: list[Any], identity: int | None) -> dict[str, Any]:
 class SideScreen:
     """One guard per side-field path of one response.
 
-    Two optional capabilities make this cheap, a third makes cut-only fields safe (the leak
-    firewall has all three):
+    Two capabilities make this cheap, a third makes cut-only fields safe (the leak firewall has
+    all three; a guard without them keeps ``StreamGuard``'s defaults: never skippable, never
+    exposed; a factory without a prefilter says so in its ``GuardCapabilities``):
 
     - a guard's ``skippable(text) -> bool``: True means feeding the text now could change nothing
       the guard will ever report or deliver (the firewall: it holds nothing back and the text has
@@ -283,7 +281,7 @@ class SideScreen:
         self._open = open_guard
         self._prefilter = prefilter
         self._max = max_paths
-        self._guards: dict[str, _Entry] = {}
+        self._guards: dict[str, StreamGuard] = {}
         self._holding: set[str] = set()  # keys whose guard may hold text back
         self._rewritten: set[str] = set()  # keys of rewritable fields
         self._last: dict[str, tuple[Location, tuple[int | None, ...]]] = {}  # rewrite keys
@@ -334,42 +332,39 @@ class SideScreen:
     def _exposed(self) -> Cut | None:
         """The Cut of a cut-only field's guard whose held-back text must not go out, or None."""
         for key in sorted(self._holding - self._rewritten):
-            exposed = self._guards[key][2]
-            if exposed is not None and (cut := exposed()) is not None:
+            if (cut := self._guards[key].exposed()) is not None:
                 return cut
         return None
 
     def _feed(self, key: str, value: str, *, rewrite: bool = False) -> Emit | Cut | None:
         """The guard's verdict on ``value``, or None when it was skipped (delivered as is)."""
-        guard, skippable, _ = self._guard(key)
+        guard = self._guard(key)
         if rewrite:
             self._rewritten.add(key)
-        if not value or (skippable is not None and skippable(value)):
+        if not value or guard.skippable(value):
             return None
         verdict = guard.feed(value)
         if isinstance(verdict, Emit):
-            if skippable is None or not skippable(""):
+            if not guard.skippable(""):
                 self._holding.add(key)
             else:
                 self._holding.discard(key)
         return verdict
 
-    def _guard(self, key: str) -> _Entry:
-        entry = self._guards.get(key)
-        if entry is None:
+    def _guard(self, key: str) -> StreamGuard:
+        guard = self._guards.get(key)
+        if guard is None:
             if len(self._guards) >= self._max:
                 raise InvalidSide("too many distinct fields in one answer")
-            guard = self._open()
-            skippable, exposed = getattr(guard, "skippable", None), getattr(guard, "exposed", None)
-            entry = self._guards[key] = (guard, skippable, exposed)
-        return entry
+            guard = self._guards[key] = self._open()
+        return guard
 
     def finish(self) -> Cut | list[SideTail]:
         """A Cut, or the rewritable fields' held-back tails (cut-only fields deliver nothing)."""
         guards, self._guards = self._guards, {}
         self._holding = set()
         tails: list[SideTail] = []
-        for key, (guard, _, _) in guards.items():
+        for key, guard in guards.items():
             verdict = guard.finish()
             if isinstance(verdict, Cut):
                 return verdict

@@ -19,7 +19,7 @@ from sqlalchemy import select
 from gateway.app import create_app
 from gateway.db.models import RequestAudit
 from gateway.db.session import session_scope
-from gateway.hooks import Cut, Emit, GatewayHooks, RequestInfo
+from gateway.hooks import Cut, Emit, GatewayHooks, GuardCapabilities, RequestInfo, StreamGuard
 
 MODEL = "standin-model"
 WORDS = "alpha beta gamma delta epsilon"
@@ -235,7 +235,7 @@ async def test_silent_engine_times_out_as_502(make_settings, standin) -> None:
         ]
 
 
-class CutOn:
+class CutOn(StreamGuard):
     """A test guard: holds back len(word)-1 characters; cuts when the word completes."""
 
     def __init__(self, word: str) -> None:
@@ -255,6 +255,8 @@ class CutOn:
 
 
 class Guards:
+    capabilities = GuardCapabilities()  # screens the side fields too, with no prefilter
+
     def __init__(self, word: str) -> None:
         self.word = word
         self.cuts: list[tuple[RequestInfo, Cut]] = []

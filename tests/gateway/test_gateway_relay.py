@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.hooks import Cut, Emit, PassThroughGuard
+from gateway.hooks import Cut, Emit, PassThroughGuard, StreamGuard
 from gateway.lifecycle import (
     TERMINAL,
     TRANSITIONS,
@@ -74,7 +74,7 @@ def test_relay_passes_bytes_and_drops_unrequested_usage() -> None:
     assert _run(relay)[0] == STREAM
 
 
-class HoldAll:
+class HoldAll(StreamGuard):
     def __init__(self) -> None:
         self.held = ""
 
