@@ -27,7 +27,10 @@
   one wins in JavaScript, Python, Go and Jackson; serde refuses them), so they are not checked:
   the check doubled the cost of parsing every event.
 
-``relay_body`` does the same for a non-streaming answer.
+``relay_body`` does the same for a non-streaming answer, and fills in as null the keys OpenAI's
+published schemas require that an engine left out (a choice's ``logprobs``, a message's
+``refusal``, the ``content`` and ``refusal`` lists of a chat ``logprobs`` object; the stream relay
+fills in the last two too, re-serialising such an event).
 """
 
 from __future__ import annotations
@@ -193,9 +196,10 @@ class StreamRelay:
             raise InvalidUpstream("choices is not a short list")
         texts: list[str] = []
         released: list[str] = []
-        finishing = False
+        finishing = filled = False
         for position, choice in enumerate(choices):
             index = _choice_index(choice, position)
+            filled = _fill_logprobs(self.endpoint, choice) or filled
             text = _chunk_text(self.endpoint, choice)
             reason = choice.get("finish_reason")
             ends = reason is not None
@@ -210,9 +214,9 @@ class StreamRelay:
         if any(texts):
             self.text_events += 1
         self._template = obj
-        if raw is not None and released == texts:
+        if raw is not None and released == texts and not filled:
             return Step([raw])
-        if not any(released) and not finishing and not rewritten and "usage" not in obj:
+        if not any(released) and not (finishing or rewritten or filled) and "usage" not in obj:
             return Step([])  # everything held back: nothing to send yet
         return Step([encode_event(_with_texts(self.endpoint, obj, released))])
 
@@ -300,7 +304,32 @@ def relay_body(
         if released != text:
             changed = changed if changed is not None else copy.deepcopy(body)
             _set_message_text(endpoint, changed["choices"][position], released)
-    return body if changed is None else changed
+    out = body if changed is None else changed
+    _fill_required(endpoint, out["choices"])
+    return out
+
+
+def _fill_required(endpoint: Endpoint, choices: list[dict[str, Any]]) -> None:
+    """Keys OpenAI's published answer schemas require and some engines leave out, as null: a
+    choice's ``logprobs``, a chat message's ``refusal`` (SGLang sends neither)."""
+    for choice in choices:
+        choice.setdefault("logprobs", None)
+        _fill_logprobs(endpoint, choice)
+        message = choice.get("message")
+        if endpoint is Endpoint.CHAT and isinstance(message, dict):
+            message.setdefault("refusal", None)
+
+
+def _fill_logprobs(endpoint: Endpoint, choice: dict[str, Any]) -> bool:
+    """A chat choice's ``logprobs`` object gets the ``content`` and ``refusal`` lists the schemas
+    require (null when the engine left them out: vLLM sends no ``refusal``); True if it changed."""
+    logprobs = choice.get("logprobs")
+    if endpoint is not Endpoint.CHAT or not isinstance(logprobs, dict):
+        return False
+    if "content" in logprobs and "refusal" in logprobs:
+        return False
+    choice["logprobs"] = {"content": None, "refusal": None, **logprobs}
+    return True
 
 
 # -- event parsing ---------------------------------------------------------------------------

@@ -71,6 +71,7 @@ MATRIX: dict[tuple[str, str], Call] = {
     ("GET", "/docs/oauth2-redirect"): Call(PUBLIC, 200),
     ("GET", "/redoc"): Call(PUBLIC, 200),
     ("GET", "/v1/models"): Call(TENANT, 200),
+    ("GET", "/v1/models/{model}"): Call(TENANT, 200),
     ("POST", "/v1/chat/completions"): Call(TENANT, 200, json=_chat()),
     (
         "POST",
@@ -149,6 +150,7 @@ class World:
             name=THROWAWAY_ENGINE,
             prefix=self.throwaway_prefix,
             finding_id=1,
+            model=ENGINE_MODEL,
         )
 
     def call(self, method: str, template: str, token: str | None, **kw: Any) -> httpx.Response:
@@ -213,7 +215,8 @@ def _routes(routes: list[Any], prefix: str = "") -> set[tuple[str, str]]:
         if included is not None:
             found |= _routes(included.routes, prefix + route.include_context.prefix)
         elif isinstance(route, APIRoute | Route):
-            found |= {(m, prefix + route.path) for m in route.methods or () if m != "HEAD"}
+            path = (prefix + route.path).replace(":path}", "}")  # as the OpenAPI names it
+            found |= {(m, path) for m in route.methods or () if m != "HEAD"}
     return found
 
 

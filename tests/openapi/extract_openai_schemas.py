@@ -5,12 +5,14 @@
 Keeps the component schemas the tests validate against (``ROOTS``) and every schema they reach
 through ``$ref``, drops prose (descriptions, examples, titles), and rewrites the OpenAPI 3.0
 ``nullable: true`` the document mixes into its 3.1 schemas as JSON Schema's "or null", so a plain
-Draft 2020-12 validator reads them as OpenAI means them. The project never reads the source at run
+Draft 2020-12 validator reads them as OpenAI means them. One schema is derived, not copied
+(``completion_chunk``: a streamed completions event). The project never reads the source at run
 time; this script is how the fixture was made, and how to refresh it from a newer description.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -35,6 +37,7 @@ ROOTS = (
     "Model",
     "ErrorResponse",
 )
+DERIVED = "CreateCompletionChunk"  # see completion_chunk
 PROSE = frozenset({"description", "example", "examples", "title", "x-oaiMeta", "x-oaiExpandable"})
 PREFIX = "#/components/schemas/"
 OUT = Path(__file__).with_name("openai_schemas.json")
@@ -88,12 +91,32 @@ def clean(node: Any) -> Any:
     return {"anyOf": [out, {"type": "null"}]}
 
 
+def completion_chunk(response: dict[str, Any]) -> dict[str, Any]:
+    """The one derived schema: a streamed completions event. The description has no stream
+    schema for completions (it streams ``CreateCompletionResponse`` objects) and requires a string
+    ``finish_reason``; OpenAI, vLLM and SGLang all send null in every event but the last."""
+    chunk = copy.deepcopy(response)
+    choice = chunk["properties"]["choices"]["items"]["properties"]
+    choice["finish_reason"] = {"anyOf": [choice["finish_reason"], {"type": "null"}]}
+    chunk["x-derived"] = "CreateCompletionResponse with a nullable finish_reason"
+    return chunk
+
+
 def main(source: Path) -> None:
     document = yaml.safe_load(source.read_text(encoding="utf-8"))
-    schemas = closure(document["components"]["schemas"], ROOTS)
+    schemas = {
+        name: clean(schema)
+        for name, schema in closure(document["components"]["schemas"], ROOTS).items()
+    }
+    schemas[DERIVED] = completion_chunk(schemas["CreateCompletionResponse"])
     fixture = {
-        "x-provenance": {**SOURCE, "roots": list(ROOTS), "tool": Path(__file__).name},
-        "components": {"schemas": {name: clean(schema) for name, schema in schemas.items()}},
+        "x-provenance": {
+            **SOURCE,
+            "roots": list(ROOTS),
+            "derived": [DERIVED],
+            "tool": Path(__file__).name,
+        },
+        "components": {"schemas": schemas},
     }
     OUT.write_text(json.dumps(fixture, indent=1, sort_keys=False) + "\n", encoding="utf-8")
     print(f"{len(schemas)} schemas -> {OUT}")

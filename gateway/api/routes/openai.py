@@ -9,8 +9,11 @@ from starlette.responses import Response
 
 from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.deps import CurrentTenant, StateDep
+from gateway.domain import Principal
 from gateway.engines.capacity import limit_for
+from gateway.errors import ModelNotFound
 from gateway.proxy.service import serve_completion
+from gateway.state import GatewayState
 from gateway.upstream.base import Endpoint
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -46,19 +49,29 @@ async def completions(
 async def list_models(principal: CurrentTenant, state: StateDep) -> dict[str, Any]:
     """Models with a routable engine; ``max_model_len`` is what this tenant can really use:
     the smallest real limit across the engines serving it, capped by the tenant's plan."""
+    return {"object": "list", "data": list(_model_cards(principal, state).values())}
+
+
+@router.get("/models/{model:path}")
+async def retrieve_model(model: str, principal: CurrentTenant, state: StateDep) -> dict[str, Any]:
+    """One model's card, as in the list (404 ``model_not_found`` when no engine serves it)."""
+    card = _model_cards(principal, state).get(model)
+    if card is None:
+        raise ModelNotFound(f"model '{model[:256]}' is not served here", param="model")
+    return card
+
+
+def _model_cards(principal: Principal, state: GatewayState) -> dict[str, dict[str, Any]]:
     cap = principal.plan.max_context_tokens
-    data = []
+    cards = {}
     for model, records in sorted(state.registry.routable_models().items()):
         limits = [limit_for(r.snapshot, cap) for r in records if r.snapshot is not None]
-        if not limits:
-            continue
-        data.append(
-            {
+        if limits:
+            cards[model] = {
                 "id": model,
                 "object": "model",
                 "created": 0,
                 "owned_by": "kvguard",
                 "max_model_len": min(limits),
             }
-        )
-    return {"object": "list", "data": data}
+    return cards

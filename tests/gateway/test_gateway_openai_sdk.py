@@ -1,0 +1,203 @@
+"""The OpenAI surface through the gateway with the official ``openai`` SDK, unchanged (default
+retries): the real bundled engine, and the vLLM and SGLang stand-ins. Every answer and every
+stream event the gateway sends is validated against OpenAI's published schemas (tests/openapi)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from gateway_standin import RunningServer, serve
+from openai_contract import check, check_sse
+from standin_openai import Script, ToolCall
+from standin_sglang import SGLangWorker
+from standin_sglang import worker_app as sglang_app
+from standin_vllm import VLLMWorker
+from standin_vllm import worker_app as vllm_app
+
+from gateway.app import create_app
+from kvguard.testing import EngineProcess, launch_engine
+
+BUNDLED_MODEL = "tiny-llama"
+ARGS = '{"city": "Oslo", "days": 3}'
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: str) -> Iterator[EngineProcess]:
+    proc = launch_engine(
+        tiny_checkpoint,
+        pool_tokens=512,
+        page_size=16,
+        env={"KVGUARD_SERVED_MODEL_NAME": BUNDLED_MODEL},
+    )
+    yield proc
+    proc.stop()
+
+
+@dataclass
+class Served:
+    url: str
+    admin: dict[str, str]
+    server: RunningServer
+
+    async def client(self, **limits: Any) -> tuple[openai.AsyncOpenAI, str]:
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                f"{self.url}/admin/tenants", json={"name": "acme", **limits}, headers=self.admin
+            )
+        key = r.json()["key"]["key"]
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key), key
+
+
+@pytest.fixture
+async def served(make_settings: Any) -> AsyncIterator[Any]:
+    started: list[RunningServer] = []
+
+    async def start(engines: list[dict[str, Any]]) -> Served:
+        settings = make_settings(engines=engines)
+        server = await serve(create_app(settings), lifespan="on")
+        started.append(server)
+        admin = {"Authorization": f"Bearer {settings.admin_secret()}"}
+        return Served(server.url, admin, server)
+
+    yield start
+    for server in started:
+        await server.stop()
+
+
+async def _raw(url: str, key: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=60) as http:
+        return await http.post(
+            f"{url}/v1{path}", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+
+
+async def test_the_sdk_against_the_bundled_engine(engine: EngineProcess, served: Any) -> None:
+    gw = await served([{"name": "tiny", "kind": "bundled", "base_url": engine.url}])
+    client, key = await gw.client()
+    listed = await client.models.with_raw_response.list()
+    check("ListModelsResponse", listed.http_response.json())
+    model = await client.models.retrieve(BUNDLED_MODEL)
+    assert model.id == BUNDLED_MODEL
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("nobody-serves-this")
+
+    raw = await client.chat.completions.with_raw_response.create(
+        model=BUNDLED_MODEL,
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+        ],
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        presence_penalty=0.0,
+        frequency_penalty=0.5,
+        logit_bias={"65": 1},
+        max_completion_tokens=6,
+        seed=7,
+        temperature=1.0,
+    )
+    body = check("CreateChatCompletionResponse", raw.http_response.json())
+    completion = raw.parse()
+    assert body["id"].startswith("chatcmpl-") and len(completion.choices) == 2
+    assert all(len(c.logprobs.content[0].top_logprobs) == 2 for c in completion.choices)
+    assert completion.usage.completion_tokens <= 12
+    assert raw.http_response.headers["x-kvguard-request-id"]
+
+    stream = await client.chat.completions.create(
+        model=BUNDLED_MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    seen = [chunk async for chunk in stream]
+    assert seen[-1].usage is not None and seen[-1].choices == []
+
+    for path, request, name in (
+        (
+            "/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "n": 2,
+                "logprobs": True,
+                "top_logprobs": 1,
+            },
+            "CreateChatCompletionStreamResponse",
+        ),
+        ("/completions", {"prompt": "abc", "logprobs": 2, "n": 2}, "CreateCompletionChunk"),
+    ):
+        fields = {"model": BUNDLED_MODEL, "max_tokens": 5, "stream": True, **request}
+        fields["stream_options"] = {"include_usage": True}
+        r = await _raw(gw.url, key, path, fields)
+        events = check_sse(r.content, name)
+        assert events[-1]["usage"]["completion_tokens"] > 0
+        fields.pop("stream"), fields.pop("stream_options")
+        whole = await _raw(gw.url, key, path, fields)
+        schema = name.replace("StreamResponse", "Response").replace("Chunk", "Response")
+        check(schema, whole.json())
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(
+            model=BUNDLED_MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+    assert refused.value.code == "unsupported_parameter" and refused.value.param == "tools"
+    check("ErrorResponse", refused.value.response.json())
+
+
+def _engine(kind: str, url: str) -> dict[str, Any]:
+    return {"name": kind, "kind": kind, "base_url": url}
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+async def test_tool_calls_and_logprobs_from_the_stand_ins_match_the_schemas(
+    served: Any, kind: str
+) -> None:
+    worker: VLLMWorker | SGLangWorker = VLLMWorker() if kind == "vllm" else SGLangWorker()
+    server = await serve(vllm_app(worker) if isinstance(worker, VLLMWorker) else sglang_app(worker))
+    try:
+        gw = await served([_engine(kind, server.url)])
+        client, key = await gw.client()
+        worker.script = Script(tool_calls=[ToolCall("get_weather", ARGS, pieces=4)])
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+        chat = {"model": worker.model, "messages": [{"role": "user", "content": "weather?"}]}
+        raw = await client.chat.completions.with_raw_response.create(**chat, tools=tools)
+        check("CreateChatCompletionResponse", raw.http_response.json())
+        [call] = raw.parse().choices[0].message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_weather", ARGS)
+
+        stream = await client.chat.completions.create(**chat, tools=tools, stream=True)
+        deltas = [c.choices[0].delta for c in [chunk async for chunk in stream] if c.choices]
+        arguments = "".join(
+            tc.function.arguments or "" for d in deltas for tc in d.tool_calls or []
+        )
+        assert arguments == ARGS
+        r = await _raw(gw.url, key, "/chat/completions", {**chat, "tools": tools, "stream": True})
+        check_sse(r.content, "CreateChatCompletionStreamResponse")
+
+        worker.script = Script(text="one two three", logprobs=True)
+        body = {**chat, "logprobs": True, "stream": True, "stream_options": {"include_usage": True}}
+        events = check_sse(
+            (await _raw(gw.url, key, "/chat/completions", body)).content,
+            "CreateChatCompletionStreamResponse",
+        )
+        tokens = [
+            t["token"]
+            for e in events
+            for c in e["choices"]
+            for t in (c.get("logprobs") or {}).get("content") or []
+        ]
+        assert "".join(tokens) == "one two three"
+        completion = await _raw(
+            gw.url, key, "/completions", {"model": worker.model, "prompt": "x", "max_tokens": 3}
+        )
+        check("CreateCompletionResponse", completion.json())
+    finally:
+        await server.stop()
