@@ -1,0 +1,310 @@
+"""The relay benchmark's report: its tables, its goals, its headlines, and the page section.
+
+``report(...)`` turns ``bench.bench_relay``'s outcomes into Markdown (what
+``bench/results/relay.md`` holds) and emits the ``bench.summary`` headlines.
+``python -m bench.relay_report`` copies that file, and the profile ``bench.relay_profile``
+wrote (``bench/results/relay-profile.md``), into the benchmark page (``docs/benchmarks.md``
+once the README is split, else ``README.md``) between the ``relay-report`` markers
+(``--check``: exit 1 if the page differs), so that section is generated, never edited by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.run import commit, cpu_model
+from bench.summary import emit
+
+GATEWAY = "kvguard gateway"
+LITELLM = "LiteLLM proxy"
+NAIVE = "aiohttp pass-through"
+LEAN = "lean asyncio relay"
+GOAL_EVENT_US = 40.0
+GOAL_REQUEST_US = 900.0
+GOAL_LITELLM_RATIO = 5.0
+GOAL_ADDED_P99_MS = 5.0
+GOAL_ADDED_RATE = 500
+GOAL_TENANT_GROWTH = 0.10
+REPO = Path(__file__).resolve().parent.parent
+PAGES = (REPO / "docs" / "benchmarks.md", REPO / "README.md")  # the first with the markers
+RESULTS = REPO / "bench" / "results" / "relay.md"
+PROFILE = REPO / "bench" / "results" / "relay-profile.md"
+BEGIN, END = "<!-- relay-report:begin -->", "<!-- relay-report:end -->"
+
+
+@dataclass(frozen=True, slots=True)
+class Max:
+    """The largest rate that met the latency bound. ``bounded_by_load``: the load side ran out
+    first, so the relay's own limit is at least ``rate``; ``below``: even this lowest rate tried
+    missed the bound (``rate`` is 0)."""
+
+    rate: float
+    bounded_by_load: bool = False
+    below: float | None = None
+
+    def text(self) -> str:
+        if self.below is not None:
+            return f"< {self.below:,.0f}"
+        return f"{'>= ' if self.bounded_by_load else ''}{self.rate:,.0f}"
+
+    def scaled(self, factor: float) -> Max:
+        below = None if self.below is None else self.below * factor
+        return Max(self.rate * factor, self.bounded_by_load, below)
+
+
+@dataclass
+class Outcome:
+    """Everything measured for one system."""
+
+    name: str
+    request_us: list[float] = field(default_factory=list)  # per round
+    event_us: list[float] = field(default_factory=list)
+    errors: int = 0
+    max_requests: Max | None = None
+    max_events: Max | None = None
+    added: dict[int, tuple[float, float, int]] = field(default_factory=dict)  # p50, p99, errors
+    growth: dict[str, list[float]] = field(default_factory=dict)  # label -> µs/request per round
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
+
+
+def spread(values: list[float], digits: int = 0) -> str:
+    """The median, and min-max over rounds when there were several."""
+    if not values:
+        return "-"
+    mid = f"{median(values):,.{digits}f}"
+    if len(values) == 1:
+        return mid
+    return f"{mid} ({min(values):,.{digits}f}-{max(values):,.{digits}f})"
+
+
+def main_table(outcomes: list[Outcome], rates: tuple[int, ...]) -> str:
+    head = (
+        "| system | CPU µs / request | CPU µs / streamed event | max req/s (p99 < 50 ms) "
+        "| max events/s (p99 < 50 ms) | "
+        + " | ".join(f"added p50 / p99 ms at {r:,}/s" for r in rates)
+        + " |"
+    )
+    rows = [head, "|" + "---|" * (5 + len(rates))]
+    for out in outcomes:
+        cells = [
+            out.name,
+            spread(out.request_us),
+            spread(out.event_us, 1),
+            out.max_requests.text() if out.max_requests else "-",
+            out.max_events.text() if out.max_events else "-",
+        ]
+        for rate in rates:
+            got = out.added.get(rate)
+            if got is None:
+                cells.append("not reached")
+            else:
+                errors = f", {got[2]} errors" if got[2] else ""
+                cells.append(f"{got[0]:.2f} / {got[1]:.2f}{errors}")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def growth_table(outcomes: list[Outcome]) -> str:
+    rows = ["| system | measured | CPU µs / request | vs the group's first row |"]
+    rows.append("|---|---|---|---|")
+    for out in outcomes:
+        for group in _groups(out):
+            base = median(out.growth[group[0]])
+            for label in group:
+                value = median(out.growth[label])
+                versus = "-" if label == group[0] else f"{(value / base - 1) * 100:+.0f}%"
+                rows.append(f"| {out.name} | {label} | {spread(out.growth[label])} | {versus} |")
+    return "\n".join(rows)
+
+
+def _groups(out: Outcome) -> list[list[str]]:
+    """The growth labels by dimension, in the order measured."""
+    groups = []
+    for word in ("tenants", "engine", "prompt"):
+        group = [label for label in out.growth if word in label]
+        if group:
+            groups.append(group)
+    return groups
+
+
+def growth(out: Outcome, group: str) -> tuple[float, float] | None:
+    """(first, last) medians of a growth group (e.g. "tenants")."""
+    labels = [label for label in out.growth if group in label]
+    if len(labels) < 2:
+        return None
+    return median(out.growth[labels[0]]), median(out.growth[labels[-1]])
+
+
+def goals(outcomes: dict[str, Outcome], tenants: int) -> tuple[str, bool]:
+    """The goals table, and whether every evaluated goal is met (headlines emitted)."""
+    rows = ["| goal (issue 23) | measured | |", "|---|---|---|"]
+    all_met = True
+
+    def row(goal: str, measured: str, met: bool | None) -> None:
+        nonlocal all_met
+        verdict = "not measured" if met is None else ("met" if met else "**missed**")
+        rows.append(f"| {goal} | {measured} | {verdict} |")
+        all_met &= met is not False
+
+    gw = outcomes.get(GATEWAY)
+    if gw is None:
+        return "\n".join(rows), True
+    event, request = median(gw.event_us), median(gw.request_us)
+    met = event <= GOAL_EVENT_US
+    goal = f"<= {GOAL_EVENT_US:.0f} µs"
+    row(f"kvguard CPU per streamed event {goal}", f"{event:.1f} µs", met)
+    emit("relay", "kvguard CPU per streamed event (64-token answers)", f"{event:.1f} µs", goal, met)
+    met = request <= GOAL_REQUEST_US
+    goal = f"<= {GOAL_REQUEST_US / 1000:.1f} ms"
+    row(f"kvguard CPU per non-streaming request {goal}", f"{request / 1000:.2f} ms", met)
+    emit("relay", "kvguard CPU per non-streaming request", f"{request / 1000:.2f} ms", goal, met)
+    for floor in (NAIVE, LEAN):
+        base = outcomes.get(floor)
+        if base is not None:
+            emit(
+                "relay",
+                f"kvguard / {floor} CPU per streamed event; per request",
+                f"{event / median(base.event_us):.2f}x; {request / median(base.request_us):.2f}x",
+            )
+    proxy = outcomes.get(LITELLM)
+    goal = f">= {GOAL_LITELLM_RATIO:.0f}x"
+    theirs = proxy.max_events if proxy is not None else None
+    ours = gw.max_events
+    if theirs is not None and ours is not None and (theirs.rate or theirs.below):
+        # LiteLLM below its lowest tried rate: the ratio is at least ours / that rate
+        ratio = ours.rate / (theirs.rate or theirs.below or 1.0)
+        bound = "> " if theirs.below is not None else ""
+        shown = f"{bound}{ratio:.1f}x ({ours.text()} / {theirs.text()})"
+        met = ratio >= GOAL_LITELLM_RATIO
+        row(f"max streamed events/s on one core, kvguard / LiteLLM {goal}", shown, met)
+        emit(
+            "relay", "max streamed events/s on one core, kvguard / LiteLLM proxy", shown, goal, met
+        )
+    else:
+        row(f"max streamed events/s on one core, kvguard / LiteLLM {goal}", "-", None)
+    added = gw.added.get(GOAL_ADDED_RATE)
+    goal = f"< {GOAL_ADDED_P99_MS:.0f} ms"
+    what = f"gateway-added p99 at {GOAL_ADDED_RATE}/s non-streaming"
+    if added is None:
+        row(f"{what} {goal}", "rate not reached", False)
+        emit("relay", what, "not reached", goal, False)
+    else:
+        met = added[1] < GOAL_ADDED_P99_MS and added[2] == 0
+        row(f"{what} {goal}", f"{added[1]:.2f} ms", met)
+        emit("relay", what, f"{added[1]:.2f} ms", goal, met)
+    pair = growth(gw, "tenants")
+    goal = f"<= {GOAL_TENANT_GROWTH * 100:.0f}%"
+    what = f"CPU per request growth, 10 -> {tenants:,} tenants"
+    if pair is not None:
+        change = pair[1] / pair[0] - 1
+        met = change <= GOAL_TENANT_GROWTH
+        row(f"{what} {goal}", f"{change * 100:+.0f}%", met)
+        emit("relay", what, f"{change * 100:+.0f}%", goal, met)
+    return "\n".join(rows), all_met
+
+
+def report(
+    args: argparse.Namespace,
+    outcomes: list[Outcome],
+    *,
+    load: tuple[tuple[float, ...], tuple[float, ...]],
+    missing_litellm: str | None,
+    argv: list[str] | None = None,
+) -> tuple[str, bool]:
+    from bench.bench_relay import INTERVAL_S, RATES, TOKENS
+
+    by_name = {out.name: out for out in outcomes}
+    goal_text, met = goals(by_name, args.tenants)
+    invoked = shlex.join(
+        ["python", "-m", "bench.bench_relay", *(argv if argv is not None else sys.argv[1:])]
+    )
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "### Relay cost: kvguard gateway vs the floors vs LiteLLM proxy",
+        "",
+        f"- Command: `{invoked}` at commit {commit()}, {started}",
+        f"- Machine: {cpu_model()}; each relay pinned to CPU 0, the load generator, the engine "
+        "stand-in, Redis and PostgreSQL on CPU 1",
+        f"- Load average (1 / 5 / 15 min) before: {_load(load[0])}; after: {_load(load[1])} "
+        "(other work on the machine shares both cores: CPU per unit is robust to it, latency "
+        "is not)",
+        f"- Workload: chat completions, {TOKENS}-token answers ({TOKENS + 3} SSE events, one "
+        f"every {INTERVAL_S * 1000:.0f} ms); CPU per request at {args.cost_rate:.0f} requests/s, "
+        f"per event at {args.stream_rate:.0f} streams/s; {args.rounds} rounds (median, "
+        "min-max); 10 active tenants, the canary marks "
+        f"{args.canary_rate * 100:.0f}% of their requests",
+        "",
+        main_table(outcomes, RATES),
+        "",
+        "How the CPU per non-streaming request grows (prompts at "
+        f"{args.prompt_rate:.0f} requests/s, the rest at {args.cost_rate:.0f}):",
+        "",
+        growth_table(outcomes),
+        "",
+        goal_text,
+    ]
+    if missing_litellm is not None:
+        lines += ["", f"LiteLLM proxy not measured: {missing_litellm[:500]}"]
+    return "\n".join(lines), met
+
+
+def _load(values: tuple[float, ...]) -> str:
+    return " / ".join(f"{x:.1f}" for x in values)
+
+
+# ---- the benchmark page's section ---------------------------------------------------------
+
+
+def page() -> Path:
+    """The page that holds the section: the first of ``PAGES`` with the begin marker."""
+    for candidate in PAGES:
+        if candidate.is_file() and BEGIN in candidate.read_text(encoding="utf-8"):
+            return candidate
+    raise FileNotFoundError(f"no page holds {BEGIN} (looked in {', '.join(map(str, PAGES))})")
+
+
+def section(results: Path = RESULTS, profile: Path = PROFILE) -> str:
+    parts = [results.read_text(encoding="utf-8").strip()]
+    if profile.is_file():
+        parts.append(profile.read_text(encoding="utf-8").strip())
+    return BEGIN + "\n" + "\n\n".join(parts) + "\n" + END
+
+
+def update(target: Path | None = None) -> bool:
+    """Write the section into the page; True if it changed."""
+    target = target or page()
+    text = target.read_text(encoding="utf-8")
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    new = text[:start] + section() + text[end:]
+    if new != text:
+        target.write_text(new, encoding="utf-8")
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="copy bench/results/relay*.md into the benchmark page"
+    )
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
+    args = parser.parse_args(argv)
+    target = page()
+    if args.check:
+        stale = section() not in target.read_text(encoding="utf-8")
+        if stale:
+            print(f"{target} is stale: run python -m bench.relay_report", file=sys.stderr)
+        return 1 if stale else 0
+    print(f"{target} updated" if update(target) else f"{target} already current")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The relay benchmark's own parts: the stand-in's shapes, the load generator against a real relay
+(the lean floor in front of the stand-in, as processes on 127.0.0.1), the ceiling verdicts, the
+report's goals and headlines, and the benchmark page's generated section."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvloop
+
+from bench import relay_report
+from bench.bench_relay import Bench, parse_args, prompt_of
+from bench.relay_load import Driver, Samples, Workload, chat_request, cpu_between, cpu_snapshot
+from bench.relay_report import Max, Outcome, goals, growth_table, main_table
+from bench.relay_standin import MODEL, answer_tokens, build_answer, usage
+from bench.summary import parse
+from kvguard.localservices import free_port
+
+
+def _event(answer_piece: bytes, rid: bytes = b"chatcmpl-1") -> dict[str, object]:
+    loaded = json.loads(b'{"id":"' + rid + b'"' + answer_piece)
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def test_stand_in_streams_vllm_chunks_role_first_then_one_token_each_finish_on_the_last() -> None:
+    answer = build_answer(chat=True, count=3, created=7)
+    events = [_event(piece) for piece in answer.events]
+    assert len(events) == 4  # role chunk + 3 tokens; usage and [DONE] follow
+    assert events[0]["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    ]
+    texts = [e["choices"][0]["delta"]["content"] for e in events[1:]]  # type: ignore[index]
+    assert texts == answer_tokens(3)
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, None, "length"]  # type: ignore[index]
+    assert events[-1]["choices"][0]["stop_reason"] is None  # type: ignore[index]
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+    final = json.loads(b'{"id":"x"' + answer.usage_event + usage(12, 3) + b"}")
+    assert final["choices"] == []
+    assert final["usage"] == {"prompt_tokens": 12, "total_tokens": 15, "completion_tokens": 3}
+    body = json.loads(b'{"id":"x"' + answer.body + usage(12, 3) + b"}")
+    assert body["choices"][0]["message"]["content"] == "".join(answer_tokens(3))
+
+
+@pytest.fixture(scope="module")
+def lean_relay() -> Iterator[tuple[int, int, int]]:
+    """(stand-in port, lean floor port, lean floor pid): real processes."""
+    standin_port, relay_port = free_port(), free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.relay_standin", "--port", str(standin_port)]
+            + ["--interval-ms", "2"]
+        ),
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.relay_floors", "lean", "--port", str(relay_port)]
+            + ["--upstream", f"http://127.0.0.1:{standin_port}"]
+        ),
+    ]
+    try:
+        deadline = time.monotonic() + 30
+        for port in (standin_port, relay_port):
+            while True:
+                try:
+                    httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                    break
+                except httpx.HTTPError:
+                    assert time.monotonic() < deadline, f"port {port} never answered"
+                    time.sleep(0.05)
+        yield standin_port, relay_port, procs[1].pid
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def test_load_generator_counts_every_streamed_event_and_the_relay_cpu(
+    lean_relay: tuple[int, int, int],
+) -> None:
+    _, port, pid = lean_relay
+
+    async def go() -> tuple[Samples, Samples]:
+        driver = Driver("127.0.0.1", port)
+        host = f"127.0.0.1:{port}"
+        stream = chat_request(host, model=MODEL, key=None, content="hi", tokens=4, stream=True)
+        plain = chat_request(host, model=MODEL, key=None, content="hi", tokens=4, stream=False)
+        streamed = await driver.run(
+            Workload((stream,), True, 4, 0.002), rate=50, seconds=0.4, cpu_pids=[pid], load_pids=[]
+        )
+        answered = await driver.run(
+            Workload((plain,), False, 4), rate=100, seconds=0.3, cpu_pids=[pid], load_pids=[]
+        )
+        return streamed, answered
+
+    streamed, answered = uvloop.run(go())
+    assert (streamed.sent, streamed.ok, streamed.errors) == (20, 20, 0)
+    assert streamed.events == 20 * 6  # role + 4 tokens + [DONE] (no usage asked for)
+    assert len(streamed.ttfts_ms) == 20
+    assert (answered.sent, answered.ok, answered.errors) == (30, 30, 0)
+    assert streamed.cpu_s is not None and streamed.cpu_s > 0
+
+
+def test_an_answer_that_never_ends_is_an_error_not_a_hang() -> None:
+    silent = free_port()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", silent))
+    listener.listen(8)  # accepts, never answers
+    try:
+
+        async def go() -> Samples:
+            request = chat_request(
+                f"127.0.0.1:{silent}", model=MODEL, key=None, content="x", tokens=1, stream=False
+            )
+            return await Driver("127.0.0.1", silent).run(
+                Workload((request,), False, 1),
+                rate=10,
+                seconds=0.2,
+                cpu_pids=[],
+                load_pids=[],
+                timeout_s=0.5,
+            )
+
+        samples = uvloop.run(go())
+    finally:
+        listener.close()
+    assert (samples.ok, samples.errors) == (0, 2)
+
+
+def test_cpu_between_counts_a_thread_born_in_the_window_from_zero() -> None:
+    before = {(1, 1): 5_000_000_000}
+    after = {(1, 1): 5_500_000_000, (1, 2): 250_000_000}
+    assert cpu_between(before, after) == pytest.approx(0.75)
+    assert cpu_snapshot([1 << 22]) == {}  # no such process: nothing, no error
+
+
+def _samples(p99_ms: float, *, lag_ms: float = 0.1, errors: int = 0, busy: float = 0.1) -> Samples:
+    return Samples(
+        sent=100,
+        ok=100 - errors,
+        errors=errors,
+        latencies_ms=[p99_ms] * 100,
+        lag_ms=[lag_ms] * 100,
+        wall_s=1.0,
+        load_cpu_s=busy,
+    )
+
+
+def test_ceiling_verdicts_tell_the_relay_missing_the_bound_from_the_load_side_running_out() -> None:
+    assert Bench.judge(_samples(10)) == "ok"
+    assert Bench.judge(_samples(60)) == "over"
+    assert Bench.judge(_samples(10, errors=1)) == "over"
+    assert Bench.judge(_samples(10, lag_ms=60)) == "load"
+    assert Bench.judge(_samples(10, busy=0.95)) == "load"
+
+
+def _outcomes(event_us: float, added_p99: float, tenants_growth: float) -> list[Outcome]:
+    gateway = Outcome(
+        "kvguard gateway",
+        request_us=[800, 850, 820],
+        event_us=[event_us],
+        max_requests=Max(900),
+        max_events=Max(30_000),
+        added={100: (0.5, 1.0, 0), 500: (0.6, added_p99, 0)},
+        growth={"10 tenants": [800.0], "10,000 tenants": [800.0 * (1 + tenants_growth)]},
+    )
+    proxy = Outcome("LiteLLM proxy", [4000], [700], max_requests=Max(200), max_events=Max(5000))
+    floor = Outcome("aiohttp pass-through", [500], [50], max_events=Max(40_000, True))
+    return [floor, gateway, proxy]
+
+
+def test_goals_are_met_only_when_every_one_holds_and_headlines_reach_bench_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    good = {o.name: o for o in _outcomes(35.0, 4.0, 0.05)}
+    text, met = goals(good, 10_000)
+    assert met, text
+    headlines = parse(capsys.readouterr().out)
+    assert {h.measure for h in headlines if h.met} >= {
+        "kvguard CPU per streamed event (64-token answers)",
+        "max streamed events/s on one core, kvguard / LiteLLM proxy",
+        "gateway-added p99 at 500/s non-streaming",
+    }
+    for bad in (_outcomes(45.0, 4.0, 0.05), _outcomes(35.0, 6.0, 0.05), _outcomes(35, 4, 0.2)):
+        assert not goals({o.name: o for o in bad}, 10_000)[1]
+
+
+def test_tables_show_medians_with_their_spread_and_growth_against_the_first_row() -> None:
+    outcomes = _outcomes(35.0, 4.0, 0.25)
+    table = main_table(outcomes, (100, 500, 1000))
+    assert "| kvguard gateway | 820 (800-850) | 35.0 | 900 | 30,000 |" in table
+    assert "| >= 40,000 |" in table  # the load side ran out first
+    assert "not reached" in table  # the gateway was not run at 1,000/s
+    growth = growth_table(outcomes)
+    assert "| kvguard gateway | 10,000 tenants | 1,000 | +25% |" in growth
+
+
+def test_quick_mode_is_shorter_and_prompts_have_the_asked_size() -> None:
+    quick, full = parse_args(["--quick"]), parse_args([])
+    assert quick.rounds < full.rounds and quick.cost_seconds < full.cost_seconds
+    assert len(prompt_of(100_000)) == 100_000
+    with pytest.raises(SystemExit):
+        parse_args(["--tenants", "5"])
+
+
+def test_the_benchmark_page_holds_the_generated_section() -> None:
+    page = relay_report.page()
+    assert relay_report.section() in page.read_text(encoding="utf-8"), (
+        "stale: run python -m bench.relay_report"
+    )
+
+
+def test_update_rewrites_only_the_marked_section(tmp_path: Path) -> None:
+    target = tmp_path / "page.md"
+    target.write_text(f"# page\n\n{relay_report.BEGIN}\nold\n{relay_report.END}\n\nafter\n")
+    assert relay_report.update(target)
+    text = target.read_text()
+    assert text.startswith("# page\n\n") and text.endswith("\n\nafter\n")
+    assert relay_report.section() in text and "old" not in text
+    assert not relay_report.update(target)  # already current
+
+
+def test_report_names_the_command_machine_load_and_workload() -> None:
+    args = argparse.Namespace(
+        tenants=10_000, cost_rate=100.0, stream_rate=20.0, rounds=3, canary_rate=0.1, prompt_rate=50
+    )
+    text, _ = relay_report.report(
+        args,
+        _outcomes(35.0, 4.0, 0.05),
+        load=((1.0, 2.0, 3.0), (1.5, 2.0, 3.0)),
+        missing_litellm=None,
+        argv=["--quick"],
+    )
+    assert "`python -m bench.bench_relay --quick` at commit" in text
+    assert "before: 1.0 / 2.0 / 3.0; after: 1.5 / 2.0 / 3.0" in text
+    assert "64-token answers (67 SSE events, one every 10 ms)" in text
