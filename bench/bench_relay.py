@@ -189,7 +189,8 @@ class Bench:
     def judge(samples: Samples) -> str:
         """ok, over (the relay missed the bound) or load (the load side could not keep up)."""
         busy = samples.load_cpu_s / samples.wall_s if samples.wall_s else 0.0
-        if percentile(samples.lag_ms, 0.99) > LAG_BOUND_MS or busy > LOAD_BOUND:
+        late = percentile(samples.lag_ms, 0.99) > LAG_BOUND_MS
+        if busy > LOAD_BOUND or (late and busy > LOAD_BOUND / 2):  # late alone: the machine
             return "load"
         slow = samples.p(0.99) >= P99_BOUND_MS
         if samples.ttfts_ms:

@@ -162,11 +162,15 @@ def test_ceiling_verdicts_tell_the_relay_missing_the_bound_from_the_load_side_ru
     assert Bench.judge(_samples(10)) == "ok"
     assert Bench.judge(_samples(60)) == "over"
     assert Bench.judge(_samples(10, errors=1)) == "over"
-    assert Bench.judge(_samples(10, lag_ms=60)) == "load"
+    assert Bench.judge(_samples(10, lag_ms=60, busy=0.6)) == "load"
     assert Bench.judge(_samples(10, busy=0.95)) == "load"
+    # sending late while the load side is not busy: other work on the machine, judged normally
+    assert Bench.judge(_samples(10, lag_ms=60, busy=0.2)) == "ok"
 
 
-def _outcomes(event_us: float, added_p99: float, tenants_growth: float) -> list[Outcome]:
+def _outcomes(
+    event_us: float, added_p99: float, tenants_growth: float, litellm_max: Max | None = None
+) -> list[Outcome]:
     gateway = Outcome(
         "kvguard gateway",
         request_us=[800, 850, 820],
@@ -177,6 +181,8 @@ def _outcomes(event_us: float, added_p99: float, tenants_growth: float) -> list[
         growth={"10 tenants": [800.0], "10,000 tenants": [800.0 * (1 + tenants_growth)]},
     )
     proxy = Outcome("LiteLLM proxy", [4000], [700], max_requests=Max(200), max_events=Max(5000))
+    if litellm_max is not None:
+        proxy.max_events = litellm_max
     floor = Outcome("aiohttp pass-through", [500], [50], max_events=Max(40_000, True))
     return [floor, gateway, proxy]
 
@@ -195,6 +201,21 @@ def test_goals_are_met_only_when_every_one_holds_and_headlines_reach_bench_run(
     }
     for bad in (_outcomes(45.0, 4.0, 0.05), _outcomes(35.0, 6.0, 0.05), _outcomes(35, 4, 0.2)):
         assert not goals({o.name: o for o in bad}, 10_000)[1]
+
+
+def test_a_ratio_to_a_lower_bound_decides_the_litellm_goal_only_where_it_can(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def verdict(theirs: Max) -> bool | None:
+        goals({o.name: o for o in _outcomes(35.0, 4.0, 0.05, theirs)}, 10_000)
+        found = [h for h in parse(capsys.readouterr().out) if "LiteLLM" in h.measure]
+        return found[0].met
+
+    assert verdict(Max(5000)) is True  # 30,000 / 5,000 = 6x
+    assert verdict(Max(7000)) is False  # 4.3x
+    assert verdict(Max(5000, bounded_by_load=True)) is None  # LiteLLM could do more: undecided
+    assert verdict(Max(7000, bounded_by_load=True)) is False  # at most 4.3x
+    assert verdict(Max(0.0, below=67)) is True  # LiteLLM missed the bound at its lowest rate
 
 
 def test_tables_show_medians_with_their_spread_and_growth_against_the_first_row() -> None:
