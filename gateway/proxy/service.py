@@ -208,6 +208,13 @@ class Flight:
             return error_event(err.message, err.code, err.type_)
         return err.response(headers=self._headers())
 
+    async def _emit_ready(self, ready: list[bytes]) -> None:
+        if not ready:
+            return
+        if self.ctx.first_byte_s is None:
+            self.ctx.first_byte_s = self.ctx.elapsed_s()
+        await self._emit(ready[0] if len(ready) == 1 else b"".join(ready))
+
     async def _emit(self, data: bytes) -> None:
         assert self._send is not None
         try:
@@ -335,20 +342,23 @@ class Flight:
             raise ClientGone from exc
 
     async def _relay(self, opened: UpstreamStream, relay: StreamRelay) -> Outcome:
+        """Each upstream read's events through the relay; what they give the client goes out in
+        one write per read (the bytes an upstream read brings are all there at once: joining them
+        delays none, and a busy gateway, whose reads carry several events, writes less often)."""
         ctx, splitter = self.ctx, SseSplitter()
         try:
             async for chunk in opened.chunks():
+                ready: list[bytes] = []
                 for raw in splitter.feed(chunk):
                     step = relay.on_event(raw)
                     latency.tick(self.state, ctx, relay.text_events)
                     if relay.saw_text and ctx.first_token_s is None:
                         ctx.first_token_s = ctx.elapsed_s() - (ctx.forwarded_s or 0.0)
-                    for out in step.out:
-                        if ctx.first_byte_s is None:
-                            ctx.first_byte_s = ctx.elapsed_s()
-                        await self._emit(out)
+                    ready += step.out
                     if step.end is not None:
+                        await self._emit_ready(ready)
                         return await self._stream_ended(relay, step.end, step.code, b"")
+                await self._emit_ready(ready)
             step = relay.on_upstream_end()
         except UpstreamUnreachable:
             step = relay.on_upstream_end()
