@@ -140,9 +140,17 @@ class Systems:
         return redis.url, postgres.url
 
     def gateway(
-        self, *, redis_url: str, database_url: str, engines: int, keys: tuple[str, ...]
+        self,
+        *,
+        redis_url: str,
+        database_url: str,
+        engines: int,
+        keys: tuple[str, ...],
+        source: Path | None = None,
+        name: str = "kvguard gateway",
     ) -> Relay:
-        """``kvguard gateway`` in production mode in front of the first ``engines`` ports."""
+        """``kvguard gateway`` in production mode in front of the first ``engines`` ports;
+        ``source``: run the gateway code of that checkout instead of this one."""
         port = free_port()
         specs = [
             {"name": f"standin-{i}", "kind": "bundled", "base_url": f"http://127.0.0.1:{p}"}
@@ -154,12 +162,14 @@ class Systems:
             "KVGUARD_ENGINES": json.dumps(specs),
             "KVGUARD_MIGRATE_ON_START": "false",
         }
+        if source is not None:
+            env["PYTHONPATH"] = str(source.resolve())
         argv = [sys.executable, "-m", "kvguard", "gateway", "--port", str(port)]
-        name = f"gateway-{engines}"
-        proc, log = self._spawn(name, _on_relay_cpu([*argv, "--log-level", "warning"]), env)
+        log_name = f"gateway-{engines}-{port}"
+        proc, log = self._spawn(log_name, _on_relay_cpu([*argv, "--log-level", "warning"]), env)
         _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
         _wait_routable(port, keys[0], proc, log)
-        return Relay("kvguard gateway", port, MODEL, proc.pid, keys)
+        return Relay(name, port, MODEL, proc.pid, keys)
 
     def litellm(self, upstream: str) -> Relay | str:
         """The LiteLLM proxy (its own venv, offline), or why it is not measured."""
