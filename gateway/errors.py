@@ -110,10 +110,15 @@ class HandoffMismatch(UpstreamFailed):
 
 
 class Stopped(GatewayError):
-    """A response guard stopped the answer (a ``Cut``): its status, code and message."""
+    """A response guard stopped the answer (a ``Cut``): its status, code and message.
+
+    Sent with ``x-should-retry: false``, the header OpenAI's SDKs obey before their status rules:
+    their automatic retries (two by default, for any 5xx) would send the same request straight
+    back to a path the guard's owner has just taken out of service, and the application would
+    see only that retry's error (503 ``no_healthy_engine``), never this one."""
 
     def __init__(self, verdict: Cut) -> None:
-        super().__init__(verdict.message, code=verdict.code)
+        super().__init__(verdict.message, code=verdict.code, headers={"x-should-retry": "false"})
         self.status = verdict.status
 
 

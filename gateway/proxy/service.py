@@ -72,6 +72,7 @@ from gateway.upstream.base import (
 from gateway.upstream.sse import SseSplitter
 
 log = logging.getLogger("kvguard.gateway.proxy")
+OPENAI_REQUEST_ID = "x-request-id"
 
 
 async def serve_completion(
@@ -197,7 +198,8 @@ class Flight:
     # -- replies ---------------------------------------------------------------------------------
 
     def _headers(self) -> dict[str, str]:
-        headers = {REQUEST_ID_HEADER: self.ctx.request_id}
+        # x-request-id is the header OpenAI's SDKs read into their ``request_id``.
+        headers = {REQUEST_ID_HEADER: self.ctx.request_id, OPENAI_REQUEST_ID: self.ctx.request_id}
         if self.ctx.principal.synthetic and self.ctx.engine is not None:
             headers[ENGINE_HEADER] = self.ctx.engine.name  # canary probes report per engine
         return headers

@@ -4,8 +4,10 @@ stream event the gateway sends is validated against OpenAI's published schemas (
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -19,10 +21,14 @@ from standin_sglang import worker_app as sglang_app
 from standin_vllm import VLLMWorker
 from standin_vllm import worker_app as vllm_app
 
+from canary.config import CanarySettings
+from canary.runtime import CanaryRuntime
 from gateway.app import create_app
 from kvguard.testing import EngineProcess, launch_engine
 
 BUNDLED_MODEL = "tiny-llama"
+CANARY_KEY = "sdk-test-canary-key-0123456789abcdef0123"
+MARKER = re.compile(r"CNRY-[A-Z2-7]{32}")
 ARGS = '{"city": "Oslo", "days": 3}'
 
 
@@ -43,11 +49,12 @@ class Served:
     url: str
     admin: dict[str, str]
     server: RunningServer
+    stoppers: list[RunningServer] = field(default_factory=list)
 
-    async def client(self, **limits: Any) -> tuple[openai.AsyncOpenAI, str]:
+    async def client(self, name: str = "acme", **limits: Any) -> tuple[openai.AsyncOpenAI, str]:
         async with httpx.AsyncClient() as http:
             r = await http.post(
-                f"{self.url}/admin/tenants", json={"name": "acme", **limits}, headers=self.admin
+                f"{self.url}/admin/tenants", json={"name": name, **limits}, headers=self.admin
             )
         key = r.json()["key"]["key"]
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key), key
@@ -56,17 +63,23 @@ class Served:
 @pytest.fixture
 async def served(make_settings: Any) -> AsyncIterator[Any]:
     started: list[RunningServer] = []
+    gateways: list[Served] = []
 
-    async def start(engines: list[dict[str, Any]]) -> Served:
+    async def start(engines: list[dict[str, Any]], *, canary: bool = False) -> Served:
         settings = make_settings(engines=engines)
-        server = await serve(create_app(settings), lifespan="on")
+        hooks = CanaryRuntime(CanarySettings(canary_key=CANARY_KEY)).hooks() if canary else None
+        server = await serve(create_app(settings, hooks=hooks), lifespan="on")
         started.append(server)
         admin = {"Authorization": f"Bearer {settings.admin_secret()}"}
-        return Served(server.url, admin, server)
+        gateways.append(Served(server.url, admin, server))
+        return gateways[-1]
 
     yield start
     for server in started:
         await server.stop()
+    for gw in gateways:
+        for extra in gw.stoppers:
+            await extra.stop()
 
 
 async def _raw(url: str, key: str, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -201,3 +214,59 @@ async def test_tool_calls_and_logprobs_from_the_stand_ins_match_the_schemas(
         check("CreateCompletionResponse", completion.json())
     finally:
         await server.stop()
+
+
+async def _leaking_vllm(served: Any) -> tuple[Served, VLLMWorker, openai.AsyncOpenAI, str]:
+    """A canary gateway in front of a vLLM stand-in that has seen the victim's marked prompt;
+    (gateway, worker, the observer's SDK client, the victim's marker)."""
+    worker = VLLMWorker()
+    server = await serve(vllm_app(worker))
+    gw = await served([_engine("vllm", server.url)], canary=True)
+    gw.stoppers.append(server)
+    victim, _ = await gw.client("victim", canary_sample_rate=1.0)
+    chat = {"model": worker.model, "messages": [{"role": "user", "content": "hello"}]}
+    await victim.chat.completions.create(**chat)
+    [marker] = MARKER.findall(worker.traffic.prompts[-1])  # injected by the gateway
+    observer, _ = await gw.client("observer")
+    return gw, worker, observer, marker
+
+
+async def test_the_sdk_sees_isolation_violation_after_a_cut_with_its_default_retries(
+    served: Any,
+) -> None:
+    gw, worker, observer, marker = await _leaking_vllm(served)
+    worker.script = Script(text=f"the code is {marker}")
+    asked = len(worker.traffic.bodies)
+    assert observer.max_retries == 2  # the SDK's default, unchanged
+    with pytest.raises(openai.APIStatusError) as caught:
+        await observer.chat.completions.create(
+            model=worker.model, messages=[{"role": "user", "content": "hi"}]
+        )
+    error = caught.value
+    assert (error.status_code, error.code) == (502, "isolation_violation")
+    assert error.response.headers["x-should-retry"] == "false"
+    assert error.request_id == error.response.headers["x-kvguard-request-id"]
+    check("ErrorResponse", error.response.json())
+    assert len(worker.traffic.bodies) == asked + 1  # no retry reached the engine
+    assert marker[:6] not in error.response.text
+
+
+async def test_a_marker_split_across_streamed_tool_call_arguments_is_cut(served: Any) -> None:
+    gw, worker, observer, marker = await _leaking_vllm(served)
+    arguments = json.dumps({"city": "Oslo", "ref": marker})
+    worker.script = Script(tool_calls=[ToolCall("lookup", arguments, pieces=9)])
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    stream = await observer.chat.completions.create(
+        model=worker.model,
+        messages=[{"role": "user", "content": "look it up"}],
+        tools=tools,
+        stream=True,
+    )
+    received = []
+    with pytest.raises(openai.APIError) as caught:
+        async for chunk in stream:
+            received.append(chunk.model_dump_json())
+    assert "isolation_violation" in str(caught.value.body)
+    delivered = "".join(received)
+    assert marker[:6] not in delivered and marker[5:13] not in delivered
+    assert '"name":"lookup"' in delivered  # the call's header went out before the marker came
