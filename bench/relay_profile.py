@@ -33,6 +33,10 @@ CLIENTS = {False: 16, True: 128}
 # one of its frames matches
 AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("uvicorn HTTP protocol (httptools)", ("uvicorn/protocols/http",)),
+    (
+        "the request's flight (gateway/proxy/service.py: its life, the per-event loop)",
+        ("proxy/service.py",),
+    ),
     ("starlette/fastapi (routing, middleware, responses)", ("starlette/", "fastapi/")),
     ("pydantic validation", ("pydantic/", "pydantic_core")),
     ("kvguard body guard middleware", ("kvguard/http_edge.py",)),
@@ -48,7 +52,10 @@ AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("upstream client (aiohttp)", ("aiohttp/", "upstream/direct.py")),
     ("finish + audit record", ("proxy/finish.py", "services/audit.py")),
     ("audit flush / DB (SQLAlchemy, psycopg)", ("sqlalchemy/", "psycopg")),
-    ("metrics (prometheus_client)", ("prometheus_client/",)),
+    (
+        "metrics (prometheus_client, gateway/proxy/latency.py)",
+        ("prometheus_client/", "proxy/latency.py"),
+    ),
     ("tracing (opentelemetry)", ("opentelemetry/", "gateway/tracing.py")),
     ("canary on_finish/anomalies", ("canary/runtime.py", "canary/anomalies.py")),
     ("anyio / threads", ("anyio/", "threading.py", "concurrent/futures")),
@@ -59,6 +66,7 @@ AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 IDLE_LEAVES = (  # a worker thread waiting for work or for the database, not computing
     "wait (threading.py",
+    "Watchdog._run (gateway/db/watchdog.py",  # the database watchdog's sleep between checks
     "Connection.wait (psycopg",
     "get (queue.py",
     "select (selectors.py",
