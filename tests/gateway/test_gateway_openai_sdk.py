@@ -270,3 +270,17 @@ async def test_a_marker_split_across_streamed_tool_call_arguments_is_cut(served:
     delivered = "".join(received)
     assert marker[:6] not in delivered and marker[5:13] not in delivered
     assert '"name":"lookup"' in delivered  # the call's header went out before the marker came
+    # The same stream as raw bytes (the engine back in service): every event, the error included,
+    # is a valid schema object, and the stream ends without [DONE].
+    async with httpx.AsyncClient(timeout=60) as http:
+        cleared = await http.delete(f"{gw.url}/admin/engines/vllm/quarantine", headers=gw.admin)
+        assert cleared.status_code == 200
+        body = {"model": worker.model, "messages": [{"role": "user", "content": "again"}]}
+        raw = await http.post(
+            f"{gw.url}/v1/chat/completions",
+            json={**body, "tools": tools, "stream": True},
+            headers={"Authorization": f"Bearer {observer.api_key}"},
+        )
+    events = check_sse(raw.content, "CreateChatCompletionStreamResponse")
+    assert events[-1]["error"]["code"] == "isolation_violation" and b"[DONE]" not in raw.content
+    assert marker[:6].encode() not in raw.content
