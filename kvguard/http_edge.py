@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import uvicorn
@@ -52,6 +53,14 @@ def check_stops(stops: list[str]) -> None:
         raise ValueError("stop sequences must be non-empty")
     if any(len(stop) > MAX_STOP_CHARS for stop in stops):
         raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
+
+
+def check_logit_bias_keys(keys: Iterable[str]) -> None:
+    """OpenAI's ``logit_bias`` maps token ids, written as decimal strings, to biases (both
+    servers refuse any other key, ValueError naming it)."""
+    for key in keys:
+        if not key.isascii() or not key.isdigit():
+            raise ValueError(f"keys must be token ids, got {key[:32]!r}")
 
 
 def lone_surrogate(value: Any, path: str = "") -> str | None:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from backend.bundled.chat import message_text
 from backend.core.errors import InvalidRequest
 from backend.core.request import MIN_SAMPLING_TEMPERATURE
-from kvguard.http_edge import check_stops, lone_surrogate
+from kvguard.http_edge import check_logit_bias_keys, check_stops, lone_surrogate
 
 MAX_TOKENS_CEILING = 1 << 20
 MAX_CHOICES = 16  # n; the gateway relays at most this many choices per answer
@@ -93,9 +93,7 @@ class _SamplingFields(_UnicodeOnly):
     @field_validator("logit_bias")
     @classmethod
     def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key in value or {}:
-            if not key.isascii() or not key.isdigit():
-                raise ValueError(f"keys must be token ids, got {key[:32]!r}")
+        check_logit_bias_keys(value or {})
         return value
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.db.text import StoredText
-from kvguard.http_edge import check_stops, lone_surrogate
+from kvguard.http_edge import check_logit_bias_keys, check_stops, lone_surrogate
 
 MAX_TOKENS_CEILING = 1 << 20
 MAX_CHOICES = 16  # n: the relay screens at most this many choices per answer
@@ -149,9 +149,7 @@ class _Sampling(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key in value or {}:
-            if not key.isascii() or not key.isdigit():
-                raise ValueError(f"keys must be token ids, got {key[:32]!r}")
+        check_logit_bias_keys(value or {})
         return value
 
     @model_validator(mode="after")
