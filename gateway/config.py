@@ -281,8 +281,9 @@ class GatewaySettings(KvguardSettings):
         default=None,
         gt=0,
         description="a request without max_tokens may generate as many tokens as fit its "
-        "engine's limit after the prompt (as OpenAI and vLLM do), at most this many; engines "
-        "that reserve KV for max_tokens up front (the bundled one) hold that much per request",
+        "engine's limit after the prompt (as OpenAI and vLLM do), at most this many; it is what "
+        "admission fits and the limiter takes, and what an engine that reserves KV up front "
+        "(the bundled one with KVGUARD_KV_ALLOCATION=reserve) holds per request",
     )
     key_last_used_interval_s: float = Field(default=60.0, ge=0)
     auth_cache_ttl_s: float = Field(
