@@ -8,9 +8,11 @@ value split over many events or list items (a token per event) is seen whole: a 
 any field never reaches the client complete. A key is the field's path with list positions folded
 into ``*`` (``choices.*.logprobs.content.*.token``: one token sequence), except in the lists whose
 elements are separate streams (``IDENTITY_LISTS``): each choice, each tool call (by its
-``index``, else its position) and each rank of ``top_logprobs`` has its own guard, so choices
-and tool calls that interleave across events (n > 1, parallel tool calls) are each seen in order,
-never spliced into one another. All keys of all objects form one more stream (``KEYS_PATH``).
+``index``, else its position) and each rank of a chat token's ``top_logprobs`` has its own guard,
+so choices and tool calls that interleave across events (n > 1, parallel tool calls) are each seen
+in order, never spliced into one another. All keys of all objects form one more stream
+(``KEYS_PATH``), except the tokens the completions API writes as keys (``TOKEN_MAP_PATH``: one
+stream per choice and rank).
 
 Most side guards can only cut. The side fields that carry text the model wrote (``REWRITE_PATHS``:
 reasoning, refusal, tool-call arguments, logprobs tokens) are *rewritten* with what their guard
@@ -47,7 +49,17 @@ from gateway.hooks import Cut, Emit, Prefilter, StreamGuard
 
 MAX_PATHS = 256  # 16 choices x a dozen per-choice fields, with room
 KEYS_PATH = "<keys>"
-IDENTITY_LISTS = frozenset({"choices", "tool_calls", "top_logprobs"})
+# Lists whose elements are separate streams: choices, tool calls (by ``index``), the ranks of a
+# chat token's top_logprobs (by position). Every other list is a sequence (tokens, positions).
+IDENTITY_LISTS = frozenset(
+    ["choices"]
+    + [f"choices.*.{m}.tool_calls" for m in ("delta", "message")]
+    + [f"choices.*.logprobs.{part}.*.top_logprobs" for part in ("content", "refusal")]
+)
+# The completions API's top_logprobs: per position a {token: logprob} map, most likely first. Its
+# keys are model text: each rank's keys form one stream per choice, not part of KEYS_PATH, where
+# every other key of every event would split them.
+TOKEN_MAP_PATH = "choices.*.logprobs.top_logprobs.*"
 TEXT_PATHS = frozenset({"choices.*.delta.content", "choices.*.message.content", "choices.*.text"})
 _MODEL_TEXT = (
     "{m}.reasoning_content",
@@ -111,7 +123,11 @@ def side_fields(obj: dict[str, Any]) -> dict[str, list[str]]:
 
 
 def _visit_dict(value: dict[str, Any], path: str, key: str, fields: dict[str, list[str]]) -> None:
-    fields[KEYS_PATH].extend(value)
+    if path == TOKEN_MAP_PATH:  # each rank of the map is a stream of its own, like its values
+        for rank, token in enumerate(value):
+            fields.setdefault(f"{key}.<rank {rank}>", []).append(token)
+    else:
+        fields[KEYS_PATH].extend(value)
     for name, item in value.items():
         inner = f"{path}.{name}" if path else name
         inner_key = f"{key}.{name}" if key else name
@@ -121,7 +137,7 @@ def _visit_dict(value: dict[str, Any], path: str, key: str, fields: dict[str, li
         elif isinstance(item, dict):
             _visit_dict(item, inner, inner_key, fields)
         elif isinstance(item, list):
-            _visit_list(item, inner, inner_key, fields, name in IDENTITY_LISTS)
+            _visit_list(item, inner, inner_key, fields, inner in IDENTITY_LISTS)
 
 
 def _visit_list(
@@ -136,7 +152,7 @@ def _visit_list(
         elif isinstance(item, dict):
             _visit_dict(item, inner, inner_key, fields)
         elif isinstance(item, list):
-            _visit_list(item, inner, inner_key, fields, False)
+            _visit_list(item, inner, inner_key, fields, inner in IDENTITY_LISTS)
 
 
 def _identity(item: Any, position: int) -> int:
@@ -184,7 +200,7 @@ def _sites(value: Any, path: str, key: str, at: Location, out: list[Site]) -> No
         for name, item in value.items():
             _sites(item, f"{path}.{name}", f"{key}.{name}", (*at, name), out)
     elif isinstance(value, list):
-        identity = path.rsplit(".", 1)[-1] in IDENTITY_LISTS
+        identity = path in IDENTITY_LISTS
         for position, item in enumerate(value):
             inner_key = f"{key}.{_identity(item, position)}" if identity else f"{key}.*"
             _sites(item, f"{path}.*", inner_key, (*at, position), out)

@@ -1,9 +1,11 @@
 """Every byte the model writes outside the text, under random split points and interleavings:
 tool-call arguments (streamed the way vLLM streams them), refusal text, logprobs tokens and each
-rank of ``top_logprobs``, in one of two choices (or two tool calls) whose events interleave.
+rank of ``top_logprobs`` (chat's lists, and the completions API's {token: logprob} maps), in one of
+two choices (or two tool calls) whose events interleave.
 
 A foreign marker split anywhere across such deltas is cut like one in the text, and the client
-gets nothing of it (these fields are rewritten, so the guard's holdback never goes out); the
+gets nothing of it (these fields are rewritten, so the guard's holdback never goes out; the map
+keys are sent as written, so at most ``CNRY-`` and 7 characters, never the tag); the
 tenant's own marker is stripped, and every stream keeps exactly its own text (nothing is spliced
 from one choice or tool call into another). Real parts: ``LeakFirewall`` guards with a real codec
 and ledger in the gateway's ``StreamRelay``.
@@ -58,6 +60,17 @@ def _top_logprob(stream: Stream, piece: str) -> dict[str, Any]:
     return {"index": stream[0], "delta": {}, "logprobs": {"content": [token]}}
 
 
+def _token_map(stream: Stream, piece: str) -> dict[str, Any]:
+    """The completions API's logprobs: the alternatives as a {token: logprob} map, rank 1 here."""
+    logprobs = {"tokens": ["x"], "token_logprobs": [-0.1], "top_logprobs": [{"x": -0.1, piece: -2}]}
+    return {"index": stream[0], "text": "x", "logprobs": logprobs}
+
+
+def _read_token_map(choice: dict[str, Any]) -> list[tuple[Stream, str]]:
+    maps = (choice.get("logprobs") or {}).get("top_logprobs") or []
+    return [((choice["index"], 0), list(m)[1]) for m in maps if len(m) > 1]
+
+
 def _read_arguments(choice: dict[str, Any]) -> list[tuple[Stream, str]]:
     return [
         ((choice["index"], call["index"]), call.get("function", {}).get("arguments", ""))
@@ -86,7 +99,9 @@ KINDS: dict[str, tuple[Make, Read]] = {
     "refusal": (_refusal, _read_refusal),
     "logprobs tokens": (_logprob, _read_logprob),
     "a top_logprobs rank": (_top_logprob, _read_top_logprob),
+    "a completions top_logprobs rank (map keys)": (_token_map, _read_token_map),
 }
+CUT_ONLY = {"a completions top_logprobs rank (map keys)"}  # sent as the engine wrote them
 
 
 def _header(stream: Stream) -> dict[str, Any]:
@@ -115,7 +130,7 @@ def interleaved(draw: st.DrawFn, first: list[str], second: list[str]) -> list[tu
     return [(which, queues[which].pop(0)) for which in order]
 
 
-def _relay(own: frozenset[bytes]) -> StreamRelay:
+def _relay(own: frozenset[bytes], endpoint: Endpoint) -> StreamRelay:
     ledger = MarkerLedger()
     ledger.put("r1", RequestMarkers(own=own))
     tags = TagIndex(CODEC)
@@ -123,7 +138,7 @@ def _relay(own: frozenset[bytes]) -> StreamRelay:
     info = RequestInfo("r1", OWNER, "m", "chat.completions", False, 0.0, engine="e1")
     firewall = LeakFirewall(CODEC, ledger=ledger, tags=tags)
     return StreamRelay(
-        endpoint=Endpoint.CHAT,
+        endpoint=endpoint,
         open_guard=lambda: firewall.open(info),
         wants_usage=False,
         side_prefilter=LeakFirewall.side_prefilter,
@@ -135,10 +150,12 @@ def _run(
 ) -> tuple[StreamRelay, Phase | None, dict[Stream, str], bytes]:
     """Feed the events; (relay, how it ended, each stream's delivered text, the raw output)."""
     make, read = KINDS[kind]
-    relay = _relay(own)
+    endpoint = Endpoint.COMPLETIONS if "completions" in kind else Endpoint.CHAT
+    relay = _relay(own, endpoint)
     chunks = [_header(s) for s in streams] if kind == "tool-call arguments" else []
     chunks += [make(streams[which], piece) for which, piece in merged]
-    chunks += [{"index": i, "delta": {}, "finish_reason": "stop"} for i in {s[0] for s in streams}]
+    last = {"text": ""} if endpoint is Endpoint.COMPLETIONS else {"delta": {}}
+    chunks += [{"index": i, **last, "finish_reason": "stop"} for i in {s[0] for s in streams}]
     events = [f"data: {json.dumps({'id': ID, 'choices': [c]})}\n\n".encode() for c in chunks]
     out, end = b"", None
     for raw in [*events, b"data: [DONE]\n\n"]:
@@ -160,6 +177,10 @@ TWO_CHOICES, TWO_CALLS = ((0, 0), (1, 0)), ((0, 0), (0, 1))
 CASES = st.sampled_from(
     [(kind, TWO_CHOICES) for kind in sorted(KINDS)] + [("tool-call arguments", TWO_CALLS)]
 )
+REWRITTEN_CASES = st.sampled_from(
+    [(kind, TWO_CHOICES) for kind in sorted(set(KINDS) - CUT_ONLY)]
+    + [("tool-call arguments", TWO_CALLS)]
+)
 ARGS_BEFORE, ARGS_AFTER = '{"city": "Oslo", "ref": "', '", "n": 2}'
 OTHER = '{"q": "Cats and Cows"}'  # C's: each may start a marker, so its guard holds them back
 
@@ -176,13 +197,17 @@ def test_a_foreign_marker_split_anywhere_is_cut_and_never_shown(
     assert end is Phase.CUT and isinstance(relay.cut, CanaryCut)
     assert relay.cut.code == "isolation_violation"
     assert [f.victim_tenant for f in relay.cut.findings] == [VICTIM]
-    assert FOREIGN.text[:6] not in out.decode()  # not even the prefix of the marker went out
-    assert leaking[: len(ARGS_BEFORE)].startswith(delivered[pairs[0]])
+    if kind in CUT_ONLY:  # at most CNRY- and 7 characters, never the tag that names the victim
+        assert FOREIGN.text[5:13] not in out.decode()
+        assert leaking[: len(ARGS_BEFORE) + 12].startswith(delivered[pairs[0]])
+    else:  # rewritten like the text: not even the prefix of the marker went out
+        assert FOREIGN.text[:6] not in out.decode()
+        assert leaking[: len(ARGS_BEFORE)].startswith(delivered[pairs[0]])
     assert OTHER.startswith(delivered[pairs[1]])
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=CASES, data=st.data())
+@given(case=REWRITTEN_CASES, data=st.data())
 def test_the_own_marker_is_stripped_and_each_stream_keeps_its_own_text(
     case: tuple[str, tuple[Stream, Stream]], data: st.DataObject
 ) -> None:
