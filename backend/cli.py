@@ -10,7 +10,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-_OVERRIDES = ("host", "port", "model", "pool_tokens", "page_size", "context_window")
+_OVERRIDES = (
+    "host",
+    "port",
+    "model",
+    "served_model_name",
+    "dtype",
+    "pool_tokens",
+    "page_size",
+    "context_window",
+)
 
 
 def register(subparsers: Any) -> None:
@@ -43,7 +52,22 @@ def register(subparsers: Any) -> None:
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8100)")
-    parser.add_argument("--model", type=Path, help="checkpoint dir (default: the bundled model)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="checkpoint dir, or a Hugging Face cache entry models--org--name[/snapshots/HASH] "
+        "(default: the bundled model)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        help="model id clients send and /v1/models lists (default: org/name for a cache "
+        "entry, else the checkpoint dir's name)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute and KV dtype (default auto: float32 on CPU, the checkpoint's on GPU)",
+    )
     parser.add_argument("--pool-tokens", type=int, help="KV pool size in tokens")
     parser.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
     parser.add_argument("--context-window", type=int, help="advertised context window")

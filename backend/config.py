@@ -19,9 +19,19 @@ BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled" / "kvguard-tiny"
 class BackendSettings(KvguardSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=1, le=65535)
-    model: Path = Field(default=BUNDLED_MODEL_DIR, description="checkpoint directory (HF layout)")
+    model: Path = Field(
+        default=BUNDLED_MODEL_DIR,
+        description="checkpoint directory (HF layout), or a Hugging Face cache entry "
+        "(models--org--name, or one of its snapshots/<hash>)",
+    )
     served_model_name: str | None = Field(
-        default=None, description="model id in the API; default: the checkpoint dir's name"
+        default=None,
+        description="model id in the API; default: org/name for a cache entry, else the "
+        "checkpoint dir's name",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="compute and KV dtype; auto: float32 on CPU, the checkpoint's dtype on GPU",
     )
     page_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV page")
     pool_tokens: int | None = Field(

@@ -22,10 +22,11 @@ from backend.engine.async_engine import AsyncEngine
 from backend.engine.core import EngineCore
 from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
-from backend.model.chat import ChatRenderer, load_chat_renderer
+from backend.model.chat import ChatFormat, load_chat_renderer
 from backend.model.config import ModelConfig
 from backend.model.kv_cache import KVCache
-from backend.model.llama import LlamaModel, load_model
+from backend.model.llama import LlamaModel, compute_dtype, load_model
+from backend.model.snapshot import resolve_checkpoint_dir
 from backend.model.tokenizer import Tokenizer
 
 CoreFactory = Callable[[Scheduler, ModelRunner, EngineMetrics], EngineCore]
@@ -45,7 +46,7 @@ class BuiltEngine:
     pool: PagePool
     kv_cache: KVCache
     metrics: EngineMetrics
-    render_chat: ChatRenderer
+    render_chat: ChatFormat
 
 
 def pool_pages(settings: BackendSettings, config: ModelConfig, dtype: torch.dtype) -> int:
@@ -96,7 +97,11 @@ def build_engine(
     """
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
-    model, config, tokenizer = load_model(settings.model, device=settings.device)
+    checkpoint = resolve_checkpoint_dir(settings.model)
+    config = ModelConfig.from_dir(checkpoint)
+    dtype = compute_dtype(config, settings.device, settings.dtype)
+    model, config, tokenizer = load_model(checkpoint, device=settings.device, dtype=dtype)
+    render_chat = load_chat_renderer(checkpoint, config)  # refuses a template that cannot render
     pages = pool_pages(settings, config, model.dtype)
     limits = decide_limits(settings, config, pages)
     zero = settings.zero_on_free if zero_on_free is None else zero_on_free
@@ -121,7 +126,6 @@ def build_engine(
     metrics.track_pool(
         lambda: pool.free_pages, lambda: pool.owned_pages, lambda: pool.quarantined_pages
     )
-    render_chat = load_chat_renderer(settings.model, config)
     return BuiltEngine(
         engine, model, config, tokenizer, limits, pool, kv_cache, metrics, render_chat
     )

@@ -2,7 +2,8 @@
 
 One call serves a flattened ragged batch (see `AttentionMetadata`): decode tokens and prefill
 chunks of many sequences together. Each query token attends causally to its own chunk and fully
-to the sequence's earlier context, reading K/V only through the sequence's block table.
+to the sequence's earlier context, reading K/V only through the sequence's block table. With a
+sliding `window` (Mistral), a query at position p sees only keys p - window + 1 .. p.
 
 Two implementations, tested against each other:
 - `"torch"`, the reference (the CPU default) in `backend.kernels.torch_paged`: gathers keys by
@@ -35,20 +36,26 @@ def paged_attention(
     scale: float,
     backend: Backend | None = None,
     plan: AttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], caches [pages, page_size, kv_heads, D] -> attention output [T, H, D].
 
-    `plan` (from `plan_attention(metadata)`) lets a caller prepare the reference path once per
-    step instead of once per layer; the Triton path needs none.
+    `plan` (from `plan_attention(metadata, window=window)`) lets a caller prepare the reference
+    path once per step instead of once per layer; the Triton path needs none.
     """
     _check_shapes(q, k_cache, v_cache, metadata)
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
     chosen = backend or default_backend(q.device)
     if chosen == "triton":
         from backend.kernels.triton_paged import triton_paged_attention
 
-        return triton_paged_attention(q, k_cache, v_cache, metadata, scale)
+        return triton_paged_attention(q, k_cache, v_cache, metadata, scale, window)
     if chosen == "torch":
-        return torch_paged_attention(q, k_cache, v_cache, plan or plan_attention(metadata), scale)
+        plan = plan or plan_attention(metadata, window=window)
+        if plan.window != window:
+            raise ValueError(f"the plan is for window {plan.window}, the call for {window}")
+        return torch_paged_attention(q, k_cache, v_cache, plan, scale)
     raise ValueError(f"unknown attention backend {chosen!r}")
 
 

@@ -12,8 +12,13 @@ with no per-token Python work. Sequences are grouped so that one SDPA call serve
   its own group.
 
 Padding never reads outside a sequence's pages: padded key positions gather the sequence's own
-last token (masked out), padded query rows attend only to its first token (output discarded). So a
+last token (masked out), padded query rows attend only to its first key (output discarded). So a
 stale NaN/inf in a page owned by someone else cannot reach the softmax (0 * NaN is NaN).
+
+A sliding window (Mistral: a query at position p sees keys p - window + 1 .. p) is part of the
+plan: each sequence gathers only the keys its first query row can see, from
+``max(0, first row - window + 1)``, and the mask hides the older ones from later rows. So a
+long context under a small window costs the window, not the context.
 """
 
 from __future__ import annotations
@@ -53,33 +58,55 @@ class _Group:
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
-    """The reference path's view of one step's `AttentionMetadata`, shared by all layers."""
+    """The reference path's view of one step's `AttentionMetadata`, shared by all layers (of one
+    sliding window)."""
 
     groups: tuple[_Group, ...]
     num_tokens: int
+    window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Spans:
+    """Per sequence: the first key position gathered and how many keys are gathered."""
+
+    first: tuple[int, ...]
+    count: tuple[int, ...]
+
+    @classmethod
+    def of(cls, md: AttentionMetadata, window: int | None) -> _Spans:
+        first = tuple(
+            0 if window is None else max(0, kv - q - window + 1)
+            for q, kv in zip(md.query_lens_host, md.kv_lens_host, strict=True)
+        )
+        count = tuple(kv - f for kv, f in zip(md.kv_lens_host, first, strict=True))
+        return cls(first, count)
 
 
 def plan_attention(
-    md: AttentionMetadata, *, kv_bytes_per_token: int | None = None
+    md: AttentionMetadata, *, kv_bytes_per_token: int | None = None, window: int | None = None
 ) -> AttentionPlan:
     """``kv_bytes_per_token``: K plus V bytes of one token in one layer. With it, decodes are
-    split into groups of similar length (``_decode_buckets``); without it they form one group."""
+    split into groups of similar length (``_decode_buckets``); without it they form one group.
+    ``window``: the sliding window of the layers this plan serves (None: full attention)."""
+    spans = _Spans.of(md, window)
     decode = [i for i, n in enumerate(md.query_lens_host) if n == 1]
     chunks = [i for i, n in enumerate(md.query_lens_host) if n > 1]
-    groups = [_plan_group(md, seqs) for seqs in _decode_buckets(md, decode, kv_bytes_per_token)]
+    buckets = _decode_buckets(spans, decode, kv_bytes_per_token)
+    groups = [_plan_group(md, spans, seqs, window) for seqs in buckets]
     if chunks:
         padded = len(chunks) * max(md.query_lens_host[i] for i in chunks)
-        padded *= max(md.kv_lens_host[i] for i in chunks)
-        real = sum(md.query_lens_host[i] * md.kv_lens_host[i] for i in chunks)
+        padded *= max(spans.count[i] for i in chunks)
+        real = sum(md.query_lens_host[i] * spans.count[i] for i in chunks)
         if padded <= _MAX_PADDING_WASTE * real:
-            groups.append(_plan_group(md, chunks))
+            groups.append(_plan_group(md, spans, chunks, window))
         else:
-            groups.extend(_plan_group(md, [i]) for i in chunks)
-    return AttentionPlan(tuple(groups), md.num_tokens)
+            groups.extend(_plan_group(md, spans, [i], window) for i in chunks)
+    return AttentionPlan(tuple(groups), md.num_tokens, window)
 
 
 def _decode_buckets(
-    md: AttentionMetadata, seqs: list[int], kv_bytes_per_token: int | None
+    spans: _Spans, seqs: list[int], kv_bytes_per_token: int | None
 ) -> list[list[int]]:
     """Split decodes by context length so padding to each group's longest wastes little.
 
@@ -90,8 +117,8 @@ def _decode_buckets(
     """
     if len(seqs) <= 1 or kv_bytes_per_token is None:
         return [seqs] if seqs else []
-    order = sorted(seqs, key=lambda i: md.kv_lens_host[i], reverse=True)
-    lens = [md.kv_lens_host[i] for i in order]
+    order = sorted(seqs, key=lambda i: spans.count[i], reverse=True)
+    lens = [spans.count[i] for i in order]
     group_cost = _GROUP_COST_BYTES / kv_bytes_per_token
     best = [0.0] + [float("inf")] * len(order)
     cut = [0] * (len(order) + 1)
@@ -108,30 +135,38 @@ def _decode_buckets(
     return buckets[::-1]
 
 
-def _plan_group(md: AttentionMetadata, seqs: list[int]) -> _Group:
+def _plan_group(
+    md: AttentionMetadata, spans: _Spans, seqs: list[int], window: int | None
+) -> _Group:
     device = md.block_tables.device
     idx = torch.tensor(seqs, device=device)
     q_lens = torch.tensor([md.query_lens_host[i] for i in seqs], device=device)
     kv_lens = md.kv_lens[idx].long()
+    first = torch.tensor([spans.first[i] for i in seqs], device=device)
     max_q = max(md.query_lens_host[i] for i in seqs)
     row = torch.arange(max_q, device=device)
     real = row[None, :] < q_lens[:, None]  # [G, max_q]
     start = md.cu_seqlens_q[idx].long()[:, None]
     tokens = start + torch.minimum(row[None, :], q_lens[:, None] - 1)
-    # Absolute position of each query row; padded rows are placed at position 0.
-    q_pos = torch.where(real, kv_lens[:, None] - q_lens[:, None] + row[None, :], 0)
-    key = torch.arange(max(md.kv_lens_host[i] for i in seqs), device=device)
-    key_pos = torch.minimum(key[None, :], kv_lens[:, None] - 1)  # padded keys: own last token
+    # Absolute position of each query row; padded rows sit on the first key gathered.
+    q_pos = torch.where(real, kv_lens[:, None] - q_lens[:, None] + row[None, :], first[:, None])
+    key = torch.arange(max(spans.count[i] for i in seqs), device=device)
+    # Absolute position of each key; padded keys gather the sequence's own last token.
+    key_pos = torch.minimum(first[:, None] + key[None, :], kv_lens[:, None] - 1)
     pages = md.block_tables[idx].long().gather(1, key_pos // md.page_size)
     slots = pages * md.page_size + key_pos % md.page_size
     all_real = all(md.query_lens_host[i] == max_q for i in seqs)
     rows = None if all_real else real.flatten().nonzero().squeeze(1)
     out_tokens = tokens.flatten() if rows is None else tokens.flatten()[rows]
-    kv_host = {md.kv_lens_host[i] for i in seqs}
-    if all_real and len(kv_host) == 1 and max_q in (1, *kv_host):
-        # No padding anywhere: a decode sees every key, a fresh prompt is plain causal.
+    counts = {spans.count[i] for i in seqs}
+    fresh = window is None or max(counts) <= window  # every row sees all its causal keys
+    if all_real and len(counts) == 1 and (max_q == 1 or (max_q in counts and fresh)):
+        # No padding anywhere: a decode sees every key gathered, a fresh prompt is plain causal.
         return _Group(tokens, slots, None, max_q > 1, rows, out_tokens)
-    mask = key[None, None, :] <= q_pos[:, :, None]
+    absolute = first[:, None, None] + key[None, None, :]  # [G, 1, max_kv]
+    mask = absolute <= q_pos[:, :, None]
+    if window is not None:
+        mask &= absolute > q_pos[:, :, None] - window
     return _Group(tokens, slots, mask[:, None], False, rows, out_tokens)
 
 

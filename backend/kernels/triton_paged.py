@@ -8,7 +8,10 @@ Two kernels, chosen per step by `triton_paged_attention`:
   (sequence, query head, block of query tokens); each query row sees keys up to its own
   absolute position, which is causal inside the chunk and full over earlier context.
 
-Both run an online softmax over blocks of BLOCK_N tokens. A token's slot comes from
+Both run an online softmax over blocks of BLOCK_N tokens. With a sliding window, a query at
+position p sees keys p - window + 1 .. p: the loop starts at the first block any row of the
+program can see and masks older keys per row (no window: `window` exceeds every position, so
+nothing is masked and the loop starts at 0). A token's slot comes from
 `block_tables[seq, token // PAGE_SIZE]`; loads past `kv_len` are masked, so padding entries of
 the block table are never dereferenced. Page ids are widened to int64 before address arithmetic
 because a large pool overflows int32 element offsets.
@@ -27,6 +30,9 @@ from backend.kernels.metadata import AttentionMetadata
 
 _BLOCK_N = 32
 _BLOCK_M = 16
+# Passed as the window when there is none: farther than any position (int32 arithmetic stays
+# far from overflow), so every key up to the query is seen.
+_NO_WINDOW = 1 << 30
 
 
 @triton.jit
@@ -47,7 +53,7 @@ def _weighted(p, v, IEEE: tl.constexpr):  # type: ignore[no-untyped-def]  # Trit
 def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel arguments carry no hints
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, bt_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_bt, scale, head_dim,
+    stride_ot, stride_oh, stride_bt, scale, head_dim, window,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
@@ -64,9 +70,10 @@ def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel arguments c
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for start in range(0, kv_len, BLOCK_N):
+    oldest = tl.maximum(kv_len - window, 0)  # the query sits at kv_len - 1
+    for start in range((oldest // BLOCK_N) * BLOCK_N, kv_len, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        valid = n < kv_len
+        valid = (n < kv_len) & (n >= oldest)
         page = tl.load(bt_ptr + seq * stride_bt + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         kv_mask = valid[:, None] & (d[None, :] < head_dim)
         k_off = page * stride_kp + (n % PAGE_SIZE) * stride_ks + kv_head * stride_kh
@@ -90,7 +97,7 @@ def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton kernel arguments c
 def _chunk_kernel(  # type: ignore[no-untyped-def]  # Triton kernel arguments carry no hints
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, bt_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_bt, scale, head_dim,
+    stride_ot, stride_oh, stride_bt, scale, head_dim, window,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
@@ -113,7 +120,8 @@ def _chunk_kernel(  # type: ignore[no-untyped-def]  # Triton kernel arguments ca
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         kv_end = tl.minimum(kv_len, kv_len - q_len + (tl.program_id(2) + 1) * BLOCK_M)
-        for start in range(0, kv_end, BLOCK_N):
+        oldest = tl.maximum(kv_len - q_len + tl.program_id(2) * BLOCK_M - window + 1, 0)
+        for start in range((oldest // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             valid = n < kv_len
             page = tl.load(bt_ptr + seq * stride_bt + n // PAGE_SIZE, mask=valid, other=0)
@@ -122,7 +130,8 @@ def _chunk_kernel(  # type: ignore[no-untyped-def]  # Triton kernel arguments ca
             k_off = page * stride_kp + (n % PAGE_SIZE) * stride_ks + kv_head * stride_kh
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = _scores(q, k, IEEE) * scale
-            s = tl.where(valid[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+            seen = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
+            s = tl.where(valid[None, :] & seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
@@ -142,6 +151,7 @@ def triton_paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_attention`; shapes are checked by the caller."""
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
@@ -154,6 +164,7 @@ def triton_paged_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         metadata.block_tables.stride(0), scale, head_dim,
+        _NO_WINDOW if window is None else window,
     )  # fmt: skip
     block_d = max(16, triton.next_power_of_2(head_dim))
     ieee = q.dtype == torch.float32  # keep fp32 exact (no TF32) so it matches the reference

@@ -1,1 +1,2 @@
-"""The bundled engine's model side: config, tokenizer, checkpoint loading, KV cache, Llama."""
+"""The engine's model side: config, checkpoint loading, tokenizers, detokenization, chat
+templates, RoPE, KV cache and the Llama-family decoder (Llama, Mistral, Qwen2)."""

@@ -1,11 +1,12 @@
-"""Loading Llama weights from local `*.safetensors` files (single file or sharded with an index).
+"""Loading decoder weights from local `*.safetensors` files (single file or sharded with an index).
 
 Lifecycle: `load_state_dict(dir, config, device=..., dtype=...)` (1) locates the weight files
 (`model.safetensors.index.json` when present, else every `*.safetensors` in the directory),
-(2) lists every tensor name and shape in them without reading data, (3) compares against the
-names and shapes `config` implies and refuses any missing, unexpected, duplicated or wrong-shape
-tensor with a `CheckpointError` naming the file and the tensor, and only then (4) reads the
-tensors, converted to `dtype` on `device`. Nothing is ever downloaded.
+(2) lists every tensor name, shape and stored dtype in them without reading data, (3) compares
+against the names and shapes `config` implies and refuses any missing, unexpected, duplicated,
+wrong-shape or non-float (int8, float8, ... : quantized) tensor with a `CheckpointError` naming
+the file and the tensor, and only then (4) reads the tensors, converted to `dtype` on `device`.
+Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ from backend.model.errors import CheckpointError
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older transformers versions saved; they are recomputed from rope_theta.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Stored dtypes read as they are (converted exactly or rounded to the compute dtype).
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+TIED_HEAD = "lm_head.weight"  # a tied checkpoint may still store it; transformers ignores it
 
 
 @dataclass(frozen=True, slots=True)
 class _StoredTensor:
     file: Path
     shape: tuple[int, ...]
+    dtype: str
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of a HF LlamaForCausalLM checkpoint with its shape."""
+    """Every tensor name of a HF Llama/Mistral/Qwen2 causal LM checkpoint with its shape."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_out = config.num_attention_heads * config.head_dim
     kv_out = config.num_key_value_heads * config.head_dim
@@ -55,6 +60,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
         }
+        if config.qkv_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q_out,),
+                p + "self_attn.k_proj.bias": (kv_out,),
+                p + "self_attn.v_proj.bias": (kv_out,),
+            }
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
     return shapes
 
 
@@ -74,7 +87,12 @@ def load_state_dict(
         missing_place = directory / INDEX_FILE
     else:
         missing_place = files[0] if len(files) == 1 else directory
-    _validate(stored, expected_shapes(config), missing_place)
+    expected = expected_shapes(config)
+    if config.tie_word_embeddings and TIED_HEAD in stored:
+        expected[TIED_HEAD] = expected["model.embed_tokens.weight"]  # checked, then not read
+    _validate(stored, expected, missing_place)
+    if config.tie_word_embeddings:
+        stored.pop(TIED_HEAD, None)
     return _read(stored, torch.device(device), dtype)
 
 
@@ -106,24 +124,28 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
 def _list_tensors(files: list[Path], listed_in: dict[str, Path] | None) -> dict[str, _StoredTensor]:
     stored: dict[str, _StoredTensor] = {}
     for path in files:
-        for name, shape in _file_shapes(path).items():
+        for name, (shape, dtype) in _file_tensors(path).items():
             if name in stored:
                 raise CheckpointError(
                     path, f"tensor '{name}' is also stored in {stored[name].file}"
                 )
             if listed_in is not None and listed_in.get(name) != path:
                 raise CheckpointError(path, f"tensor '{name}' is not listed in {INDEX_FILE}")
-            stored[name] = _StoredTensor(path, shape)
+            stored[name] = _StoredTensor(path, shape, dtype)
     for name, path in (listed_in or {}).items():
         if name not in stored:
             raise CheckpointError(path, f"tensor '{name}' is listed in the index but not stored")
     return stored
 
 
-def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def _file_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, stored dtype) of every tensor in one file, without reading the data."""
+    if path.is_symlink() and not path.exists():
+        raise CheckpointError(path, "is a link to a missing file (an incomplete download?)")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+            slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118
+            return {n: (tuple(s.get_shape()), str(s.get_dtype())) for n, s in slices.items()}
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
         raise CheckpointError(path, f"not a readable safetensors file: {exc}") from exc
 
@@ -134,6 +156,12 @@ def _validate(
     for name, shape in expected.items():
         if name not in stored:
             raise CheckpointError(missing_place, f"tensor '{name}' is missing")
+        if stored[name].dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                stored[name].file,
+                f"tensor '{name}' is stored as {stored[name].dtype}; only "
+                f"{', '.join(FLOAT_DTYPES)} are supported (quantized checkpoints are not)",
+            )
         if stored[name].shape != shape:
             raise CheckpointError(
                 stored[name].file,

@@ -1,12 +1,22 @@
-"""`ModelConfig`: the LlamaForCausalLM fields of a checkpoint's `config.json`, validated once.
+"""`ModelConfig`: the decoder fields of a checkpoint's `config.json`, validated once.
 
 Lifecycle: `ModelConfig.from_dir(path)` reads and checks the file, and the frozen result is
 passed to the tokenizer, checkpoint loader and model. Every problem (missing file, malformed
-JSON, a missing or wrong-typed field, an unsupported architecture or RoPE variant) raises
-`CheckpointError` naming the file and the field. This module imports no torch.
+JSON, a missing or wrong-typed field, an unsupported architecture, RoPE variant or any field that
+would change the arithmetic in a way the engine does not implement) raises `CheckpointError`
+naming the file and the field. This module imports no torch.
 
-Both spellings that transformers has written are accepted: v4 (`rope_theta`, `torch_dtype`)
-and v5 (`rope_parameters: {"rope_type": "default", "rope_theta": ...}`, `dtype`).
+Three Hugging Face families share one decoder here (RMSNorm, RoPE, GQA, SwiGLU); what differs is
+read from the config exactly as transformers reads it:
+- `LlamaForCausalLM` (model_type llama): optional `attention_bias` on q/k/v/o; no window.
+- `MistralForCausalLM` (mistral): `sliding_window` on every layer (4096 when absent, as
+  transformers' default; null means none).
+- `Qwen2ForCausalLM` (qwen2): bias on q/k/v (not o); a window only with `use_sliding_window`, on
+  the layers `layer_types` (or `max_window_layers`) names.
+The class defaults that differ between them (KV heads, window) are the transformers classes'.
+
+Both spellings that transformers has written are accepted: v4 (`rope_theta`, `rope_scaling`,
+`torch_dtype`) and v5 (`rope_parameters: {"rope_type": ..., "rope_theta": ...}`, `dtype`).
 """
 
 from __future__ import annotations
@@ -19,10 +29,38 @@ from typing import Any
 from backend.model.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
-SUPPORTED_ARCHITECTURE = "LlamaForCausalLM"
+GENERATION_CONFIG_FILE = "generation_config.json"
 SUPPORTED_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 BYTE_TOKENIZER = "byte"
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    model_type: str
+    kv_heads_default: int | None  # None: as many as query heads
+    qkv_bias: bool | None  # None: `attention_bias` decides (and it covers o_proj too)
+
+
+FAMILIES = {
+    "LlamaForCausalLM": _Family("llama", None, None),
+    "MistralForCausalLM": _Family("mistral", 8, False),
+    "Qwen2ForCausalLM": _Family("qwen2", 32, True),
+}
+_MISTRAL_DEFAULT_WINDOW = 4096
+_QWEN2_DEFAULT_WINDOW_LAYERS = 28
 _HF_DEFAULT_ROPE_THETA = 10000.0
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """A scaled RoPE (`rope_type` linear or llama3); the frequencies are `backend.model.rope`'s."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 1.0
+    original_max_position_embeddings: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,57 +80,101 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     kvguard_tokenizer: str | None = None
+    architecture: str = "LlamaForCausalLM"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    # per layer: keys farther back than this many positions are not attended (None: all)
+    layer_windows: tuple[int | None, ...] = ()
+    rope_scaling: RopeScaling | None = None
 
     @property
     def num_query_groups(self) -> int:
         """Query heads sharing one KV head (GQA group size)."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
     @classmethod
     def from_dir(cls, checkpoint_dir: Path | str) -> ModelConfig:
         path = Path(checkpoint_dir) / CONFIG_FILE
-        if not Path(checkpoint_dir).is_dir():
-            raise CheckpointError(checkpoint_dir, "checkpoint directory does not exist")
-        if not path.is_file():
-            raise CheckpointError(path, "file is missing")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(path, f"malformed JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise CheckpointError(path, "top level must be a JSON object")
+        raw = read_json_object(Path(checkpoint_dir), path, required=True)
+        assert raw is not None
         return cls.from_json(raw, path)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
         fields = _Fields(raw, path)
-        _check_architecture(fields)
+        family = _check_architecture(fields)
         heads = fields.positive_int("num_attention_heads")
         hidden = fields.positive_int("hidden_size")
-        kv_heads = fields.positive_int("num_key_value_heads", default=heads)
+        kv_heads = fields.positive_int(
+            "num_key_value_heads", default=family.kv_heads_default or heads
+        )
         if heads % kv_heads:
-            raise CheckpointError(
-                path, f"field 'num_key_value_heads': {kv_heads} does not divide {heads} heads"
-            )
+            raise fields.fail("num_key_value_heads", f"{kv_heads} does not divide {heads} heads")
+        layers = fields.positive_int("num_hidden_layers")
+        qkv_bias, o_bias = _biases(fields, family)
+        theta, scaling = read_rope(fields)
         config = cls(
             hidden_size=hidden,
             intermediate_size=fields.positive_int("intermediate_size"),
-            num_hidden_layers=fields.positive_int("num_hidden_layers"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=_head_dim(fields, hidden, heads),
             rms_norm_eps=fields.positive_float("rms_norm_eps"),
-            rope_theta=_rope_theta(fields),
+            rope_theta=theta,
             vocab_size=fields.positive_int("vocab_size"),
             max_position_embeddings=fields.positive_int("max_position_embeddings"),
             tie_word_embeddings=fields.boolean("tie_word_embeddings", default=False),
             bos_token_id=fields.optional_token_id("bos_token_id"),
-            eos_token_ids=_eos_ids(fields),
+            eos_token_ids=_token_ids(fields, "eos_token_id"),
             torch_dtype=_dtype(fields),
             kvguard_tokenizer=_tokenizer_kind(fields),
+            architecture=fields.raw["architectures"][0],
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            layer_windows=_layer_windows(fields, family, layers),
+            rope_scaling=scaling,
         )
         _check_token_ids(config, path)
         return config
+
+
+def read_json_object(directory: Path, path: Path, *, required: bool) -> dict[str, Any] | None:
+    """A JSON object file of a checkpoint; None when it is absent and optional."""
+    if not directory.is_dir():
+        raise CheckpointError(directory, "checkpoint directory does not exist")
+    if path.is_symlink() and not path.exists():
+        raise CheckpointError(path, "is a link to a missing file (an incomplete download?)")
+    if not path.is_file():
+        if required:
+            raise CheckpointError(path, "file is missing")
+        return None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(path, f"malformed JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(path, "top level must be a JSON object")
+    return raw
+
+
+def generation_eos_ids(checkpoint_dir: Path | str, vocab_size: int) -> tuple[int, ...]:
+    """`eos_token_id` of `generation_config.json` (what transformers' `generate` stops on):
+    chat checkpoints often keep their end-of-turn token only there."""
+    path = Path(checkpoint_dir) / GENERATION_CONFIG_FILE
+    raw = read_json_object(Path(checkpoint_dir), path, required=False)
+    if raw is None or raw.get("eos_token_id") is None:
+        return ()
+    ids = _token_ids(_Fields(raw, path), "eos_token_id")
+    for token_id in ids:
+        if token_id >= vocab_size:
+            raise CheckpointError(
+                path, f"field 'eos_token_id': {token_id} is outside the vocabulary ({vocab_size})"
+            )
+    return ids
 
 
 class _Fields:
@@ -110,8 +192,8 @@ class _Fields:
             raise self.fail(key, "is missing")
         return self.raw[key]
 
-    def positive_int(self, key: str, default: int | None = None) -> int:
-        value = self.raw.get(key)
+    def positive_int(self, key: str, default: int | None = None, value: Any = None) -> int:
+        value = self.raw.get(key) if value is None else value
         if value is None:
             # HF treats an absent or null optional count as its default (e.g. kv heads = heads).
             value = default if default is not None else self.get(key)
@@ -145,17 +227,105 @@ class _Fields:
         return value
 
 
-def _check_architecture(fields: _Fields) -> None:
+def _check_architecture(fields: _Fields) -> _Family:
     archs = fields.get("architectures")
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise fields.fail("architectures", "expected a list of strings")
-    if archs != [SUPPORTED_ARCHITECTURE]:
-        raise fields.fail("architectures", f"only [{SUPPORTED_ARCHITECTURE!r}] is supported")
+    if len(archs) != 1 or archs[0] not in FAMILIES:
+        raise fields.fail("architectures", f"only one of {sorted(FAMILIES)} is supported")
+    family = FAMILIES[archs[0]]
+    model_type = fields.raw.get("model_type", family.model_type)
+    if model_type != family.model_type:
+        raise fields.fail(
+            "model_type",
+            f"{model_type!r} does not match architectures {archs} (expected "
+            f"{family.model_type!r}; transformers builds the model from model_type)",
+        )
     if fields.raw.get("hidden_act", "silu") != "silu":
         raise fields.fail("hidden_act", "only 'silu' (SwiGLU) is supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if fields.raw.get(key, False) is not False:
-            raise fields.fail(key, "biases are not supported")
+    if fields.raw.get("mlp_bias", False) is not False:
+        raise fields.fail("mlp_bias", "biases in the MLP are not supported")
+    if fields.raw.get("quantization_config") is not None:
+        raise fields.fail("quantization_config", "quantized checkpoints are not supported")
+    if fields.raw.get("pretraining_tp", 1) != 1:  # v4 Llama split the matmuls; same math only at 1
+        raise fields.fail("pretraining_tp", "only 1 is supported")
+    return family
+
+
+def _biases(fields: _Fields, family: _Family) -> tuple[bool, bool]:
+    """(q/k/v bias, o bias): Qwen2 always biases q/k/v; Llama's attention_bias covers all four."""
+    if family.qkv_bias is not None:
+        if fields.raw.get("attention_bias") not in (None, family.qkv_bias):
+            raise fields.fail("attention_bias", f"{family.model_type} does not read this field")
+        return family.qkv_bias, False
+    bias = fields.boolean("attention_bias", default=False)
+    return bias, bias
+
+
+def _layer_windows(fields: _Fields, family: _Family, layers: int) -> tuple[int | None, ...]:
+    window = fields.raw.get("sliding_window")
+    if family.model_type == "llama":
+        if window is not None:
+            raise fields.fail(
+                "sliding_window",
+                "LlamaForCausalLM has no sliding window (transformers ignores the field); "
+                "remove it, or set architectures to MistralForCausalLM if the model was "
+                "trained with one",
+            )
+        return ()
+    if family.model_type == "mistral":
+        if "sliding_window" not in fields.raw:
+            window = _MISTRAL_DEFAULT_WINDOW
+        size = None if window is None else fields.positive_int("sliding_window", value=window)
+        return (size,) * layers
+    # qwen2: a window only when use_sliding_window, on the layers layer_types marks as sliding
+    if not fields.boolean("use_sliding_window", default=False):
+        return ()
+    size = fields.positive_int("sliding_window", default=_MISTRAL_DEFAULT_WINDOW)
+    kinds = fields.raw.get("layer_types")
+    if kinds is None:
+        first = fields.positive_int("max_window_layers", default=_QWEN2_DEFAULT_WINDOW_LAYERS)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    allowed = {"sliding_attention", "full_attention"}
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= allowed:
+        raise fields.fail("layer_types", f"expected {layers} of {sorted(allowed)}")
+    return tuple(size if kind == "sliding_attention" else None for kind in kinds)
+
+
+def read_rope(fields: _Fields) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either spelling. Unknown or runtime-dependent variants (dynamic,
+    yarn, longrope, ...) are refused: computed as plain RoPE they would give wrong logits."""
+    key = "rope_parameters" if fields.raw.get("rope_parameters") is not None else "rope_scaling"
+    params = fields.raw.get(key) or {}
+    if not isinstance(params, dict):
+        raise fields.fail(key, f"expected an object, got {params!r}")
+    if any(isinstance(v, dict) for v in params.values()):
+        raise fields.fail(key, "RoPE parameters per layer type are not supported")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise fields.fail(key, f"rope_type {kind!r} is not supported (only {list(ROPE_TYPES)})")
+    partial = params.get("partial_rotary_factor", fields.raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise fields.fail("partial_rotary_factor", "partial rotary embeddings are not supported")
+    theta = params.get("rope_theta", fields.raw.get("rope_theta"))
+    theta = _HF_DEFAULT_ROPE_THETA if theta is None else fields.positive_float("rope_theta", theta)
+    if kind == "default":
+        return theta, None
+    factor = fields.positive_float(f"{key}.factor", params.get("factor"))
+    if kind == "linear":
+        return theta, RopeScaling("linear", factor)
+    low = fields.positive_float(f"{key}.low_freq_factor", params.get("low_freq_factor"))
+    high = fields.positive_float(f"{key}.high_freq_factor", params.get("high_freq_factor"))
+    if high <= low:
+        raise fields.fail(f"{key}.high_freq_factor", "must exceed low_freq_factor")
+    original = fields.positive_int(
+        f"{key}.original_max_position_embeddings",
+        # transformers falls back to max_position_embeddings
+        value=params.get(
+            "original_max_position_embeddings", fields.raw.get("max_position_embeddings")
+        ),
+    )
+    return theta, RopeScaling("llama3", factor, low, high, original)
 
 
 def _head_dim(fields: _Fields, hidden: int, heads: int) -> int:
@@ -166,36 +336,11 @@ def _head_dim(fields: _Fields, hidden: int, heads: int) -> int:
     return hidden // heads
 
 
-def _rope_theta(fields: _Fields) -> float:
-    """Default (unscaled) RoPE only: a scaled variant would silently produce wrong logits."""
-    scaling = fields.raw.get("rope_scaling")
-    if scaling is not None and not _is_default_rope(scaling):
-        raise fields.fail("rope_scaling", f"RoPE scaling is not supported: {scaling!r}")
-    params = fields.raw.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict) or not _is_default_rope(params):
-            raise fields.fail(
-                "rope_parameters", f"only rope_type 'default' is supported: {params!r}"
-            )
-        if "rope_theta" in params:
-            return fields.positive_float("rope_parameters.rope_theta", params["rope_theta"])
-    if "rope_theta" not in fields.raw:
-        return _HF_DEFAULT_ROPE_THETA  # what transformers assumes for configs that predate it
-    return fields.positive_float("rope_theta")
-
-
-def _is_default_rope(params: Any) -> bool:
-    if not isinstance(params, dict):
-        return False
-    kind = params.get("rope_type", params.get("type", "default"))
-    return bool(kind == "default")
-
-
-def _eos_ids(fields: _Fields) -> tuple[int, ...]:
-    value = fields.get("eos_token_id")
+def _token_ids(fields: _Fields, key: str) -> tuple[int, ...]:
+    value = fields.get(key)
     ids = value if isinstance(value, list) else [value]
     if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise fields.fail("eos_token_id", f"expected an integer or a list of integers: {value!r}")
+        raise fields.fail(key, f"expected an integer or a list of integers: {value!r}")
     return tuple(ids)
 
 

@@ -1,16 +1,26 @@
-"""`LlamaModel`: a Llama decoder (RMSNorm, RoPE, GQA, SwiGLU) over a flattened ragged batch.
+"""`LlamaModel`: a Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a flattened ragged batch.
+
+One class serves Llama (optionally biased attention, llama3/linear RoPE scaling), Mistral
+(sliding window) and Qwen2 (q/k/v bias, tied embeddings): the differences are fields of
+`ModelConfig`, and transformers' own classes are the reference the tests hold it to.
 
 Lifecycle of one forward step (driven by the runner):
 1. the runner concatenates this step's tokens of every scheduled sequence (prefill chunks and
    decode tokens alike) into `input_ids [T]` with their absolute `positions [T]`, and describes
    the batch with an `AttentionMetadata` (query offsets, KV lengths, block tables, slots);
-2. each layer projects Q/K/V, applies RoPE, writes the new K/V into the `KVCache` at
-   `slot_mapping`, then attends over the sequence's pages through its block table;
+2. each layer projects Q/K/V (plus bias), applies RoPE, writes the new K/V into the `KVCache`
+   at `slot_mapping`, then attends over the sequence's pages through its block table (within the
+   layer's sliding window, if any);
 3. the final norm and LM head run on each sequence's last token (or every token, for tests),
    returning float32 logits.
 
 The model owns weights only; the KV cache and the page assignment belong to the runner.
 `load_model` builds the model, its config and tokenizer from a local checkpoint directory.
+
+Compute dtype (`compute_dtype`): what the caller asks for, else float32 on CPU whatever the
+checkpoint stores (bf16 -> fp32 is exact, so a bf16 checkpoint gives transformers' fp32 logits of
+the same weights; CPU half-precision matmuls are slower than fp32 here and less exact), else on a
+GPU the checkpoint's own dtype (`torch_dtype` in config.json). The KV cache uses the same dtype.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from backend.kernels.torch_paged import AttentionPlan, plan_attention
 from backend.model.checkpoint import load_state_dict
 from backend.model.config import ModelConfig
 from backend.model.kv_cache import KVCache
+from backend.model.rope import inverse_frequencies
 from backend.model.tokenizer import Tokenizer, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -38,6 +49,17 @@ def dtype_from_name(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def compute_dtype(
+    config: ModelConfig, device: torch.device | str, requested: str = "auto"
+) -> torch.dtype:
+    """The dtype the model computes (and caches KV) in; see the module docstring."""
+    if requested != "auto":
+        return dtype_from_name(requested)
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    return dtype_from_name(config.torch_dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class _Step:
     """What every layer of one forward step shares."""
@@ -45,7 +67,8 @@ class _Step:
     metadata: AttentionMetadata
     kv_cache: KVCache
     backend: Backend
-    plan: AttentionPlan | None  # the reference path's plan, prepared once for all layers
+    # the reference path's plans, prepared once per step for each sliding window in use
+    plans: dict[int | None, AttentionPlan]
 
 
 def _in_out(weight: torch.Tensor) -> torch.Tensor:
@@ -62,14 +85,20 @@ def _in_out(weight: torch.Tensor) -> torch.Tensor:
 
 class _DecoderLayer(nn.Module):
     """Weights of one layer, each ``[in, out]`` (see ``_in_out``); Q/K/V and gate/up are fused
-    so each is a single matmul."""
+    so each is a single matmul. Biases (Qwen2's q/k/v, Llama's attention_bias) are None when the
+    checkpoint has none."""
 
-    def __init__(self, state: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str, window: int | None) -> None:
         super().__init__()
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        self.window = window
         qkv = [state[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")]
         self.register_buffer("qkv", _in_out(torch.cat(qkv, 0)))
         self.register_buffer("o", _in_out(state[attn + "o_proj.weight"]))
+        q_b, k_b, v_b = (state.get(attn + f"{n}_proj.bias") for n in "qkv")
+        qkv_bias = None if q_b is None or k_b is None or v_b is None else torch.cat([q_b, k_b, v_b])
+        self.register_buffer("qkv_bias", qkv_bias)
+        self.register_buffer("o_bias", state.get(attn + "o_proj.bias"))
         gate_up = [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]
         self.register_buffer("gate_up", _in_out(torch.cat(gate_up, 0)))
         self.register_buffer("down", _in_out(state[mlp + "down_proj.weight"]))
@@ -78,6 +107,8 @@ class _DecoderLayer(nn.Module):
 
     qkv: torch.Tensor
     o: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
     gate_up: torch.Tensor
     down: torch.Tensor
     input_norm: torch.Tensor
@@ -86,11 +117,12 @@ class _DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor]) -> None:
-        """`state` holds HF LlamaForCausalLM tensor names (see `checkpoint.expected_shapes`)."""
+        """`state` holds HF tensor names (see `checkpoint.expected_shapes`)."""
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(
-            _DecoderLayer(state, f"model.layers.{i}.") for i in range(config.num_hidden_layers)
+            _DecoderLayer(state, f"model.layers.{i}.", config.window(i))
+            for i in range(config.num_hidden_layers)
         )
         embed = state["model.embed_tokens.weight"]
         self.register_buffer("embed", embed)
@@ -98,10 +130,8 @@ class LlamaModel(nn.Module):
         # [hidden, vocab]; tied, it is a view of the embedding (no second copy)
         head = embed.t() if config.tie_word_embeddings else _in_out(state["lm_head.weight"])
         self.register_buffer("lm_head", head)
-        # HF's default RoPE frequencies, computed exactly as transformers does.
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
-        inv_freq = 1.0 / (config.rope_theta**exponents)
-        self.register_buffer("inv_freq", inv_freq.to(embed.device), persistent=False)
+        inv_freq = inverse_frequencies(config, embed.device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scale = config.head_dim**-0.5
 
     embed: torch.Tensor
@@ -152,10 +182,13 @@ class LlamaModel(nn.Module):
                 f"{self.config.max_position_embeddings} (max_position_embeddings)"
             )
         backend = attention_backend or default_backend(input_ids.device)
-        plan = None
+        plans = {}
         if backend == "torch":
-            plan = plan_attention(metadata, kv_bytes_per_token=kv_cache.kv_bytes_per_token)
-        step = _Step(metadata, kv_cache, backend, plan)
+            for window in {cast(_DecoderLayer, layer).window for layer in self.layers}:
+                plans[window] = plan_attention(
+                    metadata, kv_bytes_per_token=kv_cache.kv_bytes_per_token, window=window
+                )
+        step = _Step(metadata, kv_cache, backend, plans)
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
@@ -177,6 +210,8 @@ class LlamaModel(nn.Module):
         heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         tokens = hidden.shape[0]
         qkv = self._rms_norm(hidden, layer.input_norm) @ layer.qkv
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
         # RoPE on Q and K together: they are adjacent heads of the fused projection.
         qk = _apply_rope(
             qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos, sin
@@ -186,9 +221,17 @@ class LlamaModel(nn.Module):
         step.kv_cache.write(index, step.metadata.slot_mapping, k, v)
         k_pages, v_pages = step.kv_cache.layer(index)
         attn = paged_attention(
-            q, k_pages, v_pages, step.metadata, self.scale, step.backend, step.plan
+            q,
+            k_pages,
+            v_pages,
+            step.metadata,
+            self.scale,
+            step.backend,
+            step.plans.get(layer.window),
+            layer.window,
         )
-        hidden = hidden + attn.reshape(tokens, heads * head_dim) @ layer.o
+        out = attn.reshape(tokens, heads * head_dim) @ layer.o
+        hidden = hidden + (out if layer.o_bias is None else out + layer.o_bias)
         gate, up = (self._rms_norm(hidden, layer.post_norm) @ layer.gate_up).chunk(2, -1)
         return hidden + (F.silu(gate) * up) @ layer.down
 
@@ -219,9 +262,9 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> tuple[LlamaModel, ModelConfig, Tokenizer]:
-    """Config, tokenizer and weights from local disk; `dtype` defaults to the config's."""
+    """Config, tokenizer and weights from local disk; `dtype` defaults to `compute_dtype`'s."""
     config = ModelConfig.from_dir(checkpoint_dir)
     tokenizer = load_tokenizer(checkpoint_dir, config)
-    chosen = dtype or dtype_from_name(config.torch_dtype)
+    chosen = dtype or compute_dtype(config, device)
     state = load_state_dict(checkpoint_dir, config, device=device, dtype=chosen)
     return LlamaModel(config, state).eval(), config, tokenizer

@@ -1,26 +1,28 @@
 """Tokenizers of a checkpoint: the bundled model's byte tokenizer, or a `tokenizer.json`.
 
-Lifecycle of a streaming decode: the runner asks `tokenizer.stream_decoder()` once per request,
-calls `push(token_id)` for every generated token and sends whatever text it returns (possibly
-""), then calls `flush()` once when the request ends. Text is released only when its bytes form
-complete UTF-8 characters, so a multi-byte character split across tokens never reaches a client
-as two replacement characters; `flush()` turns a trailing incomplete sequence into U+FFFD.
+Encoding follows transformers: `encode(text)` adds the special tokens the tokenizer itself adds
+(the `post_processor` of `tokenizer.json`: `<s>` for Llama 2, none for GPT-2 style ones), and
+`encode(text, add_special_tokens=False)` adds none, which is how a rendered chat is encoded (the
+template writes its own BOS). `config.json`'s `bos_token_id` plays no part.
 
-`encode` never adds BOS/EOS: the runner prepends `bos_id` itself when the model wants one.
+Stop tokens are every end id the checkpoint names: `eos_token_id` of config.json and of
+generation_config.json (where chat checkpoints keep their end-of-turn token) and the tokenizer's
+`eos_token`. Streaming decode is `backend.model.detokenizer`'s.
 """
 
 from __future__ import annotations
 
-import codecs
+import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenizers import Tokenizer as RustTokenizer
-from tokenizers.decoders import DecodeStream
 
-from backend.model.config import BYTE_TOKENIZER, CONFIG_FILE, ModelConfig
+from backend.model.config import BYTE_TOKENIZER, CONFIG_FILE, ModelConfig, generation_eos_ids
+from backend.model.detokenizer import ByteStreamDecoder, HFStreamDecoder, StreamDecoder, TokenBytes
 from backend.model.errors import CheckpointError
+from backend.model.tokenizer_config import TOKENIZER_CONFIG_FILE, TokenizerFiles
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -29,17 +31,10 @@ BYTE_EOS = 257
 BYTE_PAD = 258
 BYTE_VOCAB_SIZE = 259
 
-
-class StreamDecoder(Protocol):
-    def push(self, token_id: int) -> str: ...
-
-    def flush(self) -> str: ...
+__all__ = ["ByteTokenizer", "HFTokenizer", "StreamDecoder", "Tokenizer", "load_tokenizer"]
 
 
 class Tokenizer(Protocol):
-    @property
-    def bos_id(self) -> int | None: ...
-
     @property
     def eos_id(self) -> int: ...
 
@@ -49,18 +44,18 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def stream_decoder(self) -> StreamDecoder: ...
+    def stream_decoder(self, prompt_ids: Sequence[int] = ()) -> StreamDecoder: ...
 
 
 class ByteTokenizer:
     """ids 0..255 are the UTF-8 bytes of the text; 256 BOS, 257 EOS, 258 PAD; vocabulary 259.
 
-    Special ids decode to no text. Invalid UTF-8 decodes to U+FFFD, the same way in `decode`
-    and in the stream decoder.
+    Encoding with special tokens prepends BOS. Special ids decode to no text. Invalid UTF-8
+    decodes to U+FFFD, the same way in `decode` and in the stream decoder.
     """
 
     __slots__ = ()
@@ -85,29 +80,15 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return BYTE_VOCAB_SIZE
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [BYTE_BOS, *ids] if add_special_tokens else ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return _text_bytes(ids).decode("utf-8", errors="replace")
 
-    def stream_decoder(self) -> ByteStreamDecoder:
-        return ByteStreamDecoder()
-
-
-class ByteStreamDecoder:
-    """Incremental UTF-8 decoding of byte-token ids (see the module docstring)."""
-
-    __slots__ = ("_decoder",)
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token_id: int) -> str:
-        return str(self._decoder.decode(_text_bytes([token_id])))
-
-    def flush(self) -> str:
-        return str(self._decoder.decode(b"", final=True))
+    def stream_decoder(self, prompt_ids: Sequence[int] = ()) -> ByteStreamDecoder:
+        return ByteStreamDecoder()  # bytes need no left context
 
 
 def _text_bytes(ids: Sequence[int]) -> bytes:
@@ -118,74 +99,67 @@ def _text_bytes(ids: Sequence[int]) -> bytes:
 
 
 class HFTokenizer:
-    """A `tokenizers.Tokenizer` from `tokenizer.json`; BOS/EOS ids come from config.json."""
+    """A `tokenizers.Tokenizer` from `tokenizer.json` (see the module docstring)."""
 
-    __slots__ = ("_bos", "_eos", "_tok")
+    __slots__ = ("_bytes", "_eos", "_stops", "_tok")
 
     def __init__(self, path: Path, config: ModelConfig) -> None:
         try:
             self._tok = RustTokenizer.from_file(str(path))
+            decoder = json.loads(path.read_text(encoding="utf-8")).get("decoder")
         except Exception as exc:  # the Rust side raises plain Exception on any parse error
             raise CheckpointError(path, f"cannot be parsed: {exc}") from exc
-        if self._tok.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+        if self.vocab_size > config.vocab_size:
             raise CheckpointError(
-                path,
-                f"{self._tok.get_vocab_size(with_added_tokens=True)} tokens exceed the model's "
-                f"vocab_size {config.vocab_size}",
+                path, f"{self.vocab_size} tokens exceed the model's vocab_size {config.vocab_size}"
             )
-        self._bos = config.bos_token_id
-        self._eos = config.eos_token_ids
+        self._bytes = TokenBytes(self._tok, _byte_scheme(decoder))
+        self._eos = config.eos_token_ids[0]
+        self._stops = frozenset(config.eos_token_ids)
 
-    @property
-    def bos_id(self) -> int | None:
-        return self._bos
+    def add_stop_ids(self, ids: Sequence[int]) -> None:
+        """At load: end ids named outside config.json (see `load_tokenizer`)."""
+        self._stops = self._stops | frozenset(ids)
 
     @property
     def eos_id(self) -> int:
-        return self._eos[0]
+        return self._eos
 
     @property
     def stop_ids(self) -> frozenset[int]:
-        return frozenset(self._eos)
+        return self._stops
 
     @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def token_id(self, text: str) -> int | None:
+        token_id = self._tok.token_to_id(text)
+        return None if token_id is None else int(token_id)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
-    def stream_decoder(self) -> HFStreamDecoder:
-        return HFStreamDecoder(self._tok)
+    def stream_decoder(self, prompt_ids: Sequence[int] = ()) -> HFStreamDecoder:
+        return HFStreamDecoder(self.decode, self._bytes, prompt_ids)
 
 
-class HFStreamDecoder:
-    """Wraps `tokenizers.decoders.DecodeStream`, which holds text back until it is valid UTF-8."""
-
-    __slots__ = ("_pending", "_stream", "_tok")
-
-    def __init__(self, tok: RustTokenizer) -> None:
-        self._tok = tok
-        self._stream = DecodeStream(skip_special_tokens=True)
-        self._pending: list[int] = []
-
-    def push(self, token_id: int) -> str:
-        self._pending.append(token_id)
-        chunk = self._stream.step(self._tok, token_id)
-        if chunk is None:
-            return ""
-        self._pending.clear()
-        return str(chunk)
-
-    def flush(self) -> str:
-        if not self._pending:
-            return ""
-        text = self._tok.decode(self._pending, skip_special_tokens=True)
-        self._pending.clear()
-        return str(text)
+def _byte_scheme(decoder: Any) -> str | None:
+    """Which byte scheme the decoder applies: byte-level BPE, <0xNN> byte fallback, or none."""
+    if not isinstance(decoder, dict):
+        return None
+    kind = decoder.get("type")
+    if kind == "ByteLevel":
+        return "byte_level"
+    if kind == "ByteFallback":
+        return "byte_fallback"
+    if kind == "Sequence":
+        schemes = {_byte_scheme(d) for d in decoder.get("decoders", [])} - {None}
+        return schemes.pop() if len(schemes) == 1 else None
+    return None
 
 
 def load_tokenizer(checkpoint_dir: Path | str, config: ModelConfig) -> Tokenizer:
@@ -194,9 +168,22 @@ def load_tokenizer(checkpoint_dir: Path | str, config: ModelConfig) -> Tokenizer
         _check_byte_config(Path(checkpoint_dir) / CONFIG_FILE, config)
         return ByteTokenizer()
     path = Path(checkpoint_dir) / TOKENIZER_FILE
+    if path.is_symlink() and not path.exists():
+        raise CheckpointError(path, "is a link to a missing file (an incomplete download?)")
     if not path.is_file():
         raise CheckpointError(path, "file is missing (and config.json sets no kvguard_tokenizer)")
-    return HFTokenizer(path, config)
+    tokenizer = HFTokenizer(path, config)
+    tokenizer.add_stop_ids(generation_eos_ids(checkpoint_dir, config.vocab_size))
+    eos_text = TokenizerFiles.read(checkpoint_dir).special_tokens.get("eos_token")
+    if eos_text is not None:
+        eos = tokenizer.token_id(eos_text)
+        if eos is None:
+            raise CheckpointError(
+                Path(checkpoint_dir) / TOKENIZER_CONFIG_FILE,
+                f"field 'eos_token': {eos_text!r} is not a token of {TOKENIZER_FILE}",
+            )
+        tokenizer.add_stop_ids([eos])
+    return tokenizer
 
 
 def _check_byte_config(path: Path, config: ModelConfig) -> None:

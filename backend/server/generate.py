@@ -94,7 +94,7 @@ async def generate(
         raise refused
     tenant = _header_id(http, TENANT_HEADER, DEFAULT_TENANT)
     request_id = _header_id(http, REQUEST_ID_HEADER, f"req-{uuid.uuid4().hex}")
-    prompt_ids = service.encode_prompt(prompt)
+    prompt_ids = service.encode_prompt(prompt, chat=kind == "chat")
     sampling = _sampling(service, body, len(prompt_ids))
     choices = _submit(service, body, request_id, tenant, prompt_ids, sampling)
     service.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -143,7 +143,7 @@ def _submit(
                 prompt_ids=prompt_ids,
                 sampling=params,
             )
-            stream = TextStream(service.tokenizer.stream_decoder(), body.stop_list())
+            stream = TextStream(service.tokenizer.stream_decoder(prompt_ids), body.stop_list())
             tally = _Tally(tokens=None if sampling.logprobs is None else [])
             choices.append(_Choice(index, generation, stream, tally))
     except KvguardError as error:

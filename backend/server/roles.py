@@ -36,6 +36,7 @@ from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
 from backend.model.chat import countable_tokenizer
 from backend.model.kv_cache import KVCache
+from backend.model.snapshot import default_served_name
 from backend.server.prefill_client import HttpPrefillChannel, PrefillLink, PrefillMonitor
 from backend.server.schema import Role
 from backend.server.service import EngineService
@@ -73,12 +74,12 @@ def make_service(built: BuiltEngine, settings: BackendSettings, role: Role) -> E
     return EngineService(
         engine=built.engine,
         tokenizer=built.tokenizer,
-        model_name=settings.served_model_name or settings.model.name,
+        model_name=settings.served_model_name or default_served_name(settings.model),
         role=role,
         limits=limits,
         pool=built.pool,
         metrics=metrics,
-        render_chat=lambda messages: built.render_chat([m.turn() for m in messages]),
+        chat=built.render_chat,
         zero_on_free=built.pool.zero_on_free,
         request_timeout_s=settings.request_timeout_s,
         protocol_version=protocol_version(settings),

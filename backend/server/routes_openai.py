@@ -80,7 +80,7 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep) -> dict[str, Any]
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("prompt", "give exactly one of 'prompt' or 'messages'")
     text = body.prompt if body.prompt is not None else service.render_chat(body.messages or [])
-    tokens = service.encode_prompt(text)
+    tokens = service.encode_prompt(text, chat=body.messages is not None)
     return {
         "count": len(tokens),
         "tokens": tokens,

@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backend.core.admission import CapacityLimits
+from backend.core.errors import InvalidRequest
 from backend.core.pages import PagePool
 from backend.core.request import SamplingParams
 from backend.disagg.protocol import PROTOCOL_VERSION
 from backend.engine.async_engine import AsyncEngine, Generation
 from backend.metrics import EngineMetrics
+from backend.model.chat import ChatFormat, ChatTemplateRefused
 from backend.model.tokenizer import Tokenizer
 from backend.server.openai_schema import ChatMessage
 from backend.server.schema import CapacityReport, Role, RoleCapacity
@@ -44,7 +46,7 @@ class EngineService:
     limits: CapacityLimits
     pool: PagePool
     metrics: EngineMetrics
-    render_chat: Callable[[Sequence[ChatMessage]], str]
+    chat: ChatFormat
     zero_on_free: bool
     request_timeout_s: float
     faults: list[str] = field(default_factory=list)
@@ -53,10 +55,20 @@ class EngineService:
     guard: PathGuard | None = None
     read_log: Callable[[], list[dict[str, Any]]] | None = None  # drills only
 
-    def encode_prompt(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        bos = self.tokenizer.bos_id
-        return [bos, *ids] if bos is not None else ids
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        """The prompt text of a conversation; a conversation the template rejects is a 400."""
+        try:
+            return self.chat([m.turn() for m in messages])
+        except ChatTemplateRefused as exc:
+            raise InvalidRequest(
+                "messages", f"the model's chat template refused them: {exc}"
+            ) from exc
+
+    def encode_prompt(self, text: str, *, chat: bool = False) -> list[int]:
+        """Token ids of a prompt as the tokenizer encodes it (with the special tokens it adds),
+        or of a rendered chat (whose template wrote its own, when it has one)."""
+        specials_in_text = chat and self.chat.special_tokens_in_text
+        return self.tokenizer.encode(text, add_special_tokens=not specials_in_text)
 
     def submit(
         self, *, request_id: str, tenant: str, prompt_ids: list[int], sampling: SamplingParams

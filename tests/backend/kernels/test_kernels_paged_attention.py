@@ -30,7 +30,9 @@ def scattered_tables(
     return tables
 
 
-def naive_attention(q, k_cache, v_cache, query_lens, kv_lens, tables, page_size, scale):
+def naive_attention(
+    q, k_cache, v_cache, query_lens, kv_lens, tables, page_size, scale, window=None
+):
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     out = torch.zeros_like(q, dtype=torch.float64)
@@ -38,15 +40,10 @@ def naive_attention(q, k_cache, v_cache, query_lens, kv_lens, tables, page_size,
     for q_len, kv_len, table in zip(query_lens, kv_lens, tables, strict=True):
         for j in range(q_len):
             pos = kv_len - q_len + j
+            seen = range(0 if window is None else max(0, pos - window + 1), pos + 1)
             for h in range(heads):
-                keys = [
-                    k_cache[table[t // page_size], t % page_size, h // group]
-                    for t in range(pos + 1)
-                ]
-                vals = [
-                    v_cache[table[t // page_size], t % page_size, h // group]
-                    for t in range(pos + 1)
-                ]
+                keys = [k_cache[table[t // page_size], t % page_size, h // group] for t in seen]
+                vals = [v_cache[table[t // page_size], t % page_size, h // group] for t in seen]
                 scores = torch.stack(keys).double() @ q[token, h].double() * scale
                 out[token, h] = torch.softmax(scores, 0) @ torch.stack(vals).double()
             token += 1
@@ -83,6 +80,47 @@ def test_reference_matches_naive_on_scattered_pages(query_lens, kv_lens, groups)
 
     want = naive_attention(q, k_cache, v_cache, query_lens, kv_lens, tables, page_size, scale)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "kv_lens", "window"),
+    [
+        ([1, 1, 1], [1, 9, 30], 4),  # decodes: each gathers only its last 4 keys
+        ([7], [7], 3),  # a fresh prompt longer than the window: causal and windowed
+        ([5, 1, 12, 1], [13, 4, 12, 27], 5),  # chunks after context, mixed with decodes
+        ([2, 3], [2, 3], 8),  # a window longer than every sequence changes nothing
+    ],
+)
+def test_reference_with_a_sliding_window_matches_naive(query_lens, kv_lens, window):
+    torch.manual_seed(0)
+    page_size, num_pages, heads, kv_heads, head_dim = 4, 32, 6, 2, 8
+    k_cache = torch.randn(num_pages, page_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_pages, page_size, kv_heads, head_dim)
+    tables = scattered_tables(kv_lens, page_size, num_pages, seed=1)
+    md = AttentionMetadata.build(
+        query_lens=query_lens, kv_lens=kv_lens, block_tables=tables, page_size=page_size
+    )
+    q = torch.randn(sum(query_lens), heads, head_dim)
+    plan = plan_attention(md, window=window)
+    # only the keys the earliest query row can see are gathered
+    assert max(g.slots.shape[1] for g in plan.groups) <= min(
+        max(kv_lens), max(query_lens) + window - 1
+    )
+
+    got = paged_attention(q, k_cache, v_cache, md, 0.3, backend="torch", plan=plan, window=window)
+
+    want = naive_attention(q, k_cache, v_cache, query_lens, kv_lens, tables, page_size, 0.3, window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    full = naive_attention(q, k_cache, v_cache, query_lens, kv_lens, tables, page_size, 0.3)
+    if max(kv_lens) > window:  # negative control: the window really changed the answer
+        assert (got.double() - full).abs().max() > 1e-2
+
+
+def test_a_plan_for_another_window_is_refused():
+    md = AttentionMetadata.build(query_lens=[1], kv_lens=[9], block_tables=[[0, 1, 2]], page_size=4)
+    cache = torch.zeros(4, 4, 1, 8)
+    with pytest.raises(ValueError, match="window"):
+        paged_attention(torch.zeros(1, 2, 8), cache, cache, md, 1.0, "torch", plan_attention(md), 4)
 
 
 def test_reference_never_reads_past_kv_len():

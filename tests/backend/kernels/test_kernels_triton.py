@@ -10,9 +10,10 @@ the same cases in-process against compiled kernels.
 
 The interpreter costs about a second per launch, so the cases are few and small: one decode
 launch (GQA, pages scattered, lengths crossing several key blocks and a page size that does not
-divide the block), one mixed launch (prefill chunks after earlier context, with decodes), and one
-model forward (two layers). Slots a sequence does not own are filled with NaN first: any read
-outside a sequence's pages would show up in the output.
+divide the block), one mixed launch (prefill chunks after earlier context, with decodes), the same
+two with a sliding window, and one model forward (two layers, the second with a window). Slots a
+sequence does not own are filled with NaN first: any read outside a sequence's pages would show
+up in the output.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _metadata(query_lens, kv_lens, page_size, num_pages, device):
     return md, owned
 
 
-def _check_attention(query_lens, kv_lens, device, dtype, atol):
+def _check_attention(query_lens, kv_lens, device, dtype, atol, window=None):
     torch.manual_seed(0)
     page_size, num_pages, heads, kv_heads, head_dim = 5, 48, 4, 2, 24
     md, owned = _metadata(query_lens, kv_lens, page_size, num_pages, device)
@@ -67,8 +68,10 @@ def _check_attention(query_lens, kv_lens, device, dtype, atol):
     v_cache.view(-1, kv_heads, head_dim)[foreign] = float("nan")
     q = torch.randn(md.num_tokens, heads, head_dim, device=device, dtype=dtype)
 
-    got = paged_attention(q, k_cache, v_cache, md, 0.2, backend="triton")
-    want = paged_attention(q.float(), k_cache.float(), v_cache.float(), md, 0.2, backend="torch")
+    got = paged_attention(q, k_cache, v_cache, md, 0.2, backend="triton", window=window)
+    want = paged_attention(
+        q.float(), k_cache.float(), v_cache.float(), md, 0.2, backend="torch", window=window
+    )
 
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
@@ -84,6 +87,7 @@ def _check_model_forward(device):
         num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
         vocab_size=50, max_position_embeddings=128, tie_word_embeddings=True,
         bos_token_id=None, eos_token_ids=(1,), torch_dtype="float32",
+        layer_windows=(None, 6),  # the second layer slides (Mistral), the first does not
     )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     state = {n: torch.randn(s, generator=gen) * 0.3 for n, s in expected_shapes(config).items()}
@@ -107,6 +111,9 @@ def run_cases(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
         atol = 1e-5 if dtype == torch.float32 else 2e-2
         _check_attention([1, 1, 1, 1], [1, 70, 33, 5], device, dtype, atol)  # decode kernel
         _check_attention([20, 1, 5, 1], [37, 50, 5, 1], device, dtype, atol)  # chunk kernel
+        # sliding windows: keys older than the window are skipped by whole blocks and masked
+        _check_attention([1, 1, 1, 1], [1, 70, 33, 5], device, dtype, atol, window=9)
+        _check_attention([20, 1, 5, 1], [37, 50, 5, 1], device, dtype, atol, window=7)
     _check_model_forward(device)
 
 

@@ -175,3 +175,34 @@ def test_index_problems_are_named(tmp_path):
     index.write_text(json.dumps({"weight_map": partial}))
     with pytest.raises(CheckpointError, match="is not listed in"):
         load_state_dict(tmp_path, config)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "stored"),
+    [(torch.int8, "I8"), (torch.float8_e4m3fn, "F8_E4M3"), (torch.float64, "F64")],
+)
+def test_a_tensor_stored_in_another_dtype_is_refused(tmp_path, dtype, stored):
+    """Right name and shape, quantized or odd storage: casting it to float would be garbage."""
+
+    def quantize(state):
+        name = "model.layers.1.self_attn.q_proj.weight"
+        state[name] = (state[name] * 40).to(dtype)
+
+    make_checkpoint(tmp_path, mutate=quantize)
+    with pytest.raises(CheckpointError) as exc:
+        load_model(tmp_path)
+    assert exc.value.path == tmp_path / "model.safetensors"
+    assert f"tensor 'model.layers.1.self_attn.q_proj.weight' is stored as {stored}" in str(
+        exc.value
+    )
+
+
+def test_float16_and_bfloat16_tensors_load_next_to_float32_ones(tmp_path):
+    def mix(state):
+        state["model.norm.weight"] = state["model.norm.weight"].to(torch.bfloat16)
+        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].to(torch.float16)
+
+    config, state = make_checkpoint(tmp_path, mutate=mix)
+    loaded = load_state_dict(tmp_path, config)
+    assert loaded["model.norm.weight"].dtype == torch.float32
+    torch.testing.assert_close(loaded["model.norm.weight"], state["model.norm.weight"].float())

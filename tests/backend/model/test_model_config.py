@@ -96,12 +96,22 @@ def test_malformed_json_names_the_file(tmp_path):
         ({"bos_token_id": -1}, "bos_token_id", "non-negative"),
         ({"torch_dtype": "float64"}, "torch_dtype", "expected one of"),
         ({"num_key_value_heads": 3}, "num_key_value_heads", "does not divide"),
-        ({"architectures": ["MistralForCausalLM"]}, "architectures", "only"),
+        ({"architectures": ["MixtralForCausalLM"]}, "architectures", "only"),
+        ({"architectures": ["LlamaForCausalLM", "X"]}, "architectures", "only"),
         ({"architectures": "LlamaForCausalLM"}, "architectures", "list of strings"),
         ({"hidden_act": "gelu"}, "hidden_act", "silu"),
-        ({"attention_bias": True}, "attention_bias", "not supported"),
+        ({"attention_bias": "yes"}, "attention_bias", "expected true or false"),
         ({"kvguard_tokenizer": "sentencepiece"}, "kvguard_tokenizer", "only 'byte'"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling", "not supported"),
+        (
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope_scaling",
+            "not supported",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_scaling.low_freq_factor",
+            "is missing",
+        ),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters", "only"),
     ],
 )
@@ -125,3 +135,23 @@ def test_missing_required_field_is_named(tmp_path, field):
 
 def test_missing_rope_theta_takes_the_transformers_default(tmp_path):
     assert ModelConfig.from_dir(write(tmp_path, BASE)).rope_theta == 10000.0
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "problem"),
+    [
+        # transformers builds MistralForCausalLM from model_type: a Llama here would be wrong
+        ({"model_type": "mistral", "sliding_window": 16}, "model_type", "does not match"),
+        # LlamaForCausalLM has no sliding window: transformers ignores it, the author did not
+        ({"model_type": "llama", "sliding_window": 16}, "sliding_window", "LlamaForCausalLM"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config", "quantized"),
+        ({"mlp_bias": True}, "mlp_bias", "not supported"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor", "not supported"),
+    ],
+)
+def test_fields_that_would_change_the_arithmetic_are_refused(tmp_path, change, field, problem):
+    raw = BASE | {"rope_theta": 10000.0} | change
+    with pytest.raises(CheckpointError) as exc:
+        ModelConfig.from_dir(write(tmp_path, raw))
+    assert f"field '{field}'" in str(exc.value)
+    assert problem in str(exc.value)

@@ -19,6 +19,7 @@ import random
 import pytest
 import torch
 import transformers
+from paged_steps import PagedRequests, hf_logits, run_step
 
 from backend.kernels.metadata import AttentionMetadata
 from backend.model.llama import load_model
@@ -58,44 +59,6 @@ def tiny(tmp_path_factory):
     return hf, model, config, tokenizer
 
 
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0]
-
-
-class PagedRequests:
-    """Hands out shuffled page ids to requests, as a page pool would."""
-
-    def __init__(self, seed):
-        self.free = list(range(NUM_PAGES))
-        random.Random(seed).shuffle(self.free)
-        self.tables: dict[str, list[int]] = {}
-
-    def table(self, name, kv_len):
-        table = self.tables.setdefault(name, [])
-        while len(table) * PAGE_SIZE < kv_len:
-            table.append(self.free.pop())
-        return table
-
-
-def run_step(model, cache, pages, step):
-    """step: list of (name, token ids this step, kv_len after the step)."""
-    md = AttentionMetadata.build(
-        query_lens=[len(ids) for _, ids, _ in step],
-        kv_lens=[kv for _, _, kv in step],
-        block_tables=[pages.table(name, kv) for name, _, kv in step],
-        page_size=PAGE_SIZE,
-        num_pages=NUM_PAGES,
-    )
-    ids = torch.tensor([t for _, toks, _ in step for t in toks])
-    logits = model(ids, md.positions(), md, cache, all_logits=True)
-    out, start = {}, 0
-    for name, toks, _ in step:
-        out[name] = logits[start : start + len(toks)]
-        start += len(toks)
-    return out
-
-
 def test_loads_config_and_byte_tokenizer(tiny):
     _, model, config, tokenizer = tiny
     assert isinstance(tokenizer, ByteTokenizer)
@@ -107,7 +70,7 @@ def test_batched_prompts_on_scattered_pages_match_transformers(tiny):
     hf, model, _, _ = tiny
     gen = random.Random(1)
     prompts = {f"r{n}": [gen.randrange(VOCAB) for _ in range(n)] for n in (1, 7, 16, 33)}
-    pages = PagedRequests(seed=2)
+    pages = PagedRequests(2, NUM_PAGES, PAGE_SIZE)
     cache = model.new_kv_cache(NUM_PAGES, PAGE_SIZE)
 
     got = run_step(model, cache, pages, [(k, ids, len(ids)) for k, ids in prompts.items()])
@@ -135,7 +98,7 @@ def test_chunked_prefill_then_decode_mixed_with_other_requests(tiny):
         [("a", a[35:36], 36), ("c", c[8:9], 9)],
         [("a", a[36:37], 37)],
     ]
-    pages = PagedRequests(seed=4)
+    pages = PagedRequests(4, NUM_PAGES, PAGE_SIZE)
     cache = model.new_kv_cache(NUM_PAGES, PAGE_SIZE)
     collected: dict[str, list[torch.Tensor]] = {k: [] for k in full}
 
@@ -177,7 +140,7 @@ def test_a_page_left_by_another_request_changes_the_answer(tiny):
     hf, model, _, _ = tiny
     a, b = list(range(20, 28)), list(range(40, 48))
     cache = model.new_kv_cache(NUM_PAGES, PAGE_SIZE)
-    pages = PagedRequests(seed=5)
+    pages = PagedRequests(5, NUM_PAGES, PAGE_SIZE)
     run_step(model, cache, pages, [("a", a, 8), ("b", b[:7], 7)])
     pages.tables["b"][0] = pages.tables["a"][0]
 
@@ -242,3 +205,22 @@ def test_forward_refuses_positions_beyond_the_models_window(tiny):
     )
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(torch.tensor([1]), md.positions(), md, model.new_kv_cache(65, PAGE_SIZE))
+
+
+def test_llama_attention_bias_on_q_k_v_and_o(tmp_path):
+    hf = save_tiny_llama(tmp_path, attention_bias=True)
+    with torch.no_grad():  # transformers initialises biases to zero: make them count
+        for name, param in hf.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    model, config, _ = load_model(tmp_path)
+    assert (config.qkv_bias, config.o_bias) == (True, True)
+    ids = list(range(40, 70))
+    md = AttentionMetadata.build(
+        query_lens=[30], kv_lens=[30], block_tables=[[7, 3, 5, 1, 0, 2, 4, 6]], page_size=PAGE_SIZE
+    )
+    logits = model(
+        torch.tensor(ids), md.positions(), md, model.new_kv_cache(8, PAGE_SIZE), all_logits=True
+    )
+    torch.testing.assert_close(logits, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)

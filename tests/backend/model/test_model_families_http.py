@@ -1,0 +1,211 @@
+"""Each family's tiny checkpoint served by a real `kvguard backend unified` process, over HTTP.
+
+One engine per family (module-scoped, started with `--served-model-name`), checked against
+transformers on the same directory:
+- tokenizer: `/tokenize` of a prompt is `AutoTokenizer(prompt)` (BOS only if the tokenizer adds
+  it), and `usage.prompt_tokens` agrees;
+- template: `/tokenize` of a conversation is `apply_chat_template(..., add_generation_prompt=True)`;
+  a conversation the template rejects (Mistral's has no system role) is a 400 with its message;
+- greedy: one completion alone equals transformers' greedy continuation (text, token count,
+  finish reason, stopping on the family's end-of-turn ids);
+- batched: eight concurrent completions, each equal to its own greedy continuation;
+- streaming text: a streamed chat answer equals transformers' decode of the same tokens (no
+  U+FFFD for a character still arriving, the first token's leading space kept), and equals the
+  non-streamed answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from tiny_families import (
+    CONVERSATIONS,
+    CORPUS,
+    FAMILIES,
+    FAMILY_NAMES,
+    PROMPTS,
+    REPLACEMENT,
+    assert_honest,
+    completion_text,
+    hf_greedy,
+)
+
+from kvguard.testing import launch_engine
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def family(request, family_checkpoint, hf_family) -> Iterator[dict[str, Any]]:
+    """The family's engine process and transformers' tokenizer and model (one per family: the
+    tests of a family run together)."""
+    name = request.param
+    tok, hf = hf_family(name)
+    engine = launch_engine(
+        str(family_checkpoint(name)),
+        pool_tokens=2048,
+        page_size=16,
+        served_model_name=f"tiny/{name}",
+    )
+    stops = {tok.convert_tokens_to_ids(t) for t in FAMILIES[name].stop_tokens}
+    yield {"name": name, "engine": engine, "tok": tok, "hf": hf, "stops": stops}
+    engine.stop()
+
+
+def families(test):
+    return pytest.mark.parametrize("family", FAMILY_NAMES, indirect=True)(test)
+
+
+def _post(f: dict[str, Any], path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(
+        f["engine"].url + path, json={"model": f"tiny/{f['name']}", **body}, timeout=60
+    )
+
+
+def _check_completion(f, prompt_ids, body):
+    """A completion's text, usage and finish reason against transformers' greedy tokens."""
+    want = hf_greedy(f["hf"], prompt_ids, MAX_TOKENS, f["stops"])
+    text_ids = [t for t in want if t not in f["stops"]]
+    choice = body["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    assert_honest(text, f["tok"], prompt_ids, text_ids)
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert body["usage"]["completion_tokens"] == len(want)
+    assert choice["finish_reason"] == ("stop" if want[-1] in f["stops"] else "length")
+    return completion_text(f["tok"], prompt_ids, text_ids)
+
+
+@families
+def test_tokenize(family):
+    f = family
+    for prompt in PROMPTS:
+        answer = _post(f, "/tokenize", {"prompt": prompt}).json()
+        assert answer["tokens"] == f["tok"](prompt)["input_ids"], prompt
+
+
+@families
+def test_chat_template(family):
+    import jinja2
+
+    f = family
+    for messages in CONVERSATIONS:
+        answer = _post(f, "/tokenize", {"messages": messages})
+        try:
+            want = f["tok"].apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        except jinja2.TemplateError as exc:  # the family's template rejects this conversation
+            assert answer.status_code == 400
+            assert str(exc) in answer.json()["error"]["message"]
+            continue
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["tokens"] == want
+
+
+@families
+def test_greedy(family):
+    f = family
+    prompt = PROMPTS[0]
+    response = _post(
+        f, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    )
+    assert response.status_code == 200, response.text
+    _check_completion(f, f["tok"](prompt)["input_ids"], response.json())
+
+
+@families
+def test_batched(family):
+    """Eight requests in flight together: continuous batching changes no request's tokens."""
+    f = family
+
+    async def send_all():
+        async with httpx.AsyncClient(base_url=f["engine"].url, timeout=60) as client:
+            bodies = [
+                {
+                    "model": f"tiny/{f['name']}",
+                    "prompt": p,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                }
+                for p in PROMPTS
+            ]
+            return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+    responses = asyncio.run(send_all())
+    for prompt, response in zip(PROMPTS, responses, strict=True):
+        assert response.status_code == 200, response.text
+        _check_completion(f, f["tok"](prompt)["input_ids"], response.json())
+
+
+@pytest.mark.parametrize("family", ["llama2", "mistral"], indirect=True)
+def test_first_token_keeps_its_leading_space(family):
+    """Metaspace tokenizers strip the space of a text's first "▁" piece; the first generated
+    token is not the start of the text, so its space must be sent."""
+    import torch
+
+    f = family
+    words = " ".join(CORPUS).split()
+    rng = random.Random(0)
+    for _ in range(1000):  # a prompt whose greedy answer starts with a "▁" piece (about 1 in 60)
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 6)))
+        ids = f["tok"](prompt)["input_ids"]
+        with torch.no_grad():
+            first = int(f["hf"](torch.tensor([ids])).logits[0, -1].argmax())
+        if f["tok"].convert_ids_to_tokens(first).startswith("▁"):
+            break
+    else:
+        pytest.fail("no prompt found whose answer starts with a ▁ piece")
+    response = _post(f, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    text = response.json()["choices"][0]["text"]
+    assert text.startswith(" ") and text == completion_text(f["tok"], ids, [first])
+
+
+def _stream_chat(f, messages):
+    body = {
+        "model": f"tiny/{f['name']}",
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    deltas, usage = [], None
+    with httpx.stream("POST", f["engine"].url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                deltas.append(choice["delta"].get("content") or "")
+    return deltas, usage
+
+
+@families
+def test_streaming_text(family):
+    f = family
+    for messages in CONVERSATIONS:
+        try:
+            ids = f["tok"].apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        except Exception:
+            continue  # a conversation the template rejects: test_chat_template
+        deltas, usage = _stream_chat(f, messages)
+        full = _post(
+            f,
+            "/v1/chat/completions",
+            {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0},
+        )
+        want = _check_completion(f, ids, full.json())
+        text = "".join(deltas)
+        assert text == full.json()["choices"][0]["message"]["content"]
+        assert usage == full.json()["usage"]
+        # U+FFFD only where transformers' text has it too (a truly invalid byte, never a
+        # character still arriving)
+        assert text.count(REPLACEMENT) <= want.count(REPLACEMENT)
