@@ -123,6 +123,7 @@ def _serve(args: argparse.Namespace, role_name: str) -> int:
     from backend.server.schema import Role
     from backend.transport.base import TransportUnavailable
     from kvguard.http_edge import server_config
+    from kvguard.settings import settings_error
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per handoff call otherwise
@@ -136,7 +137,8 @@ def _serve(args: argparse.Namespace, role_name: str) -> int:
         TransportUnavailable,
         ValueError,
     ) as exc:
-        print(f"kvguard backend {role_name}: cannot start: {exc}", file=sys.stderr)
+        reason = settings_error(exc) if isinstance(exc, ValidationError) else str(exc)
+        print(f"kvguard backend {role_name}: cannot start: {reason}", file=sys.stderr)
         return 2
     config = server_config(
         app, host=settings.host, port=settings.port, header_timeout_s=settings.header_timeout_s

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
-from kvguard.settings import KvguardSettings
+from kvguard.settings import KvguardSettings, require_real_secret
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled" / "kvguard-tiny"
 
@@ -71,6 +71,18 @@ class BackendSettings(KvguardSettings):
         default=None, description="OTLP/HTTP collector for the engine's spans (unset: no spans)"
     )
 
+    engine_token: SecretStr | None = Field(
+        default=None,
+        description="the deployment's engine credential: every route but /health and /metrics "
+        "takes it as a bearer token (the gateway and decode present it); required in production, "
+        "unset in development means open",
+    )
+    decode_peers: list[str] | None = Field(
+        default=None,
+        description="prefill: the decode transfer endpoints (hosts or host:port) it may write "
+        "KV to; others are refused; unset: loopback only; required in production",
+    )
+
     # -- disaggregation: the prefill and decode roles (backend.disagg) ------------------------
     prefill_url: str | None = Field(default=None, description="decode: the prefill role's URL")
     transport: Literal["mooncake", "loopback", "inprocess"] = Field(
@@ -126,4 +138,11 @@ class BackendSettings(KvguardSettings):
             )
         if self.prefill_capacity_stale_s < self.prefill_capacity_refresh_s:
             raise ValueError("prefill_capacity_stale_s must be >= prefill_capacity_refresh_s")
+        require_real_secret("engine_token", self.engine_token, "", self.mode)
         return self
+
+    def engine_headers(self) -> dict[str, str]:
+        """What this engine presents to its peer role (decode -> prefill)."""
+        if self.engine_token is None:
+            return {}
+        return {"Authorization": f"Bearer {self.engine_token.get_secret_value()}"}

@@ -190,6 +190,7 @@ class FaultStack:
     admin_token: str = field(repr=False)
     canary_key: str = field(repr=False)
     tenant: Tenant | None = None
+    engine_token: str = field(default="", repr=False)  # the engines take calls only with it
     redis: RunningService | None = None  # the servers behind the links (``frozen`` stops them)
     postgres: RunningService | None = None
 
@@ -242,7 +243,8 @@ class FaultStack:
             if line.startswith('kvguard_engine_pool_pages{state="'):
                 state = line.split('"')[1]
                 states[state] = float(line.rpartition(" ")[2])
-        capacity = httpx.get(role.url + "/engine/capacity", timeout=10).json()
+        auth = {"Authorization": f"Bearer {self.engine_token}"}
+        capacity = httpx.get(role.url + "/engine/capacity", headers=auth, timeout=10).json()
         states["total"] = float(capacity["pool_pages"])
         return states
 
@@ -324,7 +326,7 @@ def _roles(
 
 
 def _gateway_env(
-    decode: Proc, redis_link: TcpLink, postgres_link: TcpLink, secrets_: tuple[str, str]
+    decode: Proc, redis_link: TcpLink, postgres_link: TcpLink, secrets_: tuple[str, str, str]
 ) -> dict[str, str]:
     """The gateway reaches Redis and PostgreSQL only through the links; it polls fast, so a
     restarted role is routable again within a second."""
@@ -336,6 +338,7 @@ def _gateway_env(
         "KVGUARD_REDIS_URL": f"redis://127.0.0.1:{redis_link.port}/0",
         "KVGUARD_ADMIN_TOKEN": secrets_[0],
         "KVGUARD_CANARY_KEY": secrets_[1],
+        "KVGUARD_ENGINE_TOKEN": secrets_[2],
         "KVGUARD_ENGINES": json.dumps([engine]),
         "KVGUARD_POLL_INTERVAL_S": "0.5",
         "KVGUARD_CAPACITY_STALE_AFTER_S": "3",
@@ -368,9 +371,16 @@ def fault_stack(
         postgres_link = TcpLink(postgres.host, postgres.port)
         stack.callback(postgres_link.close)
         admin_token, canary_key = secrets.token_urlsafe(32), secrets.token_urlsafe(48)
-        options = (prefill_options or {}, decode_options or {})
+        engine_token = secrets.token_urlsafe(32)
+        credential = {"KVGUARD_ENGINE_TOKEN": engine_token}
+        options = (
+            {**(prefill_options or {}), **credential},
+            {**(decode_options or {}), **credential},
+        )
         prefill, decode = _roles(model, pool_tokens, options, logs)
-        env = _gateway_env(decode, redis_link, postgres_link, (admin_token, canary_key))
+        env = _gateway_env(
+            decode, redis_link, postgres_link, (admin_token, canary_key, engine_token)
+        )
         _migrate(env)
         gateway = Proc("gateway", ["gateway", "--log-level", "warning"], env, logs / "gw.log")
         for proc in (prefill, decode, gateway):  # they load in parallel
@@ -387,6 +397,7 @@ def fault_stack(
             database_url=postgres.url,
             admin_token=admin_token,
             canary_key=canary_key,
+            engine_token=engine_token,
             redis=redis,
             postgres=postgres,
         )

@@ -210,6 +210,14 @@ class EngineSpec(BaseModel):
         return UpstreamPath.LITELLM if self.kind is EngineKind.LITELLM else UpstreamPath.DIRECT
 
 
+def with_engine_credential(spec: EngineSpec, token: SecretStr | None) -> EngineSpec:
+    """``spec`` presenting the deployment's engine credential: a bundled engine without an
+    ``api_key`` of its own gets ``token`` (``backend.server.auth``)."""
+    if token is None or spec.kind is not EngineKind.BUNDLED or spec.api_key is not None:
+        return spec
+    return spec.model_copy(update={"api_key": token})
+
+
 def parse_engine_arg(arg: str) -> EngineSpec:
     """``--engine URL`` (bundled) or ``--engine KIND=URL``; the name is the URL's host:port."""
     kind = EngineKind.BUNDLED
@@ -234,6 +242,12 @@ class GatewaySettings(KvguardSettings):
         default=None,
         description="bearer credential for GET /metrics (it carries every tenant's series; the "
         "admin token is accepted too); required outside development, where unset means open",
+    )
+    engine_token: SecretStr | None = Field(
+        default=None,
+        description="the deployment's engine credential, presented to every bundled engine "
+        "without an api_key of its own (the engines' KVGUARD_ENGINE_TOKEN); required in "
+        "production",
     )
     operator_failures_per_minute: int = Field(
         default=10,
@@ -307,8 +321,12 @@ class GatewaySettings(KvguardSettings):
     def _check_deployment(self) -> Self:
         require_real_secret("admin_token", self.admin_token, DEV_ADMIN_TOKEN, self.mode)
         require_real_secret("metrics_token", self.metrics_token, DEV_ADMIN_TOKEN, self.mode)
+        require_real_secret("engine_token", self.engine_token, "", self.mode)
         require_distinct_secrets(
-            self.mode, admin_token=self.admin_token, metrics_token=self.metrics_token
+            self.mode,
+            admin_token=self.admin_token,
+            metrics_token=self.metrics_token,
+            engine_token=self.engine_token,
         )
         if self.mode is RunMode.PRODUCTION and not self.redis_url:
             raise ValueError("KVGUARD_REDIS_URL is required when KVGUARD_MODE=production")
@@ -348,6 +366,7 @@ class GatewaySettings(KvguardSettings):
         """Configured engines: the engines file first, then env/CLI ones; names must be unique."""
         specs = load_engines_file(self.engines_file) if self.engines_file else []
         specs += self.engines
+        specs = [with_engine_credential(spec, self.engine_token) for spec in specs]
         names = [spec.name for spec in specs]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:

@@ -47,7 +47,10 @@ class GatewayState:
 
     async def reload_engines(self) -> None:
         await reload_registry(
-            registry=self.registry, sessions=self.sessions, configured=self.configured_engines
+            registry=self.registry,
+            sessions=self.sessions,
+            configured=self.configured_engines,
+            engine_token=self.settings.engine_token,
         )
 
     async def quarantine(self, name: str, *, reason: str) -> None:

@@ -97,11 +97,16 @@ class DrillStack:
     roles: tuple[Role, ...]  # the gateway last
     admin_token: str = field(repr=False)  # fresh per stack, never a development default
     canary_key: str = field(repr=False)
+    engine_token: str = field(repr=False)  # every engine takes calls only with it
     proof_prefill: str | None = None
     proof_decode: str | None = None
 
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def engine_auth(self) -> dict[str, str]:
+        """What a caller of an engine itself presents (the gateway does so on its own)."""
+        return {"Authorization": f"Bearer {self.engine_token}"}
 
 
 def _engine_argv(role: str, port: int, model: Path | None, *flags: str) -> list[str]:
@@ -114,10 +119,12 @@ def _faults(names: tuple[str, ...]) -> list[str]:
     return ["--allow-fault-drills", *(f"--fault={name}" for name in names)]
 
 
-def engine_specs(drill_decode: str, guarded: str) -> list[dict[str, Any]]:
-    """The gateway's engines: the drill as an opaque provider, the guarded one introspected."""
+def engine_specs(drill_decode: str, guarded: str, engine_token: str) -> list[dict[str, Any]]:
+    """The gateway's engines: the drill as an opaque provider (its key is the engine credential),
+    the guarded one introspected (presenting the gateway's KVGUARD_ENGINE_TOKEN)."""
     opaque: dict[str, Any] = {"name": DRILL, "kind": "openai", "base_url": drill_decode}
     opaque |= {"model": DRILL_MODEL, "declared_max_model_len": WINDOW, "allow_unverified": True}
+    opaque["api_key"] = engine_token
     return [opaque, {"name": GUARDED, "kind": "bundled", "base_url": guarded}]
 
 
@@ -125,6 +132,7 @@ def _proof_roles(
     port: dict[str, int], env: dict[str, str], model: Path | None
 ) -> tuple[Role, Role]:
     proof_env = {**env, "KVGUARD_MODE": "production", "KVGUARD_SERVED_MODEL_NAME": DRILL_MODEL}
+    proof_env["KVGUARD_DECODE_PEERS"] = json.dumps(["127.0.0.1"])  # decode's transfer host
     drift = ["--context-window", str(WINDOW), "--allow-capacity-drift"]
     prefill = _engine_argv("prefill", port["proof-prefill"], model, *_faults(PROOF_FAULTS))
     prefill += ["--pool-tokens", str(PREFILL_POOL), *drift]
@@ -150,7 +158,9 @@ def drill_stack(
     names += ["proof-prefill", "proof-decode"] if proof else []
     port = {name: free_port() for name in names}
     url = {name: f"http://127.0.0.1:{p}" for name, p in port.items()}
+    engine_token = secrets.token_urlsafe(32)
     engine_env = {**env, "KVGUARD_TORCH_THREADS": "1", "GLOG_minloglevel": "2"}
+    engine_env["KVGUARD_ENGINE_TOKEN"] = engine_token
     drill_env = {**engine_env, "KVGUARD_SERVED_MODEL_NAME": DRILL_MODEL}
     guarded_env = {**engine_env, "KVGUARD_SERVED_MODEL_NAME": GUARDED_MODEL}
     drift = ["--context-window", str(WINDOW), "--allow-capacity-drift"]
@@ -166,7 +176,8 @@ def drill_stack(
         "KVGUARD_ADMIN_TOKEN": admin_token,
         "KVGUARD_CANARY_KEY": canary_key,
         "KVGUARD_DATA_DIR": str(data_dir),
-        "KVGUARD_ENGINES": json.dumps(engine_specs(url["decode"], url["guarded"])),
+        "KVGUARD_ENGINE_TOKEN": engine_token,
+        "KVGUARD_ENGINES": json.dumps(engine_specs(url["decode"], url["guarded"], engine_token)),
         "KVGUARD_REFUSE_ON_HANDOFF_MISMATCH": "false",  # the incident's gateway trusted "done"
         "KVGUARD_POLL_INTERVAL_S": "0.5",
         "KVGUARD_CAPACITY_STALE_AFTER_S": "10",
@@ -189,6 +200,7 @@ def drill_stack(
         roles,
         admin_token,
         canary_key,
+        engine_token,
         url.get("proof-prefill"),
         url.get("proof-decode"),
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,8 @@ def stack_env(data_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("KVGUARD_DATA_DIR", str(data_dir))
     env.setdefault("KVGUARD_MODE", "development")
+    # The engine takes calls only from this run's gateway (backend.server.auth).
+    env.setdefault("KVGUARD_ENGINE_TOKEN", secrets.token_urlsafe(32))
     return env
 
 
@@ -94,7 +97,7 @@ def issue_demo_key(env: dict[str, str]) -> str:
     return created.stdout.strip().splitlines()[-1]
 
 
-def banner(gateway_url: str, backend_url: str, key: str) -> str:
+def banner(gateway_url: str, backend_url: str, key: str, engine_token: str) -> str:
     return "\n".join(
         [
             f"Demo tenant '{DEMO_TENANT}', API key (shown once): {key}",
@@ -105,7 +108,9 @@ def banner(gateway_url: str, backend_url: str, key: str) -> str:
             '    -d \'{"model": "kvguard-tiny", "max_tokens": 48, "temperature": 0,',
             '         "messages": [{"role": "user",',
             '                       "content": "Repeat exactly: hello kvguard"}]}\'',
-            f"  curl -s {backend_url}/engine/capacity    # the capacity truth the gateway enforces",
+            f"  curl -s -H 'Authorization: Bearer {engine_token}' \\",
+            f"    {backend_url}/engine/capacity    # the capacity truth the gateway enforces",
+            "  (the engine's credential, this run only: only the gateway may call the engine)",
         ]
     )
 
@@ -120,6 +125,6 @@ def run(args: argparse.Namespace) -> int:
     backend, gateway = roles
 
     def after_start() -> str:
-        return banner(gateway.url, backend.url, issue_demo_key(env))
+        return banner(gateway.url, backend.url, issue_demo_key(env), env["KVGUARD_ENGINE_TOKEN"])
 
     return Supervisor(roles).run(after_start)

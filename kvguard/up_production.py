@@ -45,6 +45,7 @@ def production_env(database_url: str, redis_url: str, engine_url: str) -> dict[s
         "KVGUARD_METRICS_TOKEN": secrets.token_urlsafe(32),
         "KVGUARD_CANARY_KEY": secrets.token_urlsafe(48),
         "KVGUARD_CANARY_KEY_ID": "1",
+        "KVGUARD_ENGINE_TOKEN": secrets.token_urlsafe(32),
         "KVGUARD_MIGRATE_ON_START": "false",
         "KVGUARD_ENGINES": json.dumps([engine]),
     }
@@ -53,7 +54,13 @@ def production_env(database_url: str, redis_url: str, engine_url: str) -> dict[s
 def production_roles(args: argparse.Namespace, gateway_env: dict[str, str]) -> list[RoleSpec]:
     kvguard = [sys.executable, "-m", "kvguard"]
     host = args.host
-    backend_env = {**os.environ, "KVGUARD_MODE": "production"}
+    backend_env = {
+        **os.environ,
+        "KVGUARD_MODE": "production",
+        "KVGUARD_ENGINE_TOKEN": gateway_env["KVGUARD_ENGINE_TOKEN"],
+        # Prefill writes KV only to decode's transfer endpoint (its default transfer host).
+        "KVGUARD_DECODE_PEERS": json.dumps(["127.0.0.1"]),
+    }
     prefill_url = f"http://{host}:{args.prefill_port}"
     roles = [
         RoleSpec(
@@ -171,7 +178,7 @@ def _banner(
     gateways = [r.url for r in roles if r.name.startswith("gateway")]
     decode = next(r.url for r in roles if r.name == "backend (decode)")
     lines = [
-        banner(gateways[0], decode, issue_demo_key(env)),
+        banner(gateways[0], decode, issue_demo_key(env), env["KVGUARD_ENGINE_TOKEN"]),
         "",
         "Gateway replicas (shared PostgreSQL and Redis): " + ", ".join(gateways),
         f"Prometheus (every role scraped, alert rules loaded): {prometheus}",

@@ -7,7 +7,8 @@ gets a terminal event) -> join -> close the transport.
 
 Routes per role: unified and decode serve the OpenAI API (decode is the entry point, with the same
 contract); prefill serves the internal handoff endpoints. Every role serves /health, /metrics and
-/engine/capacity; with fault drills allowed, decode also serves /engine/drill/*.
+/engine/capacity; with fault drills allowed, decode also serves /engine/drill/*. Every route but
+/health and /metrics takes the deployment's engine credential (``backend.server.auth``).
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ from fastapi import FastAPI
 
 from backend.config import BackendSettings
 from backend.server import routes_drill, routes_handoff, routes_openai, routes_ops
+from backend.server.auth import EngineAuthMiddleware
 from backend.server.errors import install_error_handlers
 from backend.server.roles import RoleRuntime, build_decode, build_prefill, build_unified
 from backend.server.schema import Role
 from backend.server.tracing import install_tracing
 from kvguard.http_edge import BodyGuardMiddleware
+from kvguard.settings import RunMode
 
 _BUILDERS = {Role.UNIFIED: build_unified, Role.PREFILL: build_prefill, Role.DECODE: build_decode}
 
 
 def create_app(settings: BackendSettings, role: Role = Role.UNIFIED) -> FastAPI:
+    if role is Role.PREFILL and settings.mode is RunMode.PRODUCTION and not settings.decode_peers:
+        raise ValueError("KVGUARD_DECODE_PEERS is required for a production prefill role")
     runtime = _BUILDERS[role](settings)
     service = runtime.service
 
@@ -47,11 +52,14 @@ def create_app(settings: BackendSettings, role: Role = Role.UNIFIED) -> FastAPI:
     app = FastAPI(title=f"kvguard backend ({role.value})", lifespan=lifespan)
     app.state.service = service
     app.state.prefill = runtime.prefill
+    app.state.decode_peers = settings.decode_peers
     app.add_middleware(
         BodyGuardMiddleware,
         max_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
+    if settings.engine_token is not None:  # outermost: no body is read before the credential
+        app.add_middleware(EngineAuthMiddleware, token=settings.engine_token.get_secret_value())
     install_error_handlers(app)
     _mount(app, runtime, role, settings)
     tracing = install_tracing(app, role=role.value, otlp_endpoint=settings.otlp_endpoint)

@@ -252,7 +252,7 @@ def _decode_runtime(
     drivers: list[HandoffDriver],
     channel: PrefillLink | None,
 ) -> RoleRuntime:
-    client = httpx.AsyncClient()
+    client = httpx.AsyncClient(headers=settings.engine_headers())  # prefill wants the credential
     if channel is None:
         assert settings.prefill_url is not None
         channel = HttpPrefillChannel(

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import json
 
-from pydantic import TypeAdapter
+from pydantic import SecretStr, TypeAdapter
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.config import EngineKind, EngineSpec, MemberSpec, UpstreamPath
+from gateway.config import (
+    EngineKind,
+    EngineSpec,
+    MemberSpec,
+    UpstreamPath,
+    with_engine_credential,
+)
 from gateway.db.models import EngineControl, RegisteredEngine, utcnow
 from gateway.db.session import run_in_session
 from gateway.engines.registry import EngineControls, EngineRegistry, EngineSource
@@ -115,9 +121,14 @@ def set_allow_unsafe(session: Session, *, name: str, allow: bool) -> EngineContr
 
 
 async def reload_registry(
-    *, registry: EngineRegistry, sessions: sessionmaker[Session], configured: list[EngineSpec]
+    *,
+    registry: EngineRegistry,
+    sessions: sessionmaker[Session],
+    configured: list[EngineSpec],
+    engine_token: SecretStr | None = None,
 ) -> None:
-    """Configured engines plus the admin-registered ones, with every engine's controls."""
+    """Configured engines plus the admin-registered ones (presenting ``engine_token``, see
+    ``with_engine_credential``), with every engine's controls."""
 
     def load(session: Session) -> tuple[list[EngineSpec], dict[str, EngineControls]]:
         return registered_specs(session), controls(session)
@@ -125,6 +136,10 @@ async def reload_registry(
     registered, engine_controls = await run_in_session(sessions, load)
     names = {spec.name for spec in configured}
     members = [(spec, EngineSource.CONFIG) for spec in configured]
-    members += [(spec, EngineSource.ADMIN) for spec in registered if spec.name not in names]
+    members += [
+        (with_engine_credential(spec, engine_token), EngineSource.ADMIN)
+        for spec in registered
+        if spec.name not in names
+    ]
     registry.set_specs(members)
     registry.apply_controls(engine_controls)

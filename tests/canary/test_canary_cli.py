@@ -35,6 +35,7 @@ def test_the_gateway_refuses_a_default_canary_key_in_production(
     monkeypatch.setenv("KVGUARD_MODE", "production")
     monkeypatch.setenv("KVGUARD_ADMIN_TOKEN", "Zq3-admin-token-7Hx0pLw9-vK2mR5tN8s")
     monkeypatch.setenv("KVGUARD_METRICS_TOKEN", "Yb6-scrape-token-4Jd1qAe8-uT3nC7wF2k")
+    monkeypatch.setenv("KVGUARD_ENGINE_TOKEN", "Eg4-engine-token-8Rw2pQz5-Lm7kT3vN6x")
     monkeypatch.setenv("KVGUARD_REDIS_URL", "redis://127.0.0.1:1")
     assert main(["gateway", "--port", "0"]) == 2  # one line, exit 2: not a traceback
     assert "KVGUARD_CANARY_KEY must be set" in capsys.readouterr().err

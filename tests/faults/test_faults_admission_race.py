@@ -47,6 +47,7 @@ async def test_engine_unavailable_during_counting_is_a_503_not_a_400(
         poll_interval_s=30.0,
         capacity_stale_after_s=60.0,
         engines=[{"name": ENGINE, "kind": "bundled", "base_url": stack.decode.url}],
+        engine_token=stack.engine_token,  # the stack's engines take calls only with it
     )
     hook = BecomesUnavailable()
     app = create_app(settings, hooks=GatewayHooks(request_hooks=[hook]))

@@ -61,7 +61,12 @@ def test_up_prints_a_working_key_and_stops_cleanly(tiny_checkpoint: str, tmp_pat
         assert ok.json()["choices"][0]["message"]["role"] == "assistant"
         denied = httpx.post(url, json=body, headers={"Authorization": "Bearer kvg_bad"}, timeout=60)
         assert denied.status_code == 401
-        capacity = httpx.get(f"http://127.0.0.1:{backend_port}/engine/capacity", timeout=10)
+        capacity_url = f"http://127.0.0.1:{backend_port}/engine/capacity"
+        assert httpx.get(capacity_url, timeout=10).status_code == 401  # the gateway's alone
+        token = re.search(r"Authorization: Bearer (\S+)' \\\n", output)
+        assert token is not None, output
+        engine_auth = {"Authorization": f"Bearer {token.group(1)}"}
+        capacity = httpx.get(capacity_url, headers=engine_auth, timeout=10)
         assert capacity.json()["role"] == "unified"
     finally:
         proc.send_signal(signal.SIGINT)

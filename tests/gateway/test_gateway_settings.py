@@ -18,6 +18,7 @@ from gateway.config import (
 
 ADMIN = "Zq3-admin-token-7Hx0pLw9-vK2mR5tN8s"  # strong enough for production
 SCRAPE = "Yb6-scrape-token-4Jd1qAe8-uT3nC7wF2k"
+ENGINE = "Eg4-engine-token-8Rw2pQz5-Lm7kT3vN6x"
 
 
 def test_development_defaults(tmp_path, monkeypatch) -> None:
@@ -34,11 +35,15 @@ def test_production_refuses_default_secrets_and_missing_redis() -> None:
     with pytest.raises(ValidationError, match="KVGUARD_ADMIN_TOKEN"):
         GatewaySettings(mode="production", admin_token=DEV_ADMIN_TOKEN, redis_url="redis://x")
     with pytest.raises(ValidationError, match="KVGUARD_REDIS_URL"):
-        GatewaySettings(mode="production", admin_token=ADMIN, metrics_token=SCRAPE)
+        GatewaySettings(
+            mode="production", admin_token=ADMIN, metrics_token=SCRAPE, engine_token=ENGINE
+        )
     real = {"admin_token": ADMIN, "redis_url": "redis://x"}
     with pytest.raises(ValidationError, match="KVGUARD_METRICS_TOKEN"):
         GatewaySettings(mode="production", **real)  # /metrics carries every tenant's series
-    ok = GatewaySettings(mode="production", metrics_token=SCRAPE, **real)
+    with pytest.raises(ValidationError, match="KVGUARD_ENGINE_TOKEN"):
+        GatewaySettings(mode="production", metrics_token=SCRAPE, **real)  # engines' credential
+    ok = GatewaySettings(mode="production", metrics_token=SCRAPE, engine_token=ENGINE, **real)
     assert ok.admin_secret() == ADMIN
     assert ok.metrics_secret() == SCRAPE
     assert GatewaySettings().metrics_secret() is None  # development: /metrics open unless set

@@ -33,6 +33,7 @@ STRONG = {
     "KVGUARD_ADMIN_TOKEN": new_key(),
     "KVGUARD_METRICS_TOKEN": new_key(),
     "KVGUARD_CANARY_KEY": new_key(),
+    "KVGUARD_ENGINE_TOKEN": new_key(),
 }
 WEAK: dict[str, tuple[dict[str, str], str]] = {
     "admin-a": ({"KVGUARD_ADMIN_TOKEN": "a"}, "KVGUARD_ADMIN_TOKEN is 1 characters"),
@@ -43,6 +44,10 @@ WEAK: dict[str, tuple[dict[str, str], str]] = {
         "KVGUARD_ADMIN_TOKEN and KVGUARD_METRICS_TOKEN must be different",
     ),
     "canary-32a": ({"KVGUARD_CANARY_KEY": "a" * 32}, "KVGUARD_CANARY_KEY is too predictable"),
+    "engine-is-admin": (
+        {"KVGUARD_ENGINE_TOKEN": STRONG["KVGUARD_ADMIN_TOKEN"]},
+        "KVGUARD_ADMIN_TOKEN and KVGUARD_ENGINE_TOKEN must be different",
+    ),
     "canary-is-admin": (
         {"KVGUARD_CANARY_KEY": STRONG["KVGUARD_ADMIN_TOKEN"]},
         "KVGUARD_CANARY_KEY and KVGUARD_ADMIN_TOKEN must be different",

@@ -40,6 +40,7 @@ SECRETS = {
     "KVGUARD_ADMIN_TOKEN": "admin-token-for-the-compose-test",
     "KVGUARD_METRICS_TOKEN": "metrics-token-for-the-compose-test",
     "KVGUARD_CANARY_KEY": "Kq7-canary-key-3Vn8xLp2-Wd5mR9tB4s6h-compose",
+    "KVGUARD_ENGINE_TOKEN": "Eg4-engine-token-8Rw2pQz5-Lm7kT3vN6x",
     "GRAFANA_ADMIN_PASSWORD": "grafana-secret",
 }
 INTERPOLATION = re.compile(r"\$\{(\w+)(:\?[^}]*)?\}")

@@ -219,6 +219,7 @@ def _everyday_traffic(
     direct = httpx.post(
         stack.guarded + "/v1/completions",
         json={"model": drillstack.GUARDED_MODEL, "prompt": "x" * 3000, "max_tokens": 4},
+        headers=stack.engine_auth(),
         timeout=30,
     )
     assert direct.status_code == 400, direct.text
@@ -284,11 +285,16 @@ def _handoff_proof(stack: drillstack.DrillStack) -> None:
     decode, prefill = stack.proof_decode, stack.proof_prefill
     assert decode is not None and prefill is not None
     body = {"model": drillstack.DRILL_MODEL, "max_tokens": 4, "temperature": 0}
-    over = httpx.post(decode + "/v1/completions", json={**body, "prompt": "x" * 399}, timeout=60)
+    auth = stack.engine_auth()
+    over = httpx.post(
+        decode + "/v1/completions", json={**body, "prompt": "x" * 399}, headers=auth, timeout=60
+    )
     assert over.status_code == 502 and over.json()["error"]["code"] == "kv_handoff_refused"
     assert over.json()["kvguard"]["handoff"]["failed_check"] == "transfer_range", over.text
     stream = {**body, "prompt": "y" * 199, "stream": True}
-    with httpx.stream("POST", decode + "/v1/completions", json=stream, timeout=60) as response:
+    with httpx.stream(
+        "POST", decode + "/v1/completions", json=stream, headers=auth, timeout=60
+    ) as response:
         assert response.status_code == 200
         lines = response.iter_lines()  # keep a reference: dropping it closes the connection
         next(lines)  # admitted: its pages are reserved

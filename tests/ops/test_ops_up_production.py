@@ -111,7 +111,12 @@ def test_production_like_profile(tiny_checkpoint: str, tmp_path: Path) -> None:
         for replica in (port, port + 1):
             ok = chat(f"http://127.0.0.1:{replica}", key.group(1), "Repeat exactly: hi")
             assert ok.status_code == 200, ok.text
-        capacity = httpx.get(f"http://127.0.0.1:{decode_port}/engine/capacity", timeout=10).json()
+        capacity_url = f"http://127.0.0.1:{decode_port}/engine/capacity"
+        assert httpx.get(capacity_url, timeout=10).status_code == 401  # the gateway's alone
+        token = re.search(r"Authorization: Bearer (\S+)' \\\n", output)
+        assert token is not None, output
+        engine_auth = {"Authorization": f"Bearer {token.group(1)}"}
+        capacity = httpx.get(capacity_url, headers=engine_auth, timeout=10).json()
         assert {r["role"] for r in capacity["roles"]} == {"prefill", "decode"}
         _assert_prometheus_sees_everything(prometheus.group(1))
         _assert_the_probe_results_reach_prometheus(prometheus.group(1))
