@@ -9,7 +9,8 @@ The contract, for any ids (the model may sample anything in its vocabulary):
 - no released text is ever taken back, so nothing is released that a later token could still
   change: a character whose bytes are still arriving (the decoded text ends in U+FFFD), or, with
   a byte-fallback decoder (Llama 2, Mistral), a trailing run of ``<0xNN>`` byte tokens, which the
-  decoder regroups as a whole (an invalid byte turns the whole run into U+FFFD);
+  decoder regroups as a whole (an invalid byte turns the whole run into U+FFFD; a special token
+  in between does not end the run, decode drops it first);
 - the pieces joined equal the tokenizer's decode of prompt + completion minus its decode of the
   prompt. So the first token keeps its leading space ("▁Hello" after a prompt is " Hello": a
   Metaspace decoder strips it only at the start of a text);

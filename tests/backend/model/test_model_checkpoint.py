@@ -206,3 +206,15 @@ def test_float16_and_bfloat16_tensors_load_next_to_float32_ones(tmp_path):
     loaded = load_state_dict(tmp_path, config)
     assert loaded["model.norm.weight"].dtype == torch.float32
     torch.testing.assert_close(loaded["model.norm.weight"], state["model.norm.weight"].float())
+
+
+def test_a_tied_checkpoint_that_still_stores_lm_head_loads_the_embedding(tmp_path):
+    """transformers ties the head to the embedding and ignores a stored lm_head.weight."""
+    raw = RAW_CONFIG | {"tie_word_embeddings": True}
+
+    def add_head(state):
+        state["lm_head.weight"] = torch.zeros_like(state["model.embed_tokens.weight"])
+
+    make_checkpoint(tmp_path, raw, mutate=add_head)
+    model, _, _ = load_model(tmp_path)
+    assert model.lm_head.data_ptr() == model.embed.data_ptr()

@@ -155,3 +155,52 @@ def test_fields_that_would_change_the_arithmetic_are_refused(tmp_path, change, f
         ModelConfig.from_dir(write(tmp_path, raw))
     assert f"field '{field}'" in str(exc.value)
     assert problem in str(exc.value)
+
+
+def test_llama3_rope_in_both_spellings(tmp_path):
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    v4 = BASE | {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **llama3}}
+    v5 = BASE | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **llama3}}
+    a = ModelConfig.from_dir(write(tmp_path, v4))
+    b = ModelConfig.from_dir(write(tmp_path, v5))
+    assert a.rope_theta == b.rope_theta == 500000.0
+    assert a.rope_scaling == b.rope_scaling
+    assert a.rope_scaling is not None
+    # absent, original_max_position_embeddings falls back to max_position_embeddings (transformers)
+    assert a.rope_scaling.original_max_position_embeddings == BASE["max_position_embeddings"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "windows"),
+    [
+        ({}, (4096, 4096)),  # absent: MistralConfig's default
+        ({"sliding_window": None}, ()),  # null: none (Mistral 7B v0.2+)
+        ({"sliding_window": 32}, (32, 32)),
+    ],
+)
+def test_mistral_windows_follow_transformers_defaults(tmp_path, fields, windows):
+    raw = BASE | {"architectures": ["MistralForCausalLM"], "model_type": "mistral"} | fields
+    config = ModelConfig.from_dir(write(tmp_path, raw))
+    assert tuple(w for w in config.layer_windows if w is not None) == windows
+
+
+@pytest.mark.parametrize(
+    ("fields", "windows"),
+    [
+        ({"use_sliding_window": False, "sliding_window": 4096}, ()),  # Qwen2.5's shipped configs
+        ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, (None, 64)),
+        (
+            {
+                "use_sliding_window": True,
+                "sliding_window": 64,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            (64, None),
+        ),
+    ],
+)
+def test_qwen2_windows_per_layer(tmp_path, fields, windows):
+    raw = BASE | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"} | fields
+    config = ModelConfig.from_dir(write(tmp_path, raw))
+    assert config.layer_windows == windows
+    assert (config.qkv_bias, config.o_bias) == (True, False)
