@@ -48,6 +48,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
     def stream_decoder(self, prompt_ids: Sequence[int] = ()) -> StreamDecoder: ...
 
 
@@ -86,6 +88,10 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return _text_bytes(ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (none for specials)."""
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
     def stream_decoder(self, prompt_ids: Sequence[int] = ()) -> ByteStreamDecoder:
         return ByteStreamDecoder()  # bytes need no left context
@@ -142,6 +148,13 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for: one byte for a ``<0xNN>`` piece or a byte-level
+        character, where decoding it alone would give U+FFFD; none for specials."""
+        if self._bytes.scheme is None:
+            return self.decode([token_id]).encode("utf-8")
+        return self._bytes.of(token_id)
 
     def stream_decoder(self, prompt_ids: Sequence[int] = ()) -> HFStreamDecoder:
         return HFStreamDecoder(self.decode, self._bytes, prompt_ids)

@@ -36,7 +36,6 @@ from backend.core.errors import InvalidRequest, KvguardError
 from backend.core.request import FinishReason, RequestState, SamplingParams
 from backend.disagg.machines import HandoffProof
 from backend.engine.async_engine import EngineEvent, Generation
-from backend.model.tokenizer import ByteTokenizer
 from backend.server import formatting as fmt
 from backend.server.errors import error_body
 from backend.server.openai_schema import _SamplingFields
@@ -203,10 +202,8 @@ def _token_text(service: EngineService) -> fmt.TokenText:
     tokenizer = service.tokenizer
 
     def token_text(token: int) -> tuple[str, tuple[int, ...]]:
-        text = tokenizer.decode([token])
-        if isinstance(tokenizer, ByteTokenizer):  # a lone byte of a multi-byte character
-            return text, ((token,) if token < 256 else ())
-        return text, tuple(text.encode())
+        # the raw bytes: a lone byte of a multi-byte character is that byte, not U+FFFD's
+        return tokenizer.decode([token]), tuple(tokenizer.token_bytes(token))
 
     return token_text
 

@@ -148,3 +148,17 @@ def test_many_streams_agree_with_decode_on_generated_looking_text(family_checkpo
         pieces, tail = stream(tok, ids, [])
         assert "".join(pieces) + tail == hf.decode(ids, skip_special_tokens=True)
         assert not any(REPLACEMENT in p for p in pieces)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_token_bytes_are_the_raw_bytes_transformers_decodes(family_checkpoint, name):
+    """What logprobs report as a token's `bytes`: joined over an encoded text, they are its UTF-8
+    (a lone byte of a split character is that byte, not U+FFFD's three), specials are empty."""
+    tok, hf = engine_and_hf(family_checkpoint(name))
+    for text in PROMPTS:
+        ids = hf(text, add_special_tokens=False)["input_ids"]
+        data = b"".join(tok.token_bytes(i) for i in ids)
+        # Metaspace adds the space it prepends to the first word; nothing else differs
+        assert data.decode("utf-8").removeprefix(" ") == text, text
+    specials = [i for i, t in hf.added_tokens_decoder.items() if t.special]
+    assert specials and all(tok.token_bytes(i) == b"" for i in specials)
