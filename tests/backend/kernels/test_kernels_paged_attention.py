@@ -50,6 +50,20 @@ def naive_attention(
     return out
 
 
+def random_case(query_lens, kv_lens):
+    """Random q and caches (4-token pages, 6 query heads on 2 KV heads of 8) on scattered pages."""
+    torch.manual_seed(0)
+    page_size, num_pages, heads, kv_heads, head_dim = 4, 32, 6, 2, 8
+    k_cache = torch.randn(num_pages, page_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_pages, page_size, kv_heads, head_dim)
+    tables = scattered_tables(kv_lens, page_size, num_pages, seed=1)
+    md = AttentionMetadata.build(
+        query_lens=query_lens, kv_lens=kv_lens, block_tables=tables, page_size=page_size
+    )
+    q = torch.randn(sum(query_lens), heads, head_dim)
+    return q, k_cache, v_cache, md, tables
+
+
 @pytest.mark.parametrize(
     ("query_lens", "kv_lens", "groups"),
     [
@@ -64,15 +78,8 @@ def naive_attention(
     ],
 )
 def test_reference_matches_naive_on_scattered_pages(query_lens, kv_lens, groups):
-    torch.manual_seed(0)
-    page_size, num_pages, heads, kv_heads, head_dim = 4, 32, 6, 2, 8
-    k_cache = torch.randn(num_pages, page_size, kv_heads, head_dim)
-    v_cache = torch.randn(num_pages, page_size, kv_heads, head_dim)
-    tables = scattered_tables(kv_lens, page_size, num_pages, seed=1)
-    md = AttentionMetadata.build(
-        query_lens=query_lens, kv_lens=kv_lens, block_tables=tables, page_size=page_size
-    )
-    q = torch.randn(sum(query_lens), heads, head_dim)
+    q, k_cache, v_cache, md, tables = random_case(query_lens, kv_lens)
+    page_size, head_dim = md.page_size, q.shape[2]
     scale = 1 / math.sqrt(head_dim)
     assert len(plan_attention(md).groups) == groups
 
@@ -92,15 +99,8 @@ def test_reference_matches_naive_on_scattered_pages(query_lens, kv_lens, groups)
     ],
 )
 def test_reference_with_a_sliding_window_matches_naive(query_lens, kv_lens, window):
-    torch.manual_seed(0)
-    page_size, num_pages, heads, kv_heads, head_dim = 4, 32, 6, 2, 8
-    k_cache = torch.randn(num_pages, page_size, kv_heads, head_dim)
-    v_cache = torch.randn(num_pages, page_size, kv_heads, head_dim)
-    tables = scattered_tables(kv_lens, page_size, num_pages, seed=1)
-    md = AttentionMetadata.build(
-        query_lens=query_lens, kv_lens=kv_lens, block_tables=tables, page_size=page_size
-    )
-    q = torch.randn(sum(query_lens), heads, head_dim)
+    q, k_cache, v_cache, md, tables = random_case(query_lens, kv_lens)
+    page_size = md.page_size
     plan = plan_attention(md, window=window)
     # only the keys the earliest query row can see are gathered
     assert max(g.slots.shape[1] for g in plan.groups) <= min(
