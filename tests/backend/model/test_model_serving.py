@@ -199,3 +199,14 @@ def test_generation_config_end_of_turn_ids_are_stop_tokens(family_checkpoint, tm
     )
     service = service_for(path)
     assert {0, 2} <= service.tokenizer.stop_ids
+
+
+def test_a_checkpoint_without_a_template_answers_chat_with_a_client_error(
+    family_checkpoint, tmp_path
+):
+    """transformers refuses too; a made-up `role: content` transcript is not what the model saw."""
+    path = variant(family_checkpoint, tmp_path, "smollm", tokenizer_config={"chat_template": None})
+    service = service_for(path)
+    assert service.encode_prompt("Hello") == service.tokenizer.encode("Hello")  # prompts work
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        service.render_chat([ChatMessage(role="user", content="Hello")])
