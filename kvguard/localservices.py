@@ -281,7 +281,7 @@ def _http_server(name: str, argv: list[str], data_dir: Path, host: str) -> Itera
     try:
         _wait_for_port(proc, name, host, port)
         _wait_for_http_ok(proc, name, url + "/-/ready")
-        yield RunningService(name, host, port, url, data_dir)
+        yield RunningService(name, host, port, url, data_dir, proc.pid)
     finally:
         _stop(proc)
         log.close()
