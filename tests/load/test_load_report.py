@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.load.report import Sample, Slo, format_summary, passed, percentile, summarize
+from kvguard.load.report import (
+    Sample,
+    Slo,
+    format_summary,
+    passed,
+    percentile,
+    progress_line,
+    summarize,
+)
 from kvguard.load.runner import parse_duration
 
 
@@ -71,3 +79,14 @@ def test_durations() -> None:
     for bad in ("", "s", "10x", "0s", "-3s"):
         with pytest.raises(ValueError):
             parse_duration(bad)
+
+
+def test_progress_line_counts_failures_and_content_failures_apart() -> None:
+    samples = [
+        Sample("short", 0, 200, None, 10.0),
+        Sample("near", 1, 200, None, 10.0, failure_kinds=("content",)),
+        Sample("over", 0, 200, None, 10.0, failure_kinds=("status",)),
+        Sample("over", 1, 200, None, 10.0, failure_kinds=("content", "status")),
+    ]
+    line = progress_line(samples, elapsed_s=2.0, users=3)
+    assert line == "[   2.0 s] users 3  requests 4 (2.0/s)  failures 3  content-check failures 2"
