@@ -49,6 +49,17 @@ class BackendSettings(KvguardSettings):
         default=False, description="start even if the window exceeds the real pool (reported)"
     )
     zero_on_free: bool = True
+    prefix_cache: bool = Field(
+        default=True,
+        description="reuse the K/V of full prompt pages across requests of one tenant, namespaced "
+        "per tenant (a server-side salt; never a request field); off: every prompt is computed. "
+        "The decode role has none (its prompts' K/V comes from prefill)",
+    )
+    prefix_cache_groups: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="tenants that share one prefix-cache namespace, {group: [tenant ids]}: they "
+        "share hits, and each can then learn from timing whether another sent a prefix",
+    )
     kv_allocation: Literal["on_demand", "reserve"] = Field(
         default="on_demand",
         description="on_demand: pages as tokens are computed, preempting (recompute) when the "
@@ -136,6 +147,9 @@ class BackendSettings(KvguardSettings):
             raise ValueError(
                 "the loopback transport is single-host: transfer_host must be 127.0.0.1"
             )
+        members = [t for tenants in self.prefix_cache_groups.values() for t in tenants]
+        if len(members) != len(set(members)):
+            raise ValueError("prefix_cache_groups: a tenant is in more than one group")
         if self.prefill_capacity_stale_s < self.prefill_capacity_refresh_s:
             raise ValueError("prefill_capacity_stale_s must be >= prefill_capacity_refresh_s")
         require_real_secret("engine_token", self.engine_token, "", self.mode)

@@ -20,6 +20,7 @@ PROMPT_TOKENS = PREFIX + "prompt_tokens"  # counter
 GENERATED_TOKENS = PREFIX + "generated_tokens"  # counter
 ZEROED_PAGES = PREFIX + "zeroed_pages"  # counter
 PREEMPTIONS = PREFIX + "preemptions"  # counter: running requests whose pages were taken back
+PREFIX_CACHE_TOKENS = PREFIX + "prefix_cache_tokens"  # counter {result}: hit|miss at admission
 POOL_PAGES = PREFIX + "pool_pages"  # gauge {state}
 POOL_TOKENS = PREFIX + "pool_tokens"  # gauge
 CONTEXT_WINDOW = PREFIX + "context_window_tokens"  # gauge
@@ -67,6 +68,12 @@ class EngineMetrics:
         self.preemptions = Counter(
             PREEMPTIONS,
             "Running requests preempted (pages released, tokens recomputed)",
+            registry=r,
+        )
+        self.prefix_cache_tokens = Counter(
+            PREFIX_CACHE_TOKENS,
+            "Cacheable prompt tokens at admission: read from the tenant's cache (hit) or not",
+            ["result"],
             registry=r,
         )
         self.pool_pages = Gauge(POOL_PAGES, "KV pages by state", ["state"], registry=r)
@@ -138,8 +145,13 @@ class EngineMetrics:
         )
 
     def track_pool(
-        self, free: Callable[[], int], owned: Callable[[], int], quarantined: Callable[[], int]
+        self,
+        free: Callable[[], int],
+        owned: Callable[[], int],
+        quarantined: Callable[[], int],
+        shared: Callable[[], int],
     ) -> None:
         self.pool_pages.labels("free").set_function(free)
         self.pool_pages.labels("owned").set_function(owned)
         self.pool_pages.labels("quarantined").set_function(quarantined)
+        self.pool_pages.labels("shared").set_function(shared)

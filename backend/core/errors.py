@@ -129,6 +129,8 @@ class IsolationReason(StrEnum):
     STALE_GENERATION = "stale_generation"
     WRONG_STATE = "wrong_page_state"
     OWNER_MISMATCH = "owner_mismatch"
+    SCOPE_MISMATCH = "cache_scope_mismatch"  # a prefix-cache page of another namespace
+    READ_ONLY = "read_only_page"  # a step would write a shared (prefix-cache) page
 
 
 class IsolationError(KvguardError):

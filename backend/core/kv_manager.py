@@ -10,12 +10,18 @@ The scheduler decides *who* runs; this class decides *which pages* they hold, ov
   never needs another and nothing is ever preempted (the engine's first design; kept for
   deployments that prefer it, and as the benchmark's baseline).
 
+With a ``PrefixCache`` (unified and prefill roles, unless ``prefix_cache`` is off), ``reserve``
+first reads the cached pages that hold the start of the request's tokens (its own scope's only)
+and takes new pages for the rest; ``publish`` after each step shares the pages that became full;
+when pages run short, idle cached pages are evicted before anyone is preempted.
+
 Every page leaves a request through ``release``, whatever the reason (finished, aborted, failed,
-preempted): pages the runner may still be writing (the request is in the step in flight) are
-quarantined until that step's ``postprocess`` and then released with bumped generations; the
-others are freed at once. With zero_on_free, released pages are pending zero until the engine
-zeroes them (``take_to_zero`` lists them for the next ``SchedulerOutput``) and only then
-allocatable, so the pages a request gave back are never handed out, nor read, before zeroing.
+preempted): cached pages it reads are unshared (a cached page is released, and zeroed, only when the
+cache evicts it with no reader left); its own pages the runner may still be writing (the request is
+in the step in flight) are quarantined until that step's ``postprocess`` and then released with
+bumped generations; the others are freed at once. With zero_on_free, released pages are pending zero
+until the engine zeroes them (``take_to_zero`` lists them for the next ``SchedulerOutput``) and only
+then allocatable, so the pages a request gave back are never handed out, nor read, before zeroing.
 
 Pure bookkeeping; not thread-safe (the engine loop calls it through the scheduler).
 """
@@ -25,7 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 
-from backend.core.pages import Owner, PagePool, PageRef
+from backend.core.pages import Owner, PagePool, PageRef, PageState
+from backend.core.prefix_cache import PrefixCache
 from backend.core.request import Request
 
 
@@ -35,9 +42,15 @@ class Allocation(StrEnum):
 
 
 class KVManager:
-    def __init__(self, pool: PagePool, allocation: Allocation = Allocation.ON_DEMAND) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        allocation: Allocation = Allocation.ON_DEMAND,
+        cache: PrefixCache | None = None,
+    ) -> None:
         self.pool = pool
         self.allocation = allocation
+        self.cache = cache
         self._to_zero: list[int] = []
         self._step_quarantine: list[tuple[Owner, tuple[PageRef, ...]]] = []
 
@@ -55,6 +68,12 @@ class KVManager:
         return len(request.page_table) * self.pool.page_size <= request.num_computed_tokens
 
     @property
+    def available_pages(self) -> int:
+        """Pages a new request can have: free ones and idle cached ones (evicted on demand)."""
+        idle = self.cache.idle_pages if self.cache is not None else 0
+        return self.pool.free_pages + idle
+
+    @property
     def pages_coming(self) -> int:
         """Released pages this step's zeroing makes allocatable (0 without zero_on_free)."""
         return len(self._to_zero)
@@ -67,20 +86,38 @@ class KVManager:
     # -- taking pages ----------------------------------------------------------------------------
 
     def reserve(self, request: Request, *, headroom: int = 0) -> bool:
-        """Give an admitted request its first pages, keeping ``headroom`` pages free; False
-        (nothing changed) when the pool cannot now."""
-        needed = self.pages_to_reserve(request)
-        if self.pool.free_pages < needed + headroom:
+        """Give an admitted request its first pages (cache hits, then new ones), keeping
+        ``headroom`` pages free; False (nothing taken) when the pool cannot now."""
+        hits = self.cache.lookup(request) if self.cache is not None else []
+        needed = self.pages_to_reserve(request) - len(hits)
+        if not self._room_for(needed + headroom, keep=hits):
             return False
-        request.page_table = tuple(self.pool.allocate(needed, request.owner))
+        if self.cache is not None:
+            self.cache.acquire(request, hits)
+        request.page_table = (*hits, *self.pool.allocate(needed, request.owner))
+        request.num_computed_tokens = len(hits) * self.pool.page_size
+        request.cached_upto = len(hits)
         return True
 
     def grow(self, request: Request) -> bool:
         """One more page for a decoding request's next position; False when none is free."""
-        if self.pool.free_pages < 1:
+        if not self._room_for(1):
             return False
         request.page_table += tuple(self.pool.allocate(1, request.owner))
         return True
+
+    def publish(self, request: Request) -> None:
+        """After a step: share the request's pages that became full of computed K/V."""
+        if self.cache is not None:
+            self.cache.publish(request)
+
+    def _room_for(self, n: int, *, keep: Sequence[PageRef] = ()) -> bool:
+        """Whether ``n`` pages are free; if not, evict idle cached pages towards it first (with
+        zero_on_free they come free after this step's zeroing: ``pages_coming``)."""
+        short = n - self.pool.free_pages - self.pages_coming
+        if short > 0 and self.cache is not None:
+            self._to_zero.extend(self.cache.evict(short, keep=keep))
+        return self.pool.free_pages >= n
 
     # -- giving pages back -----------------------------------------------------------------------
 
@@ -94,6 +131,11 @@ class KVManager:
         refs = request.page_table
         if not strict:
             refs = tuple(ref for ref in refs if self.pool.is_current(ref, request.owner))
+        shared = [r for r in refs if self.pool.state(r.page_id) is PageState.SHARED]
+        if shared:
+            assert self.cache is not None, "a shared page without a prefix cache"
+            self.cache.release(request, shared)  # read-only: nothing can be writing them
+            refs = tuple(r for r in refs if self.pool.state(r.page_id) is not PageState.SHARED)
         if refs and in_flight:
             # The runner may still be writing these pages for the step in flight.
             self.pool.quarantine(refs, request.owner)
@@ -101,6 +143,7 @@ class KVManager:
         elif refs:
             self._to_zero.extend(self.pool.free(refs, request.owner))
         request.page_table = ()
+        request.cached_upto = 0
 
     def release_step_quarantine(self) -> None:
         """The step in flight is over: release what it kept in quarantine (generations bump)."""
@@ -123,6 +166,12 @@ class KVManager:
         return pages
 
     # -- invariants ------------------------------------------------------------------------------
+
+    def fingerprint(self) -> tuple[object, ...]:
+        """Pool, cache and pages to zero, hashable (the model checker's state key)."""
+        cache = None if self.cache is None else self.cache.fingerprint()
+        quarantine = tuple((owner.request_id, refs) for owner, refs in self._step_quarantine)
+        return self.pool.fingerprint(), cache, tuple(self._to_zero), quarantine
 
     @property
     def step_quarantined(self) -> int:

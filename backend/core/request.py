@@ -64,6 +64,9 @@ TERMINAL: frozenset[RequestState] = frozenset(
     {RequestState.FINISHED, RequestState.REJECTED, RequestState.ABORTED, RequestState.FAILED}
 )
 
+# States of a request that holds no pages and waits for them (new, or preempted).
+WAITING_STATES = frozenset({RequestState.WAITING, RequestState.PREEMPTED})
+
 TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = MappingProxyType(
     {
         RequestState.WAITING: frozenset(
@@ -207,18 +210,22 @@ class Request:
 
     ``state``, ``error`` and ``finish_reason`` change only through ``transition``. The scheduler
     owns ``page_table`` (pages for the tokens it computes: taken at admission for the tokens to
-    prefill, one more page whenever decoding crosses into a new page; emptied when the request
-    ends or is preempted), ``num_computed_tokens`` (tokens whose K/V is written), ``output_ids``
-    and ``preemptions``. The prompt is an immutable tuple: nothing may swap it for a placeholder.
+    prefill, one more page whenever decoding crosses into a new page; emptied when the request ends
+    or is preempted; its head may be prefix-cache pages it reads), ``num_computed_tokens`` (tokens
+    whose K/V is written, or read from the cache), ``output_ids`` and ``preemptions``. The prompt is
+    an immutable tuple: nothing may swap it for a placeholder.
     """
 
     __slots__ = (
         "_error",
         "_finish_reason",
         "_state",
+        "cache_scope",
+        "cached_upto",
         "num_computed_tokens",
         "output_ids",
         "owner",
+        "page_keys",
         "page_table",
         "preemptions",
         "prompt_ids",
@@ -242,6 +249,11 @@ class Request:
         self.num_computed_tokens = 0
         self.output_ids: list[int] = []
         self.preemptions = 0
+        # The prefix cache's (backend.core.prefix_cache): the request's namespace, the hash-chain
+        # keys of its full pages so far, and how many leading pages it has considered for caching.
+        self.cache_scope: str | None = None
+        self.page_keys: list[bytes] = []
+        self.cached_upto = 0
         self._state = RequestState.WAITING
         self._error: KvguardError | None = None
         self._finish_reason: FinishReason | None = None
@@ -338,3 +350,17 @@ class Request:
             f"preemptions={self.preemptions}, "
             f"finish_reason={self._finish_reason}, error={error})"
         )
+
+
+def waiting_problems(request: Request) -> list[str]:
+    """What is wrong with ``request`` sitting in a queue of requests that hold no pages: new
+    (WAITING, no progress at all) or PREEMPTED (its output tokens kept, nothing computed)."""
+    if request.state not in WAITING_STATES:
+        return [f"{request!r} is in a waiting queue"]
+    if request.page_table or request.num_computed_tokens:
+        return [f"waiting {request!r} holds pages or computed tokens"]
+    if request.state is RequestState.WAITING and request.output_ids:
+        return [f"new {request!r} already has output tokens"]
+    if request.num_output_tokens >= request.sampling.max_tokens:
+        return [f"waiting {request!r} has all its tokens"]
+    return []

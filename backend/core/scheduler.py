@@ -22,8 +22,8 @@ Queues, each holding requests of exactly the states named (checked, never assume
    enters here AWAITING_KV, holding its prompt's pages, with its first token; it moves
    AWAITING_KV -> DECODING (joins running) or AWAITING_KV -> FINISHED (the first token ends it and
    its pages are freed). The role keeps such a request, and its pages, in its own queues until
-   then; ``free_reserved`` / ``release_reserved_quarantine`` return those pages through this
-   scheduler so that zeroing still goes out in ``SchedulerOutput.pages_to_zero``.
+   then, and returns pages through ``kv`` (``free_reserved`` / ``release_reserved_quarantine``)
+   so that zeroing still goes out in ``SchedulerOutput.pages_to_zero``.
 
 Preemption (on-demand allocation only), in this stated order: when a DECODING request needs a
 page and none is free, nor coming from this step's zeroing, the running request admitted last is
@@ -41,7 +41,7 @@ Not thread-safe: the engine loop calls everything, and applies aborts between it
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from backend.core.admission import CapacityLimits, admit
 from backend.core.errors import (
@@ -59,11 +59,17 @@ from backend.core.messages import (
     StepResult,
     check_sampled,
 )
-from backend.core.pages import Owner, PagePool, PageRef
-from backend.core.request import FinishReason, Request, RequestState
+from backend.core.pages import PagePool
+from backend.core.prefix_cache import CacheScopes, PrefixCache
+from backend.core.request import (
+    WAITING_STATES,
+    FinishReason,
+    Request,
+    RequestState,
+    waiting_problems,
+)
 
 _RUNNING = frozenset({RequestState.PREFILLING, RequestState.DECODING})
-_WAITING = frozenset({RequestState.WAITING, RequestState.PREEMPTED})
 
 
 class Scheduler:
@@ -77,10 +83,11 @@ class Scheduler:
         eos_token_id: int | None = None,
         allocation: Allocation = Allocation.ON_DEMAND,
         watermark: int | None = None,
+        cache_scopes: CacheScopes | None = None,
     ) -> None:
         """``watermark``: pages a new admission leaves free while other requests run, so that
         decoding can grow without preempting the newcomer at once (default: 1% of the pool,
-        at least one page)."""
+        at least one page). ``cache_scopes``: turns the prefix cache on, with these scopes."""
         if (limits.page_size, limits.pool_pages) != (pool.page_size, pool.num_pages):
             raise ValueError(
                 f"limits ({limits.pool_pages} pages x {limits.page_size}) do not describe the "
@@ -93,7 +100,8 @@ class Scheduler:
                 f"max_running={max_running}, max_batch_tokens={max_batch_tokens}"
             )
         self._pool = pool
-        self._kv = KVManager(pool, allocation)
+        cache = None if cache_scopes is None else PrefixCache(pool, cache_scopes)
+        self._kv = KVManager(pool, allocation, cache)
         self._watermark = max(1, pool.num_pages // 100) if watermark is None else watermark
         self._limits = limits
         self._max_batch_tokens = max_batch_tokens
@@ -228,14 +236,6 @@ class Scheduler:
             self._running.append(request)
         return StepResult(request.request_id, first_token, request.state, request.finish_reason)
 
-    def free_reserved(self, refs: Sequence[PageRef], owner: Owner) -> None:
-        """Free pages a role holds outside these queues (no write can reach them any more)."""
-        self._kv.free_reserved(refs, owner)
-
-    def release_reserved_quarantine(self, refs: Sequence[PageRef], owner: Owner) -> None:
-        """Release pages a role quarantined outside these queues (generations are bumped)."""
-        self._kv.release_reserved_quarantine(refs, owner)
-
     def check_invariants(self, *, held_outside: int = 0, quarantined_outside: int = 0) -> None:
         """Raise ``InvariantViolation`` if queues, states, page tables and the pool disagree.
 
@@ -251,8 +251,13 @@ class Scheduler:
         if len(self._running) > self._max_running:
             problems.append(f"{len(self._running)} running > max_running {self._max_running}")
         held = held_outside + sum(len(r.page_table) for r in self._running)
-        if self._pool.owned_pages != held:
-            problems.append(f"pool has {self._pool.owned_pages} owned pages, tables hold {held}")
+        owned, shared = self._pool.owned_pages, self._pool.shared_reads
+        if owned + shared != held:
+            problems.append(
+                f"pool has {owned} owned pages + {shared} shared reads, tables hold {held}"
+            )
+        if self._kv.cache is not None:
+            problems += self._kv.cache.check_invariants()
         quarantined = quarantined_outside + self._kv.step_quarantined
         if self._pool.quarantined_pages != quarantined:
             actual = self._pool.quarantined_pages
@@ -261,6 +266,25 @@ class Scheduler:
             problems.append("pages queued for zeroing are not pending zero in the pool")
         if problems:
             raise InvariantViolation("scheduler: " + "; ".join(problems[:8]))
+
+    def fingerprint(self) -> tuple[object, ...]:
+        """Queues, requests' progress and the KV books, hashable: two schedulers with equal
+        fingerprints schedule the same futures (the model checker's state key; counters that
+        only grow, like the step number, are left out)."""
+
+        def books(r: Request) -> tuple[object, ...]:
+            outputs = tuple(r.output_ids)
+            return (
+                r.request_id,
+                r.state,
+                r.page_table,
+                r.num_computed_tokens,
+                outputs,
+                r.cached_upto,
+            )
+
+        queues = tuple(map(books, self._waiting)), tuple(map(books, self._running))
+        return queues, self._kv.fingerprint()
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -311,6 +335,7 @@ class Scheduler:
                 results.append(self._append_token(request, chunk.num_tokens, sampled))
             else:
                 request.num_computed_tokens += chunk.num_tokens
+                self._kv.publish(request)
         self._kv.release_step_quarantine()
         return results
 
@@ -371,7 +396,7 @@ class Scheduler:
         chunks: list[PrefillChunk] = []
         while self._waiting and budget > 0 and self._slots_in_use() < self._max_running:
             request = self._waiting[0]
-            if request.state not in _WAITING:
+            if request.state not in WAITING_STATES:
                 raise InvariantViolation(f"{request!r} is in the waiting queue")
             headroom = self._watermark if self._running else 0
             if not self._kv.reserve(request, headroom=headroom):
@@ -403,6 +428,7 @@ class Scheduler:
         if token is None:  # _check_sampled refused this already; kept for the type checker
             raise StepProtocolError(f"no token for {request.request_id!r}")
         request.num_computed_tokens += n_tokens
+        self._kv.publish(request)  # before a finish releases them: a later turn reuses them
         request.output_ids.append(token)
         reason = self._finish_reason(request, token)
         if reason is not None:
@@ -474,17 +500,3 @@ class Scheduler:
             self._running.remove(request)
         else:
             self._waiting.remove(request)
-
-
-def waiting_problems(request: Request) -> list[str]:
-    """What is wrong with ``request`` sitting in a queue of requests that hold no pages: new
-    (WAITING, no progress at all) or PREEMPTED (its output tokens kept, nothing computed)."""
-    if request.state not in _WAITING:
-        return [f"{request!r} is in a waiting queue"]
-    if request.page_table or request.num_computed_tokens:
-        return [f"waiting {request!r} holds pages or computed tokens"]
-    if request.state is RequestState.WAITING and request.output_ids:
-        return [f"new {request!r} already has output tokens"]
-    if request.num_output_tokens >= request.sampling.max_tokens:
-        return [f"waiting {request!r} has all its tokens"]
-    return []

@@ -20,10 +20,11 @@ Lifecycle of a request on decode, as queues (each holds requests of exactly the 
    bumps their generations and frees them (zeroing them with zero_on_free).
 5. running (DECODING): the base ``Scheduler`` steps them exactly as in the unified engine.
 
-A subclass only so the engine core can drive it as its ``Scheduler``; it uses the base's public
-API alone (``add_prefilled``, ``free_reserved``, ``release_reserved_quarantine``, the pool, and
-``check_invariants`` told what these queues hold), so the base's queues stay the base's. Pure
-bookkeeping.
+Decode runs without a prefix cache: every prompt's K/V arrives from prefill into fresh pages (a
+prefill role keeps its own tenant-scoped cache). A subclass only so the engine core can drive it as
+its ``Scheduler``; it uses the base's public API alone (``add_prefilled``, its ``kv`` manager to
+give pages back, the pool, and ``check_invariants`` told what these queues hold), so the base's
+queues stay the base's. Pure bookkeeping.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from backend.core.errors import (
 from backend.core.kv_manager import Allocation
 from backend.core.messages import StepResult
 from backend.core.pages import Owner, PagePool, PageRef
-from backend.core.request import Request, RequestState
-from backend.core.scheduler import Scheduler, waiting_problems
+from backend.core.prefix_cache import CacheScopes
+from backend.core.request import Request, RequestState, waiting_problems
+from backend.core.scheduler import Scheduler
 
 
 class Release(StrEnum):
@@ -61,7 +63,10 @@ class DecodeScheduler(Scheduler):
         eos_token_id: int | None = None,
         allocation: Allocation = Allocation.ON_DEMAND,
         watermark: int | None = None,
+        cache_scopes: CacheScopes | None = None,
     ) -> None:
+        if cache_scopes is not None:
+            raise ValueError("the decode role runs without a prefix cache")
         super().__init__(
             pool,
             limits,
@@ -160,7 +165,7 @@ class DecodeScheduler(Scheduler):
         request.transition(to, error)
         refs, request.page_table = request.page_table, ()
         if release is Release.FREE:
-            self.free_reserved(refs, request.owner)
+            self.kv.free_reserved(refs, request.owner)
         else:
             self.pool.quarantine(refs, request.owner)
             self._draining[request_id] = (request.owner, refs)
@@ -172,7 +177,7 @@ class DecodeScheduler(Scheduler):
     def release_drain(self, request_id: str) -> int:
         """Bump generations and free; returns how many pages left quarantine."""
         owner, refs = self._draining.pop(request_id)
-        self.release_reserved_quarantine(refs, owner)
+        self.kv.release_reserved_quarantine(refs, owner)
         return len(refs)
 
     # -- checks -------------------------------------------------------------------------------

@@ -18,6 +18,10 @@ What each fault changes, and the safety property (issue 10 numbering) it is mean
 - ``early_release_on_abort`` (decode): no quarantine on abort, pages are freed at once
   (``DECODE_TRANSITIONS_EARLY_RELEASE``). Breaks 3 and 4.
 - ``no_zero_on_free`` (every role): released pages are not zeroed, so stale KV stays in memory.
+- ``shared_prefix_across_tenants`` (unified and prefill): the prefix cache puts every tenant in
+  one namespace (no per-tenant salt, the CVE-2025-46570 shape): a tenant's request reads pages
+  another tenant's request computed, and its time to first token tells it so. Breaks the model
+  checker's "a page readable by two requests belongs to one tenant's salt".
 
 The incident's misconfiguration (a window larger than the prefill pool) is not a fault: it is
 ``allow_capacity_drift``, reported as ``drift``.
@@ -46,6 +50,7 @@ class Fault(StrEnum):
     SKIP_CHECKSUM = "skip_checksum"
     EARLY_RELEASE_ON_ABORT = "early_release_on_abort"
     NO_ZERO_ON_FREE = "no_zero_on_free"
+    SHARED_PREFIX_ACROSS_TENANTS = "shared_prefix_across_tenants"
 
 
 _ALL_ROLES = frozenset({"unified", "prefill", "decode"})
@@ -57,6 +62,7 @@ FAULT_ROLES: Mapping[Fault, frozenset[str]] = MappingProxyType(
         Fault.SKIP_CHECKSUM: frozenset({"decode"}),
         Fault.EARLY_RELEASE_ON_ABORT: frozenset({"decode"}),
         Fault.NO_ZERO_ON_FREE: _ALL_ROLES,
+        Fault.SHARED_PREFIX_ACROSS_TENANTS: frozenset({"unified", "prefill"}),
     }
 )
 
@@ -128,6 +134,11 @@ class FaultSet:
     @property
     def early_release(self) -> bool:
         return Fault.EARLY_RELEASE_ON_ABORT in self.faults
+
+    @property
+    def per_tenant_cache_scopes(self) -> bool:
+        """The prefix cache's namespaces are per tenant unless the shared-prefix drill is on."""
+        return Fault.SHARED_PREFIX_ACROSS_TENANTS not in self.faults
 
     def zero_on_free(self, configured: bool) -> bool:
         return configured and Fault.NO_ZERO_ON_FREE not in self.faults

@@ -7,6 +7,7 @@ than the real pool unless drift is explicitly allowed (then it is reported, neve
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from backend.core.admission import CapacityLimits
 from backend.core.errors import IsolationReason
 from backend.core.kv_manager import Allocation
 from backend.core.pages import PagePool
+from backend.core.prefix_cache import CacheScopes
 from backend.core.scheduler import Scheduler
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.core import EngineCore
@@ -89,11 +91,14 @@ def build_engine(
     scheduler_cls: type[Scheduler] = Scheduler,
     make_core: CoreFactory | None = None,
     zero_on_free: bool | None = None,
+    per_tenant_cache: bool = True,
 ) -> BuiltEngine:
     """Model, real pool, limits, scheduler, core and loop for one role.
 
     Roles with a handoff pass their scheduler class and core factory; ``zero_on_free`` overrides
-    the setting (the ``no_zero_on_free`` drill turns it off).
+    the setting (the ``no_zero_on_free`` drill turns it off), ``per_tenant_cache=False`` is the
+    ``shared_prefix_across_tenants`` drill. The prefix cache's scope key is drawn here, per
+    process: it never leaves the engine, so it needs no configuration.
     """
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
@@ -114,6 +119,7 @@ def build_engine(
         max_batch_tokens=settings.max_batch_tokens,
         max_running=settings.max_running,
         allocation=Allocation(settings.kv_allocation),
+        cache_scopes=_cache_scopes(settings, role, per_tenant_cache),
     )
     backend = None if settings.attention_backend == "auto" else settings.attention_backend
     metrics = EngineMetrics(role)
@@ -124,11 +130,21 @@ def build_engine(
         metrics.isolation_errors.labels(reason.value)
     engine = AsyncEngine(core, limits, on_step=lambda o: _observe_step(metrics, o))
     metrics.track_pool(
-        lambda: pool.free_pages, lambda: pool.owned_pages, lambda: pool.quarantined_pages
+        lambda: pool.free_pages,
+        lambda: pool.owned_pages,
+        lambda: pool.quarantined_pages,
+        lambda: pool.shared_pages,
     )
     return BuiltEngine(
         engine, model, config, tokenizer, limits, pool, kv_cache, metrics, render_chat
     )
+
+
+def _cache_scopes(settings: BackendSettings, role: str, per_tenant: bool) -> CacheScopes | None:
+    if not settings.prefix_cache or role == "decode":
+        return None
+    groups = settings.prefix_cache_groups
+    return CacheScopes.from_groups(secrets.token_bytes(32), groups, per_tenant=per_tenant)
 
 
 def _observe_step(metrics: EngineMetrics, outcome: object) -> None:
@@ -142,3 +158,8 @@ def _observe_step(metrics: EngineMetrics, outcome: object) -> None:
         metrics.zeroed_pages.inc(outcome.zeroed_pages)
     if outcome.preemptions:
         metrics.preemptions.inc(outcome.preemptions)
+    if outcome.prefix_query_tokens:
+        metrics.prefix_cache_tokens.labels("hit").inc(outcome.prefix_hit_tokens)
+        metrics.prefix_cache_tokens.labels("miss").inc(
+            outcome.prefix_query_tokens - outcome.prefix_hit_tokens
+        )

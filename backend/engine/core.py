@@ -6,7 +6,8 @@ Outside steps, ``tick`` does timed work and ``next_wakeup`` says when it is next
 engine has none (roles with handoffs override both).
 
 The verify phase is the read-path ownership check: before attention may read a request's pages,
-every (page id, generation) in its table must still be current and owned by that request. A
+every (page id, generation) in its table must still be current and the request's (owned by it,
+or a prefix-cache page it is a reader of), and the pages the step writes must be its own. A
 mismatch fails that request alone with an ``IsolationError`` (reported to the caller, counted in
 metrics, logged with ids only) and the rest of the batch runs; nothing is ever read silently.
 """
@@ -47,6 +48,8 @@ class StepOutcome:
     forward_s: float = 0.0
     zeroed_pages: int = 0
     preemptions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
     proofs: dict[str, HandoffProof] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict, repr=False)
 
@@ -84,9 +87,14 @@ class EngineCore:
         return None
 
     def step(self) -> StepOutcome:
-        preempted_before = self.scheduler.num_preemptions
+        before = self._counts()
         output = self.scheduler.schedule()
-        outcome = StepOutcome(preemptions=self.scheduler.num_preemptions - preempted_before)
+        after = self._counts()
+        outcome = StepOutcome(
+            preemptions=after[0] - before[0],
+            prefix_query_tokens=after[1] - before[1],
+            prefix_hit_tokens=after[2] - before[2],
+        )
         self._zero(output, outcome)
         if self.verify_pages:
             self._verify(output, outcome)
@@ -103,6 +111,12 @@ class EngineCore:
         outcome.logprobs = sampled.logprobs
         return outcome
 
+    def _counts(self) -> tuple[int, int, int]:
+        """Running totals the step's outcome reports the change of (for metrics)."""
+        cache = self.scheduler.kv.cache
+        stats = (0, 0) if cache is None else (cache.stats.query_tokens, cache.stats.hit_tokens)
+        return self.scheduler.num_preemptions, *stats
+
     def _zero(self, output: SchedulerOutput, outcome: StepOutcome) -> None:
         if output.pages_to_zero:
             self.runner.zero(output.pages_to_zero)
@@ -112,11 +126,13 @@ class EngineCore:
     def _verify(self, output: SchedulerOutput, outcome: StepOutcome) -> None:
         started = time.perf_counter()
         pool = self.scheduler.pool
+        size = pool.page_size
         items: list[DecodeItem | PrefillChunk] = [*output.decodes, *output.prefills]
         for item in items:
             request = item.request
+            first_write = item.position if isinstance(item, DecodeItem) else item.start
             try:
-                pool.verify(item.page_table, request.owner)
+                pool.verify(item.page_table, request.owner, writes_from=first_write // size)
             except IsolationError as error:
                 log.error("isolation check failed: %s", error.details())
                 if self.on_isolation_error is not None:

@@ -114,7 +114,11 @@ def announce_faults(service: EngineService, faults: FaultSet, settings: BackendS
 
 def build_unified(settings: BackendSettings) -> RoleRuntime:
     faults = FaultSet.parse(settings.faults, role="unified", allowed=settings.allow_fault_drills)
-    built = build_engine(settings, zero_on_free=faults.zero_on_free(settings.zero_on_free))
+    built = build_engine(
+        settings,
+        zero_on_free=faults.zero_on_free(settings.zero_on_free),
+        per_tenant_cache=faults.per_tenant_cache_scopes,
+    )
     service = make_service(built, settings, Role.UNIFIED)
     announce_faults(service, faults, settings)
     return RoleRuntime(service)
@@ -148,7 +152,12 @@ def build_prefill(
 ) -> RoleRuntime:
     faults = FaultSet.parse(settings.faults, role="prefill", allowed=settings.allow_fault_drills)
     zero = faults.zero_on_free(settings.zero_on_free)
-    built = build_engine(settings, role="prefill", zero_on_free=zero)
+    built = build_engine(
+        settings,
+        role="prefill",
+        zero_on_free=zero,
+        per_tenant_cache=faults.per_tenant_cache_scopes,
+    )
     service = make_service(built, settings, Role.PREFILL)
     announce_faults(service, faults, settings)
     pages = settings.staging_pages or built.pool.num_pages

@@ -80,6 +80,10 @@ class EngineService:
             request_id=request_id, tenant=tenant, prompt_ids=prompt_ids, sampling=sampling
         )
 
+    def available_pages(self) -> int:
+        """Free pages and idle prefix-cache pages: what a new request can have now."""
+        return self.engine.core.scheduler.kv.available_pages
+
     def own_role(self) -> RoleCapacity:
         limits, pool = self.limits, self.pool
         return RoleCapacity(
@@ -87,7 +91,7 @@ class EngineService:
             page_size=limits.page_size,
             pool_pages=limits.pool_pages,
             pool_tokens=limits.pool_tokens,
-            free_pages=pool.free_pages,
+            free_pages=self.available_pages(),
             quarantined_pages=pool.quarantined_pages,
             context_window=limits.context_window,
             max_request_tokens=limits.max_request_tokens,
@@ -111,7 +115,7 @@ class EngineService:
             page_size=limits.page_size,
             pool_pages=limits.pool_pages,
             pool_tokens=limits.pool_tokens,
-            free_pages=pool.free_pages,
+            free_pages=self.available_pages(),
             quarantined_pages=pool.quarantined_pages,
             context_window=limits.context_window,
             max_request_tokens=max_request,

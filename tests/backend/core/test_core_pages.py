@@ -43,7 +43,13 @@ def counters(pool: PagePool) -> tuple[int, int, int, int]:
 def test_transition_table_is_exactly_the_documented_lifecycle() -> None:
     assert dict(PAGE_TRANSITIONS) == {
         PageState.FREE: {PageState.OWNED},
-        PageState.OWNED: {PageState.FREE, PageState.PENDING_ZERO, PageState.QUARANTINED},
+        PageState.OWNED: {
+            PageState.FREE,
+            PageState.PENDING_ZERO,
+            PageState.QUARANTINED,
+            PageState.SHARED,
+        },
+        PageState.SHARED: {PageState.FREE, PageState.PENDING_ZERO},
         PageState.QUARANTINED: {PageState.FREE, PageState.PENDING_ZERO},
         PageState.PENDING_ZERO: {PageState.FREE},
     }

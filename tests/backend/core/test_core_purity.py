@@ -9,7 +9,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 CORE = REPO / "backend" / "core"
-ALLOWED_STDLIB = {"__future__", "collections", "dataclasses", "enum", "math", "types", "typing"}
+# hashlib/hmac/struct: the prefix cache's keys (pure computation on bytes)
+ALLOWED_STDLIB = {
+    *("__future__", "collections", "dataclasses", "enum", "math", "types", "typing"),
+    *("hashlib", "hmac", "struct"),
+}
 FORBIDDEN_CALLS = {"open", "getenv", "environ", "print", "input"}
 
 

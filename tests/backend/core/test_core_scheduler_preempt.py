@@ -143,7 +143,7 @@ def test_the_oldest_request_is_preempted_only_when_it_is_alone() -> None:
     assert (a.state, a.page_table, sched.num_running, out.is_empty) == (S.PREEMPTED, (), 0, True)
     sched.postprocess(out, {})
     sched.check_invariants(held_outside=2)
-    sched.free_reserved(held, req("outside", 1, 1).owner)
+    sched.kv.free_reserved(held, req("outside", 1, 1).owner)
     drain(sched)
     assert a.output_ids == alone(4, 8)
 

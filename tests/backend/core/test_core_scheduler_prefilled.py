@@ -146,8 +146,8 @@ def test_reserved_pages_come_back_through_the_scheduler_for_zeroing() -> None:
     with pytest.raises(InvariantViolation, match="quarantined"):
         sched.check_invariants(held_outside=2)
 
-    sched.free_reserved(freed.page_table, freed.owner)
-    sched.release_reserved_quarantine(drained.page_table, drained.owner)
+    sched.kv.free_reserved(freed.page_table, freed.owner)
+    sched.kv.release_reserved_quarantine(drained.page_table, drained.owner)
 
     assert pool.page(2).generation == 2  # leaving quarantine bumps the generation
     assert pool.page(0).generation == 1  # a plain free does not

@@ -14,6 +14,8 @@ from backend.engine.build import build_engine
 
 
 def _build(checkpoint: str, *, pool_tokens: int = 256, zero_on_free: bool = True):  # type: ignore[no-untyped-def]
+    # Without the prefix cache: these tests follow each page from allocation to zeroing (cached
+    # pages outlive their request; the cache's lifecycle has its own tests below and in core).
     settings = BackendSettings(
         model=checkpoint,
         pool_tokens=pool_tokens,
@@ -21,6 +23,7 @@ def _build(checkpoint: str, *, pool_tokens: int = 256, zero_on_free: bool = True
         zero_on_free=zero_on_free,
         max_batch_tokens=64,
         max_running=8,
+        prefix_cache=False,
     )
     return build_engine(settings)
 
@@ -142,3 +145,39 @@ def test_preemption_under_a_full_pool_keeps_every_greedy_answer(tiny_checkpoint:
     assert preemptions >= 2 and none == 0
     assert sum(r.preemptions > 0 for r in crowded) >= 2
     assert [r.output_ids for r in crowded] == [r.output_ids for r in roomy]
+
+
+def test_prefix_cache_hits_only_within_a_tenant_and_keeps_every_greedy_answer(
+    tiny_checkpoint: str,
+) -> None:
+    """The real model over cached pages: a tenant's second request with the same 60-token system
+    prompt reads 48 of its tokens from the cache and answers exactly as with the cache off;
+    another tenant with the byte-identical prompt reads none of them."""
+    system = [256] + [97 + (i * 7) % 26 for i in range(59)]
+    asks = [(system + [120, 121], "tenant-a"), (system + [122], "tenant-a")]
+    asks += [(system + [120, 121], "tenant-b"), (system + [123, 124, 125], "tenant-a")]
+
+    def run(prefix_cache: bool) -> tuple[list[list[int]], list[int]]:
+        settings = BackendSettings(
+            model=tiny_checkpoint,
+            pool_tokens=512,
+            page_size=16,
+            max_batch_tokens=64,
+            max_running=8,
+            prefix_cache=prefix_cache,
+        )
+        core = build_engine(settings).engine.core
+        outputs, hits = [], []
+        for i, (prompt, tenant) in enumerate(asks):
+            request = Request(f"r{i}", tenant, prompt, SamplingParams(max_tokens=6, temperature=0))
+            cache = core.scheduler.kv.cache
+            before = cache.stats.hit_tokens if cache else 0
+            _run_all(core, [request])
+            hits.append((cache.stats.hit_tokens if cache else 0) - before)
+            outputs.append(request.output_ids)
+        return outputs, hits
+
+    cached, hits = run(True)
+    uncached, none = run(False)
+    assert hits == [0, 48, 0, 48] and none == [0, 0, 0, 0]
+    assert cached == uncached
