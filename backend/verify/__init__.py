@@ -25,12 +25,22 @@ legacy_reject_handoff + skip_transfer_check             incident     1 evidence
 the four above + no_zero_on_free                        incident     2 owner reads
 early_release_on_abort                                  reuse        3 no free under write
 early_release_on_abort                                  reuse        4 no late read
+shared_prefix_across_tenants                            prefix       7 shared one salt
+no_zero_on_free                                         preempt      8 preempted unread
 ======================================================  ===========  =========================
 
 Each skip_* drill alone cannot break anything with an honest prefill (its check is one of three
 that all refuse the legacy placeholder), so each is shown the other way round: with the incident
 set minus that one drill, property 1 holds again (that defence alone stops the incident).
 No fault drill disables the version check, so nothing breaks property 6.
+
+The engine model (``engine_world``, bounds ``prefix`` and ``preempt``) runs one unified engine's
+own scheduler, KV manager, prefix cache and pool: shared and preempted pages, properties 7-10.
+With the shared-prefix drill, two tenants' requests read one page (7): the counterexample is the
+CVE-2025-46570 shape. Without zeroing, a page a preemption gave back is read again before anyone
+zeroed it (8); its content is still the new reader's own (9 holds: a request writes a position
+before it reads it), which is why 8 is stated on pages, not content. Nothing breaks 9 or 10: no
+drill feeds a request another's K/V or changes what it computes.
 """
 
 from __future__ import annotations
@@ -68,6 +78,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(INCIDENT_FAULTS | {Fault.NO_ZERO_ON_FREE}, "incident", Invariant.OWNER_READS),
     Mutation(frozenset({Fault.EARLY_RELEASE_ON_ABORT}), "reuse", Invariant.NO_FREE_UNDER_WRITE),
     Mutation(frozenset({Fault.EARLY_RELEASE_ON_ABORT}), "reuse", Invariant.NO_LATE_READ),
+    Mutation(frozenset({Fault.SHARED_PREFIX_ACROSS_TENANTS}), "prefix", Invariant.SHARED_ONE_SALT),
+    Mutation(frozenset({Fault.NO_ZERO_ON_FREE}), "preempt", Invariant.PREEMPTED_UNREAD),
 )
 
 __all__ = [

@@ -9,6 +9,8 @@
 - ``mixed``: prefill speaks protocol version 2, decode version 1.
 - ``large``: ``large-incident`` adds a third request to ``incident`` (without the crash);
   ``large-reuse`` gives ``reuse`` two client aborts, a prefill crash and a decode crash.
+- ``prefix`` and ``preempt`` (``large-preempt`` has two client aborts): the engine model, shared
+  and preempted pages in one unified engine (``engine_world``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
+from backend.verify.engine_world import EngineBound, EngineRequestSpec
 from backend.verify.world import Bound, RequestSpec
 
 _A, _B, _C = RequestSpec("A", 2), RequestSpec("B", 3), RequestSpec("C", 2)
@@ -82,9 +85,42 @@ LARGE_REUSE = Bound(
     decode_crashes=1,
 )
 
-BOUNDS: Mapping[str, tuple[Bound, ...]] = MappingProxyType(
+# The engine model (pages of 2 tokens). ``prefix``: three requests with byte-identical prompts,
+# tenants a and g in one operator group and b alone, arriving in any order, two client aborts.
+# ``preempt``: two requests of tenant a whose prompts share a page and one of tenant b, that fit the
+# 5-page pool alone but not together (preemption, recompute from the cache), one client abort.
+PREFIX = EngineBound(
+    "prefix",
+    (
+        EngineRequestSpec("a", (1, 2, 3), 3),
+        EngineRequestSpec("b", (1, 2, 3), 2),
+        EngineRequestSpec("g", (1, 2, 3, 1), 2),
+    ),
+    pages=8,
+    page_size=2,
+    max_running=3,
+    max_batch_tokens=4,
+    groups=(("team", ("a", "g")),),
+    client_aborts=2,
+)
+PREEMPT = EngineBound(
+    "preempt",
+    (
+        EngineRequestSpec("a", (1, 2, 3), 4),
+        EngineRequestSpec("a", (1, 2, 1), 4),
+        EngineRequestSpec("b", (2,), 3),
+    ),
+    pages=5,
+    page_size=2,
+    max_running=3,
+    max_batch_tokens=4,
+    client_aborts=1,
+)
+LARGE_PREEMPT = replace(PREEMPT, name="large-preempt", client_aborts=2)
+
+BOUNDS: Mapping[str, tuple[Bound | EngineBound, ...]] = MappingProxyType(
     {
-        "small": (INCIDENT, REUSE, MIXED),
-        "large": (LARGE_INCIDENT, LARGE_REUSE, MIXED),
+        "small": (INCIDENT, REUSE, MIXED, PREFIX, PREEMPT),
+        "large": (LARGE_INCIDENT, LARGE_REUSE, MIXED, PREFIX, LARGE_PREEMPT),
     }
 )

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from backend.disagg.faults import FaultSet
-from backend.verify.actions import successors
+from backend.verify import actions, engine_checks, engine_world
+from backend.verify.engine_world import EngineBound, EngineEvents, EngineWorld
 from backend.verify.invariants import ALL_INVARIANTS, Invariant, first_violation
 from backend.verify.render import render_world
 from backend.verify.world import Bound, Events, World
@@ -23,6 +26,38 @@ from backend.verify.world import Bound, Events, World
 LIVENESS = "liveness"
 INCOMPLETE = "incomplete"  # the state limit stopped the search: nothing was proved
 _NO_FAULTS = FaultSet()
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """What the search needs from a model: its worlds (which have ``key`` and ``done``), their
+    moves, their invariants, a way to forget the last move's events, and a picture."""
+
+    initial: Callable[[Any, FaultSet], Any]
+    successors: Callable[[Any], Iterator[tuple[str, Any]]]
+    violation: Callable[[Any, frozenset[Invariant]], tuple[Invariant, str] | None]
+    settle: Callable[[Any], None]
+    render: Callable[[Any], str]
+
+
+def _settle_handoff(world: World) -> None:
+    world.events = Events()
+
+
+def _settle_engine(world: EngineWorld) -> None:
+    world.events = EngineEvents()
+
+
+# The prefill -> decode handoff (world, actions, invariants 1-6) and one engine with shared and
+# preempted pages (engine_world, engine_checks, invariants 7-10).
+HANDOFF = Model(World.initial, actions.successors, first_violation, _settle_handoff, render_world)
+ENGINE = Model(
+    EngineWorld.initial,
+    engine_world.successors,
+    engine_checks.first_violation,
+    _settle_engine,
+    engine_checks.render,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +83,7 @@ class Report:
 
 
 def check(
-    bound: Bound,
+    bound: Bound | EngineBound,
     faults: FaultSet = _NO_FAULTS,
     *,
     invariants: frozenset[Invariant] = ALL_INVARIANTS,
@@ -56,9 +91,10 @@ def check(
     max_states: int = 2_000_000,
 ) -> Report:
     started = time.perf_counter()
-    root = World.initial(bound, faults)
+    model = ENGINE if isinstance(bound, EngineBound) else HANDOFF
+    root = model.initial(bound, faults)
     index: dict[tuple[object, ...], int] = {root.key(): 0}
-    worlds: list[World | None] = [root]
+    worlds: list[Any] = [root]
     parent: list[tuple[int, str]] = [(-1, "initial state")]
     edges: list[list[int]] = [[]]
     finished: list[bool] = [root.done()]
@@ -66,7 +102,7 @@ def check(
     transitions = 0
 
     def report(violated: str | None, problem: str, at: int | None) -> Report:
-        trace = _trace(at, parent, bound, faults) if at is not None else ()
+        trace = _trace(model, at, parent, bound, faults) if at is not None else ()
         return Report(
             bound.name,
             tuple(faults.names),
@@ -82,10 +118,10 @@ def check(
         here = frontier.popleft()
         world = worlds[here]
         assert world is not None
-        for label, nxt in successors(world):
+        for label, nxt in model.successors(world):
             transitions += 1
-            found = first_violation(nxt, invariants)
-            nxt.events = Events()
+            found = model.violation(nxt, invariants)
+            model.settle(nxt)
             key = nxt.key()
             there = index.get(key)
             if there is None:
@@ -136,9 +172,10 @@ def _stuck(finished: list[bool], edges: list[list[int]]) -> int | None:
 
 
 def _trace(
+    model: Model,
     at: int,
     parent: list[tuple[int, str]],
-    bound: Bound,
+    bound: Bound | EngineBound,
     faults: FaultSet,
 ) -> tuple[Step, ...]:
     """Replay the path to ``at`` from the initial state, rendering each world on the way."""
@@ -148,10 +185,10 @@ def _trace(
         node, label = parent[node]
         labels.append(label)
     labels.reverse()
-    world = World.initial(bound, faults)
-    steps = [Step("initial state", render_world(world))]
+    world = model.initial(bound, faults)
+    steps = [Step("initial state", model.render(world))]
     for label in labels:
-        world = next(w for lab, w in successors(world) if lab == label)
-        steps.append(Step(label, render_world(world)))
-        world.events = Events()
+        world = next(w for lab, w in model.successors(world) if lab == label)
+        steps.append(Step(label, model.render(world)))
+        model.settle(world)
     return tuple(steps)

@@ -13,6 +13,9 @@
 6. ``versions``: with mismatched protocol versions no write is committed and nothing is accepted.
 
 ``P0`` (``pool_books``): the real ``PagePool.check_invariants`` after every move.
+
+Properties 7-10 and ``p1`` are the engine model's (shared and preempted pages in one unified
+engine): ``backend.verify.engine_checks`` judges them.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ class Invariant(StrEnum):
     REJECTION = "5-rejection"
     VERSIONS = "6-versions"
     POOL_BOOKS = "p0-pool-books"
+    # the engine model (backend.verify.engine_checks)
+    SHARED_ONE_SALT = "7-shared-one-salt"
+    PREEMPTED_UNREAD = "8-preempted-unread"
+    OWN_KV = "9-own-kv"
+    ANSWERS = "10-answers"
+    ENGINE_BOOKS = "p1-engine-books"
 
 
 ALL_INVARIANTS = frozenset(Invariant)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 
@@ -101,3 +102,32 @@ def test_verify_finds_the_restarted_prefill_gap_when_writes_outlive_their_writer
     labels = [step.label for step in report.trace]
     assert "prefill crashes and restarts" in labels
     assert any("quiesced=True state=unknown_or_done" in label for label in labels)
+
+
+def test_verify_engine_model_salt_drill_trace_shows_two_tenants_reading_one_page() -> None:
+    from backend.verify.bounds import PREFIX
+
+    report = _check(
+        PREFIX,
+        FaultSet(frozenset({Fault.SHARED_PREFIX_ACROSS_TENANTS})),
+        invariants=frozenset({Invariant.SHARED_ONE_SALT}),
+        liveness=False,
+    )
+    # b, alone in its scope by configuration, reads a page with a or g (one group)
+    assert re.search(r"is readable by r\d, r\d of tenants (a, b|b, g)$", report.problem)
+    assert re.search(r"shared/g\d/r\d\+r\d", report.trace[-1].picture)
+    assert report.trace[-1].label == "engine step"
+
+
+def test_verify_engine_model_group_members_may_share_and_nothing_else_does() -> None:
+    """Without the drill, the same bound passes 7 although a and g (one group) share pages."""
+    from backend.verify.bounds import PREFIX
+    from backend.verify.engine_world import EngineWorld, successors
+
+    report = check(PREFIX, invariants=frozenset({Invariant.SHARED_ONE_SALT}), liveness=False)
+    assert report.passed, render(report)
+    world = EngineWorld.initial(PREFIX, FaultSet())
+    for label in ("submit r0 (tenant a)", "engine step", "submit r2 (tenant g)", "engine step"):
+        world = next(w for lab, w in successors(world) if lab == label)
+    readers = world.sched.pool.page(0).readers
+    assert {owner.tenant for owner in readers} == {"a", "g"}  # the group shares page 0
