@@ -144,8 +144,9 @@ PROXY_LOG_CONFIG = {
 
 
 def start_litellm_proxy(
-    engine_url: str, engine_model: str, tmp: Path
+    engine_url: str, engine_model: str, tmp: Path, *, prefix: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen[str], str]:
+    """The proxy's process and URL; ``prefix`` runs it under another command (``taskset``)."""
     config = tmp / "litellm.yaml"
     config.write_text(proxy_config(engine_url, engine_model))
     log_config = tmp / "litellm-logging.json"
@@ -153,7 +154,7 @@ def start_litellm_proxy(
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(OFFLINE_ENV, LITELLM_LOG="ERROR", DISABLE_ADMIN_UI="True", NO_DOCS="True")
-    argv = [str(LITELLM_VENV / "bin" / "litellm"), "--config", str(config)]
+    argv = [*prefix, str(LITELLM_VENV / "bin" / "litellm"), "--config", str(config)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
     argv += ["--log_config", str(log_config)]
     log = (tmp / "litellm.log").open("w")

@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 import httptools
 import uvloop
 
+from bench.relay_http import HttpConnection, RequestReader
+
 # ---- the naive floor: aiohttp ------------------------------------------------------------------
 
 
@@ -72,18 +74,17 @@ def run_aiohttp(port: int, upstream: str) -> None:
 # ---- the lean floor: raw protocols -------------------------------------------------------------
 
 
-class Upstream(asyncio.Protocol):
+class Upstream(HttpConnection):
     """One kept-alive connection to the engine; relays one answer at a time to ``client``."""
 
     def __init__(self, pool: Pool) -> None:
+        super().__init__(httptools.HttpResponseParser)
         self.pool = pool
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
         self.client: Client | None = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio subclass
+        super().connection_made(transport)
         self.ready.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -96,11 +97,7 @@ class Upstream(asyncio.Protocol):
         client = self.client
         if client is not None:
             client.write(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self.transport is not None:
-                self.transport.close()
+        super().data_received(data)
 
     def on_message_complete(self) -> None:
         client, self.client = self.client, None
@@ -128,20 +125,14 @@ class Pool:
         return conn
 
 
-class Client(asyncio.Protocol):
+class Client(RequestReader):
     """One client connection: parse a request, forward it, pass the answer's bytes back."""
 
     def __init__(self, pool: Pool, host_header: bytes) -> None:
+        super().__init__()
         self.pool = pool
         self.host_header = host_header
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.url = b""
-        self.body: list[bytes] = []
         self.upstream: Upstream | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -150,22 +141,7 @@ class Client(asyncio.Protocol):
             upstream.client = None
             upstream.transport.close()  # mid-answer: the engine sees the client go away
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self.transport is not None:
-                self.transport.close()
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        url, self.url = self.url, b""
-        body, self.body = b"".join(self.body), []
+    def request(self, url: bytes, body: bytes) -> None:
         head = (
             b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n" % (url, self.host_header, len(body))

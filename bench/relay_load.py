@@ -26,6 +26,8 @@ from typing import Any
 
 import httptools
 
+from bench.relay_http import HttpConnection
+
 DONE_TAIL = b"data: [DONE]\n\n"
 
 
@@ -145,13 +147,12 @@ class Samples:
         return self.ok / self.wall_s if self.wall_s else 0.0
 
 
-class Conn(asyncio.Protocol):
+class Conn(HttpConnection):
     """One kept-alive client connection; one request at a time."""
 
     def __init__(self, driver: Driver) -> None:
+        super().__init__(httptools.HttpResponseParser)
         self.driver = driver
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
         self.samples: Samples | None = None
         self.busy = False
         self.status = 0
@@ -162,20 +163,10 @@ class Conn(asyncio.Protocol):
         self.stream = False
         self.lateness_s = 0.0
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio subclass
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         if self.busy:
             self._end(ok=False)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self.transport is not None:
-                self.transport.close()
 
     def send(self, request: bytes, samples: Samples, workload: Workload) -> None:
         self.busy, self.samples, self.status = True, samples, 0

@@ -38,11 +38,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import httptools
 import uvloop
 
 from backend.bundled.chat import TOKENIZER_ID, count_tokens
 from backend.server.schema import CapacityReport, Role
+from bench.relay_http import RequestReader
 
 MODEL = "standin-model"
 ANSWER = (
@@ -198,42 +198,23 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-class StandinProtocol(asyncio.Protocol):
+class StandinProtocol(RequestReader):
     """One client connection: HTTP/1.1 keep-alive, one request at a time."""
 
     def __init__(self, standin: Standin) -> None:
+        super().__init__()
         self.standin = standin
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.url = b""
-        self.body: list[bytes] = []
         self.timers: list[asyncio.TimerHandle] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio subclass
 
     def connection_lost(self, exc: Exception | None) -> None:
         for timer in self.timers:
             timer.cancel()
         self.transport = None
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self._send(400, _JSON, b'{"error":{"message":"bad request"}}')
-            if self.transport is not None:
-                self.transport.close()
+    def refused(self) -> None:
+        self._send(400, _JSON, b'{"error":{"message":"bad request"}}')
 
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        url, self.url = self.url, b""
-        body, self.body = b"".join(self.body), []
+    def request(self, url: bytes, body: bytes) -> None:
         path = url.split(b"?", 1)[0]
         method = self.parser.get_method()
         if method == b"GET":

@@ -19,22 +19,16 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from bench.bench_proxy import (
-    LITELLM_VENV,
-    OFFLINE_ENV,
-    PROXY_KEY,
-    PROXY_LOG_CONFIG,
-    ensure_litellm_venv,
-)
+from bench.bench_proxy import PROXY_KEY, PROXY_MODEL, ensure_litellm_venv, start_litellm_proxy
 from bench.relay_standin import MODEL
 from kvguard.localservices import free_port, postgres_server, redis_server
 
 RELAY_CPU = 0
 LOAD_CPU = 1
-PROXY_MODEL = "bench-standin"  # no "llama" in it: litellm's token counter stalls on such names
 TENANT_PLAN = {"requests_per_minute": 1_000_000, "tokens_per_minute": 100_000_000}
 
 
@@ -63,7 +57,7 @@ def _on_relay_cpu(argv: list[str]) -> list[str]:
     return ["taskset", "-c", str(RELAY_CPU), *argv] if pinned() else argv
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _stop(proc: subprocess.Popen[Any]) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -73,7 +67,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 120) -> None:
+def _wait_http(url: str, proc: subprocess.Popen[Any], log: Path, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -172,36 +166,20 @@ class Systems:
         return Relay(name, port, MODEL, proc.pid, keys)
 
     def litellm(self, upstream: str) -> Relay | str:
-        """The LiteLLM proxy (its own venv, offline), or why it is not measured."""
+        """The LiteLLM proxy (its own venv, offline; ``bench_proxy``'s), or why it is not
+        measured."""
         missing = ensure_litellm_venv()
         if missing is not None:
             return missing
-        config = self.tmp / "litellm.yaml"
-        config.write_text(
-            "model_list:\n"
-            f"  - model_name: {PROXY_MODEL}\n"
-            "    litellm_params:\n"
-            f"      model: openai/{MODEL}\n"
-            f"      api_base: {upstream}/v1\n"
-            "      api_key: unused\n"
-            "general_settings:\n"
-            f"  master_key: {PROXY_KEY}\n"
-            "litellm_settings:\n"
-            "  telemetry: false\n"
-        )
-        log_config = self.tmp / "litellm-logging.json"
-        log_config.write_text(json.dumps(PROXY_LOG_CONFIG))
-        port = free_port()
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(OFFLINE_ENV, LITELLM_LOG="ERROR", DISABLE_ADMIN_UI="True", NO_DOCS="True")
-        argv = [str(LITELLM_VENV / "bin" / "litellm"), "--config", str(config)]
-        argv += ["--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
-        argv += ["--log_config", str(log_config)]
-        proc, log = self._spawn("litellm", _on_relay_cpu(argv), env)
+        prefix = _on_relay_cpu([])
+        proc, url = start_litellm_proxy(upstream, MODEL, self.tmp, prefix=tuple(prefix))
+        self.stack.callback(_stop, proc)
+        log = self.tmp / "litellm.log"
         try:
-            _wait_http(f"http://127.0.0.1:{port}/health/liveliness", proc, log, timeout_s=240)
+            _wait_http(f"{url}/health/liveliness", proc, log, timeout_s=240)
         except RuntimeError as exc:
             return str(exc)
+        port = int(url.rsplit(":", 1)[1])
         return Relay("LiteLLM proxy", port, PROXY_MODEL, proc.pid, (PROXY_KEY,))
 
 
@@ -229,17 +207,21 @@ def _wait_routable(port: int, key: str, proc: subprocess.Popen[bytes], log: Path
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited: {log.read_text()[-2000:]}")
-        response = httpx.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=10,
-        )
-        if response.status_code == 200:
-            return
-        last = response.text[:300]
+        try:
+            response = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=10,
+            )
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        else:
+            if response.status_code == 200:
+                return
+            last = response.text[:300]
         time.sleep(0.3)
-    raise RuntimeError(f"gateway never answered a completion: {last}")
+    raise RuntimeError(f"gateway never answered a completion: {last}; {log.read_text()[-2000:]}")
 
 
 def create_tenants(database_url: str, count: int, *, canary_rate: float) -> list[str]:

@@ -68,7 +68,7 @@ def cpu_model() -> str:
 
 
 def commit() -> str:
-    """The checked-out commit, ``+dirty`` when tracked files differ from it."""
+    """The checked-out commit, ``+dirty`` when tracked files (other than results) differ."""
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -76,7 +76,16 @@ def commit() -> str:
         ).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # bench/results/ holds what the benchmarks write: a run before this one leaves it changed
+    changed = git(
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+        "--",
+        ":(top)",
+        ":(top,exclude)bench/results",
+    )
+    return head + ("+dirty" if changed else "")
 
 
 def load_average() -> str:
