@@ -304,6 +304,15 @@ def update(target: Path | None = None) -> bool:
     return new != text
 
 
+def refresh_page() -> None:
+    """After a run of record: the page shows its results (or one line says why it cannot)."""
+    try:
+        target = page()
+        print(f"{target} {'updated' if update(target) else 'already current'}")
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"benchmark page not updated: {exc}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="copy bench/results/relay*.md into the benchmark page"
