@@ -193,10 +193,11 @@ def gateway_env(redis_url: str, database_url: str) -> dict[str, str]:
         "KVGUARD_CANARY_ENABLED": "1",
         "KVGUARD_CANARY_KEY": _SECRETS["canary"],
         "KVGUARD_CANARY_KEY_ID": "1",
+        "KVGUARD_ENGINE_TOKEN": _SECRETS["engine"],  # presented to the stand-in, which ignores it
     }
 
 
-_SECRETS = {name: secrets.token_urlsafe(32) for name in ("admin", "metrics", "canary")}
+_SECRETS = {name: secrets.token_urlsafe(32) for name in ("admin", "metrics", "canary", "engine")}
 
 
 def _wait_routable(port: int, key: str, proc: subprocess.Popen[bytes], log: Path) -> None:

@@ -22,6 +22,7 @@ from bench.bench_relay import Bench, parse_args, prompt_of
 from bench.relay_load import Driver, Samples, Workload, chat_request, cpu_between, cpu_snapshot
 from bench.relay_report import Max, Outcome, goals, growth_table, main_table
 from bench.relay_standin import MODEL, answer_tokens, build_answer, usage
+from bench.relay_systems import gateway_env
 from bench.summary import parse
 from kvguard.localservices import free_port
 
@@ -267,3 +268,18 @@ def test_report_names_the_command_machine_load_and_workload() -> None:
     assert "`python -m bench.bench_relay --quick` at commit" in text
     assert "before: 1.0 / 2.0 / 3.0; after: 1.5 / 2.0 / 3.0" in text
     assert "64-token answers (67 SSE events, one every 10 ms)" in text
+
+
+def test_the_benchmarked_gateway_settings_pass_production_checks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gateway under test runs in production mode: every secret it needs is set, strong."""
+    from canary.config import CanarySettings
+    from gateway.config import GatewaySettings
+
+    env = gateway_env("redis://127.0.0.1:1/0", "postgresql+psycopg://postgres@127.0.0.1:1/x")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = GatewaySettings()
+    assert settings.mode.value == "production" and settings.redis_url
+    assert CanarySettings().canary_enabled
