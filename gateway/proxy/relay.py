@@ -47,7 +47,7 @@ from gateway.lifecycle import Phase
 from gateway.proxy.context import HandoffProof, parse_handoff
 from gateway.proxy.side import InvalidSide, SideScreen, tail_chunk
 from gateway.upstream.base import Endpoint
-from gateway.upstream.sse import DONE, encode_event
+from gateway.upstream.sse import DONE, encode_event, parse_event
 
 MAX_CHOICES = 16
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -333,15 +333,6 @@ def _fill_logprobs(endpoint: Endpoint, choice: dict[str, Any]) -> bool:
 
 
 # -- event parsing ---------------------------------------------------------------------------
-
-
-def parse_event(raw: bytes) -> tuple[str | None, bool]:
-    """(data, canonical): the event's data (None: a comment or keep-alive), and whether every
-    line of it is a ``data:`` line (only then may its bytes pass through as they are)."""
-    lines = raw.decode("utf-8", errors="replace").splitlines()
-    data = [line[5:].removeprefix(" ") for line in lines if line.startswith("data:")]
-    canonical = len(data) == sum(1 for line in lines if line)
-    return ("\n".join(data) if data else None), canonical
 
 
 def parse_json(data: str) -> Any:

@@ -46,11 +46,19 @@ class SseSplitter:
         return tail
 
 
-def event_data(raw: bytes) -> str | None:
-    """The event's data (multi-line data joined by newlines), or None for comments/keep-alives."""
-    lines = raw.decode("utf-8", errors="replace").splitlines()
+# SSE ends a line only at CRLF, CR or LF; str.splitlines() would also break inside an answer at
+# U+2028, U+2029, U+0085 and a few control characters that engines send raw in JSON strings.
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def parse_event(raw: bytes) -> tuple[str | None, bool]:
+    """(data, canonical): the event's data (multi-line data joined by newlines; None for a
+    comment or keep-alive), and whether every line of it is a ``data:`` line (only then may its
+    bytes pass through as they are)."""
+    lines = _LINE_END.split(raw.decode("utf-8", errors="replace"))
     data = [line[5:].removeprefix(" ") for line in lines if line.startswith("data:")]
-    return "\n".join(data) if data else None
+    canonical = len(data) == sum(1 for line in lines if line)
+    return ("\n".join(data) if data else None), canonical
 
 
 def encode_event(payload: dict[str, Any] | str) -> bytes:

@@ -20,7 +20,7 @@ from gateway.lifecycle import (
 )
 from gateway.proxy.relay import StreamRelay, relay_body
 from gateway.upstream.base import Endpoint
-from gateway.upstream.sse import EventTooLarge, SseSplitter, encode_event, event_data
+from gateway.upstream.sse import EventTooLarge, SseSplitter, encode_event, parse_event
 
 STREAM = (
     b'data: {"choices":[{"index":0,"delta":{"content":"he"},"finish_reason":null}]}\n\n'
@@ -42,12 +42,31 @@ def test_splitter_is_exact_at_any_chunking(cuts: list[int]) -> None:
 
 
 def test_event_data_and_limits() -> None:
-    assert event_data(b"data: [DONE]\n\n") == "[DONE]"
-    assert event_data(b": comment\n\n") is None
-    assert event_data(b"data: a\ndata: b\n\n") == "a\nb"
+    assert parse_event(b"data: [DONE]\n\n") == ("[DONE]", True)
+    assert parse_event(b": comment\n\n") == (None, False)
+    assert parse_event(b"data: a\ndata: b\n\n") == ("a\nb", True)
+    assert parse_event(b"data: a\r\ndata: b\rdata: c\n\n") == ("a\nb\nc", True)
     assert encode_event({"a": 1}) == b'data: {"a":1}\n\n'
     with pytest.raises(EventTooLarge):
         SseSplitter(max_event_bytes=10).feed(b"data: " + b"x" * 20)
+
+
+# Characters str.splitlines() breaks at but SSE does not: SSE ends a line only at CR, LF or CRLF.
+NOT_SSE_LINE_BREAKS = "\u2028\u2029\u0085\x0b\x0c\x1c\x1d\x1e"
+
+
+def test_only_cr_and_lf_end_an_sse_line() -> None:
+    payload = json.dumps({"text": NOT_SSE_LINE_BREAKS}, ensure_ascii=False)
+    assert parse_event(f"data: {payload}\n\n".encode()) == (payload, True)
+
+
+def test_an_answer_holding_unicode_line_separators_streams_through() -> None:
+    """Engines that serialise with raw UTF-8 (pydantic's model_dump_json) send U+2028 as is."""
+    chunk = {"choices": [{"index": 0, "delta": {"content": NOT_SSE_LINE_BREAKS}}]}
+    raw = f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+    relay = StreamRelay(endpoint=Endpoint.CHAT, open_guard=PassThroughGuard, wants_usage=False)
+    step = relay.on_event(raw)
+    assert (step.out, step.end) == ([raw], None)
 
 
 def _run(relay: StreamRelay) -> tuple[bytes, Phase | None]:
