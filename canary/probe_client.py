@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from gateway.hooks import ENGINE_HEADER
+from gateway.upstream.sse import SseSplitter, parse_event
 
 KEY_LIFETIME_S = 3600
 KEY_NAME = "canary-probe"
@@ -182,13 +183,15 @@ class GatewayClient:
 
 async def _events(r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     """The JSON objects of an SSE body, up to ``[DONE]``."""
-    async for line in r.aiter_lines():
-        data = line[5:].strip() if line.startswith("data:") else ""
-        if data == "[DONE]":
-            return
-        if data:
-            obj = json.loads(data)
-            yield obj if isinstance(obj, dict) else {}
+    splitter = SseSplitter()  # SSE lines end at CR/LF only; aiter_lines also breaks at U+2028
+    async for chunk in r.aiter_bytes():
+        for event in splitter.feed(chunk):
+            data = (parse_event(event)[0] or "").strip()
+            if data == "[DONE]":
+                return
+            if data:
+                obj = json.loads(data)
+                yield obj if isinstance(obj, dict) else {}
 
 
 def _tenant(tenant_id: str, name: str, key: dict[str, Any]) -> ProbeTenant:
