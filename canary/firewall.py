@@ -31,9 +31,12 @@ from gateway.proxy.side import choice_texts
 log = logging.getLogger("kvguard.canary")
 
 ISOLATION_CODE = "isolation_violation"
+# The same text for a cut stream's error event and a cut answer's 502 (sent with
+# ``x-should-retry: false``): it advises no retry, which could reach the same engine again, and
+# claims nothing about recording, which happens after the cut and can fail.
 CUT_MESSAGE = (
     "This response was stopped because it contained data that does not belong to this request. "
-    "The event has been recorded; retry the request."
+    "Do not retry it automatically; give the operator its request id (the x-request-id header)."
 )
 UNDECIDED_CODE = "upstream_error"
 UNDECIDED_MESSAGE = "the engine sent a field the gateway cannot vouch for"

@@ -249,6 +249,11 @@ async def test_the_sdk_sees_isolation_violation_after_a_cut_with_its_default_ret
     check("ErrorResponse", error.response.json())
     assert len(worker.traffic.bodies) == asked + 1  # no retry reached the engine
     assert marker[:6] not in error.response.text
+    # The text agrees with the header (no advice to retry) and promises nothing the gateway
+    # cannot keep (a finding is stored after the answer is cut, and can fail to be).
+    message = error.response.json()["error"]["message"]
+    assert "retry the request" not in message and "recorded" not in message
+    assert "does not belong to this request" in message
 
 
 async def test_a_marker_split_across_streamed_tool_call_arguments_is_cut(served: Any) -> None:
