@@ -50,6 +50,8 @@ class Tokenizer(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
+    def token_text(self, token_id: int) -> str: ...
+
     def stream_decoder(self, prompt_ids: Sequence[int] = ()) -> StreamDecoder: ...
 
 
@@ -93,6 +95,10 @@ class ByteTokenizer:
         """The raw bytes a token stands for (none for specials)."""
         return bytes([token_id]) if 0 <= token_id < 256 else b""
 
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (logprobs' ``token``): a lone byte of a character is U+FFFD."""
+        return self.decode([token_id])
+
     def stream_decoder(self, prompt_ids: Sequence[int] = ()) -> ByteStreamDecoder:
         return ByteStreamDecoder()  # bytes need no left context
 
@@ -107,19 +113,20 @@ def _text_bytes(ids: Sequence[int]) -> bytes:
 class HFTokenizer:
     """A `tokenizers.Tokenizer` from `tokenizer.json` (see the module docstring)."""
 
-    __slots__ = ("_bytes", "_eos", "_stops", "_tok")
+    __slots__ = ("_bytes", "_eos", "_marker", "_stops", "_tok")
 
     def __init__(self, path: Path, config: ModelConfig) -> None:
         try:
             self._tok = RustTokenizer.from_file(str(path))
-            decoder = json.loads(path.read_text(encoding="utf-8")).get("decoder")
+            spec = json.loads(path.read_text(encoding="utf-8"))
         except Exception as exc:  # the Rust side raises plain Exception on any parse error
             raise CheckpointError(path, f"cannot be parsed: {exc}") from exc
         if self.vocab_size > config.vocab_size:
             raise CheckpointError(
                 path, f"{self.vocab_size} tokens exceed the model's vocab_size {config.vocab_size}"
             )
-        self._bytes = TokenBytes(self._tok, _byte_scheme(decoder))
+        self._bytes = TokenBytes(self._tok, _byte_scheme(spec.get("decoder")))
+        self._marker = _space_marker(spec.get("pre_tokenizer"))
         self._eos = config.eos_token_ids[0]
         self._stops = frozenset(config.eos_token_ids)
 
@@ -156,6 +163,18 @@ class HFTokenizer:
             return self.decode([token_id]).encode("utf-8")
         return self._bytes.of(token_id)
 
+    def token_text(self, token_id: int) -> str:
+        """A token's own text, as vLLM reports it in logprobs (``convert_ids_list_to_tokens``):
+        decoded alone, with the leading spaces its Metaspace markers stand for put back
+        (decoding ``▁Hello`` alone strips the space the decoder takes for the prompt's own)."""
+        text = self.decode([token_id])
+        if self._marker is None:
+            return text
+        piece = self._tok.id_to_token(token_id) or ""
+        markers = len(piece) - len(piece.lstrip(self._marker))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
     def stream_decoder(self, prompt_ids: Sequence[int] = ()) -> HFStreamDecoder:
         return HFStreamDecoder(self.decode, self._bytes, prompt_ids)
 
@@ -172,6 +191,18 @@ def _byte_scheme(decoder: Any) -> str | None:
     if kind == "Sequence":
         schemes = {_byte_scheme(d) for d in decoder.get("decoders", [])} - {None}
         return schemes.pop() if len(schemes) == 1 else None
+    return None
+
+
+def _space_marker(pre_tokenizer: Any) -> str | None:
+    """The character a Metaspace pre-tokenizer writes for a space (``▁``), or None."""
+    if not isinstance(pre_tokenizer, dict):
+        return None
+    if pre_tokenizer.get("type") == "Metaspace":
+        return str(pre_tokenizer.get("replacement", "▁"))
+    if pre_tokenizer.get("type") == "Sequence":
+        found = [_space_marker(p) for p in pre_tokenizer.get("pretokenizers", [])]
+        return next((m for m in found if m is not None), None)
     return None
 
 

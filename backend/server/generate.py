@@ -203,7 +203,7 @@ def _token_text(service: EngineService) -> fmt.TokenText:
 
     def token_text(token: int) -> tuple[str, tuple[int, ...]]:
         # the raw bytes: a lone byte of a multi-byte character is that byte, not U+FFFD's
-        return tokenizer.decode([token]), tuple(tokenizer.token_bytes(token))
+        return tokenizer.token_text(token), tuple(tokenizer.token_bytes(token))
 
     return token_text
 

@@ -10,6 +10,7 @@ character cut by the end of generation is left out instead of sent as U+FFFD.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import transformers
@@ -19,6 +20,7 @@ from tiny_families import FAMILIES, PROMPTS, REPLACEMENT, assert_honest, complet
 
 from backend.model.config import ModelConfig
 from backend.model.tokenizer import ByteTokenizer, load_tokenizer
+from backend.server.generate import _token_text
 
 
 def engine_and_hf(path):
@@ -162,3 +164,31 @@ def test_token_bytes_are_the_raw_bytes_transformers_decodes(family_checkpoint, n
         assert data.decode("utf-8").removeprefix(" ") == text, text
     specials = [i for i, t in hf.added_tokens_decoder.items() if t.special]
     assert specials and all(tok.token_bytes(i) == b"" for i in specials)
+
+
+def logprobs_token(tok, token_id):
+    """The ``token`` and ``bytes`` the engine's logprobs report for one token id."""
+    text, raw = _token_text(SimpleNamespace(tokenizer=tok))(token_id)
+    return text, bytes(raw)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_token_text_is_the_text_of_the_token_bytes(family_checkpoint, name):
+    """What logprobs report as a token's `token` (vLLM's convert_ids_list_to_tokens: decode the
+    one token, then restore the leading spaces decoding it alone strips): the text of its bytes
+    where those are whole characters, U+FFFD for the bytes of a character it holds only part of."""
+    tok, hf = engine_and_hf(family_checkpoint(name))
+    for text in PROMPTS:
+        for i in hf(text, add_special_tokens=False)["input_ids"]:
+            token, raw = logprobs_token(tok, i)
+            assert token == raw.decode("utf-8", errors="replace"), hf.convert_ids_to_tokens(i)
+
+
+def test_a_metaspace_token_keeps_its_leading_space(family_checkpoint):
+    """Llama 2's ``▁w``: decoding it alone strips the space the piece stands for."""
+    tok, hf = engine_and_hf(family_checkpoint("llama2"))
+    ids = hf("Hello world", add_special_tokens=False)["input_ids"]
+    [word] = [i for i in ids if hf.convert_ids_to_tokens(i) == "▁w"]  # the tiny vocabulary's
+    assert tok.decode([word]) == "w"
+    assert logprobs_token(tok, word) == (" w", b" w")
+    assert logprobs_token(ByteTokenizer(), 0x41) == ("A", b"A")
