@@ -44,11 +44,10 @@ class CanarySettings(KvguardSettings):
         "clears it); off only where an engine must keep serving while findings are reviewed",
     )
     canary_quarantine_on_suspected: bool = Field(
-        default=True,
-        description="with canary_quarantine_on_cut: also quarantine for a cut whose findings are "
-        "all suspected (a damaged copy showing a foreign tenant's tag, no MAC). On by default: a "
-        "tag is never delivered whole and a request carrying one is refused, so no tenant can aim "
-        "one; off where an engine must not be taken out of routing on unauthenticated evidence",
+        default=False,
+        description="with canary_quarantine_on_cut: also quarantine for a suspected finding (a "
+        "damaged copy showing a foreign tenant's tag, no MAC). Off by default: unauthenticated "
+        "evidence alerts without taking an engine out of routing",
     )
     canary_inject_completions: bool = Field(
         default=True,

@@ -18,9 +18,10 @@ Kinds and severities:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
 from sqlalchemy import Boolean, Float, Index, Integer, String, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
@@ -117,6 +118,28 @@ class NewFinding:
     victim_engine: str | None = None
     key_id: int | None = None
     detail: str | None = None
+    detected_at: datetime | None = None  # None: when stored
+
+    def to_record(self) -> dict[str, Any]:
+        """As JSON-ready values (``canary.keeper`` spools findings before they are stored)."""
+        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("kind", "severity", "evidence", "action"):
+            raw[name] = raw[name].value
+        raw["detected_at"] = (self.detected_at or utcnow()).isoformat()
+        return raw
+
+    @classmethod
+    def from_record(cls, raw: dict[str, Any]) -> NewFinding:
+        return cls(
+            **{
+                **raw,
+                "kind": FindingKind(raw["kind"]),
+                "severity": FindingSeverity(raw["severity"]),
+                "evidence": Evidence(raw["evidence"]),
+                "action": Action(raw["action"]),
+                "detected_at": datetime.fromisoformat(raw["detected_at"]),
+            }
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +156,7 @@ class NewProbeRun:
 
 def store_finding(session: Session, finding: NewFinding) -> CanaryFinding:
     row = CanaryFinding(
-        detected_at=utcnow(),
+        detected_at=finding.detected_at or utcnow(),
         kind=finding.kind.value,
         severity=finding.severity.value,
         evidence=finding.evidence.value,
@@ -150,6 +173,19 @@ def store_finding(session: Session, finding: NewFinding) -> CanaryFinding:
     session.add(row)
     session.flush()
     return row
+
+
+def stored_already(session: Session, finding: NewFinding) -> bool:
+    """Whether this finding (same request, kind and detection instant) is stored: a spooled one
+    may be written again after a crash between the write and the spool's clean-up."""
+    if finding.detected_at is None:
+        return False
+    query = select(CanaryFinding.id).where(
+        CanaryFinding.observer_request_id == finding.observer_request_id,
+        CanaryFinding.kind == finding.kind.value,
+        CanaryFinding.detected_at == finding.detected_at,
+    )
+    return session.scalars(query.limit(1)).first() is not None
 
 
 def list_findings(

@@ -33,7 +33,8 @@ log = logging.getLogger("kvguard.canary")
 ISOLATION_CODE = "isolation_violation"
 # The same text for a cut stream's error event and a cut answer's 502 (sent with
 # ``x-should-retry: false``): it advises no retry, which could reach the same engine again, and
-# claims nothing about recording, which happens after the cut and can fail.
+# claims nothing about recording, which happens after the cut and can fail (the finding is
+# spooled then, ``canary.keeper``, but the client is not told what cannot be promised).
 CUT_MESSAGE = (
     "This response was stopped because it contained data that does not belong to this request. "
     "Do not retry it automatically; give the operator its request id (the x-request-id header)."

@@ -12,8 +12,9 @@ Lifecycle of one request's markers (``RequestMarkers`` in the ``MarkerLedger``):
    this request's markers.
 2. Otherwise, with the tenant's ``canary_sample_rate``, a fresh marker is injected and becomes the
    request's *own* marker: the firewall strips it from what the tenant receives.
-3. The firewall opens its guards with the ledger's entry; ``on_finish`` pops it (the ledger holds
-   in-flight requests only).
+3. The firewall opens its guards with the ledger's entry (every request has one: it also holds
+   the body the client sent, where a cut looks for the marker it found, ``canary.evidence``);
+   ``on_finish`` pops it (the ledger holds in-flight requests only).
 
 Where the marker goes (chosen to keep the request's meaning, and phrased the way the bundled model
 ``kvguard-tiny`` is trained to read a reference, see ``backend/bundled/data.py``): chat requests
@@ -58,10 +59,12 @@ _TAGGED_RE = re.compile(re.escape(PREFIX) + "(" + BASE32_CLASS + "{" + str(TAG_C
 
 @dataclass(frozen=True, slots=True)
 class RequestMarkers:
-    """The nonces of one request's own (injected) and carried (client-sent) markers."""
+    """The nonces of one request's own (injected) and carried (client-sent) markers, and the body
+    the client sent (what a cut looks for the marker in: ``canary.evidence``)."""
 
     own: frozenset[bytes] = field(default=frozenset(), repr=False)
     carried: frozenset[bytes] = field(default=frozenset(), repr=False)
+    body: Any = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         return f"RequestMarkers(own={len(self.own)}, carried={len(self.carried)})"
@@ -179,10 +182,9 @@ class MarkerInjector:
             self._metrics.injected.labels(tenant=info.tenant_id).inc()
         marked = bool(own or carried)
         self._metrics.requests.labels(tenant=info.tenant_id, marked=str(marked).lower()).inc()
-        if marked:
-            self._ledger.put(info.request_id, RequestMarkers(own=own, carried=carried))
-            for nonce in own | carried:
-                self.record(nonce, info, engine=None)
+        self._ledger.put(info.request_id, RequestMarkers(own=own, carried=carried, body=body))
+        for nonce in own | carried:
+            self.record(nonce, info, engine=None)
         return out
 
     def record(self, nonce: bytes, info: RequestInfo, *, engine: str | None) -> None:

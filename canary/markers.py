@@ -226,6 +226,14 @@ class MarkerCodec:
         text = PREFIX + base64.b32encode(payload).decode("ascii")
         return Marker(text=text, tenant_tag=tag, key_id=kid, nonce=nonce)
 
+    def body_of(self, tag: bytes, key_id: int, nonce: bytes) -> str | None:
+        """The 32 body characters of the genuine marker with these fields (None: unknown key)."""
+        key = self._keyring.get(key_id)
+        if key is None:
+            return None
+        payload = tag + bytes((key_id,)) + nonce + _mac(key, tag, key_id, nonce)
+        return base64.b32encode(payload).decode("ascii")
+
     def parse(self, text: str) -> ParsedMarker | None:
         """The fields of ``text`` if it is exactly one marker (syntax only), else None."""
         if _MARKER_RE.fullmatch(text) is None:

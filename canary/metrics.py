@@ -15,6 +15,7 @@ MARKERS_INJECTED_TOTAL = "kvguard_canary_markers_injected_total"
 CUTS_TOTAL = "kvguard_canary_cuts_total"
 QUARANTINES_TOTAL = "kvguard_canary_quarantines_total"
 RECORD_ERRORS_TOTAL = "kvguard_canary_record_errors_total"
+FINDINGS_LOST_TOTAL = "kvguard_canary_findings_lost_total"
 PROBE_RESULTS_TOTAL = "kvguard_canary_probe_results_total"
 PROBE_PASSING = "kvguard_canary_probe_passing"
 PROBE_LAST_RUN = "kvguard_canary_probe_last_run_timestamp_seconds"
@@ -27,6 +28,7 @@ METRIC_NAMES = (
     CUTS_TOTAL,
     QUARANTINES_TOTAL,
     RECORD_ERRORS_TOTAL,
+    FINDINGS_LOST_TOTAL,
     PROBE_RESULTS_TOTAL,
     PROBE_PASSING,
     PROBE_LAST_RUN,
@@ -76,6 +78,11 @@ class CanaryMetrics:
         self.record_errors = Counter(
             _name(RECORD_ERRORS_TOTAL),
             "Marker issue records that could not be written or read",
+            registry=r,
+        )
+        self.findings_lost = Counter(
+            _name(FINDINGS_LOST_TOTAL),
+            "Findings neither spooled to local disk nor stored (logged at ERROR with their ids)",
             registry=r,
         )
         self._probe_metrics(r)

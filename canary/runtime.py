@@ -10,11 +10,20 @@
    set, else in-process), the tag index is loaded from the tenants table and refreshed every
    ``canary_tag_refresh_s``;
 3. per request: ``MarkerInjector.prepare`` -> ``LeakFirewall.open`` (per choice) ->
-   ``on_cut`` (a firewall cut: quarantine the engine -- for a suspected-only cut only with
-   ``canary_quarantine_on_suspected`` --, store critical/high findings, metrics, one log line of
-   ids) -> ``on_finish`` (ledger entry dropped, record completed with the engine,
-   lower-severity checks);
-4. ``stop()``: record writes drained, refresh task stopped, store closed.
+   ``on_cut`` (a firewall cut, see below) -> ``on_finish`` (ledger entry dropped, record
+   completed with the engine, lower-severity checks);
+4. ``stop()``: record writes drained, background tasks stopped, store closed.
+
+A cut always stops the answer; a quarantine needs evidence that the engine produced the marker
+from another tenant's request (``Judged.why_not`` is None): a CONFIRMED ``cross_tenant`` finding
+(its MAC verifies, so this deployment issued it for the tag of a tenant that is not the
+requester), whose text is not in the request's own input in any form ``canary.evidence``
+detects, and whose issue record, when it can be read, does not name a request served by another
+engine. Suspected (damaged-copy) findings alert without quarantining unless
+``canary_quarantine_on_suspected``; same-tenant ``cross_request`` ones alert. The quarantine
+takes effect in this replica's memory first and reaches the others without PostgreSQL
+(``gateway.services.quarantine``); every finding is kept on local disk until the database has it
+(``canary.keeper``), and the one log line says whether it was stored or spooled.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -32,21 +42,23 @@ from sqlalchemy import select
 
 from canary.anomalies import Anomaly, FirstTokenCalibrator, usage_anomaly
 from canary.config import CanarySettings
+from canary.evidence import input_echo
 from canary.findings import (
     Action,
     Evidence,
     FindingKind,
     FindingSeverity,
     NewFinding,
-    store_finding,
 )
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.injection import MarkerInjector, MarkerLedger
-from canary.markers import MarkerCodec
+from canary.keeper import FindingKeeper
+from canary.markers import MarkerCodec, encode_tag
 from canary.metrics import CanaryMetrics
 from canary.records import MarkerRecord, MemoryRecordStore, RecordStore, RedisRecordStore
 from canary.scanner import Finding, Severity
-from gateway.db.models import Tenant
+from canary.scanner import FindingKind as ScanKind
+from gateway.db.models import Tenant, utcnow
 from gateway.db.session import run_in_session
 from gateway.hooks import Cut, GatewayHooks, RequestInfo, RequestReport, ServiceContext
 
@@ -96,7 +108,8 @@ class CanaryRuntime:
         self._last_low: dict[tuple[str, FindingKind], float] = {}
         self._gateway: ServiceContext | None = None
         self._store: RecordStore | None = None
-        self._refresher: asyncio.Task[None] | None = None
+        self._findings: FindingKeeper | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     def hooks(self) -> GatewayHooks:
         from canary.api import build_router
@@ -118,14 +131,28 @@ class CanaryRuntime:
         ttl = self.settings.canary_record_ttl_s
         url = context.redis_url
         self._store = RedisRecordStore(url=url, ttl_s=ttl) if url else MemoryRecordStore(ttl_s=ttl)
-        await self.refresh_tags()
-        self._refresher = asyncio.create_task(self._refresh_loop(), name="canary-tag-refresh")
+        self._findings = FindingKeeper(
+            spool_dir=context.spool_dir,
+            sessions=context.sessions,
+            timeout_s=context.database_timeout_s,
+            retry_s=self.settings.canary_tag_refresh_s / 6,
+            metrics=self.metrics,
+        )
+        self._tasks = [
+            asyncio.create_task(self._findings.run(), name="canary-findings"),
+            asyncio.create_task(self._refresh_loop(), name="canary-tag-refresh"),
+        ]
+        try:
+            await self.refresh_tags()
+        except Exception:
+            log.exception("canary: tenant tags not loaded at start; the refresh loop retries")
 
     async def stop(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+                await task
         await self.injector.drain()
         if self._store is not None:
             await self._store.close()
@@ -155,23 +182,28 @@ class CanaryRuntime:
             return
         gateway = self._require_gateway()
         engine = info.engine or "unknown"
-        quarantine = self._quarantines(cut.findings) and info.engine is not None
-        if quarantine and info.engine is not None:
+        body = self.ledger.get(info.request_id).body
+        judged = [await self._judge(info, finding, body) for finding in cut.findings]
+        quarantine = (
+            self.settings.canary_quarantine_on_cut
+            and info.engine is not None
+            and any(j.why_not is None for j in judged)
+        )
+        if quarantine and info.engine is not None:  # memory first, then every replica
             reason = f"canary: isolation finding on request {info.request_id}"
             await gateway.quarantine(info.engine, reason=reason)
             self.metrics.quarantines.labels(engine=engine).inc()
         action = Action.CUT_AND_QUARANTINED if quarantine else Action.CUT
-        for finding in cut.findings:
-            record = await self._record_of(finding)
-            new = _isolation_finding(info, finding, record, action)
-            row_id = await _store(gateway, new)
+        news = [_isolation_finding(info, j, action) for j in judged]
+        stored = await self._keeper().keep(news)
+        for new in news:
             self.metrics.findings.labels(kind=new.kind.value, severity=new.severity.value).inc()
             self.metrics.cuts.labels(engine=engine, kind=new.kind.value).inc()
             log.error(
-                "canary isolation finding %s: kind=%s severity=%s evidence=%s engine=%s "
+                "canary isolation finding (%s): kind=%s severity=%s evidence=%s engine=%s "
                 "observer_tenant=%s observer_request=%s victim_tenant=%s victim_request=%s "
-                "action=%s",
-                row_id,
+                "action=%s detail=%s",
+                "stored" if stored else "spooled until the database answers",
                 new.kind.value,
                 new.severity.value,
                 new.evidence.value,
@@ -181,13 +213,34 @@ class CanaryRuntime:
                 new.victim_tenant_id,
                 new.victim_request_id,
                 new.action.value,
+                new.detail,
             )
 
-    def _quarantines(self, findings: tuple[Finding, ...]) -> bool:
-        if not self.settings.canary_quarantine_on_cut:
-            return False
-        confirmed = any(f.severity is Severity.CONFIRMED for f in findings)
-        return confirmed or (bool(findings) and self.settings.canary_quarantine_on_suspected)
+    async def _judge(self, info: RequestInfo, finding: Finding, body: Any) -> Judged:
+        """The finding with its issue record and, when it must not quarantine, why not."""
+        record = await self._record_of(finding)
+        chars = self._marker_chars(finding)
+        echo = None if body is None or chars is None else input_echo(body, chars)
+        why_not: str | None = None
+        if (
+            finding.severity is Severity.SUSPECTED
+            and not self.settings.canary_quarantine_on_suspected
+        ):
+            why_not = "suspected only (a damaged copy has no MAC): alerted, not quarantined"
+        elif finding.kind is not ScanKind.CROSS_TENANT:
+            why_not = "another request of the same tenant: alerted, not quarantined"
+        elif echo is not None:
+            why_not = f"the marker's text is in this request's own input ({echo}): not a leak"
+        elif record is not None and record.engine not in (None, info.engine):
+            why_not = f"the marker was issued for a request served by engine {record.engine}"
+        return Judged(finding, record, why_not)
+
+    def _marker_chars(self, finding: Finding) -> str | None:
+        if finding.severity is Severity.CONFIRMED and finding.key_id is not None:
+            nonce = finding.victim_nonce
+            if nonce is not None:
+                return self.codec.body_of(finding.victim_tag, finding.key_id, nonce)
+        return encode_tag(finding.victim_tag)
 
     async def _record_of(self, finding: Finding) -> MarkerRecord | None:
         if finding.victim_nonce is None or self._store is None:
@@ -199,6 +252,11 @@ class CanaryRuntime:
             log.warning("canary: marker record lookup failed: %s", exc)
             return None
         return victim_record(finding, record)
+
+    def _keeper(self) -> FindingKeeper:
+        if self._findings is None:
+            raise RuntimeError("the canary runtime has not been started")
+        return self._findings
 
     # -- the end of every request ---------------------------------------------------------------
 
@@ -258,10 +316,10 @@ class CanaryRuntime:
             observer_request_id=info.request_id,
             detail=anomaly.detail,
         )
-        row_id = await _store(self._require_gateway(), new)
+        stored = await self._keeper().keep([new])
         log.warning(
-            "canary finding %s: kind=%s severity=low engine=%s tenant=%s request=%s",
-            row_id,
+            "canary finding (%s): kind=%s severity=low engine=%s tenant=%s request=%s",
+            "stored" if stored else "spooled",
             kind.value,
             info.engine,
             info.tenant_id,
@@ -269,8 +327,14 @@ class CanaryRuntime:
         )
 
 
-async def _store(gateway: ServiceContext, finding: NewFinding) -> int:
-    return await run_in_session(gateway.sessions, lambda s: store_finding(s, finding).id)
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """A firewall finding, its victim's issue record, and why it does not quarantine (None: it
+    does, with ``canary_quarantine_on_cut``)."""
+
+    finding: Finding
+    record: MarkerRecord | None
+    why_not: str | None
 
 
 def victim_record(finding: Finding, record: MarkerRecord | None) -> MarkerRecord | None:
@@ -282,9 +346,8 @@ def victim_record(finding: Finding, record: MarkerRecord | None) -> MarkerRecord
     return record if record.tenant_id == finding.victim_tenant else None
 
 
-def _isolation_finding(
-    info: RequestInfo, finding: Finding, record: MarkerRecord | None, action: Action
-) -> NewFinding:
+def _isolation_finding(info: RequestInfo, judged: Judged, action: Action) -> NewFinding:
+    finding, record = judged.finding, judged.record
     confirmed = finding.severity is Severity.CONFIRMED
     return NewFinding(
         kind=FindingKind(finding.kind.value),
@@ -298,6 +361,8 @@ def _isolation_finding(
         victim_request_id=record.request_id if record else None,
         victim_engine=record.engine if record else None,
         key_id=finding.key_id,
+        detail=judged.why_not,
+        detected_at=utcnow(),
     )
 
 

@@ -13,12 +13,11 @@ One ``StreamScanner`` guards one response stream of one request. Lifecycle (``Sc
 
 Text that cannot be held back (a side field the gateway forwards as it is, ``expose()``): the
 caller delivers what the scanner holds anyway, and asks first. A held candidate of at most 12
-characters (``CNRY-`` and less than a whole tag, ``MAX_EXPOSED``) may go out; so may the start
-of this request's own or carried marker (such a field passes the whole own marker too). A longer
-one is decided now, as if its copy ended here: with a known foreign tag it cuts (SUSPECTED);
-anything else cuts as undecided, without a finding: it may still grow into a marker the tag index
-cannot name, or into another request's marker of the owner. So at most ``CNRY-`` and 7 body
-characters of a foreign marker pass that way.
+characters (``CNRY-`` and less than a whole tag, ``MAX_EXPOSED``) may go out. A longer one is
+decided now, as if its copy ended here: with a known foreign tag it cuts (SUSPECTED); anything
+else -- the start of the request's own marker included -- cuts as undecided, without a finding. So
+at most ``CNRY-`` and 7 body characters of any marker pass that way, and whether they are the
+owner's changes nothing.
 
 A feed or finish in a terminal state raises ``ScannerStateError``.
 
@@ -35,18 +34,22 @@ What happens to each candidate (``CNRY-`` followed by a run of base32 characters
     ``known_tags`` knows the tag).
 * damaged (broken by a non-base32 character, truncated at the end of the stream, or 32
   characters with a bad MAC):
-  - its visible characters are (a prefix of) one of the owner's tags -> stripped silently;
   - at least the 8 tag characters are visible and they are a known *foreign* tag ->
     SUSPECTED ``cross_tenant`` finding, cut. A damaged copy carrying a victim's tag is evidence
     of a leak; delivering it would also hand the victim's tag to this tenant. When at least 23
     body characters show the key id and nonce (``decode_visible``) and the tag is the victim's
     under that key id, the finding carries them, so the victim's request can be looked up in the
     issue records (which must name the same tenant: the nonce is not authenticated);
-  - anything else is a look-alike and is delivered as is.
+  - anything else (the owner's tag, a tag nobody has, fewer than 8 characters) -> stripped
+    silently, all alike. No oracle: whether a candidate's characters match the owner's tag
+    changes nothing the tenant can observe (it used to: a damaged copy that was a prefix of the
+    owner's tag was stripped and any other delivered, and a tenant asking the model to repeat
+    guesses learned its tag in about 130 requests).
   A damaged marker with the owner's tag may come from another request of the same tenant, but
-  far more often it is the model mangling its own marker: it is stripped, not reported, and
+  far more often it is the model mangling its own marker: it is not reported, and
   ``cross_request`` is only ever a CONFIRMED finding.
-* ``CNRX-``, lowercase, or any other near miss is not a candidate: delivered as is.
+* ``CNRY-`` followed by no base32 character, ``CNRX-``, lowercase, or any other near miss is not a
+  marker: delivered as is.
 
 How much of a foreign marker goes out before a cut: none of its characters (through ``feed`` and
 ``finish``; ``expose`` above lets up to 12 pass). Every candidate is held back from its ``C``
@@ -84,7 +87,6 @@ from canary.markers import (
     Verified,
     decode_tag,
     decode_visible,
-    encode_tag,
 )
 
 MAX_HOLDBACK = MARKER_CHARS - 1
@@ -213,9 +215,8 @@ class StreamScanner:
         "_delivered",
         "_lookup",
         "_owner",
-        "_owner_tags",
+        "_owner_tags_by_key",
         "_own_nonces",
-        "_own_texts",
         "_pending",
         "_state",
         "_tail",
@@ -240,8 +241,7 @@ class StreamScanner:
             raise ValueError("owner_tenant_id must be a non-empty string")
         # The owner's tags (an HMAC per key id) are computed on the first candidate: most
         # streams never have one. The codec and its keyring are immutable, so it is the same.
-        self._owner_tags: tuple[dict[int, bytes], frozenset[str]] | None = None
-        self._own_texts: frozenset[str] | None = None  # own and carried markers, for ``expose``
+        self._owner_tags_by_key: dict[int, bytes] | None = None
         self._lookup = _as_lookup(known_tags)
         self._pending = ""  # undecided text, always a possible marker start; <= MAX_HOLDBACK
         self._carry = 0  # leading pending chars that belong to a stripped candidate
@@ -303,10 +303,6 @@ class StreamScanner:
         if m is None or m.end() - m.start() <= MAX_EXPOSED:
             return None
         action, finding = self._classify_damaged(m.group(1), self._delivered + m.start())
-        if action is _Action.STRIP and any(
-            t.startswith(m.group(0)) for t in self._own_marker_texts()
-        ):
-            return None
         self._transition(ScannerState.CUT)
         self._pending, self._carry = "", 0
         findings = (finding,) if action is _Action.CUT and finding is not None else ()
@@ -412,7 +408,7 @@ class StreamScanner:
 
     def _classify_genuine(self, v: Verified, position: int) -> tuple[_Action, Finding | None]:
         victim: str | None
-        if v.tenant_tag == self._owner_tag_pair()[0].get(v.key_id):
+        if v.tenant_tag == self._owner_tags().get(v.key_id):
             if v.nonce in self._own_nonces:
                 return _Action.STRIP, None
             if v.nonce in self._carried:
@@ -433,15 +429,12 @@ class StreamScanner:
 
     def _classify_damaged(self, run: str, position: int) -> tuple[_Action, Finding | None]:
         if not run:
-            return _Action.DELIVER, None
-        visible_tag = run[:TAG_CHARS]
-        if any(t.startswith(visible_tag) for t in self._owner_tag_pair()[1]):
-            return _Action.STRIP, None
-        tag = decode_tag(visible_tag) if len(visible_tag) == TAG_CHARS else None
+            return _Action.DELIVER, None  # "CNRY-" and no body character: it shows nothing
+        tag = decode_tag(run[:TAG_CHARS]) if len(run) >= TAG_CHARS else None
         victim = None if tag is None else self._lookup(tag)
-        if tag is None or victim is None:
-            return _Action.DELIVER, None
-        if victim == self._owner:
+        if tag is None or victim is None or victim == self._owner:
+            # Stripped whatever its characters are: whether they match the owner's tag must
+            # change nothing the tenant can observe (no oracle for its own tag).
             return _Action.STRIP, None
         key_id, nonce = self._visible_nonce(run, tag, victim)
         finding = Finding(
@@ -467,25 +460,14 @@ class StreamScanner:
             return None, None
         return visible.key_id, visible.nonce
 
-    def _owner_tag_pair(self) -> tuple[dict[int, bytes], frozenset[str]]:
-        """(key id -> the owner's tag, the tags' base32 texts), computed on first use."""
-        if self._owner_tags is None:
+    def _owner_tags(self) -> dict[int, bytes]:
+        """key id -> the owner's tag, computed on the first candidate."""
+        if self._owner_tags_by_key is None:
             codec, owner = self._codec, self._owner
-            tags = {kid: codec.tenant_tag(owner, key_id=kid) for kid in codec.keyring.key_ids}
-            self._owner_tags = tags, frozenset(encode_tag(t) for t in tags.values())
-        return self._owner_tags
-
-    def _own_marker_texts(self) -> frozenset[str]:
-        """The texts of this request's own and carried markers under every key id (computed on
-        first use: only ``expose`` needs them)."""
-        if self._own_texts is None:
-            codec, owner = self._codec, self._owner
-            self._own_texts = frozenset(
-                codec.issue(owner, nonce=nonce, key_id=kid).text
-                for nonce in self._own_nonces | self._carried
-                for kid in codec.keyring.key_ids
-            )
-        return self._own_texts
+            self._owner_tags_by_key = {
+                kid: codec.tenant_tag(owner, key_id=kid) for kid in codec.keyring.key_ids
+            }
+        return self._owner_tags_by_key
 
     def _require_open(self) -> None:
         if self._state in TERMINAL:

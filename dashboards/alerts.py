@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from backend import metrics as em
 from canary import metrics as cm
-from dashboards.spec import CANARY_COVERAGE_TARGET, AlertRule, events, share, total
+from dashboards.spec import CANARY_COVERAGE_TARGET, AlertRule, events, events_in, share, total
 from gateway import metrics as gm
 
 _COVERAGE_15M = share(cm.REQUESTS_TOTAL, "tenant", 'marked="true"', window="15m")
@@ -22,10 +22,19 @@ ALERTS = (
         expr=events(cm.FINDINGS_TOTAL, "kind, severity", "5m", 'severity="critical"'),
         severity="critical",
         summary="A response carried another tenant's (or request's) canary marker",
-        first_response="Treat as a data-exposure incident. The firewall cut the stream and (by "
-        "default) quarantined the engine: keep it out of routing, read the finding "
-        "(GET /admin/canary/findings), check the engine's fault drills and capacity drift, "
-        "preserve logs, then notify the affected tenants per policy.",
+        first_response="Treat as a data-exposure incident. The firewall cut the stream and, when "
+        "the evidence showed the engine produced the marker, quarantined it: keep it out of "
+        "routing, read the finding (GET /admin/canary/findings; its detail says why an engine was "
+        "not quarantined), check the engine's fault drills and capacity drift, preserve logs, "
+        "then notify the affected tenants per policy.",
+    ),
+    AlertRule(
+        name="KvguardCanaryFindingLost",
+        expr=f"sum({events_in(cm.FINDINGS_LOST_TOTAL, '10m')}) > 0",
+        severity="critical",
+        summary="An isolation finding could be neither spooled to local disk nor stored",
+        first_response="The gateway log has it at ERROR ('canary finding LOST', with its ids): "
+        "record it by hand, then fix the gateway's data dir (disk full or read-only) and database.",
     ),
     AlertRule(
         name="KvguardLeakFirewallCut",

@@ -33,6 +33,7 @@ from gateway.limits.redis_limiter import RedisLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
+from gateway.services.quarantine import Quarantines
 from gateway.services.spool import Spool
 from gateway.state import GatewayState
 from gateway.tracing import Tracing
@@ -115,6 +116,14 @@ async def build_state(
         credential_throttle=FailedCredentialThrottle(
             capacity=settings.operator_failures_per_minute, window_s=60.0
         ),
+        quarantines=Quarantines(
+            registry=registry,
+            sessions=sessions,
+            spool=Spool(settings.spool_dir(), kind="quarantine"),
+            redis_url=settings.redis_url,
+            retry_s=min(settings.poll_interval_s, 5.0),
+            write_timeout_s=settings.database_timeout_s,
+        ),
     )
     poller.reload = state.reload_engines
     return state
@@ -133,6 +142,7 @@ async def start(state: GatewayState) -> list[asyncio.Task[None]]:
         asyncio.create_task(state.poller.run(), name="capacity-poller"),
         asyncio.create_task(state.poller.run_reload(), name="engine-reload"),
         asyncio.create_task(state.audit.run(), name="audit-writer"),
+        asyncio.create_task(state.quarantines.run(), name="quarantines"),
     ]
 
 
@@ -143,6 +153,7 @@ async def stop(state: GatewayState, tasks: list[asyncio.Task[None]]) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     await state.audit.close()
+    await state.quarantines.close()
     await state.limiter.close()
     await state.direct.close()
     await state.client.aclose()

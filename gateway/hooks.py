@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from fastapi import APIRouter
     from prometheus_client import CollectorRegistry
     from sqlalchemy.orm import Session, sessionmaker
@@ -164,6 +166,8 @@ class ServiceContext:
     sessions: sessionmaker[Session]  # the gateway's database
     redis_url: str | None  # the shared Redis, when the gateway runs with one
     quarantine: Quarantine  # take an engine out of routing now, on every replica
+    spool_dir: Path  # where records wait for the database (``gateway.services.spool``)
+    database_timeout_s: float  # the bound of any one database operation
 
 
 class HookService(Protocol):

@@ -9,17 +9,16 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from gateway.config import EngineSpec, GatewaySettings, UpstreamPath
-from gateway.db.session import run_in_session
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
 from gateway.hooks import GatewayHooks, ServiceContext
 from gateway.limits.auth_throttle import FailedCredentialThrottle
 from gateway.limits.base import Limiter
 from gateway.metrics import GatewayMetrics
-from gateway.services import engines as engine_service
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
 from gateway.services.engines import reload_registry
+from gateway.services.quarantine import Quarantines
 from gateway.tracing import Tracing
 from gateway.upstream.base import Upstream
 from gateway.upstream.direct import DirectUpstream
@@ -44,6 +43,7 @@ class GatewayState:
     configured_engines: list[EngineSpec]
     auth_cache: AuthCache
     credential_throttle: FailedCredentialThrottle
+    quarantines: Quarantines
 
     async def reload_engines(self) -> None:
         await reload_registry(
@@ -51,15 +51,12 @@ class GatewayState:
             sessions=self.sessions,
             configured=self.configured_engines,
             engine_token=self.settings.engine_token,
+            quarantined=await self.quarantines.overlay(),
         )
 
     async def quarantine(self, name: str, *, reason: str) -> None:
-        """Take an engine out of routing now, on every replica (the canary calls this)."""
-        controls = await run_in_session(
-            self.sessions,
-            lambda session: engine_service.quarantine(session, name=name, reason=reason),
-        )
-        self.registry.set_controls(name, controls)
+        """Take an engine out of routing now, on every replica (``Quarantines.impose``)."""
+        await self.quarantines.impose(name, reason=reason)  # the database's copy may lag
 
     def service_context(self) -> ServiceContext:
         """What the hook services get (``GatewayHooks.services``): a few parts, not the state."""
@@ -68,6 +65,8 @@ class GatewayState:
             sessions=self.sessions,
             redis_url=self.settings.redis_url,
             quarantine=self.quarantine,
+            spool_dir=self.settings.spool_dir(),
+            database_timeout_s=self.settings.database_timeout_s,
         )
 
     def upstream_for(self, spec: EngineSpec) -> Upstream:

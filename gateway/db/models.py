@@ -168,5 +168,6 @@ class EngineControl(Base):
     engine_name: Mapped[str] = mapped_column(String(64), primary_key=True)
     quarantined_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     quarantine_reason: Mapped[str | None] = mapped_column(String(256))
+    quarantine_cleared_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     allow_unsafe: Mapped[bool] = mapped_column(Boolean, default=False)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

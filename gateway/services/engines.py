@@ -7,6 +7,8 @@ admin route also applies a change to its own replica's registry at once.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from datetime import datetime
 
 from pydantic import SecretStr, TypeAdapter
 from sqlalchemy import select
@@ -101,15 +103,25 @@ def _control(session: Session, name: str) -> EngineControl:
     return row
 
 
-def quarantine(session: Session, *, name: str, reason: str) -> EngineControls:
+def quarantine(
+    session: Session, *, name: str, reason: str, at: datetime | None = None
+) -> EngineControls:
+    """Record a quarantine decided ``at`` (default now); one decided before the last clear (a
+    spooled decision written late, lifted by an admin since) changes nothing."""
     row = _control(session, name)
-    row.quarantined_at, row.quarantine_reason, row.updated_at = utcnow(), reason, utcnow()
+    at = at or utcnow()
+    if row.quarantine_cleared_at is not None and row.quarantine_cleared_at > at:
+        reason_now = row.quarantine_reason if row.quarantined_at else None
+        return EngineControls(quarantine_reason=reason_now, allow_unsafe=row.allow_unsafe)
+    row.quarantined_at, row.quarantine_reason, row.updated_at = at, reason, utcnow()
     return EngineControls(quarantine_reason=reason, allow_unsafe=row.allow_unsafe)
 
 
 def clear_quarantine(session: Session, *, name: str) -> EngineControls:
     row = _control(session, name)
-    row.quarantined_at, row.quarantine_reason, row.updated_at = None, None, utcnow()
+    now = utcnow()
+    row.quarantined_at, row.quarantine_reason, row.updated_at = None, None, now
+    row.quarantine_cleared_at = now
     return EngineControls(quarantine_reason=None, allow_unsafe=row.allow_unsafe)
 
 
@@ -126,9 +138,11 @@ async def reload_registry(
     sessions: sessionmaker[Session],
     configured: list[EngineSpec],
     engine_token: SecretStr | None = None,
+    quarantined: Mapping[str, str] | None = None,
 ) -> None:
     """Configured engines plus the admin-registered ones (presenting ``engine_token``, see
-    ``with_engine_credential``), with every engine's controls."""
+    ``with_engine_credential``), with every engine's controls; ``quarantined`` (engine ->
+    reason: quarantines the database may not show yet) is merged in, never lifted."""
 
     def load(session: Session) -> tuple[list[EngineSpec], dict[str, EngineControls]]:
         return registered_specs(session), controls(session)
@@ -141,5 +155,9 @@ async def reload_registry(
         for spec in registered
         if spec.name not in names
     ]
+    for name, reason in (quarantined or {}).items():
+        current = engine_controls.get(name, EngineControls())
+        if current.quarantine_reason is None:
+            engine_controls[name] = EngineControls(reason, current.allow_unsafe)
     registry.set_specs(members)
     registry.apply_controls(engine_controls)

@@ -8,6 +8,9 @@ after ``write`` returned, so a crash in between writes it again: at least once, 
 deduplicate) -> gone. A file that cannot be parsed is renamed ``*.bad`` and logged, never retried
 for ever nor silently deleted.
 
+``SpoolWriter`` is the background task that drains a spool as soon as something is put in it,
+and again every interval while its writes fail.
+
 Several processes may share a directory (two replicas with one data dir): ``put`` never collides
 (unique names) and ``drain`` holds an exclusive ``flock`` on the directory's lock file, so one
 process at a time writes; the lock dies with its holder.
@@ -15,6 +18,8 @@ process at a time writes; the lock dies with its holder.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import fcntl
 import json
 import logging
@@ -25,6 +30,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import anyio
 
 log = logging.getLogger("kvguard.gateway.spool")
 
@@ -109,3 +116,52 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class SpoolWriter:
+    """A spool and the background task that writes it: the task drains the spool (in a worker
+    thread) when it starts, whenever ``put`` keeps new records, and every ``interval_s`` (a
+    failed write is retried then); ``settled`` waits, bounded, until a batch is written (it stays
+    spooled otherwise)."""
+
+    def __init__(
+        self, spool: Spool, write: Callable[[list[Record]], None], *, interval_s: float
+    ) -> None:
+        self.spool = spool
+        self._write = write
+        self._interval_s = interval_s
+        self._wake = asyncio.Event()
+        self.after_drain: Callable[[], None] | None = None  # called after every clean drain
+
+    def put(self, records: list[Record]) -> Path:
+        path = self.spool.put(records)
+        self._wake.set()
+        return path
+
+    async def settled(self, path: Path, timeout_s: float) -> bool:
+        """Whether the batch in ``path`` was written within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while path.exists():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            self._wake.clear()
+            await self.drain_once()  # at once on start: what a previous run left behind
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._interval_s)
+
+    async def drain_once(self) -> bool:
+        """One drain; False (logged) when the write failed and records wait for the next one."""
+        try:
+            await anyio.to_thread.run_sync(self.spool.drain, self._write)
+        except Exception as exc:
+            pending = len(self.spool.pending())
+            log.warning("%d spooled batch(es) not written yet (%s)", pending, type(exc).__name__)
+            return False
+        if self.after_drain is not None:
+            self.after_drain()
+        return True

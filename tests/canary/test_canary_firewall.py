@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ import pytest
 
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
-from canary.markers import MarkerCodec, MarkerKeyring, decode_tag, encode_tag
+from canary.markers import MarkerCodec, MarkerKeyring, decode_tag
 from canary.scanner import FindingKind, Severity
 from gateway.hooks import RequestInfo
 from gateway.lifecycle import Phase
@@ -229,16 +230,19 @@ def test_side_fields_pass_what_cannot_name_a_tenant() -> None:
     # Decided within the event (broken by a non-base32 character): an ordinary look-alike.
     delivered, stream, steps = side_relay("ext", [look_alike + "!"])
     assert (delivered, stream.cut) == (look_alike + "!", None)
-    # The request's own marker passes a cut-only field, whole or in pieces (it is no leak);
-    # another request's marker of the same tenant stops once it shows the tag.
+    # Spread over events, the request's own marker stops where anyone's would: after ``CNRY-``
+    # and 7 characters, as an undecided upstream error -- whether characters match the owner's
+    # tag or marker changes nothing the tenant sees (no oracle); so does another request's of
+    # the same tenant. Whole in one value of a field that cannot be rewritten it goes out as the
+    # engine sent it (a limit the canary README states).
     own, other = CODEC.issue(OWNER), CODEC.issue(OWNER)
-    pieces = [own.text[i : i + 6] for i in range(0, 37, 6)]
-    for values in ([own.text], pieces):
-        delivered, stream, _ = side_relay("id", values, own=frozenset({own.nonce}))
-        assert (delivered, stream.cut) == (own.text, None)
-    pieces = [other.text[i : i + 6] for i in range(0, 37, 6)]
-    delivered, stream, steps = side_relay("id", pieces, own=frozenset({own.nonce}))
-    assert delivered == other.text[:12] and steps[-1].code == "upstream_error"
+    for marker in (own, other):
+        pieces = [marker.text[i : i + 6] for i in range(0, 37, 6)]
+        delivered, stream, steps = side_relay("id", pieces, own=frozenset({own.nonce}))
+        assert delivered == marker.text[:12] and steps[-1].code == "upstream_error"
+        assert not isinstance(stream.cut, CanaryCut)
+    delivered, stream, _ = side_relay("id", [own.text], own=frozenset({own.nonce}))
+    assert (delivered, stream.cut) == (own.text, None)
 
 
 def test_a_marker_cut_short_by_the_engine_still_yields_its_finding() -> None:
@@ -354,9 +358,6 @@ def test_non_streaming_side_prefilter_skips_only_what_cannot_hold_a_marker() -> 
 
 # -- the corpus ------------------------------------------------------------------------------------
 
-NOT_OWN_FIRST = "".join(
-    c for c in B32 if c not in {encode_tag(t)[0] for t in CODEC.tenant_tags(OWNER)}
-)
 WORDS = ["the", "Cache", "of", "CNRX", "and", "Context", "CN", "CNR", "CNRY", "copy", "Node"]
 WORDS += ["request", "tenant", "C", "window", "page"]
 
@@ -375,6 +376,9 @@ def prose(rng: random.Random, n_chars: int) -> str:
     return " ".join(words)
 
 
+CANDIDATE = re.compile("CNRY-[A-Z2-7]{1,32}")
+
+
 def look_alikes(rng: random.Random) -> list[str]:
     real = CODEC.issue(rng.choice(TENANTS[1:])).text
     body = real[5:]
@@ -385,8 +389,8 @@ def look_alikes(rng: random.Random) -> list[str]:
         "CNRY " + body,  # no dash
         "CNRY-" + body[:7] + "-" + body[7:],  # broken before the tag completes
         OTHER_KEY.issue(rng.choice(TENANTS)).text,  # genuine under a key we do not hold
-        # too short to name anyone (and not the start of the owner's own tag, which is stripped)
-        "CNRY-" + "".join(rng.choices(NOT_OWN_FIRST, k=1)) + "".join(rng.choices(B32, k=6)),
+        "CNRY-" + "".join(rng.choices(B32, k=7)),  # too short to name anyone
+        "CNRY- " + body,  # no body character after the prefix
     ]
 
 
@@ -424,7 +428,8 @@ def test_corpus_recall_and_false_positives() -> None:
             parts.append(rng.choice(look_alikes(rng)))
         text = " ".join(parts)
         delivered, cut, _ = relay(events(chunked(rng, text)))
-        flagged += cut is not None or delivered != text
+        # A candidate that is no genuine marker goes, whoever's characters it shows (no oracle).
+        flagged += cut is not None or delivered != CANDIDATE.sub("", text)
         clean_chars += len(text)
     print(f"recall {caught}/{leaked}; false positives {flagged}/80 responses ({clean_chars} chars)")
     assert (caught, leaked) == (150, 150)

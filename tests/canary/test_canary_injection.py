@@ -128,7 +128,9 @@ async def test_opt_out_and_completions_switch() -> None:
     assert await hook.prepare(info(1, rate=0.0), chat) is chat
     prompt = {"prompt": "hi"}
     assert await hook.prepare(info(2, rate=1.0), prompt) is prompt
-    assert len(ledger) == 0
+    # Unmarked requests have an entry too: their body, for a cut to look the marker up in.
+    assert ledger.get("req1").own == set() and ledger.get("req2").own == set()
+    assert ledger.get("req1").body is chat
 
 
 async def test_a_request_carrying_its_own_marker_is_not_marked_again() -> None:
@@ -175,4 +177,4 @@ async def test_a_request_carrying_another_tenants_tag_after_the_prefix_is_refuse
             await hook.prepare(info(7, tenant="globex"), body)
         assert (refused.value.code, refused.value.status) == ("foreign_canary_marker", 400)
         assert acme_tag not in refused.value.message
-    assert len(ledger) == 0
+    assert len(ledger) == 2  # the two requests allowed through (5, 6); the refused have none

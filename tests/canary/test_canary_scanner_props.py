@@ -184,6 +184,9 @@ def look_alikes(rng: random.Random) -> list[str]:
     ]
 
 
+CANDIDATE = re.compile("CNRY-[A-Z2-7]{1,32}")
+
+
 def test_look_alike_corpus_has_zero_false_positives() -> None:
     rng = random.Random(20260901)
     scanned = look_alike_count = false_positives = 0
@@ -196,7 +199,10 @@ def test_look_alike_corpus_has_zero_false_positives() -> None:
         sizes = [rng.randint(4, 64) for _ in range(len(text) // 4 + 1)]
         delivered, findings, cut, _ = scan(chunked(text, sizes))
         false_positives += len(findings) + cut
-        assert delivered == text
+        # A candidate (the prefix and base32 characters) that is no genuine marker of this
+        # request is stripped whatever its characters (no oracle for the owner's tag); the rest
+        # goes out untouched.
+        assert delivered == CANDIDATE.sub("", text)
         scanned += len(text)
     assert look_alike_count > 4000 and scanned > 350_000
     assert false_positives == 0

@@ -31,7 +31,7 @@ def _tables(engine) -> set[str]:
 def test_upgrade_downgrade_upgrade(db_engine) -> None:
     upgrade_database(db_engine)
     assert _tables(db_engine) == ALL_TABLES
-    assert current_revision(db_engine) == "0010_engine_member_discovery"
+    assert current_revision(db_engine) == "0011_quarantine_cleared_at"
 
     downgrade_database(db_engine, "base")
     assert _tables(db_engine) == set()

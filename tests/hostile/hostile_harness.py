@@ -13,8 +13,10 @@ holding the connection open when the client gave up: the hang the tests forbid.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -25,6 +27,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from canary.config import CanarySettings
 from canary.runtime import CanaryRuntime
@@ -99,9 +103,13 @@ def serve_in_thread(config: uvicorn.Config) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def served_gateway(settings: GatewaySettings, *, canary: bool = True) -> Iterator[ServedGateway]:
-    """The gateway as ``kvguard gateway`` serves it (with the canary's routes and firewall)."""
-    hooks = CanaryRuntime(CanarySettings(canary_key=TEST_CANARY_KEY)).hooks() if canary else None
+def served_gateway(
+    settings: GatewaySettings, *, canary: bool = True, **canary_options: Any
+) -> Iterator[ServedGateway]:
+    """The gateway as ``kvguard gateway`` serves it (with the canary's routes and firewall;
+    ``canary_options``: more ``CanarySettings``)."""
+    canary_settings = CanarySettings(canary_key=TEST_CANARY_KEY, **canary_options)
+    hooks = CanaryRuntime(canary_settings).hooks() if canary else None
     app = create_app(settings, hooks=hooks)
     config = server_config(
         app, host="127.0.0.1", port=0, header_timeout_s=settings.header_timeout_s, lifespan="on"
@@ -221,3 +229,101 @@ def openai_error(response: httpx.Response) -> dict[str, Any]:
     payload = response.json()
     assert set(payload) == {"error"} and set(payload["error"]) == ERROR_FIELDS, payload
     return payload["error"]
+
+
+# -- a STAND-IN for an instruction-following model behind a provider ------------------------------
+
+FOLLOWER_MODEL = "follower"
+
+
+@dataclass
+class Follower:
+    """A STAND-IN for an instruction-following LLM served by an OpenAI-compatible provider
+    (outside our control; shapes as OpenAI's chat completions API). It does what a capable model
+    asked to would do: ``repeat: X`` answers X; ``decode base64: X``, ``decode hex: X``,
+    ``reverse: X``, ``upper: X`` and ``unspace: X`` undo a disguise; ``join:`` answers every
+    user message after it, concatenated in order, spaces removed. Told to ``leak``, it answers
+    with the start of a marker another request carried (``leak_chars``: a damaged copy), as a
+    provider that mixes customers up would. It holds no key: every marker it writes is one the
+    gateway injected or a client sent."""
+
+    url: str = ""
+    leak: bool = False
+    leak_chars: int | None = None
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+    def answer(self, body: dict[str, Any]) -> str:
+        if self.leak:
+            return "Here: " + self.marker_seen()[: self.leak_chars] + " ."
+        users = [str(m.get("content", "")) for m in body.get("messages", []) if m["role"] == "user"]
+        if not users:
+            return "ok"
+        verb, _, arg = users[0].partition(": ")
+        if verb == "join:" or users[0] == "join:":
+            return "".join(users[1:]).replace(" ", "")
+        undo = {
+            "repeat": lambda s: s,
+            "reverse": lambda s: s[::-1],
+            "upper": str.upper,
+            "unspace": lambda s: s.replace(" ", ""),
+            "decode base64": lambda s: base64.b64decode(s).decode(),
+            "decode hex": lambda s: bytes.fromhex(s).decode(),
+        }.get(verb)
+        return "ok" if undo is None else str(undo(arg))
+
+    def marker_seen(self) -> str:
+        """A marker some earlier request carried (the gateway's injected line, say)."""
+        for body in self.seen:
+            found = re.findall(r"CNRY-[A-Z2-7]{32}", json.dumps(body))
+            if found:
+                return str(found[0])
+        raise AssertionError("the follower has seen no marker")
+
+
+def follower_app(follower: Follower) -> Any:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": FOLLOWER_MODEL, "object": "model"}]})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        body = await request.json()
+        follower.seen.append(body)
+        text = follower.answer(body)
+        message = {"role": "assistant", "content": text}
+        usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+        return JSONResponse(
+            {
+                "id": "chatcmpl-follower",
+                "object": "chat.completion",
+                "created": 0,
+                "model": FOLLOWER_MODEL,
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": usage,
+            }
+        )
+
+    return app
+
+
+@contextlib.contextmanager
+def served_follower() -> Iterator[Follower]:
+    follower = Follower()
+    config = uvicorn.Config(follower_app(follower), host="127.0.0.1", port=0, log_level="warning")
+    with serve_in_thread(config) as url:
+        follower.url = url
+        yield follower
+
+
+def follower_engine(url: str) -> dict[str, Any]:
+    """The follower as the gateway's engine: a declared OpenAI-compatible provider."""
+    return {
+        "name": "follower",
+        "kind": "openai",
+        "base_url": url,
+        "model": FOLLOWER_MODEL,
+        "declared_max_model_len": 4096,
+        "allow_unverified": True,
+    }

@@ -165,20 +165,14 @@ async def remove_engine(name: str, state: StateDep, _: AdminDep) -> None:
 @router.post("/engines/{name}/quarantine")
 async def quarantine(name: str, body: QuarantineIn, state: StateDep, _: AdminDep) -> EngineOut:
     _known(state, name)
-    controls = await run_in_session(
-        state.sessions, lambda s: engine_service.quarantine(s, name=name, reason=body.reason)
-    )
-    state.registry.set_controls(name, controls)
+    await state.quarantine(name, reason=body.reason)
     return engine_out(state.registry, _known(state, name))
 
 
 @router.delete("/engines/{name}/quarantine")
 async def clear_quarantine(name: str, state: StateDep, _: AdminDep) -> EngineOut:
     _known(state, name)
-    controls = await run_in_session(
-        state.sessions, lambda s: engine_service.clear_quarantine(s, name=name)
-    )
-    state.registry.set_controls(name, controls)
+    await state.quarantines.clear(name)
     return engine_out(state.registry, _known(state, name))
 
 
