@@ -30,7 +30,9 @@ from bench.summary import Headline, parse, table, without_headlines
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results" / "latest.md"
 # the benchmarks that offer a smaller --quick workload
-HAS_QUICK = frozenset({"bench_engine", "bench_disagg", "bench_load", "bench_proxy", "bench_relay"})
+HAS_QUICK = frozenset(
+    {"bench_engine", "bench_disagg", "bench_kvcache", "bench_load", "bench_proxy", "bench_relay"}
+)
 # benchmarks run more than once, with these arguments (full, quick); every other runs once, plain
 RUNS: dict[str, tuple[list[list[str]], list[list[str]]]] = {
     # gateway vs direct at the goal's rate, then the leak firewall's share of the gateway's CPU
