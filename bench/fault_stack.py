@@ -236,7 +236,8 @@ class FaultStack:
         return {state: _metric(self.prefill, sample % state) for state in ("free", "total")}
 
     def pool(self, role: Proc) -> dict[str, float]:
-        """The role's KV pool by state (free/owned/quarantined) and its size, from its own API."""
+        """The role's KV pool by state (free/owned/shared/quarantined), its size, and how many
+        pages a new request could have now (free + idle prefix-cache pages), from its own API."""
         text = httpx.get(role.url + "/metrics", timeout=10).text
         states: dict[str, float] = {}
         for line in text.splitlines():
@@ -246,6 +247,7 @@ class FaultStack:
         auth = {"Authorization": f"Bearer {self.engine_token}"}
         capacity = httpx.get(role.url + "/engine/capacity", headers=auth, timeout=10).json()
         states["total"] = float(capacity["pool_pages"])
+        states["available"] = float(capacity["free_pages"])
         return states
 
     def create_tenant(self, name: str, *, max_concurrency: int) -> Tenant:

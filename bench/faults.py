@@ -12,10 +12,10 @@ Every scenario has the same shape (``_run``):
 3. the fault is applied, held for ``hold_s``, then cleared (the clearing is part of recovery:
    a restarted role loads its model again);
 4. recovery: echo requests until one succeeds (``recovery_s`` is from "clear" to that answer);
-5. the load stops; afterwards: every pool holds ``free + owned + quarantined == total`` and drains
-   to no owned or quarantined page; the tenant can open its whole concurrency cap at once; every
-   request the gateway numbered has exactly one audit row whose outcome matches what the client
-   saw.
+5. the load stops; afterwards: every pool holds ``free + owned + shared + quarantined == total``
+   and drains to no owned or quarantined page and no prefix-cache page with a reader; the tenant
+   can open its whole concurrency cap at once; every request the gateway numbered has exactly one
+   audit row whose outcome matches what the client saw.
 
 Faults: ``decode_crash`` (SIGKILL decode mid-stream, restart it), ``prefill_crash`` (SIGKILL prefill
 while transfers are in flight over a slowed link, restart it), ``redis_down`` / ``postgres_down``
@@ -106,7 +106,8 @@ def _pool_violations(fs: FaultStack) -> list[str]:
         except TimeoutError:
             pool = fs.pool(role)
             problems.append(f"{role.name} did not drain: {pool}")
-        if pool["free"] + pool["owned"] + pool["quarantined"] != pool["total"]:
+        held = pool["owned"] + pool["shared"] + pool["quarantined"]
+        if pool["free"] + held != pool["total"]:
             problems.append(f"{role.name} pool does not add up: {pool}")
     staging = fs.staging()
     if staging["free"] != staging["total"]:
@@ -116,7 +117,10 @@ def _pool_violations(fs: FaultStack) -> list[str]:
 
 def _drained(fs: FaultStack, role: Any) -> dict[str, float] | None:
     pool = fs.pool(role)
-    return pool if pool["owned"] == 0 and pool["quarantined"] == 0 else None
+    # Shared pages may stay in the prefix cache once drained, but none may still have a reader:
+    # every one of them must be available to a new request.
+    drained = pool["owned"] == 0 and pool["quarantined"] == 0
+    return pool if drained and pool["available"] == pool["total"] else None
 
 
 def _audit_problems(fs: FaultStack, outcomes: list[Outcome]) -> list[str]:
