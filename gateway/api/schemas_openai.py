@@ -214,6 +214,9 @@ class ChatCompletionBody(_Sampling):
             self.response_format.get("type"), str
         ):
             raise ValueError("response_format needs a 'type'")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            # as OpenAI refuses it; engines refuse it too, SGLang already when counting the prompt
+            raise ValueError("tool_choice 'required' or a named function needs tools")
         return self
 
     def requested_max_tokens(self) -> int | None:

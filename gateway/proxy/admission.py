@@ -6,9 +6,10 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
 2. surface: of those, the engines whose kind takes every field the request uses
    (``gateway.api.surface``); none: 400 ``unsupported_parameter`` naming the field and engine;
 3. hooks: request hooks may rewrite the upstream body (canary markers are counted like text);
-4. count: exact prompt tokens -- applied here when the engine reports a tokenizer this release
-   can apply itself (the bundled byte tokenizer and chat format), else from the engine's own
-   ``/tokenize``;
+4. count: exact prompt tokens of what the engine renders (tool definitions included) -- applied
+   here when the engine reports a tokenizer this release can apply itself (the bundled byte
+   tokenizer and chat format), else from the engine's own tokenize route, sent every field its
+   chat template renders (``gateway.engines.prompt``); an upper bound for declared engines;
 5. max_tokens: the client's, or as many as fit (the largest enforceable limit among the engines
    less the prompt), at most ``default_max_tokens_cap`` and what the plan's tokens per minute
    leave for each of the ``n`` choices;
@@ -161,8 +162,10 @@ def route(state: GatewayState, model: str) -> list[EngineRecord]:
 async def count_prompt(
     state: GatewayState, routable: list[EngineRecord], body: dict[str, Any], ctx: RequestContext
 ) -> int:
-    """Exact count: here, when an engine reports the countable tokenizer; else from the first
-    engine whose tokenizer answers (all serve the same model)."""
+    """Exact count of what the engine will render (the messages, and the tools and other fields
+    its chat template writes: ``gateway.engines.prompt``): here, when an engine reports the
+    countable tokenizer (its template renders messages only); else from the first engine whose
+    tokenizer answers (all serve the same model)."""
     messages = body.get("messages")
     prompt = body.get("prompt")
     if any(r.snapshot is not None and r.snapshot.tokenizer == TOKENIZER_ID for r in routable):
@@ -176,8 +179,7 @@ async def count_prompt(
             return await adapter_for(record.spec).count_tokens(
                 state.client,
                 model=ctx.model,
-                prompt=prompt,
-                messages=messages,
+                body=body,
                 timeout=state.settings.engine_timeout_s,
                 snapshot=record.snapshot,
             )

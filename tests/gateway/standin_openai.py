@@ -25,13 +25,36 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway_standin import RunningServer, serve
 
 MESSAGE_OVERHEAD = 3  # the stand-in chat template: tokens per message besides its words
+# The stand-in chat template's tools turn, in the style of the tool-calling templates vLLM and
+# SGLang apply (Qwen2.5/Hermes: a system turn listing each tool's JSON between <tools> tags, then
+# how to answer a call); like theirs, its words count as prompt tokens.
+TOOLS_HEADER = "# Tools\nYou may call these functions (one JSON signature per line):\n<tools>"
+TOOLS_FOOTER = (
+    '</tools>\nTo call one, answer <tool_call>{"name": ..., "arguments": ...}</tool_call>'
+)
+NO_THINKING = "<think>\n\n</think>"  # what a Qwen3-style template adds when thinking is off
 
 
-def word_count(prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> int:
-    """The stand-ins' tokenizer: one token per whitespace-separated word (+ per-message frame)."""
-    if messages is not None:
-        return sum(len(str(m.get("content", "")).split()) + MESSAGE_OVERHEAD for m in messages)
-    return len((prompt or "").split())
+def tools_turn(tools: list[dict[str, Any]]) -> str:
+    return "\n".join([TOOLS_HEADER, *(json.dumps(tool) for tool in tools), TOOLS_FOOTER])
+
+
+def word_count(
+    prompt: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    thinking: bool = True,
+) -> int:
+    """The stand-ins' tokenizer: one token per whitespace-separated word (+ per-message frame) of
+    what their chat template renders: the messages, the tools turn when there are tools, the
+    empty thinking block when the template is told thinking is off."""
+    if messages is None:
+        return len((prompt or "").split())
+    count = sum(len(str(m.get("content", "")).split()) + MESSAGE_OVERHEAD for m in messages)
+    if tools:
+        count += len(tools_turn(tools).split()) + MESSAGE_OVERHEAD
+    return count + (0 if thinking else len(NO_THINKING.split()))
 
 
 @dataclass
@@ -57,6 +80,7 @@ class Traffic:
     headers: list[dict[str, str]] = field(default_factory=list)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
+    tokenize_bodies: list[dict[str, Any]] = field(default_factory=list)
 
     def hits(self, path: str) -> int:
         return self.paths.count(path)

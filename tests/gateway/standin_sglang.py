@@ -5,7 +5,10 @@ Shapes follow these upstream sources, read from the released packages:
 - worker: SGLang 0.5.23, ``python/sglang/srt/entrypoints/http_server.py`` (``/server_info``;
   ``/get_server_info`` deprecated alias that logs a warning; ``/model_info``; ``/v1/models`` with
   ``ModelCard.max_model_len``; ``/v1/tokenize`` and ``/tokenize`` answering ``TokenizeResponse``
-  ``{tokens, count, max_model_len}``), ``srt/utils/common.py`` ``build_server_info`` (resolved
+  ``{tokens, count, max_model_len}``; ``entrypoints/openai/protocol.py`` ``TokenizeRequest`` keeps
+  unknown fields and ``serving_tokenize.py`` renders ``messages`` as a chat completion of the whole
+  body: the tools as ``serving_chat.py`` renders them, none for ``tool_choice`` "none", only the
+  named one), ``srt/utils/common.py`` ``build_server_info`` (resolved
   server args + scheduler handshake ``max_total_num_tokens``/``max_req_input_len`` = rank 0),
   ``srt/managers/scheduler_components/internal_state.py`` + ``memory_usage.py`` (one
   ``internal_states`` entry per DP rank, pool in ``memory_usage.token_capacity``), errors from
@@ -112,6 +115,18 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({**body, "code": status}, status_code=status)
 
 
+def chat_tokens(body: dict[str, Any]) -> int:
+    """The prompt the chat route renders (``serving_chat.py``): the tools unless ``tool_choice`` is
+    "none", only the named one when it names one."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice == "none":
+        tools = None
+    elif isinstance(choice, dict) and tools:
+        name = choice.get("function", {}).get("name")
+        tools = [t for t in tools if t.get("function", {}).get("name") == name] or None
+    return word_count(body.get("prompt"), body.get("messages"), tools=tools)
+
+
 def worker_app(w: SGLangWorker) -> FastAPI:
     app = FastAPI()
 
@@ -150,7 +165,8 @@ def worker_app(w: SGLangWorker) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
         body = await request.json()
-        count = word_count(body.get("prompt"), body.get("messages"))
+        w.traffic.tokenize_bodies.append(body)
+        count = chat_tokens(body)  # messages: rendered as for a chat completion of this body
         return {"tokens": list(range(count)), "count": count, "max_model_len": w.context_len}
 
     @app.post("/v1/chat/completions")
@@ -161,7 +177,7 @@ def worker_app(w: SGLangWorker) -> FastAPI:
         if w.refuse is not None:
             return _error(400, w.refuse)
         w.traffic.prompts.append(prompt_text(body))
-        tokens = word_count(body.get("prompt"), body.get("messages"))
+        tokens = chat_tokens(body)
         if tokens + int(body.get("max_tokens") or 16) > min(w.context_len, *w.rank_pools):
             return _error(400, f"The input ({tokens} tokens) is longer than the model's context")
         words = answer_words(body, w.script, w.traffic)

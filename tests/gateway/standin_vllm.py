@@ -6,9 +6,13 @@ examples):
 - worker: ``entrypoints/serve/engine/protocol.py`` (``ModelCard`` with ``max_model_len``,
   ``parent`` for LoRA; ``ErrorResponse`` = ``{"error": {message, type, param, code}}``),
   ``entrypoints/serve/tokenize/api_router.py`` (``POST /tokenize`` only, no ``/v1/tokenize``;
-  ``{count, max_model_len, tokens}``), ``entrypoints/serve/instrumentator/basic.py``
-  (``GET /version``), ``v1/metrics/loggers.py`` ``log_metrics_info`` (``vllm:cache_config_info``:
-  ``CacheConfig`` fields as labels, one sample per engine core, among them ``block_size``,
+  ``{count, max_model_len, tokens}``; a chat's ``tools`` and ``chat_template_kwargs`` are rendered
+  with it, ``serve/tokenize/protocol.py`` ``TokenizeChatRequest``; the chat route renders the
+  request's tools and the template kwargs ``openai/chat_completion/protocol.py``
+  ``build_chat_params`` derives, ``renderers/online_renderer.py`` ``render_chat``),
+  ``entrypoints/serve/instrumentator/basic.py`` (``GET /version``), ``v1/metrics/loggers.py``
+  ``log_metrics_info`` (``vllm:cache_config_info``: ``CacheConfig`` fields as labels, one sample
+  per engine core, among them ``block_size``,
   ``num_gpu_blocks`` (summed over data-parallel cores, ``v1/engine/core_client.py``) and
   ``kv_cache_size_tokens`` (per core)); ``log_stats=False`` (``--disable-log-stats``) serves
   ``/metrics`` without any ``vllm:`` family. Stream chunks as
@@ -89,6 +93,19 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": error}, status_code=status)
 
 
+def chat_tokens(body: dict[str, Any]) -> int:
+    """The prompt the chat route renders: the tools always (off by default:
+    ``--exclude-tools-when-tool-choice-none``), thinking off when ``reasoning_effort`` is "none"
+    (``ChatCompletionRequest.build_chat_params`` sets ``enable_thinking`` from it;
+    ``reasoning_effort`` itself is a template variable this template does not use)."""
+    return word_count(
+        body.get("prompt"),
+        body.get("messages"),
+        tools=body.get("tools"),
+        thinking=body.get("reasoning_effort") != "none",
+    )
+
+
 def worker_app(w: VLLMWorker) -> FastAPI:
     app = FastAPI()
 
@@ -120,7 +137,14 @@ def worker_app(w: VLLMWorker) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
         body = await request.json()
-        count = word_count(body.get("prompt"), body.get("messages"))
+        w.traffic.tokenize_bodies.append(body)
+        template_kwargs = body.get("chat_template_kwargs") or {}
+        count = word_count(
+            body.get("prompt"),
+            body.get("messages"),
+            tools=body.get("tools"),  # TokenizeChatRequest.tools: rendered as the chat route does
+            thinking=template_kwargs.get("enable_thinking") is not False,
+        )
         return {"count": count, "max_model_len": w.max_model_len, "tokens": list(range(count))}
 
     @app.post("/v1/chat/completions")
@@ -134,7 +158,7 @@ def worker_app(w: VLLMWorker) -> FastAPI:
             return _error(
                 400, "Parameter 'cache_salt' must be at most 128 characters", "cache_salt"
             )
-        tokens = word_count(body.get("prompt"), body.get("messages"))
+        tokens = chat_tokens(body)
         if tokens + int(body.get("max_tokens") or 16) > w.max_model_len:
             return _error(400, f"This model's maximum context length is {w.max_model_len} tokens.")
         words = answer_words(body, w.script, w.traffic)

@@ -19,7 +19,12 @@ from gateway.engines.adapters import AdapterError, adapter_for
 from gateway.engines.adapters.sglang import snapshot_from_sglang
 from gateway.engines.adapters.vllm import NO_STATS, pool_from_metrics, snapshot_from_vllm
 from gateway.engines.capacity import RoleView
-from gateway.engines.provider_count import BYTES_PER_MESSAGE, BYTES_PER_REQUEST, upper_bound_tokens
+from gateway.engines.provider_count import (
+    BYTES_PER_MESSAGE,
+    BYTES_PER_REQUEST,
+    BYTES_PER_TOOLS,
+    upper_bound_tokens,
+)
 
 JSON = "application/json"
 
@@ -101,7 +106,7 @@ async def test_sglang_and_vllm_adapters_over_http() -> None:
             assert snapshot.tokenize is not None and snapshot.tokenize.url == f"{v_url}/tokenize"
             messages = [{"role": "user", "content": "a b c"}]
             count = await adapter_for(spec).count_tokens(
-                client, model="qwen3-32b", messages=messages, timeout=2, snapshot=snapshot
+                client, model="qwen3-32b", body={"messages": messages}, timeout=2, snapshot=snapshot
             )
             assert count == 3 + 3 and vllm.traffic.hits("/tokenize") == 2  # probe + count
             for kind, error in (("vllm", "not a JSON object"), ("sglang", "HTTP 404")):
@@ -126,9 +131,11 @@ async def test_bundled_adapter_and_exact_counts(standin) -> None:
         )
         assert snapshot.faults == ("legacy_handoff",) and snapshot.drift is not None
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c"}]
-        count = await adapter.count_tokens(client, model="m", messages=messages, timeout=2)
+        count = await adapter.count_tokens(
+            client, model="m", body={"messages": messages}, timeout=2
+        )
         assert count == standin_count(messages=messages) == 11
-        assert await adapter.count_tokens(client, model="m", prompt="x y", timeout=2) == 2
+        assert await adapter.count_tokens(client, model="m", body={"prompt": "x y"}, timeout=2) == 2
 
         wrong = adapter_for(EngineSpec(name="b", base_url=standin.url, model="other"))
         with pytest.raises(AdapterError, match="serves model 'standin-model'"):
@@ -169,8 +176,15 @@ async def test_declared_engines(standin) -> None:
             "hosted",
         )
         count = await adapter_for(spec).count_tokens(
-            client, model="hosted", prompt="héllo", timeout=2
+            client, model="hosted", body={"prompt": "héllo"}, timeout=2
         )
     assert count == upper_bound_tokens("hosted", "héllo", None) == 6 + BYTES_PER_REQUEST
     two = [{"role": "user", "content": "ab"}]
     assert upper_bound_tokens(None, None, two) == BYTES_PER_REQUEST + BYTES_PER_MESSAGE + 4 + 2
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    async with httpx.AsyncClient() as client:
+        with_tools = await adapter_for(spec).count_tokens(
+            client, model="hosted", body={"messages": two, "tools": tools}, timeout=2
+        )
+    assert with_tools == upper_bound_tokens("hosted", None, two, definitions={"tools": tools})
+    assert with_tools > upper_bound_tokens("hosted", None, two) + BYTES_PER_TOOLS

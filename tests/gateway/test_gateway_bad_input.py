@@ -46,6 +46,8 @@ BAD_FIELDS = [
     (_ok_chat(tools="x"), "tools"),
     (_ok_chat(top_logprobs=2), None),
     (_ok_chat(response_format={"schema": {}}), None),
+    (_ok_chat(tool_choice="required"), None),
+    (_ok_chat(tools=[], tool_choice={"type": "function", "function": {"name": "f"}}), None),
     (_ok_chat(stream_options={"include_usage": True}), None),
     (_ok_chat(max_tokens=5, max_completion_tokens=5), None),
     ({"model": MODEL, "messages": []}, "messages"),

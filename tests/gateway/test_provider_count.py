@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import unicodedata
 from collections.abc import Callable
 from typing import Any
@@ -162,6 +163,156 @@ def test_bytes_bound_never_undercounts_any_format(msgs: list[Message], prompt: s
         )
 
 
+# -- tools: definitions, calls and results --------------------------------------------------------
+
+identifier = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,24}", fullmatch=True)
+short_text = st.lists(script_text, min_size=0, max_size=2).map("".join)
+leaf = st.fixed_dictionaries(
+    {"type": st.sampled_from(["string", "number", "integer", "boolean"])},
+    optional={"description": short_text, "enum": st.lists(short_text, max_size=30)},
+)
+
+
+def _object(values: Any) -> Any:
+    return st.dictionaries(identifier, values, max_size=5).flatmap(
+        lambda props: st.fixed_dictionaries(
+            {"type": st.just("object"), "properties": st.just(props)},
+            optional={
+                "description": short_text,
+                "required": st.lists(st.sampled_from(sorted(props) or ["x"]), max_size=3),
+            },
+        )
+    )
+
+
+array = st.fixed_dictionaries(
+    {"type": st.just("array"), "items": leaf}, optional={"description": short_text}
+)
+schema = _object(st.one_of(leaf, array, _object(leaf)))
+tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": identifier}, optional={"description": short_text, "parameters": schema}
+        ),
+    }
+)
+tool_lists = st.lists(tool, min_size=1, max_size=4)
+
+
+def _ts_type(spec: dict[str, Any]) -> str:
+    if "enum" in spec:
+        return " | ".join(json.dumps(v, ensure_ascii=False) for v in spec["enum"]) or "never"
+    kind = spec.get("type")
+    if kind == "object":
+        return "{\n" + _ts_fields(spec) + "}"
+    if kind == "array":
+        return _ts_type(spec.get("items", {})) + "[]"
+    return "number" if kind == "integer" else str(kind)
+
+
+def _ts_fields(spec: dict[str, Any]) -> str:
+    out = ""
+    for key, value in spec.get("properties", {}).items():
+        out += f"// {value['description']}\n" if value.get("description") else ""
+        out += f"{key}{'' if key in spec.get('required', []) else '?'}: {_ts_type(value)},\n"
+    return out
+
+
+def _namespace(tools: list[dict[str, Any]]) -> str:
+    """OpenAI's rendering of function definitions: a TypeScript-like namespace in a system turn."""
+    out = "# Tools\n\n## functions\n\nnamespace functions {\n\n"
+    for t in tools:
+        f = t["function"]
+        out += f"// {f['description']}\n" if f.get("description") else ""
+        fields = _ts_fields(f.get("parameters", {}))
+        out += f"type {f['name']} = (_: {{\n{fields}}}) => any;\n\n" if fields else ""
+        out += "" if fields else f"type {f['name']} = () => any;\n\n"
+    return out + "} // namespace functions"
+
+
+def _cookbook(encoding: tiktoken.Encoding, tools: list[dict[str, Any]]) -> int:
+    """OpenAI cookbook's accounting of function definitions ("How to count tokens with
+    tiktoken", num_tokens_for_tools), with the older models' larger func_init; it reads a
+    property's type, description and enum only (a missing description read as empty)."""
+
+    def count(text: str) -> int:
+        return len(encoding.encode(text, disallowed_special=()))
+
+    total = 12
+    for t in tools:
+        f = t["function"]
+        total += 10 + count(f"{f['name']}:{f.get('description', '').removesuffix('.')}")
+        props = f.get("parameters", {}).get("properties", {})
+        total += 3 if props else 0
+        for key, value in props.items():
+            total += 3
+            if "enum" in value:
+                total += -3 + sum(3 + count(i) for i in value["enum"])
+            line = f"{key}:{value['type']}:{value.get('description', '').removesuffix('.')}"
+            total += count(line)
+    return total
+
+
+def _json_blocks(tools: list[dict[str, Any]]) -> list[str]:
+    """Tool blocks of open models' templates: one compact JSON per line (Qwen/Hermes style) or
+    each indented by 4 (Llama 3.1 style), after instructions of a few hundred characters."""
+    instructions = " ".join(["Use these functions when they help; answer a call as JSON."] * 6)
+    compact = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    indented = "\n\n".join(json.dumps(t, indent=4) for t in tools)
+    return [f"{instructions}\n<tools>\n{compact}\n</tools>", f"{instructions}\n\n{indented}"]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(msgs=chats, tools=tool_lists)
+def test_tool_definitions_never_undercount(
+    msgs: list[Message], tools: list[dict[str, Any]]
+) -> None:
+    plain = [dict(m) for m in msgs]
+    for name, model in MODELS.items():
+        encoding = ENCODINGS[name]
+        estimate = upper_bound_tokens(model, None, plain, definitions={"tools": tools})
+        system = [{"role": "system", "content": _namespace(tools)}]
+        for render in OPENAI_FORMATS:
+            assert estimate >= _rendered(encoding, render, system + msgs), render.__name__
+        base = tiktoken.get_encoding(name)
+        assert estimate >= _openai_accounting(base, msgs) + _cookbook(base, tools), name
+    unnamed = [{k: v for k, v in m.items() if k != "name"} for m in msgs]
+    estimate = upper_bound_tokens(
+        "anthropic/some-model", None, unnamed, definitions={"tools": tools}
+    )
+    for block in [_namespace(tools), *_json_blocks(tools)]:
+        system = [{"role": "system", "content": block}]
+        for encoding in ENCODINGS.values():
+            for render in OPENAI_FORMATS + OTHER_FORMATS:
+                assert estimate >= _rendered(encoding, render, system + unnamed), render.__name__
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(calls=st.lists(st.tuples(identifier, content, identifier, content), min_size=1, max_size=3))
+def test_tool_calls_and_results_never_undercount(calls: list[tuple[str, str, str, str]]) -> None:
+    """An assistant's calls (each written by OpenAI as a message to ``functions.<name>`` holding
+    the arguments) and the results (each a message from there)."""
+    assistant = {
+        "role": "assistant",
+        "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
+            for i, (n, a, _, _) in enumerate(calls)
+        ],
+    }
+    results = [{"role": "tool", "tool_call_id": f"c{i}", "content": r} for i, *_, r in calls]
+    written = [{"role": f"assistant to=functions.{n}", "content": a} for n, a, _, _ in calls]
+    written += [{"role": f"functions.{n} to=assistant", "content": r} for n, _, _, r in calls]
+    for name, model in MODELS.items():
+        estimate = upper_bound_tokens(model, None, [assistant, *results])
+        for render in OPENAI_FORMATS:
+            assert estimate >= _rendered(ENCODINGS[name], render, written), render.__name__
+    estimate = upper_bound_tokens(None, None, [assistant, *results])
+    for encoding in ENCODINGS.values():
+        for render in OPENAI_FORMATS + OTHER_FORMATS:
+            assert estimate >= _rendered(encoding, render, written), render.__name__
+
+
 @given(prompt=content)
 @settings(max_examples=50, deadline=None)
 def test_completion_prompts_never_undercount(prompt: str) -> None:
@@ -269,7 +420,9 @@ def _english_chats() -> list[list[Message]]:
 
 def _openai_accounting(encoding: tiktoken.Encoding, msgs: list[Message]) -> int:
     """OpenAI's documented chat accounting: 3 per message + its fields, 3 for the reply."""
-    return 3 + sum(3 + sum(len(encoding.encode(v)) for v in m.values()) for m in msgs)
+    return 3 + sum(
+        3 + sum(len(encoding.encode(v, disallowed_special=())) for v in m.values()) for m in msgs
+    )
 
 
 def test_overcount_on_english_is_measured_and_bounded(capsys: Any) -> None:

@@ -4,8 +4,10 @@ One adapter per engine kind (bundled, SGLang, vLLM, declared OpenAI/litellm). ``
 returns a ``CapacitySnapshot`` or raises ``AdapterError`` with a short reason (never a payload
 echo). ``count_tokens`` asks the engine's own tokenizer at the target the last introspection found
 (``snapshot.tokenize``: the path the engine really serves, ``/v1/tokenize`` or ``/tokenize``, on
-the engine or on one member of its group; the answer shape is shared: ``{"count": N, ...}``) so
-the count matches what the engine will admit; declared engines count locally instead.
+the engine or on one member of its group; the answer shape is shared: ``{"count": N, ...}``),
+sent what the kind needs to render the prompt as its chat route will (``tokenize_request``, from
+``gateway.engines.prompt``: the tools too), so the count matches what the engine will admit;
+declared engines count locally instead.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import httpx
 
 from gateway.config import EngineSpec
+from gateway.engines import prompt
 from gateway.engines.capacity import CapacitySnapshot, TokenizeTarget
 
 MAX_INTROSPECTION_BYTES = 4 << 20
@@ -39,23 +42,24 @@ class EngineAdapter(ABC):
         client: httpx.AsyncClient,
         *,
         model: str,
-        prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
+        body: dict[str, Any],
         timeout: float,
         snapshot: CapacitySnapshot | None = None,
     ) -> int:
-        """Exact prompt tokens (chat template applied for messages), from the engine's tokenizer."""
-        body: dict[str, Any] = {"model": model}
-        if messages is not None:
-            body["messages"] = messages
-        else:
-            body["prompt"] = prompt or ""
+        """Exact prompt tokens of ``body`` (the chat or completion request the engine will get),
+        rendered by the engine's own tokenizer and chat template."""
         target = snapshot.tokenize if snapshot is not None else None
         if target is None:
             target = TokenizeTarget(url=self.url(DEFAULT_TOKENIZE_PATH))
         headers = self.headers(member=target.member)
-        data = await post_json(client, target.url, body, timeout=timeout, headers=headers)
+        request = self.tokenize_request(model, body)
+        data = await post_json(client, target.url, request, timeout=timeout, headers=headers)
         return _count(data)
+
+    def tokenize_request(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        """What this kind's tokenize route must be sent to render ``body``'s prompt as its chat
+        route will (``gateway.engines.prompt``): here the messages or the prompt."""
+        return prompt.plain(model, body)
 
     def headers(self, *, member: str | None = None) -> dict[str, str]:
         """Credentials for the engine (or one member of its group), never the tenant's key."""

@@ -7,8 +7,10 @@ marked ``measured=False``; the registry refuses such an engine unless its spec s
 litellm provider is not probed (its API may bill or rate-limit listing calls).
 
 Token counts are an upper bound that never undercounts (``gateway.engines.provider_count``:
-the model's own tiktoken encoding where it has one, else UTF-8 bytes); over-counting refuses
-borderline requests, it never admits one that does not fit.
+the model's own tiktoken encoding where it has one, else UTF-8 bytes), over the messages and the
+definitions a provider writes into the prompt (tools, functions, tool_choice, function_call,
+response_format); over-counting refuses borderline requests, it never admits one that does not
+fit.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import httpx
 from gateway.config import EngineKind
 from gateway.engines.adapters.base import EngineAdapter, get_json
 from gateway.engines.capacity import CapacitySnapshot, RoleView
+from gateway.engines.prompt import DEFINITIONS
 from gateway.engines.provider_count import upper_bound_tokens
 
 
@@ -40,9 +43,13 @@ class DeclaredAdapter(EngineAdapter):
         client: httpx.AsyncClient,
         *,
         model: str,
-        prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
+        body: dict[str, Any],
         timeout: float,
         snapshot: CapacitySnapshot | None = None,
     ) -> int:
-        return upper_bound_tokens(self.spec.litellm_model or model, prompt, messages)
+        definitions = {k: body[k] for k in DEFINITIONS if body.get(k) is not None}
+        messages = body.get("messages")
+        prompt = None if messages is not None else body.get("prompt")
+        return upper_bound_tokens(
+            self.spec.litellm_model or model, prompt, messages, definitions=definitions
+        )

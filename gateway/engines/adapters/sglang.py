@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from gateway.config import MemberRole
+from gateway.engines import prompt
 from gateway.engines.adapters.base import (
     AdapterError,
     get_json,
@@ -50,6 +51,9 @@ PD_MODES = ("prefill", "decode")
 
 class SGLangAdapter(GroupAdapter):
     tokenize_paths = ("/v1/tokenize", "/tokenize")
+
+    def tokenize_request(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        return prompt.for_sglang(model, body)
 
     async def listed_workers(
         self, client: httpx.AsyncClient, *, timeout: float

@@ -33,6 +33,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import MemberRole
+from gateway.engines import prompt
 from gateway.engines.adapters.base import (
     AdapterError,
     get_json,
@@ -53,6 +54,9 @@ NO_STATS = (
 
 class VLLMAdapter(GroupAdapter):
     tokenize_paths = ("/tokenize", "/v1/tokenize")
+
+    def tokenize_request(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        return prompt.for_vllm(model, body)
 
     async def listed_workers(
         self, client: httpx.AsyncClient, *, timeout: float
