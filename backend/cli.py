@@ -120,10 +120,10 @@ def _serve(args: argparse.Namespace, role_name: str) -> int:
     from backend.engine.build import CapacityDriftRefused
     from backend.model.errors import CheckpointError
     from backend.server.app import create_app
-    from backend.server.schema import Role
     from backend.transport.base import TransportUnavailable
-    from kvguard.http_edge import server_config
-    from kvguard.settings import settings_error
+    from contracts.engine import Role
+    from contracts.http_edge import server_config
+    from contracts.settings import settings_error
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per handoff call otherwise

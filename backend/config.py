@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from kvguard.settings import KvguardSettings, require_real_secret
+from contracts.settings import KvguardSettings, require_real_secret
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled" / "kvguard-tiny"
 

@@ -27,11 +27,11 @@ from bench.summary import emit
 from canary.firewall import LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
-from gateway.hooks import PassThroughGuard, RequestInfo, StreamGuard
+from contracts.plugins import PassThroughGuard, RequestInfo, StreamGuard
+from contracts.sse import SseSplitter
 from gateway.proxy.relay import StreamRelay
 from gateway.proxy.side import Prefilter
 from gateway.upstream.base import Endpoint
-from gateway.upstream.sse import SseSplitter
 
 GOAL_P99_US = 100.0
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))

@@ -160,10 +160,10 @@ def replay_cpu_s(raw: bytes, repeats: int, pairs: int = 15) -> tuple[float, floa
     from canary.firewall import LeakFirewall, TagIndex
     from canary.injection import MarkerLedger, RequestMarkers
     from canary.markers import MarkerCodec, MarkerKeyring
-    from gateway.hooks import PassThroughGuard, RequestInfo
+    from contracts.plugins import PassThroughGuard, RequestInfo
+    from contracts.sse import SseSplitter
     from gateway.proxy.relay import StreamRelay
     from gateway.upstream.base import Endpoint
-    from gateway.upstream.sse import SseSplitter
 
     codec = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))
     tags = TagIndex(codec)

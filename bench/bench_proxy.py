@@ -131,7 +131,7 @@ def proxy_config(engine_url: str, engine_model: str) -> str:
     )
 
 
-# uvicorn at WARNING, as every kvguard server runs (kvguard/http_edge.py): no access log lines.
+# uvicorn at WARNING, as every kvguard server runs (contracts/http_edge.py): no access log lines.
 PROXY_LOG_CONFIG = {
     "version": 1,
     "disable_existing_loggers": False,

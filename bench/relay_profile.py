@@ -40,7 +40,7 @@ AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("starlette/fastapi (routing, middleware, responses)", ("starlette/", "fastapi/")),
     ("pydantic validation", ("pydantic/", "pydantic_core")),
-    ("kvguard body guard middleware", ("kvguard/http_edge.py",)),
+    ("kvguard body guard middleware", ("contracts/http_edge.py",)),
     ("auth (key lookup, cache)", ("gateway/deps.py", "services/keys.py", "auth_cache.py")),
     ("admission (route, count, fit)", ("proxy/admission.py", "bundled/chat.py")),
     ("limiter (Redis)", ("gateway/limits/", "redis/")),

@@ -40,9 +40,9 @@ from typing import Any
 
 import uvloop
 
-from backend.bundled.chat import TOKENIZER_ID, count_tokens
-from backend.server.schema import CapacityReport, Role
 from bench.relay_http import RequestReader
+from contracts.chat_format import TOKENIZER_ID, count_tokens
+from contracts.engine import CapacityReport, Role
 
 MODEL = "standin-model"
 ANSWER = (

@@ -227,12 +227,8 @@ def _wait_routable(port: int, key: str, proc: subprocess.Popen[bytes], log: Path
 
 def create_tenants(database_url: str, count: int, *, canary_rate: float) -> list[str]:
     """Migrate the database and create ``count`` tenants with one key each; the keys."""
-    from gateway.db.session import (
-        make_engine,
-        make_session_factory,
-        session_scope,
-        upgrade_database,
-    )
+    from contracts.sql import make_session_factory, session_scope
+    from gateway.db.session import make_engine, upgrade_database
     from gateway.domain import TenantPlan
     from gateway.services.tenants import create_tenant
 

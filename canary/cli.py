@@ -73,7 +73,7 @@ def run_probe(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from canary.config import CanarySettings
-    from kvguard.settings import settings_error
+    from contracts.settings import settings_error
 
     try:
         settings = CanarySettings()

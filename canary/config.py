@@ -17,8 +17,8 @@ from typing import Annotated, Self
 from pydantic import Field, SecretStr, model_validator
 
 from canary.markers import MAX_KEY_ID, MIN_KEY_BYTES, MarkerKeyring
-from gateway.config import DEV_ADMIN_TOKEN
-from kvguard.settings import (
+from contracts.settings import (
+    DEV_ADMIN_TOKEN,
     KvguardSettings,
     RunMode,
     require_distinct_secrets,

@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy import Boolean, Float, Index, Integer, String, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from gateway.db.models import AUDIT_ID, Base, UTCDateTime, utcnow
+from contracts.sql import AUDIT_ID, Base, UTCDateTime, utcnow
 
 
 class FindingKind(StrEnum):

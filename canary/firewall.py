@@ -25,8 +25,8 @@ from typing import Any
 from canary.injection import MarkerLedger
 from canary.markers import MarkerCodec
 from canary.scanner import NOTHING, Finding, ScanResult, StreamScanner
-from gateway.hooks import Cut, Emit, GuardCapabilities, RequestInfo, StreamGuard
-from gateway.proxy.side import choice_texts
+from contracts.openai import choice_texts
+from contracts.plugins import Cut, Emit, GuardCapabilities, RequestInfo, StreamGuard
 
 log = logging.getLogger("kvguard.canary")
 

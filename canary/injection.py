@@ -45,9 +45,8 @@ from canary.markers import (
 )
 from canary.metrics import CanaryMetrics
 from canary.records import MarkerRecord, RecordStore
-from gateway.db.models import utcnow
-from gateway.errors import InvalidRequest
-from gateway.hooks import RequestInfo
+from contracts.plugins import RequestInfo, RequestRefused
+from contracts.sql import utcnow
 
 log = logging.getLogger("kvguard.canary")
 
@@ -253,7 +252,7 @@ def _refuse(info: RequestInfo, what: str) -> NoReturn:
         info.tenant_id,
         what,
     )
-    raise InvalidRequest(
+    raise RequestRefused(
         "This request carries a canary marker, or part of one, that belongs to another tenant.",
         code="foreign_canary_marker",
     )

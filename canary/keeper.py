@@ -1,6 +1,6 @@
 """Findings kept durably until the database has them.
 
-A finding is put on local disk first (``gateway.services.spool``, one file per batch, fsynced),
+A finding is put on local disk first (``contracts.spool``, one file per batch, fsynced),
 then written to ``canary_findings`` by a background writer that retries while the database is
 unreachable; the file goes once the rows are in. ``keep`` waits, bounded by the database's own
 timeout, for its batch to land, so with a healthy database a finding is queryable by the time
@@ -23,8 +23,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from canary.findings import NewFinding, store_finding, stored_already
 from canary.metrics import CanaryMetrics
-from gateway.db.session import run_in_session, session_scope
-from gateway.services.spool import Spool, SpoolWriter
+from contracts.spool import Spool, SpoolWriter
+from contracts.sql import run_in_session, session_scope
 
 log = logging.getLogger("kvguard.canary")
 

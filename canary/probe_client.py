@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from gateway.hooks import ENGINE_HEADER
-from gateway.upstream.sse import SseSplitter, parse_event
+from contracts.plugins import ENGINE_HEADER
+from contracts.sse import SseSplitter, parse_event
 
 KEY_LIFETIME_S = 3600
 KEY_NAME = "canary-probe"

@@ -67,7 +67,7 @@ from canary.probe_client import (
     ProbeSetupError,
     ProbeTenant,
 )
-from gateway.db.models import utcnow
+from contracts.sql import utcnow
 
 __all__ = ["GatewayClient", "ProbeResult", "ProbeRunner", "ProbeSetupError", "format_table"]
 

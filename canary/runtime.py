@@ -38,7 +38,6 @@ from typing import Any
 
 import anyio
 from prometheus_client import CollectorRegistry
-from sqlalchemy import select
 
 from canary.anomalies import Anomaly, FirstTokenCalibrator, usage_anomaly
 from canary.config import CanarySettings
@@ -58,9 +57,8 @@ from canary.metrics import CanaryMetrics
 from canary.records import MarkerRecord, MemoryRecordStore, RecordStore, RedisRecordStore
 from canary.scanner import Finding, Severity
 from canary.scanner import FindingKind as ScanKind
-from gateway.db.models import Tenant, utcnow
-from gateway.db.session import run_in_session
-from gateway.hooks import Cut, GatewayHooks, RequestInfo, RequestReport, ServiceContext
+from contracts.plugins import Cut, GatewayHooks, RequestInfo, RequestReport, ServiceContext
+from contracts.sql import utcnow
 
 log = logging.getLogger("kvguard.canary")
 
@@ -159,7 +157,7 @@ class CanaryRuntime:
 
     async def refresh_tags(self) -> None:
         gateway = self._require_gateway()
-        ids = await run_in_session(gateway.sessions, lambda s: list(s.scalars(select(Tenant.id))))
+        ids = await gateway.tenant_ids()
         await anyio.to_thread.run_sync(self.tags.replace, ids)
 
     async def _refresh_loop(self) -> None:

@@ -19,13 +19,16 @@ import httpx
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from contracts.http_edge import BodyGuardMiddleware
+from contracts.plugins import GatewayHooks
+from contracts.spool import Spool
+from contracts.sql import make_session_factory
 from gateway.api.routes import admin, health, openai, tenant
 from gateway.config import GatewaySettings
-from gateway.db.session import make_engine, make_session_factory, upgrade_database
+from gateway.db.session import make_engine, upgrade_database
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
 from gateway.errors import install_error_handlers
-from gateway.hooks import GatewayHooks
 from gateway.limits.auth_throttle import FailedCredentialThrottle
 from gateway.limits.base import Limiter
 from gateway.limits.memory_limiter import MemoryLimiter
@@ -34,12 +37,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
 from gateway.services.quarantine import Quarantines
-from gateway.services.spool import Spool
 from gateway.state import GatewayState
 from gateway.tracing import Tracing
 from gateway.upstream.direct import DirectUpstream
 from gateway.upstream.litellm_client import LiteLLMUpstream
-from kvguard.http_edge import BodyGuardMiddleware
 
 log = logging.getLogger("kvguard.gateway")
 

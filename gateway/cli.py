@@ -1,8 +1,9 @@
-"""``kvguard gateway`` (serve) and ``kvguard admin`` (tenants, keys, limits, migrations).
+"""``kvguard admin``: tenants, keys, limits, migrations.
 
-Both read the same ``KVGUARD_*`` settings, so a tenant created with ``kvguard admin`` can call a
-gateway started in the same environment. ``kvguard admin tenant create NAME`` prints the new
-tenant's first key on its last line (and nowhere else: it is not stored).
+It reads the same ``KVGUARD_*`` settings as ``kvguard gateway`` (``kvguard.gateway_command``), so a
+tenant created with ``kvguard admin`` can call a gateway started in the same environment.
+``kvguard admin tenant create NAME`` prints the new tenant's first key on its last line (and
+nowhere else: it is not stored).
 """
 
 from __future__ import annotations
@@ -30,27 +31,6 @@ def _limit(text: str) -> int | None:
 
 
 def register(subparsers: Any) -> None:
-    gateway = subparsers.add_parser(
-        "gateway",
-        help="run the tenant-facing gateway",
-        description="Serve the OpenAI-compatible "
-        "tenant API with keys, limits and capacity truth from the engines.",
-    )
-    gateway.add_argument("--host", default=None)
-    gateway.add_argument("--port", type=int, default=None)
-    gateway.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        metavar="[KIND=]URL",
-        help="an engine to route to (kind: bundled (default), sglang, vllm); repeatable",
-    )
-    gateway.add_argument("--log-level", default="info")
-    gateway.set_defaults(handler=run_gateway)
-    _register_admin(subparsers)
-
-
-def _register_admin(subparsers: Any) -> None:
     admin = subparsers.add_parser("admin", help="manage tenants, keys and the database")
     groups = admin.add_subparsers(dest="admin_command", required=True, metavar="AREA")
     groups.add_parser("migrate", help="upgrade the database to the latest schema").set_defaults(
@@ -99,47 +79,6 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=dest, type=_limit, default=argparse.SUPPRESS)
 
 
-def run_gateway(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from canary.config import CanarySettings
-    from gateway.config import GatewaySettings, parse_engine_arg
-    from kvguard.settings import settings_error
-
-    try:  # settings first: a refusal is one line, before the heavy imports below
-        env = GatewaySettings()
-        overrides: dict[str, Any] = {"engines": [*env.engines, *map(parse_engine_arg, args.engine)]}
-        if args.host is not None:
-            overrides["host"] = args.host
-        if args.port is not None:
-            overrides["port"] = args.port
-        settings = GatewaySettings(**overrides)
-        canary = CanarySettings()
-    except ValidationError as exc:
-        print(f"kvguard gateway: cannot start: {settings_error(exc)}", file=sys.stderr)
-        return 2
-    return _serve_gateway(settings, canary, log_level=args.log_level)
-
-
-def _serve_gateway(settings: Any, canary: Any, *, log_level: str) -> int:
-    import uvicorn
-
-    from canary.runtime import build_hooks
-    from gateway.app import create_app
-    from kvguard.http_edge import server_config
-
-    hooks = build_hooks(canary)  # the leak firewall: on unless KVGUARD_CANARY_ENABLED=0
-    config = server_config(
-        create_app(settings, hooks=hooks),
-        host=settings.host,
-        port=settings.port,
-        log_level=log_level,
-        header_timeout_s=settings.header_timeout_s,
-    )
-    uvicorn.Server(config).run()
-    return 0
-
-
 AdminAction = Callable[[argparse.Namespace, Any], None]
 
 
@@ -149,15 +88,11 @@ def run_admin(action: AdminAction) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
         from pydantic import ValidationError
 
+        from contracts.settings import settings_error
+        from contracts.sql import make_session_factory, session_scope
         from gateway.config import GatewaySettings
-        from gateway.db.session import (
-            make_engine,
-            make_session_factory,
-            session_scope,
-            upgrade_database,
-        )
+        from gateway.db.session import make_engine, upgrade_database
         from gateway.errors import GatewayError
-        from kvguard.settings import settings_error
 
         try:
             settings = GatewaySettings()
@@ -185,7 +120,7 @@ def _migrate(args: argparse.Namespace, session: Any) -> None:
 
 
 def _tenant_create(args: argparse.Namespace, session: Any) -> None:
-    from gateway.db.models import utcnow
+    from contracts.sql import utcnow
     from gateway.services.tenants import create_tenant
 
     plan = TenantPlan(**{k: getattr(args, k, None) for k in TenantPlan.__slots__})
@@ -236,7 +171,7 @@ def _tenant_limits(args: argparse.Namespace, session: Any) -> None:
 
 
 def _key_create(args: argparse.Namespace, session: Any) -> None:
-    from gateway.db.models import utcnow
+    from contracts.sql import utcnow
     from gateway.services.keys import issue_key
     from gateway.services.tenants import get_tenant
 

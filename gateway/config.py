@@ -28,14 +28,14 @@ from pydantic import (
 )
 from sqlalchemy.engine import make_url
 
-from kvguard.settings import (
+from contracts.settings import (
+    DEV_ADMIN_TOKEN,
     KvguardSettings,
     RunMode,
     require_distinct_secrets,
     require_real_secret,
 )
 
-DEV_ADMIN_TOKEN = "kvguard-dev-admin-token"
 MiB = 1 << 20
 
 
@@ -352,7 +352,7 @@ class GatewaySettings(KvguardSettings):
         return None
 
     def spool_dir(self) -> Path:
-        """Where records wait for this deployment's database (``gateway.services.spool``): per
+        """Where records wait for this deployment's database (``contracts.spool``): per
         database, so two deployments sharing a data dir never write each other's records."""
         url = make_url(self.sqlalchemy_url()).render_as_string(hide_password=True)
         return self.data_dir / "spool" / hashlib.sha256(url.encode()).hexdigest()[:12]

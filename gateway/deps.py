@@ -16,8 +16,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from gateway.db.models import utcnow
-from gateway.db.session import run_in_session, session_scope
+from contracts.sql import run_in_session, session_scope, utcnow
 from gateway.domain import Principal
 from gateway.errors import AuthenticationFailed, PermissionDenied, RateLimited
 from gateway.services.keys import AuthFailure, authenticate, looks_like_tenant_key

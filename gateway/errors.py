@@ -19,8 +19,8 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.hooks import Cut
-from kvguard.http_edge import error_body, validation_message
+from contracts.http_edge import error_body, validation_message
+from contracts.plugins import Cut
 
 log = logging.getLogger("kvguard.gateway")
 

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.plugins import GatewayHooks, ServiceContext
+from contracts.sql import run_in_session
 from gateway.config import EngineSpec, GatewaySettings, UpstreamPath
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
-from gateway.hooks import GatewayHooks, ServiceContext
 from gateway.limits.auth_throttle import FailedCredentialThrottle
 from gateway.limits.base import Limiter
 from gateway.metrics import GatewayMetrics
+from gateway.services import tenants as tenant_service
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
 from gateway.services.engines import reload_registry
@@ -63,6 +66,7 @@ class GatewayState:
         return ServiceContext(
             metrics=self.metrics.registry,
             sessions=self.sessions,
+            tenant_ids=partial(run_in_session, self.sessions, tenant_service.tenant_ids),
             redis_url=self.settings.redis_url,
             quarantine=self.quarantine,
             spool_dir=self.settings.spool_dir(),

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from canary import cli as canary_cli
 from gateway import cli as gateway_cli
-from kvguard import benchcmd, demo, up
+from kvguard import benchcmd, demo, gateway_command, up
 from kvguard.load import cli as load_cli
 
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up.register(subparsers)
     demo.register(subparsers)
+    gateway_command.register(subparsers)
     gateway_cli.register(subparsers)
     canary_cli.register(subparsers)
     from backend import cli as backend_cli

@@ -27,7 +27,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
 def _type_name(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
     text = text or str(annotation)
-    for noise in ("typing.", "pathlib.", "pydantic.types.", "gateway.config.", "kvguard.settings."):
+    noises = ("typing.", "pathlib.", "pydantic.types.", "gateway.config.", "contracts.settings.")
+    for noise in noises:
         text = text.replace(noise, "")
     return text.replace("|", "\\|")
 

@@ -1,18 +1,30 @@
-"""Alembic environment: the gateway's and the canary's table metadata and a connection.
+"""Alembic environment: a connection, and the tables' metadata when a comparison needs it.
 
-The engine comes from ``config.attributes["engine"]`` (kvguard's code path) or from
-``-x url=...`` (the Alembic CLI). Batch mode lets SQLite run the ALTERs it lacks.
+The engine comes from ``config.attributes["engine"]`` (kvguard's code path: the gateway migrating
+at start, ``kvguard admin migrate``) or from ``-x url=...`` (the Alembic CLI). Batch mode lets
+SQLite run the ALTERs it lacks.
+
+Upgrades and downgrades run the revisions alone; only the Alembic CLI (``revision
+--autogenerate``, ``check``) compares against the tables, so only it imports them -- the gateway's
+and the canary's, both on ``contracts.sql.Base``. A gateway that migrates at start loads no canary
+code through here.
 """
 
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, MetaData, create_engine
 
-import canary.findings  # noqa: F401  (registers the canary's tables on the same metadata)
-from gateway.db.models import Base
 
-target_metadata = Base.metadata
+def _tables() -> MetaData:
+    import canary.findings  # noqa: F401  (registers the canary's tables)
+    import gateway.db.models  # noqa: F401  (registers the gateway's tables)
+    from contracts.sql import Base
+
+    return Base.metadata
+
+
+target_metadata = None if "engine" in context.config.attributes else _tables()
 
 
 def _engine() -> Engine:

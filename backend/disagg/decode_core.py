@@ -46,7 +46,6 @@ from backend.disagg.machines import (
     Check,
     DecodeHandoffState,
     Expectation,
-    HandoffProof,
     Verdict,
     refusal,
     release_deadline,
@@ -62,6 +61,7 @@ from backend.disagg.protocol import (
 from backend.engine.core import EngineCore, StepOutcome
 from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
+from contracts.engine import HandoffProof
 
 log = logging.getLogger("kvguard.disagg.decode")
 _S = DecodeHandoffState

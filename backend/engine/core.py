@@ -23,9 +23,9 @@ from backend.core.errors import IsolationError, KvguardError
 from backend.core.messages import DecodeItem, PrefillChunk, SchedulerOutput, StepResult
 from backend.core.request import Request
 from backend.core.scheduler import Scheduler
-from backend.disagg.machines import HandoffProof
 from backend.engine.runner import ModelRunner, StepSamples
 from backend.engine.sampling import TokenLogprobs
+from contracts.engine import HandoffProof
 
 log = logging.getLogger("kvguard.engine")
 

@@ -23,10 +23,10 @@ from backend.server import routes_drill, routes_handoff, routes_openai, routes_o
 from backend.server.auth import EngineAuthMiddleware
 from backend.server.errors import install_error_handlers
 from backend.server.roles import RoleRuntime, build_decode, build_prefill, build_unified
-from backend.server.schema import Role
 from backend.server.tracing import install_tracing
-from kvguard.http_edge import BodyGuardMiddleware
-from kvguard.settings import RunMode
+from contracts.engine import Role
+from contracts.http_edge import BodyGuardMiddleware
+from contracts.settings import RunMode
 
 _BUILDERS = {Role.UNIFIED: build_unified, Role.PREFILL: build_prefill, Role.DECODE: build_decode}
 

@@ -23,7 +23,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvguard.http_edge import error_body
+from contracts.http_edge import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]", "inprocess")

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.core.errors import InvalidRequest, KvguardError
-from kvguard.http_edge import error_body, validation_message
+from contracts.http_edge import error_body, validation_message
 
 log = logging.getLogger("kvguard.engine")
 

@@ -34,14 +34,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from backend.core.errors import InvalidRequest, KvguardError
 from backend.core.request import FinishReason, RequestState, SamplingParams
-from backend.disagg.machines import HandoffProof
 from backend.engine.async_engine import EngineEvent, Generation
 from backend.server import formatting as fmt
 from backend.server.errors import error_body
 from backend.server.openai_schema import _SamplingFields
-from backend.server.schema import REQUEST_ID_HEADER, TENANT_HEADER, Role
 from backend.server.service import EngineService
 from backend.server.textstream import TextStream
+from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER, HandoffProof, Role, answer_extension
 
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 DEFAULT_TENANT = "anonymous"
@@ -322,19 +321,9 @@ async def _collect(
 
 def _extension(service: EngineService, tallies: Sequence[_Tally]) -> dict[str, Any]:
     proofs = [t.proof for t in tallies if t.proof is not None]
-    broken = [p for p in proofs if not _holds(p)]
+    broken = [p for p in proofs if not p.consistent]
     chosen = broken or proofs
-    handoff = chosen[0].as_dict() if chosen else None
-    return {"kvguard": {"role": service.role.value, "handoff": handoff}}
-
-
-def _holds(proof: HandoffProof) -> bool:
-    return (
-        proof.outcome.lower() == "ok"
-        and proof.accepted
-        and proof.failed_check is None
-        and proof.transferred_tokens == proof.reserved_tokens
-    )
+    return answer_extension(service.role.value, chosen[0] if chosen else None)
 
 
 class RequestAborted(KvguardError):

@@ -20,10 +20,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backend.bundled.chat import message_text
 from backend.core.errors import InvalidRequest
 from backend.core.request import MIN_SAMPLING_TEMPERATURE
-from kvguard.http_edge import check_logit_bias_keys, check_stops, lone_surrogate
+from contracts.chat_format import message_text
+from contracts.openai import check_logit_bias_keys, check_stops, lone_surrogate
 
 MAX_TOKENS_CEILING = 1 << 20
 MAX_CHOICES = 16  # n; the gateway relays at most this many choices per answer
@@ -240,11 +240,3 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-
-
-class HandoffProof(BaseModel):
-    """What the serving path can prove about the KV it read (the gateway audits it)."""
-
-    reserved_tokens: int
-    transferred_tokens: int
-    outcome: str

@@ -37,7 +37,7 @@ from backend.disagg.protocol import (
     to_wire,
 )
 from backend.metrics import EngineMetrics
-from backend.server.schema import CapacityReport, Role, RoleCapacity
+from contracts.engine import CapacityReport, Role, RoleCapacity
 
 log = logging.getLogger("kvguard.disagg.decode")
 

@@ -38,9 +38,9 @@ from backend.model.chat import countable_tokenizer
 from backend.model.kv_cache import KVCache
 from backend.model.snapshot import default_served_name
 from backend.server.prefill_client import HttpPrefillChannel, PrefillLink, PrefillMonitor
-from backend.server.schema import Role
 from backend.server.service import EngineService
 from backend.transport.base import KvTransport
+from contracts.engine import Role
 
 log = logging.getLogger("kvguard.backend")
 

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backend.server.routes_openai import ServiceDep
-from backend.server.schema import CapacityReport
+from contracts.engine import CapacityReport
 
 router = APIRouter()
 

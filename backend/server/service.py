@@ -21,7 +21,7 @@ from backend.metrics import EngineMetrics
 from backend.model.chat import ChatFormat, ChatTemplateRefused
 from backend.model.tokenizer import Tokenizer
 from backend.server.openai_schema import ChatMessage
-from backend.server.schema import CapacityReport, Role, RoleCapacity
+from contracts.engine import CapacityReport, Role, RoleCapacity
 
 
 class PathGuard(Protocol):

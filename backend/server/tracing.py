@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from backend.server.schema import REQUEST_ID_HEADER, TENANT_HEADER
+from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER
 
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/kv/v1/prefill"})
 HANDOFF_PATH = "/kv/v1/prefill"

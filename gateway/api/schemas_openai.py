@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contracts.openai import check_logit_bias_keys, check_stops, lone_surrogate
 from gateway.db.text import StoredText
-from kvguard.http_edge import check_logit_bias_keys, check_stops, lone_surrogate
 
 MAX_TOKENS_CEILING = 1 << 20
 MAX_CHOICES = 16  # n: the relay screens at most this many choices per answer

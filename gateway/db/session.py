@@ -15,33 +15,24 @@ background loop for longer. Migrations run on an engine of their own, without th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import TimeoutError as PoolTimeout
-from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
 from gateway.db import watchdog
 
 # __path__, not __file__: an editable install made before migrations/__init__.py existed maps
 # the directory as a namespace package (no __file__); both forms have a __path__.
-_TIMEOUT = "kvguard_timeout_s"
 MIGRATIONS_DIR = Path(next(iter(migrations.__path__))).resolve()
 # Any constant works; it only has to be the same in every replica.
 _ADVISORY_LOCK_KEY = 0x6B76_6775_6172_64
-T = TypeVar("T")
-
-
-class DatabaseTimeout(PoolTimeout):
-    """The database did not answer within the bound (a pool timeout to every handler)."""
 
 
 def make_engine(url: str, *, timeout_s: float | None = None, **kwargs: Any) -> Engine:
@@ -68,45 +59,6 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
-
-
-def make_session_factory(
-    engine: Engine, *, timeout_s: float | None = None
-) -> sessionmaker[Session]:
-    """Sessions on ``engine``; ``timeout_s`` bounds each ``run_in_session`` with them."""
-    return sessionmaker(engine, expire_on_commit=False, info={_TIMEOUT: timeout_s})
-
-
-@contextmanager
-def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
-    """One unit of work: commit on success, roll back on any exception."""
-    session = factory()
-    try:
-        yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
-
-
-async def run_in_session(factory: sessionmaker[Session], work: Callable[[Session], T]) -> T:
-    """Run ``work`` in one unit of work on a worker thread (the event loop never blocks on SQL);
-    with the factory's ``timeout_s``, raise ``DatabaseTimeout`` once that has passed (the thread
-    itself is released by the watchdog)."""
-
-    def run() -> T:
-        with session_scope(factory) as session:
-            return work(session)
-
-    timeout_s = factory.kw.get("info", {}).get(_TIMEOUT)
-    if timeout_s is None:
-        return await anyio.to_thread.run_sync(run)
-    with anyio.move_on_after(timeout_s) as scope:
-        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
-    assert scope.cancelled_caught
-    raise DatabaseTimeout(f"the database did not answer within {timeout_s:.1f} s")
 
 
 def alembic_config(engine: Engine) -> Config:

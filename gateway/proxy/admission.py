@@ -31,7 +31,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.bundled.chat import TOKENIZER_ID, count_tokens
+from contracts.chat_format import TOKENIZER_ID, count_tokens
+from contracts.plugins import RequestRefused
 from gateway.api import surface
 from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.engines.adapters import AdapterError, adapter_for
@@ -74,7 +75,10 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
     plain_body = body.upstream_body(max_tokens=body.requested_max_tokens() or 1)
     upstream_body = plain_body
     for hook in state.hooks.request_hooks:
-        upstream_body = await hook.prepare(ctx.info(), upstream_body)
+        try:
+            upstream_body = await hook.prepare(ctx.info(), upstream_body)
+        except RequestRefused as refusal:
+            raise InvalidRequest(refusal.message, code=refusal.code) from refusal
     plan_cap = ctx.principal.plan.max_context_tokens
     size, fitting = await _measure(state, routable, upstream_body, ctx, body, plan_cap)
     if not fitting and upstream_body is not plain_body:

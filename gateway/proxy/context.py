@@ -1,4 +1,4 @@
-"""Per-request state on the tenant path, and the engine's handoff proof.
+"""Per-request state on the tenant path.
 
 A ``RequestContext`` follows one request through the phases of ``gateway.lifecycle.Phase``; it
 holds ids, counts and timings only (the prompt lives in the body, which it never references).
@@ -9,68 +9,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from opentelemetry.trace import Span
 
-from gateway.db.models import utcnow
+from contracts.engine import HandoffProof
+from contracts.plugins import RequestInfo, RequestReport
+from contracts.sql import utcnow
 from gateway.domain import Principal
 from gateway.engines.registry import EngineRecord
-from gateway.hooks import RequestInfo, RequestReport
 from gateway.lifecycle import Phase, check_transition
 from gateway.limits.base import Lease
 from gateway.upstream.base import Endpoint
-
-HANDOFF_OK = "ok"
-
-
-@dataclass(frozen=True, slots=True)
-class HandoffProof:
-    """What a disaggregated engine proves about the KV it read: reserved vs transferred.
-
-    The bundled backend sends it in its ``kvguard.handoff`` extension (null on a unified role).
-    """
-
-    outcome: str
-    reserved_tokens: int
-    transferred_tokens: int | None  # None: prefill reported no range
-    accepted: bool = True
-    failed_check: str | None = None
-    skipped_checks: tuple[str, ...] = ()
-
-    @property
-    def consistent(self) -> bool:
-        return (
-            self.outcome.lower() == HANDOFF_OK
-            and self.accepted
-            and self.failed_check is None
-            and self.transferred_tokens == self.reserved_tokens
-        )
-
-
-def parse_handoff(obj: dict[str, Any]) -> HandoffProof | None:
-    """The proof in a response body or final chunk (``kvguard.handoff``, or ``handoff``)."""
-    raw = obj.get("handoff")
-    if raw is None and isinstance(obj.get("kvguard"), dict):
-        raw = obj["kvguard"].get("handoff")
-    if not isinstance(raw, dict):
-        return None
-    reserved, transferred = raw.get("reserved_tokens"), raw.get("transferred_tokens")
-    outcome = raw.get("outcome")
-    if not (isinstance(reserved, int) and isinstance(outcome, str)):
-        return None
-    if transferred is not None and not isinstance(transferred, int):
-        return None
-    skipped = raw.get("skipped_checks")
-    failed = raw.get("failed_check")
-    return HandoffProof(
-        outcome=outcome,
-        reserved_tokens=reserved,
-        transferred_tokens=transferred,
-        accepted=raw.get("accepted") is not False,
-        failed_check=failed if isinstance(failed, str) else None,
-        skipped_checks=tuple(str(c) for c in skipped) if isinstance(skipped, list) else (),
-    )
 
 
 @dataclass(slots=True)

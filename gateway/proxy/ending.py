@@ -26,8 +26,8 @@ from enum import StrEnum
 
 from starlette.responses import Response
 
+from contracts.plugins import Cut
 from gateway.errors import GatewayError
-from gateway.hooks import Cut
 from gateway.lifecycle import Phase
 
 

@@ -41,13 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts.engine import HandoffProof, handoff_of
+from contracts.plugins import Cut, Emit, Prefilter, StreamGuard
+from contracts.sse import DONE, encode_event, parse_event
 from gateway.errors import HandoffMismatch, error_body
-from gateway.hooks import Cut, Emit, Prefilter, StreamGuard
 from gateway.lifecycle import Phase
-from gateway.proxy.context import HandoffProof, parse_handoff
 from gateway.proxy.side import InvalidSide, SideScreen, tail_chunk
 from gateway.upstream.base import Endpoint
-from gateway.upstream.sse import DONE, encode_event, parse_event
 
 MAX_CHOICES = 16
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -179,7 +179,7 @@ class StreamRelay:
                 self.completion_tokens = usage["completion_tokens"]
             if _count(usage.get("prompt_tokens")) is not None:
                 self.prompt_tokens = usage["prompt_tokens"]
-        self.handoff = parse_handoff(obj) or self.handoff
+        self.handoff = handoff_of(obj) or self.handoff
 
     def _guard(self, index: int) -> StreamGuard:
         guard = self._guards.get(index)

@@ -28,7 +28,9 @@ import anyio
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from backend.server.schema import REQUEST_ID_HEADER, TENANT_HEADER
+from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER, HandoffProof, handoff_of
+from contracts.plugins import ENGINE_HEADER, Cut, StreamGuard
+from contracts.sse import SseSplitter
 from gateway.domain import Principal
 from gateway.errors import (
     GatewayError,
@@ -38,11 +40,10 @@ from gateway.errors import (
     Stopped,
     UpstreamFailed,
 )
-from gateway.hooks import ENGINE_HEADER, Cut, StreamGuard
 from gateway.lifecycle import Phase
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
-from gateway.proxy.context import HandoffProof, RequestContext, parse_handoff
+from gateway.proxy.context import RequestContext
 from gateway.proxy.ending import (
     CLIENT_GONE,
     COMPLETED,
@@ -69,7 +70,6 @@ from gateway.upstream.base import (
     UpstreamStream,
     UpstreamUnreachable,
 )
-from gateway.upstream.sse import SseSplitter
 
 log = logging.getLogger("kvguard.gateway.proxy")
 OPENAI_REQUEST_ID = "x-request-id"
@@ -239,7 +239,7 @@ class Flight:
             ctx.completion_tokens = _count(usage.get("completion_tokens"))
             ctx.engine_prompt_tokens = _count(usage.get("prompt_tokens"))
         ctx.finish_reasons = _finish_reasons(body)
-        self._check_handoff(parse_handoff(body))
+        self._check_handoff(handoff_of(body))
         capabilities = self.state.hooks.guards.capabilities
         try:
             result = relay_body(

@@ -41,11 +41,11 @@ rank, the sampled tokens and the text are screened.)
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.hooks import Cut, Emit, Prefilter, StreamGuard
+from contracts.plugins import Cut, Emit, Prefilter, StreamGuard
 
 MAX_PATHS = 256  # 16 choices x a dozen per-choice fields, with room
 KEYS_PATH = "<keys>"
@@ -161,23 +161,6 @@ def _identity(item: Any, position: int) -> int:
     return index if isinstance(index, int) and not isinstance(index, bool) else position
 
 
-def choice_texts(obj: dict[str, Any]) -> Iterator[str]:
-    """The choices' texts (strings at ``TEXT_PATHS``: the relay's choice guards screen them, a
-    ``SideScreen`` does not), lazily; a text in an unexpected shape is left out."""
-    choices = obj.get("choices")
-    if not isinstance(choices, list):
-        return
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        for name in ("delta", "message"):
-            inner = choice.get(name)
-            if isinstance(inner, dict) and isinstance(text := inner.get("content"), str):
-                yield text
-        if isinstance(text := choice.get("text"), str):
-            yield text
-
-
 Site = tuple[str, Location, str]  # (field key, location, value)
 
 
@@ -279,8 +262,8 @@ class SideScreen:
       JSON text): False means no side string of the event can matter to an idle guard, so while
       no guard holds text back the event is not even walked (the firewall: no ``\\u0043``
       escape occurs in the JSON text, and every ``C`` in it lies in the choice texts,
-      ``choice_texts`` -- a streamed token with a ``C`` does not make the event's ids and keys
-      worth a walk);
+      ``contracts.openai.choice_texts`` -- a streamed token with a ``C`` does not make the
+      event's ids and keys worth a walk);
     - a guard's ``exposed() -> Cut | None``: asked after a streamed event's cut-only fields are fed,
       while the guard holds text back (which goes out with the event anyway); a Cut ends the
       stream before the event is sent (the firewall: an undecided marker longer than ``CNRY-``

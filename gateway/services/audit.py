@@ -2,7 +2,7 @@
 
 Lifecycle: the request path calls ``record()``/``touch_key()`` (no I/O, never blocks) -> a
 background task flushes every ``flush_interval_s`` in a worker thread -> ``close()`` flushes what
-is left at shutdown, and spools to local disk what it could not write (``gateway.services.spool``),
+is left at shutdown, and spools to local disk what it could not write (``contracts.spool``),
 to be written by the next start. A flush is one bulk INSERT (Core, not ORM objects): the worker
 thread holds the GIL while it builds the statement, and the event loop waits for it, so a slow
 flush shows up in every request's tail latency.
@@ -40,11 +40,11 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.spool import Record, Spool
+from contracts.sql import session_scope
 from gateway.db.models import RequestAudit
-from gateway.db.session import session_scope
 from gateway.db.text import storable
 from gateway.services.keys import touch_keys
-from gateway.services.spool import Record, Spool
 
 log = logging.getLogger("kvguard.gateway.audit")
 _ID_CHUNK = 500  # request ids per lookup (bounded statement size)

@@ -14,6 +14,7 @@ from pydantic import SecretStr, TypeAdapter
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.sql import run_in_session, utcnow
 from gateway.config import (
     EngineKind,
     EngineSpec,
@@ -21,8 +22,7 @@ from gateway.config import (
     UpstreamPath,
     with_engine_credential,
 )
-from gateway.db.models import EngineControl, RegisteredEngine, utcnow
-from gateway.db.session import run_in_session
+from gateway.db.models import EngineControl, RegisteredEngine
 from gateway.engines.registry import EngineControls, EngineRegistry, EngineSource
 from gateway.errors import Conflict, NotFound
 

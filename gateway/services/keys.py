@@ -22,7 +22,8 @@ from enum import StrEnum
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from gateway.db.models import ApiKey, Tenant, utcnow
+from contracts.sql import utcnow
+from gateway.db.models import ApiKey, Tenant
 from gateway.domain import Principal, TenantPlan
 from gateway.errors import NotFound
 from gateway.lifecycle import TenantStatus

@@ -3,7 +3,7 @@
 Lifecycle of a quarantine (``Quarantines.impose``, by the canary on a leak or by an admin):
 
 1. this replica stops routing to the engine at once (its registry, in memory);
-2. the decision is spooled to local disk (``gateway.services.spool``): it survives a restart;
+2. the decision is spooled to local disk (``contracts.spool``): it survives a restart;
 3. with Redis: the key ``kvguard:quarantine:<engine>`` is set and a message published on
    ``kvguard:quarantines``; every replica's subscriber applies it at once, and a replica whose
    subscription was down reads the keys on its next engine reload (every poll interval);
@@ -38,12 +38,11 @@ from typing import Any
 from redis.exceptions import RedisError
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.db.models import utcnow
-from gateway.db.session import run_in_session, session_scope
+from contracts.spool import Record, Spool, SpoolWriter
+from contracts.sql import run_in_session, session_scope, utcnow
 from gateway.engines.registry import EngineControls, EngineRegistry
 from gateway.errors import ServiceUnavailable
 from gateway.services import engines as engine_service
-from gateway.services.spool import Record, Spool, SpoolWriter
 
 log = logging.getLogger("kvguard.gateway.quarantine")
 KEY_PREFIX = "kvguard:quarantine:"

@@ -12,7 +12,8 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from gateway.db.models import RequestAudit, Tenant, utcnow
+from contracts.sql import utcnow
+from gateway.db.models import RequestAudit, Tenant
 from gateway.domain import TenantPlan
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.lifecycle import TenantStatus, check_tenant_transition
@@ -62,6 +63,11 @@ def get_tenant(session: Session, *, ref: str) -> Tenant:
 
 def list_tenants(session: Session) -> list[Tenant]:
     return list(session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.name)))
+
+
+def tenant_ids(session: Session) -> list[str]:
+    """Every tenant's id (the canary indexes every tenant's marker tags)."""
+    return list(session.scalars(select(Tenant.id)))
 
 
 def set_status(session: Session, *, tenant: Tenant, status: TenantStatus) -> Tenant:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from types import ModuleType
 from typing import Any
 
+from contracts.sse import DONE, encode_event
 from gateway.upstream.base import (
     Endpoint,
     Upstream,
@@ -27,7 +28,6 @@ from gateway.upstream.base import (
     UpstreamStream,
     UpstreamUnreachable,
 )
-from gateway.upstream.sse import DONE, encode_event
 
 _litellm: ModuleType | None = None
 

@@ -14,13 +14,8 @@ from canary.findings import (
     NewFinding,
     store_finding,
 )
-from gateway.db.session import (
-    current_revision,
-    downgrade_database,
-    make_engine,
-    session_scope,
-    upgrade_database,
-)
+from contracts.sql import session_scope
+from gateway.db.session import current_revision, downgrade_database, make_engine, upgrade_database
 
 
 def _finding(victim: str | None, observer: str, kind=FindingKind.CROSS_TENANT) -> NewFinding:

@@ -19,11 +19,12 @@ from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
 from canary.scanner import ScannerStateError, StreamScanner
-from gateway.hooks import Cut, RequestInfo
+from contracts.openai import choice_texts
+from contracts.plugins import Cut, RequestInfo
+from contracts.sse import SseSplitter
 from gateway.proxy.relay import StreamRelay
-from gateway.proxy.side import KEYS_PATH, choice_texts, rewrite_sites, side_fields
+from gateway.proxy.side import KEYS_PATH, rewrite_sites, side_fields
 from gateway.upstream.base import Endpoint
-from gateway.upstream.sse import SseSplitter
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32)), 2: bytes(range(40, 80))}, current=2))
 TENANTS = [f"tn_{i:04d}" for i in range(20)]

@@ -16,11 +16,11 @@ from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring, decode_tag
 from canary.scanner import FindingKind, Severity
-from gateway.hooks import RequestInfo
+from contracts.plugins import RequestInfo
+from contracts.sse import SseSplitter
 from gateway.lifecycle import Phase
 from gateway.proxy.relay import KEEP_ALIVE, InvalidUpstream, Step, StreamRelay, relay_body
 from gateway.upstream.base import Endpoint
-from gateway.upstream.sse import SseSplitter
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32)), 2: bytes(range(40, 80))}, current=2))
 OTHER_KEY = MarkerCodec(MarkerKeyring({2: bytes(range(1, 33))}, current=2))

@@ -16,8 +16,7 @@ from canary.injection import (
 from canary.markers import MarkerCodec, MarkerKeyring
 from canary.metrics import CanaryMetrics
 from canary.records import MemoryRecordStore
-from gateway.errors import InvalidRequest
-from gateway.hooks import RequestInfo
+from contracts.plugins import RequestInfo, RequestRefused
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))
 M = CODEC.issue("acme", nonce=b"nonce--1").text
@@ -145,9 +144,9 @@ async def test_a_request_carrying_its_own_marker_is_not_marked_again() -> None:
 async def test_a_request_carrying_another_tenants_marker_is_refused() -> None:
     hook, ledger, _, _ = injector()
     body = {"messages": [{"role": "user", "content": f"what is {M}?"}]}
-    with pytest.raises(InvalidRequest) as refused:
+    with pytest.raises(RequestRefused) as refused:
         await hook.prepare(info(4, tenant="globex"), body)
-    assert refused.value.code == "foreign_canary_marker" and refused.value.status == 400
+    assert refused.value.code == "foreign_canary_marker"  # the gateway answers it as a 400
     assert M not in refused.value.message
     assert len(ledger) == 0
 
@@ -173,8 +172,8 @@ async def test_a_request_carrying_another_tenants_tag_after_the_prefix_is_refuse
         {"messages": [{"role": "user", "content": "hi", "name": f"CNRY-{acme_tag}"}]},
         {"prompt": f"CNRY-CNRY-{acme_tag}"},
     ):
-        with pytest.raises(InvalidRequest) as refused:
+        with pytest.raises(RequestRefused) as refused:
             await hook.prepare(info(7, tenant="globex"), body)
-        assert (refused.value.code, refused.value.status) == ("foreign_canary_marker", 400)
+        assert refused.value.code == "foreign_canary_marker"
         assert acme_tag not in refused.value.message
     assert len(ledger) == 2  # the two requests allowed through (5, 6); the refused have none

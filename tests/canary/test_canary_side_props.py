@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
-from gateway.hooks import RequestInfo
+from contracts.plugins import RequestInfo
 from gateway.lifecycle import Phase
 from gateway.proxy.relay import StreamRelay
 from gateway.upstream.base import Endpoint

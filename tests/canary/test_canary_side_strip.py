@@ -18,10 +18,10 @@ import pytest
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
-from gateway.hooks import RequestInfo
+from contracts.plugins import RequestInfo
+from contracts.sse import SseSplitter
 from gateway.proxy.relay import StreamRelay, relay_body
 from gateway.upstream.base import Endpoint
-from gateway.upstream.sse import SseSplitter
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))
 TENANTS = [f"tn_{i:04d}" for i in range(8)]

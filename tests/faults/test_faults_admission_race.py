@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 
 from bench.fault_stack import FaultStack
+from contracts.plugins import GatewayHooks, RequestInfo
 from gateway.app import create_app
 from gateway.config import GatewaySettings
-from gateway.hooks import GatewayHooks, RequestInfo
 
 ENGINE = "real"
 

@@ -15,10 +15,11 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from bench.fault_stack import TcpLink
+from contracts.spool import Spool
+from contracts.sql import make_session_factory, session_scope
 from gateway.db.models import RequestAudit
-from gateway.db.session import make_engine, make_session_factory, session_scope, upgrade_database
+from gateway.db.session import make_engine, upgrade_database
 from gateway.services.audit import AuditRecord, AuditWriter
-from gateway.services.spool import Spool
 
 
 def _record(request_id: str) -> AuditRecord:

@@ -9,9 +9,10 @@ from typing import Any
 
 import httpx
 
+from contracts.plugins import GatewayHooks
+from contracts.settings import DEV_ADMIN_TOKEN
 from gateway.app import create_app
-from gateway.config import DEV_ADMIN_TOKEN, GatewaySettings
-from gateway.hooks import GatewayHooks
+from gateway.config import GatewaySettings
 from gateway.state import GatewayState
 
 

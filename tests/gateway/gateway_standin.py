@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from backend.server.schema import CAPACITY_SCHEMA_VERSION
+from contracts.engine import CAPACITY_SCHEMA_VERSION
 
 MESSAGE_OVERHEAD = 3
 MODEL = "standin-model"

@@ -17,9 +17,9 @@ from gateway_harness import bearer, running_gateway
 from gateway_standin import serve
 from sqlalchemy import select
 
+from contracts.sql import session_scope
 from gateway.app import create_app
 from gateway.db.models import RequestAudit
-from gateway.db.session import session_scope
 
 pytestmark = pytest.mark.slow
 
@@ -241,7 +241,7 @@ async def test_the_gateway_counts_as_the_engine_tokenizer_does(
     """A byte-tokenizer engine reports a countable tokenizer; the gateway's own count equals the
     engine's /tokenize for every chat shape, and it enforces the limit with it exactly (no
     /tokenize round trip)."""
-    from backend.bundled.chat import TOKENIZER_ID, count_tokens
+    from contracts.chat_format import TOKENIZER_ID, count_tokens
 
     engine = await _start(engine_factory, pool_tokens=256, page_size=16, context_window=256)
     async with httpx.AsyncClient(timeout=30) as direct:

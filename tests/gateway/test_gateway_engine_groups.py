@@ -21,8 +21,8 @@ from standin_vllm import VLLMWorker, start_vllm_routed
 
 from canary.config import CanarySettings
 from canary.runtime import CanaryRuntime
+from contracts.sql import session_scope
 from gateway.db.models import RequestAudit
-from gateway.db.session import session_scope
 from gateway.engines.isolation import tenant_salt
 
 CANARY_KEY = "canary-test-key-0123456789abcdef0123456789"

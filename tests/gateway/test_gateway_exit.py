@@ -23,11 +23,11 @@ from gateway_harness import bearer
 from gateway_standin import StandInEngine, serve
 from sqlalchemy import select
 
+from contracts.plugins import GatewayHooks, GuardCapabilities
+from contracts.sql import session_scope
 from gateway.app import create_app
 from gateway.config import GatewaySettings
 from gateway.db.models import RequestAudit
-from gateway.db.session import session_scope
-from gateway.hooks import GatewayHooks, GuardCapabilities
 from gateway.state import GatewayState
 from gateway.upstream.base import Upstream, UpstreamCall, UpstreamReply, UpstreamStream
 

@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import text
 
-from gateway.db.models import utcnow
-from gateway.db.session import make_engine, make_session_factory, session_scope, upgrade_database
+from contracts.sql import make_session_factory, session_scope, utcnow
+from gateway.db.session import make_engine, upgrade_database
 from gateway.domain import TenantPlan
 from gateway.lifecycle import TenantStatus
 from gateway.services.keys import (

@@ -8,8 +8,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-import canary.findings  # noqa: F401  (the canary's tables share the gateway's metadata)
-from gateway.db.models import Base
+import canary.findings  # noqa: F401  (the canary's tables, on the shared metadata)
+import gateway.db.models  # noqa: F401  (the gateway's tables, on the shared metadata)
+from contracts.sql import Base
 from gateway.db.session import current_revision, downgrade_database, make_engine, upgrade_database
 
 GATEWAY_TABLES = {"tenants", "api_keys", "request_audit", "engines", "engine_controls"}

@@ -12,8 +12,8 @@ from gateway_standin import serve
 from sqlalchemy import select
 from standin_openai import ProviderControls, provider_app
 
+from contracts.sql import session_scope
 from gateway.db.models import RegisteredEngine, RequestAudit
-from gateway.db.session import session_scope
 from gateway.engines.provider_count import upper_bound_tokens
 
 MESSAGES = [

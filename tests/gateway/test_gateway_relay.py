@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.hooks import Cut, Emit, PassThroughGuard, StreamGuard
+from contracts.plugins import Cut, Emit, PassThroughGuard, StreamGuard
+from contracts.sse import EventTooLarge, SseSplitter, encode_event, parse_event
 from gateway.lifecycle import (
     TERMINAL,
     TRANSITIONS,
@@ -20,7 +21,6 @@ from gateway.lifecycle import (
 )
 from gateway.proxy.relay import StreamRelay, relay_body
 from gateway.upstream.base import Endpoint
-from gateway.upstream.sse import EventTooLarge, SseSplitter, encode_event, parse_event
 
 STREAM = (
     b'data: {"choices":[{"index":0,"delta":{"content":"he"},"finish_reason":null}]}\n\n'

@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from contracts.settings import DEV_ADMIN_TOKEN
 from gateway.config import (
-    DEV_ADMIN_TOKEN,
     EngineKind,
     EngineSpec,
     GatewaySettings,

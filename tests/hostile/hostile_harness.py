@@ -1,7 +1,7 @@
 """Helpers for the hostile-input tests: real servers on 127.0.0.1 and a raw-socket client.
 
 ``ServedGateway`` runs the gateway app under uvicorn in a background thread, configured by
-``kvguard.http_edge.server_config`` exactly as ``kvguard gateway`` runs it (guarded protocol,
+``contracts.http_edge.server_config`` exactly as ``kvguard gateway`` runs it (guarded protocol,
 body guard), so raw sockets can talk to it like any hostile client. The engine is a real
 ``kvguard backend unified`` process (``kvguard.testing.launch_engine``).
 
@@ -32,9 +32,9 @@ from fastapi.responses import JSONResponse
 
 from canary.config import CanarySettings
 from canary.runtime import CanaryRuntime
+from contracts.http_edge import server_config
 from gateway.app import create_app
 from gateway.config import GatewaySettings
-from kvguard.http_edge import server_config
 
 TEST_CANARY_KEY = "hostile-test-canary-key-0123456789abcdef"
 ERROR_FIELDS = {"message", "type", "param", "code"}

@@ -21,8 +21,9 @@ import httpx
 from hostile_harness import ENGINE_MODEL, gateway_settings, openai_error, served_gateway
 from sqlalchemy import select
 
+from contracts.sql import make_session_factory, session_scope
 from gateway.db.models import RequestAudit
-from gateway.db.session import make_engine, make_session_factory, session_scope
+from gateway.db.session import make_engine
 from kvguard.testing import EngineProcess
 
 

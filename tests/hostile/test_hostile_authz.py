@@ -39,7 +39,7 @@ from canary.findings import (
     NewFinding,
     store_finding,
 )
-from gateway.db.session import session_scope
+from contracts.sql import session_scope
 from kvguard.testing import EngineProcess
 
 PUBLIC, TENANT, ADMIN, SCRAPE = "public", "tenant", "admin", "scrape"

@@ -37,8 +37,9 @@ from sqlalchemy.engine import make_url
 
 from bench.fault_stack import TcpLink
 from canary.findings import CanaryFinding
+from contracts.sql import make_session_factory, session_scope
 from gateway.db.models import EngineControl
-from gateway.db.session import make_engine, make_session_factory, session_scope
+from gateway.db.session import make_engine
 
 
 def _ask(gw: ServedGateway, key: str, text: str = "repeat: hi") -> httpx.Response:

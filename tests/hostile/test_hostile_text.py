@@ -20,7 +20,7 @@ import httpx
 import pytest
 from hostile_harness import ENGINE_MODEL, ServedGateway, openai_error
 
-from kvguard.http_edge import MAX_STOP_CHARS
+from contracts.openai import MAX_STOP_CHARS
 from kvguard.testing import EngineProcess
 
 MB = 1_000_000

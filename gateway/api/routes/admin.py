@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from fastapi import APIRouter, status
 from pydantic import ValidationError
 
+from contracts.sql import run_in_session, utcnow
 from gateway.api.engine_views import engine_out
 from gateway.api.schemas_admin import (
     EngineIn,
@@ -28,8 +29,6 @@ from gateway.api.schemas_admin import (
 from gateway.api.timestamps import Instant
 from gateway.api.usage import usage_out
 from gateway.config import EngineSpec
-from gateway.db.models import utcnow
-from gateway.db.session import run_in_session
 from gateway.deps import AdminDep, SessionDep, StateDep
 from gateway.domain import TenantPlan
 from gateway.engines.registry import EngineRecord

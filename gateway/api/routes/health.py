@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from starlette.responses import Response
 
-from gateway.db.session import run_in_session
+from contracts.sql import run_in_session
 from gateway.deps import ScraperDep, StateDep
 from gateway.state import GatewayState
 

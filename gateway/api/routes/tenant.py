@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from contracts.sql import run_in_session
 from gateway.api.schemas_admin import UsageOut
 from gateway.api.timestamps import Instant
 from gateway.api.usage import usage_out
-from gateway.db.session import run_in_session
 from gateway.deps import CurrentTenant, StateDep
 
 router = APIRouter(prefix="/v1", tags=["tenant"])

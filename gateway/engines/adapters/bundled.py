@@ -1,4 +1,4 @@
-"""kvguard's bundled backend: ``GET /engine/capacity`` (``backend.server.schema.CapacityReport``).
+"""kvguard's bundled backend: ``GET /engine/capacity`` (``contracts.engine.CapacityReport``).
 
 The report already carries every role on the serving path (decode reports prefill too), the
 enabled fault drills and the engine's own drift statement. A report with another schema version
@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 from pydantic import ValidationError
 
-from backend.server.schema import CAPACITY_SCHEMA_VERSION, CapacityReport, RoleCapacity
+from contracts.engine import CAPACITY_SCHEMA_VERSION, CapacityReport, RoleCapacity
 from gateway.engines.adapters.base import AdapterError, EngineAdapter, get_json
 from gateway.engines.capacity import CapacitySnapshot, RoleView
 

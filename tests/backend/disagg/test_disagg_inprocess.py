@@ -30,10 +30,10 @@ from backend.disagg.protocol import (
 )
 from backend.engine.async_engine import EngineEvent
 from backend.server.roles import RoleRuntime, build_decode, build_prefill
-from backend.server.schema import CapacityReport
 from backend.transport.base import KvTransport, Segment, TransferError
 from backend.transport.inprocess import InProcessTransport
 from backend.transport.loopback import LoopbackTransport
+from contracts.engine import CapacityReport
 
 
 class LocalChannel:

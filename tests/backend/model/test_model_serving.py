@@ -31,8 +31,8 @@ from backend.model.config import ModelConfig
 from backend.model.errors import CheckpointError
 from backend.server.openai_schema import ChatMessage
 from backend.server.roles import make_service
-from backend.server.schema import Role
 from backend.server.service import EngineService
+from contracts.engine import Role
 
 
 def service_for(path: Path) -> EngineService:

@@ -25,7 +25,7 @@ from backend.model.errors import CheckpointError
 from backend.model.llama import compute_dtype, load_model
 from backend.model.snapshot import default_served_name, resolve_checkpoint_dir
 from backend.server.roles import make_service
-from backend.server.schema import Role
+from contracts.engine import Role
 from kvguard.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[3]

@@ -2,7 +2,8 @@
 
 - ``RequestHook.prepare``: may rewrite the upstream body before tokens are counted (so an
   injected canary marker is counted and limited like any other prompt text; a request that fits
-  only without what the hooks added is sent as the client wrote it).
+  only without what the hooks added is sent as the client wrote it), or refuse the request by
+  raising ``RequestRefused`` (a 400 with its message and code).
 - ``GuardFactory.open`` -> ``StreamGuard``: sees every piece of response text in order,
   streaming or not. ``feed`` returns the text to deliver now (it may hold some back: a marker
   could be completing across chunks) or a ``Cut``; ``finish`` releases what was held back, or
@@ -110,6 +111,16 @@ class GuardFactory(Protocol):
     def open(self, info: RequestInfo) -> StreamGuard: ...
 
 
+class RequestRefused(Exception):
+    """A request hook refuses the request: the client gets a 400 with this message and code (the
+    message names no content)."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
 class RequestHook(Protocol):
     async def prepare(self, info: RequestInfo, body: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -163,10 +174,11 @@ class ServiceContext:
     """The parts of a running gateway a hook service may use."""
 
     metrics: CollectorRegistry  # the gateway's /metrics: a service registers its collectors here
-    sessions: sessionmaker[Session]  # the gateway's database
+    sessions: sessionmaker[Session]  # the gateway's database (``contracts.sql.run_in_session``)
+    tenant_ids: Callable[[], Awaitable[list[str]]]  # every tenant's id, from the database
     redis_url: str | None  # the shared Redis, when the gateway runs with one
     quarantine: Quarantine  # take an engine out of routing now, on every replica
-    spool_dir: Path  # where records wait for the database (``gateway.services.spool``)
+    spool_dir: Path  # where records wait for the database (``contracts.spool``)
     database_timeout_s: float  # the bound of any one database operation
 
 

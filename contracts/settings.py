@@ -24,6 +24,11 @@ class RunMode(StrEnum):
     PRODUCTION = "production"
 
 
+DEV_ADMIN_TOKEN = "kvguard-dev-admin-token"
+"""The admin token in development mode when none is set (refused outside development); the
+gateway accepts it and the canary's probe runner presents it."""
+
+
 class KvguardSettings(BaseSettings):
     """Base class: env prefix ``KVGUARD_``, unknown fields refused so typos fail at load."""
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable
 from typing import Any, Literal
 
 import uvicorn
@@ -37,56 +36,6 @@ def error_body(
     message: str, *, code: str, type_: str = "invalid_request_error", param: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-MAX_STOP_SEQUENCES = 4
-MAX_STOP_CHARS = 1024
-"""The longest stop sequence either server accepts (a longer one can never end an answer the
-context holds usefully, and a 6 MB one reached the engine's body limit as a 413)."""
-
-
-def check_stops(stops: list[str]) -> None:
-    """The stop-sequence rules both servers share (ValueError naming the problem)."""
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-    if any(not stop for stop in stops):
-        raise ValueError("stop sequences must be non-empty")
-    if any(len(stop) > MAX_STOP_CHARS for stop in stops):
-        raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
-
-
-def check_logit_bias_keys(keys: Iterable[str]) -> None:
-    """OpenAI's ``logit_bias`` maps token ids, written as decimal strings, to biases (both
-    servers refuse any other key, ValueError naming it)."""
-    for key in keys:
-        if not key.isascii() or not key.isdigit():
-            raise ValueError(f"keys must be token ids, got {key[:32]!r}")
-
-
-def lone_surrogate(value: Any, path: str = "") -> str | None:
-    """The path of the first string in ``value`` (parsed JSON) holding a lone UTF-16 surrogate,
-    which JSON may escape (``"\\ud800"``) but no text encoding can carry; None if there is none.
-    Keys are checked too."""
-    if isinstance(value, str):
-        if value.isascii():
-            return None
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            inner = f"{path}.{key}" if path else str(key)
-            found = lone_surrogate(key, inner) or lone_surrogate(item, inner)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for position, item in enumerate(value):
-            found = lone_surrogate(item, f"{path}.{position}" if path else str(position))
-            if found is not None:
-                return found
-    return None
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
