@@ -3,8 +3,8 @@
 ``report(...)`` turns ``bench.bench_relay``'s outcomes into Markdown (what
 ``bench/results/relay.md`` holds) and emits the ``bench.summary`` headlines.
 ``python -m bench.relay_report`` copies that file, and the profile ``bench.relay_profile``
-wrote (``bench/results/relay-profile.md``), into the benchmark page (``docs/benchmarks.md``
-once the README is split, else ``README.md``) between the ``relay-report`` markers
+wrote (``bench/results/relay-profile.md``), into the benchmark page (``docs/benchmarks.md``)
+between the ``relay-report`` markers
 (``--check``: exit 1 if the page differs), so that section is generated, never edited by hand.
 """
 
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.report_page import splice
 from bench.run import commit, cpu_model
 from bench.summary import emit
 
@@ -32,7 +33,7 @@ GOAL_ADDED_P99_MS = 5.0
 GOAL_ADDED_RATE = 500
 GOAL_TENANT_GROWTH = 0.10
 REPO = Path(__file__).resolve().parent.parent
-PAGES = (REPO / "docs" / "benchmarks.md", REPO / "README.md")  # the first with the markers
+PAGES = (REPO / "docs" / "benchmarks.md",)  # the first with the markers
 RESULTS = REPO / "bench" / "results" / "relay.md"
 PROFILE = REPO / "bench" / "results" / "relay-profile.md"
 BEGIN, END = "<!-- relay-report:begin -->", "<!-- relay-report:end -->"
@@ -297,8 +298,7 @@ def update(target: Path | None = None) -> bool:
     """Write the section into the page; True if it changed."""
     target = target or page()
     text = target.read_text(encoding="utf-8")
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    new = text[:start] + section() + text[end:]
+    new = splice(text, BEGIN, END, section())
     if new != text:
         target.write_text(new, encoding="utf-8")
     return new != text

@@ -4,12 +4,12 @@
 each ``bench_*.py`` module as its own process (so one benchmark's threads and allocations do not
 colour the next), prints its tables as it finishes, then prints one table of every headline
 comparison (``bench.summary``: each measured side by side in the same run), and writes it all to
-``bench/results/latest.md`` (committed: the README's table is copied from it) with what it ran
-on: CPU model and count, load average before and after (the benchmarks compare side by side in
-the same run, so ratios survive a busy machine; absolute numbers do not), torch and Python
-versions, the commit (``+dirty`` when the tree had changes) and the command. ``--quick`` passes
-``--quick`` to the benchmarks that have a smaller workload. Exit status is non-zero if any
-benchmark failed or missed its goal.
+``bench/results/latest.md`` (committed; ``docs/benchmarks.md`` shows its table through
+``bench.report_page``) with what it ran on: CPU model and count, load average before and after
+(the benchmarks compare side by side in the same run, so ratios survive a busy machine; absolute
+numbers do not), torch and Python versions, the commit (``+dirty`` when the tree had changes)
+and the command. ``--quick`` passes ``--quick`` to the benchmarks that have a smaller workload.
+Exit status is non-zero if any benchmark failed or missed its goal.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from bench import report_page
 from bench.summary import Headline, parse, table, without_headlines
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join([head, *sections]))
     print(f"wrote {args.out}")
+    report_page.refresh_for(args.out)
     if failed:
         print(f"failed or missed their goal: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -3,7 +3,7 @@
 A benchmark prints its own detailed tables, and for each headline comparison calls ``emit``,
 which prints one machine-readable line (``SUMMARY_PREFIX`` + JSON). ``bench.run`` runs every
 benchmark as its own process, ``parse``s those lines from its output and prints them all as one
-table (``table``): the performance report of the README.
+table (``table``): the performance report (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prometheus alert rules: what each one means and the first response (also in the README)."""
+"""Prometheus alert rules: what each one means and the first response (docs/operations.md)."""
 
 from __future__ import annotations
 

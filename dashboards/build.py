@@ -54,7 +54,7 @@ def rules_document(rules: Sequence[AlertRule] = ALERTS) -> dict[str, Any]:
 
 
 def alert_table(rules: Sequence[AlertRule] = ALERTS) -> str:
-    """The README's alert table: name, severity, when it fires (its summary), first response."""
+    """The alert table of docs/operations.md: name, severity, when it fires, first response."""
     rows = ["| Alert | Severity | Fires when | First response |", "|---|---|---|---|"]
     for r in rules:
         when = r.summary + (f" (for {r.for_})" if r.for_ != "0m" else "")

@@ -1,8 +1,8 @@
 """``python -m kvguard.configdoc``: the configuration reference, from the settings classes.
 
 One Markdown table per deployable (backend, gateway, canary) plus the engine spec the gateway
-reads (``KVGUARD_ENGINES`` / ``--engine`` / engines file): variable, type, default, meaning. The
-README's reference is ``render(level=3)`` verbatim (a test holds it so), so it cannot drift from
+reads (``KVGUARD_ENGINES`` / ``--engine`` / engines file): variable, type, default, meaning.
+``docs/configuration.md`` holds ``render()`` verbatim (a test holds it so), so it cannot drift from
 what the code accepts.
 """
 
@@ -61,7 +61,7 @@ def table(model: type[BaseModel], prefix: str = "KVGUARD_") -> str:
 
 
 def render(level: int = 2) -> str:
-    """The reference, its title a Markdown heading of ``level`` (the README nests it at 3)."""
+    """The reference, its title a Markdown heading of ``level`` (docs/configuration.md: 2)."""
     import importlib
 
     from gateway.config import EngineSpec
@@ -92,7 +92,7 @@ def render(level: int = 2) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvguard.configdoc", description=__doc__)
     parser.add_argument(
-        "--level", type=int, default=2, choices=range(1, 6), help="heading level (README: 3)"
+        "--level", type=int, default=2, choices=range(1, 6), help="heading level (docs: 2)"
     )
     sys.stdout.write(render(parser.parse_args(argv).level))
     return 0

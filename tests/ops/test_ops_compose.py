@@ -355,10 +355,10 @@ def test_every_role_sends_its_traces_to_the_collector_which_keeps_them() -> None
     assert [m["target"] for m in mounts] == [str(path.parent)]
 
 
-def test_the_readme_walkthrough_sets_every_variable_compose_requires() -> None:
-    """The .env of the operations walk-through (README) names exactly what compose refuses to
-    start without (``${VAR:?...}``)."""
+def test_the_walkthrough_sets_every_variable_compose_requires() -> None:
+    """The .env of the operations walk-through (docs/operations.md) names exactly what compose
+    refuses to start without (``${VAR:?...}``)."""
     required = {m.group(1) for m in INTERPOLATION.finditer((REPO / "compose.yaml").read_text())}
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "operations.md").read_text()
     recipe = readme[readme.index("cat > .env <<EOF") : readme.index("   EOF\n")]
     assert set(re.findall(r"^\s+([A-Z_]+)=", recipe, flags=re.MULTILINE)) == required

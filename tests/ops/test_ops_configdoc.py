@@ -1,5 +1,5 @@
 """The configuration reference names every field of every settings class, as its variable, and
-the README holds its current output."""
+docs/configuration.md holds its current output."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from canary.config import CanarySettings
 from gateway.config import EngineSpec, GatewaySettings
 from kvguard.configdoc import render
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_reference_lists_every_variable_once_per_section() -> None:
@@ -29,12 +29,12 @@ def test_reference_lists_every_variable_once_per_section() -> None:
     assert "/work/" not in text and "/home/" not in text  # no build-machine paths
 
 
-def test_readme_holds_the_current_reference() -> None:
+def test_the_docs_hold_the_current_reference() -> None:
     """A settings field added, renamed or re-described without regenerating fails here."""
-    text = render(level=3)
-    assert text.startswith("### Configuration reference\n") and "\n#### Gateway " in text
-    readme = README.read_text(encoding="utf-8")
-    assert text in readme, "stale: paste `python -m kvguard.configdoc --level 3` into README.md"
+    text = render()
+    assert text.startswith("## Configuration reference\n") and "\n### Gateway " in text
+    page = PAGE.read_text(encoding="utf-8")
+    assert text in page, "stale: paste `python -m kvguard.configdoc` into docs/configuration.md"
 
 
 def test_module_runs_as_a_command() -> None:

@@ -7,9 +7,7 @@ from tiny_families import FAMILY_NAMES
 
 
 def docs_page():
-    """docs/models.md once the docs live there, else the README's Models section."""
-    page = REPO / "docs" / "models.md"
-    return page if page.is_file() else REPO / "README.md"
+    return REPO / "docs" / "models.md"
 
 
 def test_every_family_has_every_feature_tested():
