@@ -93,6 +93,16 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The sampled token's log-probability and the ``(token, logprob)`` most likely alternatives,
+    most likely first (``backend.engine.sampling``; prefill sends the first token's in its
+    handoff result)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """One sampled token and what it did to its request."""
 

@@ -218,6 +218,8 @@ class DecodeEngineCore(EngineCore):
             handoff.machine.advance(_S.ACCEPTED)
             del self._handoffs[request_id]
             outcome.results.append(step)
+            if handoff.expect.logprobs and result.first_token_logprobs is not None:
+                outcome.logprobs[request_id] = result.first_token_logprobs
             self._log_accept(request_id, handoff)
             self._count(HandoffOutcome.OK.value)
         else:
@@ -324,15 +326,27 @@ class DecodeEngineCore(EngineCore):
             )
             rid = request.request_id
             handoff_id = f"{rid}.{next(self._sequence)}"
+            s = request.sampling
             expect = Expectation(
-                handoff_id, self.config.instance_id, request.num_prompt_tokens, grants
+                handoff_id,
+                self.config.instance_id,
+                request.num_prompt_tokens,
+                grants,
+                logprobs=s.logprobs is not None,
             )
             machine = Machine("handoff", rid, self.config.faults.decode_table, _S.RESERVED)
             # The ticket leaves now: from here on prefill may write into these pages.
             machine.advance(_S.AWAITING_RESULT)
             self._handoffs[rid] = _Handoff(rid, machine, expect, self._clock())
-            s = request.sampling
-            sampling = SamplingSpec(s.max_tokens, s.temperature, s.top_p, s.seed, s.stop_token_ids)
+            sampling = SamplingSpec(
+                s.max_tokens,
+                s.temperature,
+                s.top_p,
+                s.seed,
+                s.stop_token_ids,
+                s.logit_bias,
+                s.logprobs,
+            )
             ticket = HandoffTicket(
                 rid, handoff_id, request.tenant, request.prompt_ids, sampling, grants
             )

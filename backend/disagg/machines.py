@@ -134,7 +134,7 @@ class Check(StrEnum):
     """Decode's checks on a PrefillResult, in the order they run."""
 
     IDENTITY = "identity"  # request id and decode instance are ours
-    OUTCOME = "outcome"  # prefill says OK
+    OUTCOME = "outcome"  # prefill says OK (with the first token's logprobs, if asked)
     TRANSFER_RANGE = "transfer_range"  # transferred == [0, reserved)
     PAGE_GENERATIONS = "page_generations"  # written pages == reserved, still current and ours
     CHECKSUM = "checksum"  # digest of the KV we hold == prefill's digest of what it sent
@@ -153,6 +153,7 @@ class Expectation:
     instance_id: str
     reserved_tokens: int
     grants: tuple[PageGrant, ...]  # the prompt's pages, in order
+    logprobs: bool = False  # the request asked for logprobs: the first token's must come back
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,7 @@ def verify_result(
     mismatch = result.transferred != expected_range
     findings: list[tuple[Check, Callable[[], str | None]]] = [
         (Check.IDENTITY, lambda: _identity(expect, result)),
-        (Check.OUTCOME, lambda: _outcome(result)),
+        (Check.OUTCOME, lambda: _outcome(expect, result)),
         (Check.TRANSFER_RANGE, lambda: _range_problem(result.transferred, expected_range)),
         (Check.PAGE_GENERATIONS, lambda: _pages_problem(expect, result, pages_current)),
     ]
@@ -217,9 +218,11 @@ def _identity(expect: Expectation, result: PrefillResult) -> str | None:
     return None
 
 
-def _outcome(result: PrefillResult) -> str | None:
+def _outcome(expect: Expectation, result: PrefillResult) -> str | None:
     if result.outcome is not HandoffOutcome.OK:
         return f"prefill reported {result.outcome.value}"
+    if expect.logprobs and result.first_token_logprobs is None:
+        return "prefill sent no logprobs for the first token, which the request asked for"
     return None
 
 

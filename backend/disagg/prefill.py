@@ -62,6 +62,7 @@ from backend.disagg.protocol import (
     TokenRange,
 )
 from backend.engine.async_engine import AsyncEngine
+from backend.engine.sampling import Sampled
 from backend.metrics import EngineMetrics
 from backend.model.kv_cache import KVCache
 from backend.transport.base import KvTransport, Segment, TransferError
@@ -198,16 +199,16 @@ class PrefillService:
         handoff.machine.advance(_P.COMPUTING)
         self._gauge()
         try:
-            first_token = await self._compute(handoff, prompt, sampling)
+            first = await self._compute(handoff, prompt, sampling)
         except KvguardError as error:
             self._release_staging(handoff)
             to = _P.ABORTED if handoff.cancel.is_set() else _P.FAILED
             return self._finish(handoff, to, error)
-        return await self._transfer(handoff, len(prompt), first_token)
+        return await self._transfer(handoff, len(prompt), first)
 
     async def _compute(
         self, handoff: _Handoff, prompt: tuple[int, ...], sampling: SamplingParams
-    ) -> int:
+    ) -> Sampled:
         message = handoff.request
         n_pages = -(-len(prompt) // self._staging.kv.page_size)
         handoff.owner = Owner(f"{message.target.instance_id}:{message.request_id}", message.tenant)
@@ -228,7 +229,7 @@ class PrefillService:
                 async for event in generation.events():
                     if event.is_terminal:
                         if event.state is RequestState.FINISHED and event.token is not None:
-                            return event.token
+                            return Sampled(event.token, event.logprobs)
                         raise event.error or HandoffFailed(message.request_id, "prefill aborted")
         except TimeoutError as exc:
             raise HandoffFailed(message.request_id, "lease ended while computing") from exc
@@ -247,7 +248,7 @@ class PrefillService:
                 raise StagingUnavailable(n_pages, self._clock() - started)
             await asyncio.sleep(0.005)
 
-    async def _transfer(self, handoff: _Handoff, n_tokens: int, first_token: int) -> PrefillResult:
+    async def _transfer(self, handoff: _Handoff, n_tokens: int, first: Sampled) -> PrefillResult:
         message = handoff.request
         grants = message.pages[: -(-n_tokens // self._staging.kv.page_size)]
         if handoff.cancel.is_set():
@@ -279,7 +280,7 @@ class PrefillService:
             written=written,
             transferred=TokenRange(0, n_tokens),
             checksum=checksum,
-            first_token=first_token,
+            first=first,
             timings=(transfer_s, checksum_s),
         )
 
@@ -337,7 +338,7 @@ class PrefillService:
         written: tuple[PageGrant, ...] = (),
         transferred: TokenRange | None = None,
         checksum: str | None = None,
-        first_token: int | None = None,
+        first: Sampled | None = None,
         timings: tuple[float, float] = (0.0, 0.0),
     ) -> PrefillResult:
         if handoff.machine.state is not to:
@@ -360,9 +361,10 @@ class PrefillService:
             transferred,
             written,
             checksum,
-            first_token,
+            None if first is None else first.token,
             timings[0],
             timings[1],
+            None if first is None else first.logprobs,
         )
 
     def _release_staging(self, handoff: _Handoff) -> None:
@@ -381,6 +383,8 @@ class PrefillService:
         )
 
     def _sampling(self, message: PrefillRequest) -> SamplingParams:
+        """The first token is sampled here as decode's engine would sample it: the biases
+        apply, its logprobs are reported if asked (penalties count generated tokens: none yet)."""
         spec = message.sampling
         return SamplingParams(
             max_tokens=1,
@@ -388,6 +392,8 @@ class PrefillService:
             top_p=spec.top_p,
             seed=spec.seed,
             stop_token_ids=spec.stop_token_ids,
+            logit_bias=spec.logit_bias,
+            logprobs=spec.logprobs,
         )
 
     def _expire_tombstones(self) -> None:

@@ -7,13 +7,15 @@ One handoff, as messages (decode is the entry point; prefill writes KV with one-
                    2. reserve pages (AWAITING_KV)
                    3. PrefillRequest ──────────────────────────▶ 4. version check; own admission
                       version, request id, tenant, prompt ids,      (REJECTED: reply at once)
-                      reserved pages + generations, target       5. compute the prompt's KV
-                      memory layout, batch limit, lease             and stage it
+                      sampling (biases, logprobs asked),         5. compute the prompt's KV,
+                      reserved pages + generations, target          stage it, sample the first
+                      memory layout, batch limit, lease             token (with its logprobs)
                                         ◀═══ one-sided writes ══ 6. <= batch-limit pages/batch
                    8. verify, positive evidence only ◀───────── 7. PrefillResult, sent only when
                       outcome OK; transferred == reserved;          no write is in flight: outcome
                       pages + generations == reserved, still        OK|REJECTED|ABORTED|FAILED,
-                      current and ours; checksum equal              range, pages, checksum, token
+                      current and ours; checksum equal;             range, pages, checksum, token
+                      the token's logprobs iff asked                (+ its logprobs if asked)
                    9. accept -> DECODING, or end the request with the original error
 
     Abort (client gone, timeout): decode quarantines the pages and sends AbortRequest; prefill
@@ -34,9 +36,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from backend.core.messages import TokenLogprobs
 from backend.disagg.errors import MalformedMessage, ProtocolVersionMismatch
 
-PROTOCOL_VERSION = 1
+# 2: SamplingSpec carries logit_bias and logprobs (prefill samples the first token with the
+# biases) and an OK PrefillResult carries the first token's logprobs when they were asked for.
+PROTOCOL_VERSION = 2
 
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -135,11 +140,16 @@ class TransferTarget:
 
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
+    """What prefill needs to sample the first token as decode's engine would: penalties are
+    left out, since they count generated tokens and the first has none before it."""
+
     max_tokens: int
     temperature: float
     top_p: float
     seed: int | None
     stop_token_ids: tuple[int, ...]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), as SamplingParams
+    logprobs: int | None = None  # report the first token's logprob and this many alternatives
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +198,7 @@ class PrefillResult:
     first_token: int | None = field(repr=False)
     transfer_s: float = 0.0
     checksum_s: float = 0.0
+    first_token_logprobs: TokenLogprobs | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.outcome is HandoffOutcome.OK:
@@ -195,6 +206,8 @@ class PrefillResult:
                 raise ValueError("an OK result needs transferred, checksum and first_token")
         elif self.error is None and self.outcome is not HandoffOutcome.ABORTED:
             raise ValueError(f"a {self.outcome} result needs the error that caused it")
+        if self.first_token is None and self.first_token_logprobs is not None:
+            raise ValueError("first_token_logprobs without a first_token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +300,13 @@ class _Reader:
             raise MalformedMessage(self.kind, f"{key} must be a boolean")
         return value
 
+    def pairs(self, key: str) -> tuple[tuple[int, float], ...]:
+        """A list of ``[token id, number]`` pairs (biases, alternatives' logprobs)."""
+        value = self.payload[key]
+        if not isinstance(value, list) or not all(_is_pair(item) for item in value):
+            raise MalformedMessage(self.kind, f"{key} must be a list of [token id, number] pairs")
+        return tuple((item[0], float(item[1])) for item in value)
+
     def integers(self, key: str) -> tuple[int, ...]:
         value = self.payload[key]
         if not isinstance(value, list) or any(type(v) is not int or v < 0 for v in value):
@@ -304,6 +324,16 @@ class _Reader:
 
 
 _T = TypeVar("_T")
+
+
+def _is_pair(item: object) -> bool:
+    return (
+        isinstance(item, list)
+        and len(item) == 2
+        and type(item[0]) is int
+        and item[0] >= 0
+        and type(item[1]) in (int, float)
+    )
 
 
 def _keys(cls: type) -> frozenset[str]:
@@ -371,7 +401,16 @@ def _sampling(payload: object) -> SamplingSpec:
         r.number("top_p"),
         r.opt_integer("seed"),
         r.integers("stop_token_ids"),
+        r.pairs("logit_bias"),
+        r.opt_integer("logprobs"),
     )
+
+
+def _logprobs(payload: object) -> TokenLogprobs | None:
+    if payload is None:
+        return None
+    r = _Reader("TokenLogprobs", payload, _keys(TokenLogprobs))
+    return TokenLogprobs(r.number("logprob"), r.pairs("top"))
 
 
 def prefill_request_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> PrefillRequest:
@@ -413,6 +452,7 @@ def prefill_result_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> 
             r.opt_integer("first_token"),
             r.number("transfer_s"),
             r.number("checksum_s"),
+            _logprobs(r.sub("first_token_logprobs")),
         ),
     )
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from backend.core.admission import CapacityLimits, admit
 from backend.core.errors import KvguardError
+from backend.core.messages import TokenLogprobs
 from backend.core.request import FinishReason, Request, RequestState, SamplingParams
 from backend.engine.core import EngineCore, StepOutcome
-from backend.engine.sampling import TokenLogprobs
 from contracts.engine import HandoffProof
 
 log = logging.getLogger("kvguard.engine")

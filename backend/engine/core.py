@@ -20,11 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backend.core.errors import IsolationError, KvguardError
-from backend.core.messages import DecodeItem, PrefillChunk, SchedulerOutput, StepResult
+from backend.core.messages import (
+    DecodeItem,
+    PrefillChunk,
+    SchedulerOutput,
+    StepResult,
+    TokenLogprobs,
+)
 from backend.core.request import Request
 from backend.core.scheduler import Scheduler
 from backend.engine.runner import ModelRunner, StepSamples
-from backend.engine.sampling import TokenLogprobs
 from contracts.engine import HandoffProof
 
 log = logging.getLogger("kvguard.engine")

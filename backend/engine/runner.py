@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.core.messages import SchedulerOutput
+from backend.core.messages import SchedulerOutput, TokenLogprobs
 from backend.core.request import Request
-from backend.engine.sampling import TokenLogprobs, sample
+from backend.engine.sampling import sample
 from backend.kernels.metadata import AttentionMetadata
 from backend.kernels.paged_attention import Backend
 from backend.model.kv_cache import KVCache

@@ -18,19 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.core.messages import TokenLogprobs
 from backend.core.request import SamplingParams
 
 _SEED_STRIDE = 1_000_003
 LOGPROB_FLOOR = -9999.0
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """The sampled token's log-probability and the ``(token, logprob)`` most likely alternatives,
-    most likely first."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True, slots=True)

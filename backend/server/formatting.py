@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from backend.engine.sampling import TokenLogprobs
+from backend.core.messages import TokenLogprobs
 
 Kind = Literal["text", "chat"]
 ID_PREFIX: dict[Kind, str] = {"chat": "chatcmpl-", "text": "cmpl-"}

@@ -40,7 +40,7 @@ from backend.server.errors import error_body
 from backend.server.openai_schema import _SamplingFields
 from backend.server.service import EngineService
 from backend.server.textstream import TextStream
-from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER, HandoffProof, Role, answer_extension
+from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER, HandoffProof, answer_extension
 
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 DEFAULT_TENANT = "anonymous"
@@ -87,7 +87,7 @@ def _header_id(request: Request, header: str, default: str) -> str:
 async def generate(
     service: EngineService, http: Request, body: _SamplingFields, prompt: str, kind: fmt.Kind
 ) -> Response:
-    refused = body.refused(disaggregated=service.role is Role.DECODE)
+    refused = body.refused()
     if refused is not None:
         raise refused
     tenant = _header_id(http, TENANT_HEADER, DEFAULT_TENANT)

@@ -32,7 +32,6 @@ MAX_COMPLETION_LOGPROBS = 5  # completions logprobs (OpenAI's bound)
 MAX_LOGIT_BIAS = 1024
 ROLES = ("system", "developer", "user", "assistant")
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-DISAGGREGATED = "this engine's disaggregated (prefill/decode) path does not serve it yet"
 
 
 class UnsupportedField(InvalidRequest):
@@ -125,15 +124,10 @@ class _SamplingFields(_UnicodeOnly):
         """Alternatives to report per token (0: the token's own logprob only); None: no logprobs."""
         return None
 
-    def refused(self, *, disaggregated: bool = False) -> UnsupportedField | None:
-        """The first field this engine knows and does not serve, as the error to answer.
-
-        ``disaggregated``: served by a decode role, whose first token prefill samples; the handoff
-        protocol (version 1) carries neither that token's logprobs nor ``logit_bias``."""
-        if disaggregated and self.logit_bias:
-            return UnsupportedField("logit_bias", DISAGGREGATED)
-        if disaggregated and self.top_logprobs_count() is not None:
-            return UnsupportedField("logprobs", DISAGGREGATED)
+    def refused(self) -> UnsupportedField | None:
+        """The first field this engine knows and does not serve, as the error to answer (every
+        role serves the same fields: the handoff carries what prefill needs for the first token
+        and that token's logprobs, ``backend.disagg.protocol`` version 2)."""
         return None
 
 
@@ -216,7 +210,7 @@ class ChatCompletionRequest(_SamplingFields):
     def top_logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def refused(self, *, disaggregated: bool = False) -> UnsupportedField | None:
+    def refused(self) -> UnsupportedField | None:
         if self.tools:
             return UnsupportedField("tools", "this engine does not serve tool calls")
         if self.tool_choice not in (None, "none"):
@@ -227,7 +221,7 @@ class ChatCompletionRequest(_SamplingFields):
                 "response_format",
                 f"this engine does not serve structured output ({str(kind)[:32]!r})",
             )
-        return super().refused(disaggregated=disaggregated)
+        return super().refused()
 
 
 class TokenizeRequest(_UnicodeOnly):

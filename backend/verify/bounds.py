@@ -6,7 +6,7 @@
   prefill's admission is exercised as the second line), one prefill crash.
 - ``reuse``: two requests that both fit but not together, so the second reuses the first's pages
   (late writes, quarantine, zeroing); one client abort, one timeout.
-- ``mixed``: prefill speaks protocol version 2, decode version 1.
+- ``mixed``: prefill speaks the previous protocol version, decode the current one.
 - ``large``: ``large-incident`` adds a third request to ``incident`` (without the crash);
   ``large-reuse`` gives ``reuse`` two client aborts, a prefill crash and a decode crash.
 - ``prefix`` and ``preempt`` (``large-preempt`` has two client aborts): the engine model, shared
@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
+from backend.disagg.protocol import PROTOCOL_VERSION
 from backend.verify.engine_world import EngineBound, EngineRequestSpec
 from backend.verify.world import Bound, RequestSpec
 
@@ -59,7 +60,7 @@ MIXED = Bound(
     max_batch_pages=1,
     client_aborts=1,
     timeouts=1,
-    prefill_version=2,
+    prefill_version=PROTOCOL_VERSION - 1,
 )
 LARGE_INCIDENT = Bound(
     "large-incident",

@@ -106,7 +106,6 @@ def _false(value: Any) -> bool:
 
 
 TOOLS = "this engine does not serve tool calls"
-PD = "the prefill/decode handoff does not carry it for the first token (protocol 1)"
 PLATFORM = "an OpenAI platform feature that this engine does not have"
 AUDIO = "the gateway screens text only; audio cannot be checked for other tenants' data"
 CACHE = "a tenant must not steer a prompt cache; the gateway keys engine caches per tenant itself"
@@ -136,9 +135,9 @@ TABLE: tuple[Rule, ...] = (
     _row("user", "F F F F F F"),
     _row("presence_penalty", "F F F F F F"),
     _row("frequency_penalty", "F F F F F F"),
-    _row("logit_bias", "F R F F F F", _empty, "{}", PD),
-    _row("logprobs", "F R F F F F", _false, "false", PD),
-    _row("top_logprobs", "F R F F F F", _null, "null", PD),
+    _row("logit_bias", "F F F F F F"),
+    _row("logprobs", "F F F F F F"),
+    _row("top_logprobs", "F F F F F F"),
     _row("tools", "R R F F F F", _empty, "[]", TOOLS),
     _row("tool_choice", "R R F F F F", lambda v: v in (None, "none"), '"none"', TOOLS),
     _row("parallel_tool_calls", "F F F F F F"),

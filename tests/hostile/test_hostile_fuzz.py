@@ -206,6 +206,13 @@ def _handoff_bodies(checkpoint: str, endpoint: str) -> dict[str, dict[str, Any]]
         top_p={"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         seed={"anyOf": [{"type": "null"}, _int(0, 2**31)]},
         stop_token_ids={"type": "array", "items": _int(0, 257), "maxItems": 2},
+        # [token id, bias] pairs (ids and biases both drawn within 0..100: valid for the model)
+        logit_bias={
+            "type": "array",
+            "items": {"type": "array", "items": _int(0, 100), "minItems": 2, "maxItems": 2},
+            "maxItems": 2,
+        },
+        logprobs={"anyOf": [{"type": "null"}, _int(0, 5)]},
     )
     name = {"type": "string", "minLength": 1, "maxLength": 12}
     prefill = _obj(
@@ -243,6 +250,8 @@ def _handoff_bodies(checkpoint: str, endpoint: str) -> dict[str, dict[str, Any]]
             "top_p": 1.0,
             "seed": None,
             "stop_token_ids": [257],
+            "logit_bias": [[65, 2.5]],
+            "logprobs": 2,
         },
         "reserved_tokens": 20,
         "pages": [{"page_id": 0, "generation": 1}, {"page_id": 1, "generation": 1}],

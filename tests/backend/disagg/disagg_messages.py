@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backend.core.messages import TokenLogprobs
 from backend.disagg.protocol import (
     PROTOCOL_VERSION,
     HandoffOutcome,
@@ -29,7 +30,7 @@ def request(**changes: Any) -> PrefillRequest:
         "request_id": "req-1",
         "tenant": "tenant-a",
         "prompt_ids": tuple(range(20)),
-        "sampling": SamplingSpec(8, 0.0, 1.0, 42, (257,)),
+        "sampling": SamplingSpec(8, 0.0, 1.0, 42, (257,), ((65, 2.5), (66, -100.0)), 3),
         "reserved_tokens": 20,
         "pages": GRANTS,
         "target": TARGET,
@@ -51,5 +52,8 @@ def ok_result(**changes: Any) -> PrefillResult:
         "first_token": 65,
         "transfer_s": 0.002,
         "checksum_s": 0.001,
+        "first_token_logprobs": TokenLogprobs(-0.25, ((65, -0.25), (66, -1.5), (7, -3.0))),
     }
+    if changes.get("first_token", fields["first_token"]) is None:
+        fields["first_token_logprobs"] = None  # no token, so none of its logprobs
     return PrefillResult(**{**fields, **changes})

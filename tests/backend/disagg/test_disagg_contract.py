@@ -27,25 +27,29 @@ from disagg_harness import (
     running,
 )
 
-P_V1 = prefill(pool_tokens=256)
-P_V2 = prefill({"KVGUARD_DRILL_PROTOCOL_VERSION": "2"}, pool_tokens=256, allow_fault_drills=True)
-D_OK = decode(P_V1, pool_tokens=512)
-D_V1_TO_V2 = decode(P_V2, pool_tokens=512)
-D_V2_TO_V1 = decode(
-    P_V1, {"KVGUARD_DRILL_PROTOCOL_VERSION": "2"}, pool_tokens=512, allow_fault_drills=True
-)
+from backend.disagg.protocol import PROTOCOL_VERSION
+
+# Version skew is drilled with the previous protocol version: a peer that still speaks it is
+# the mismatch a rolling upgrade meets (it carries no first-token logprobs or biases).
+OLD = PROTOCOL_VERSION - 1
+DRILL_OLD = {"KVGUARD_DRILL_PROTOCOL_VERSION": str(OLD)}
+P_NEW = prefill(pool_tokens=256)
+P_OLD = prefill(DRILL_OLD, pool_tokens=256, allow_fault_drills=True)
+D_OK = decode(P_NEW, pool_tokens=512)
+D_NEW_TO_OLD = decode(P_OLD, pool_tokens=512)
+D_OLD_TO_NEW = decode(P_NEW, DRILL_OLD, pool_tokens=512, allow_fault_drills=True)
 UNIFIED = Role("unified", {"page_size": PAGE, "pool_tokens": 512})
 
 
 @pytest.fixture(scope="module", autouse=True)
 def processes(tiny_checkpoint: str) -> Iterator[None]:
-    roles = [P_V1, P_V2, D_OK, D_V1_TO_V2, D_V2_TO_V1, UNIFIED]
+    roles = [P_NEW, P_OLD, D_OK, D_NEW_TO_OLD, D_OLD_TO_NEW, UNIFIED]
     # The mismatched decodes never become ready: start them, but wait only for the good path.
-    for role in (D_V1_TO_V2, D_V2_TO_V1):
+    for role in (D_NEW_TO_OLD, D_OLD_TO_NEW):
         role.spawn(tiny_checkpoint)
     try:
-        with running(tiny_checkpoint, P_V1, P_V2, D_OK, UNIFIED):
-            for role in (D_V1_TO_V2, D_V2_TO_V1):
+        with running(tiny_checkpoint, P_NEW, P_OLD, D_OK, UNIFIED):
+            for role in (D_NEW_TO_OLD, D_OLD_TO_NEW):
                 role.wait_healthy()
             yield
     finally:
@@ -69,7 +73,8 @@ def test_capacity_reports_both_roles_and_the_pair_limit() -> None:
     roles = {r["role"]: r for r in cap["roles"]}
     assert set(roles) == {"decode", "prefill"}
     assert roles["decode"]["pool_tokens"] == 512 and roles["prefill"]["pool_tokens"] == 256
-    assert roles["prefill"]["protocol_version"] == 1 and roles["prefill"]["age_s"] < 5
+    assert roles["prefill"]["protocol_version"] == PROTOCOL_VERSION
+    assert roles["prefill"]["age_s"] < 5
     assert cap["max_request_tokens"] == 256  # the largest request the pair can serve
     models = httpx.get(D_OK.url + "/v1/models").json()["data"]
     assert models[0]["max_model_len"] == 256
@@ -120,19 +125,36 @@ def test_n_choices_and_penalties_through_prefill_and_decode() -> None:
     assert capacity(D_OK)["free_pages"] == 512 // PAGE
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "param"),
-    [("logprobs", 1, "logprobs"), ("logit_bias", {"65": 5}, "logit_bias")],
-)
-def test_what_the_handoff_cannot_carry_is_refused_by_name(
-    field: str, value: Any, param: str
-) -> None:
-    # Prefill samples the first token; protocol version 1 carries neither its logprobs nor the
-    # biases: refused by name, never a first token without them.
-    refused = httpx.post(D_OK.url + "/v1/completions", json=_body("abc", **{field: value}))
-    assert refused.status_code == 400
-    error = refused.json()["error"]
-    assert error["code"] == "unsupported_parameter" and error["param"] == param
+def test_logprobs_and_logit_bias_through_prefill_and_decode() -> None:
+    """Prefill samples the first token: the handoff carries the biases it must apply and the
+    logprobs it must report, so the pair answers as the unified engine does, first token
+    included (its logprobs were refused by name while the handoff could not carry them)."""
+    cases = [
+        {"logprobs": 3},
+        {"logit_bias": {"65": 100}},  # "A" for every token, the first (prefill's) included
+        {"logprobs": 2, "logit_bias": {"66": 5}, "n": 2, "temperature": 0.9, "seed": 11},
+    ]
+    for fields in cases:
+        body = _body("abc", **{**fields, "max_tokens": 6})
+        pair = httpx.post(D_OK.url + "/v1/completions", json=body, timeout=60)
+        assert pair.status_code == 200, (fields, pair.text)
+        unified = httpx.post(UNIFIED.url + "/v1/completions", json=body, timeout=60).json()
+        choices, expected = pair.json()["choices"], unified["choices"]
+        assert [c["text"] for c in choices] == [c["text"] for c in expected], fields
+        for got, want in zip(choices, expected, strict=True):
+            if "logprobs" not in fields:
+                assert got["logprobs"] is None
+                continue
+            assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+            assert len(got["logprobs"]["tokens"]) == 6  # one entry per token, the first too
+            assert got["logprobs"]["token_logprobs"] == pytest.approx(
+                want["logprobs"]["token_logprobs"], abs=1e-4
+            )
+            assert [sorted(t) for t in got["logprobs"]["top_logprobs"]] == [
+                sorted(t) for t in want["logprobs"]["top_logprobs"]
+            ]
+    assert _text(D_OK, "abc", logit_bias={"65": 100}, max_tokens=6) == "A" * 6
+    assert capacity(D_OK)["free_pages"] == 512 // PAGE
 
 
 def test_concurrent_requests_equal_sequential_ones() -> None:
@@ -152,8 +174,8 @@ def test_concurrent_requests_equal_sequential_ones() -> None:
 
 @pytest.mark.parametrize(
     ("role", "local", "remote"),
-    [(D_V1_TO_V2, 1, 2), (D_V2_TO_V1, 2, 1)],
-    ids=["v1-decode", "v2-decode"],
+    [(D_NEW_TO_OLD, PROTOCOL_VERSION, OLD), (D_OLD_TO_NEW, OLD, PROTOCOL_VERSION)],
+    ids=["new-decode", "old-decode"],
 )
 def test_mixed_protocol_versions_fail_closed_with_a_clear_error(
     role: Role, local: int, remote: int
@@ -170,20 +192,23 @@ def test_mixed_protocol_versions_fail_closed_with_a_clear_error(
 
 
 def test_prefill_refuses_a_message_from_another_version() -> None:
-    message = {"protocol_version": 2, "request_id": "r", "anything": "else"}
-    response = httpx.post(P_V1.url + "/kv/v1/prefill", json=message, timeout=10)
-    assert response.status_code == 409
-    body = response.json()
-    assert body["protocol_version"] == 1
-    assert body["error"]["code"] == "handoff_protocol_mismatch"
-    malformed = httpx.post(P_V1.url + "/kv/v1/prefill", json={"protocol_version": 1}, timeout=10)
+    for version in (OLD, PROTOCOL_VERSION + 1):
+        message = {"protocol_version": version, "request_id": "r", "anything": "else"}
+        response = httpx.post(P_NEW.url + "/kv/v1/prefill", json=message, timeout=10)
+        assert response.status_code == 409
+        body = response.json()
+        assert body["protocol_version"] == PROTOCOL_VERSION
+        assert body["error"]["code"] == "handoff_protocol_mismatch"
+    malformed = httpx.post(
+        P_NEW.url + "/kv/v1/prefill", json={"protocol_version": PROTOCOL_VERSION}, timeout=10
+    )
     assert malformed.status_code == 400
     assert malformed.json()["error"]["code"] == "handoff_malformed_message"
-    assert metric(P_V1, "kvguard_engine_handoffs_total", outcome="failed") == 0
+    assert metric(P_NEW, "kvguard_engine_handoffs_total", outcome="failed") == 0
 
 
 def test_prefill_is_not_an_entry_point() -> None:
-    response = httpx.post(P_V1.url + "/v1/completions", json=_body("hi"), timeout=10)
+    response = httpx.post(P_NEW.url + "/v1/completions", json=_body("hi"), timeout=10)
     assert response.status_code == 404
 
 
@@ -194,7 +219,7 @@ def test_faults_need_allow_fault_drills(tiny_checkpoint: str, role: str, fault: 
     argv = [sys.executable, "-m", "kvguard", "backend", role, "--model", tiny_checkpoint]
     argv += ["--port", "1", "--fault", fault]
     if role == "decode":
-        argv += ["--prefill-url", P_V1.url]
+        argv += ["--prefill-url", P_NEW.url]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert f"kvguard backend {role}: cannot start" in result.stderr

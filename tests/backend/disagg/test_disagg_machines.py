@@ -109,6 +109,25 @@ def run(
     return verdict, calls
 
 
+def test_an_ok_result_without_the_first_tokens_asked_logprobs_is_refused() -> None:
+    asked = Expectation("req-1", "inst-1", 20, GRANTS, logprobs=True)
+
+    def verdict_for(result: Any) -> Any:
+        return verify_result(
+            asked,
+            result,
+            enforced=ALL_CHECKS,
+            pages_current=lambda grants: True,
+            local_checksum=lambda: "sha256:abc",
+        )
+
+    assert verdict_for(ok_result()).accepted
+    refused = verdict_for(ok_result(first_token_logprobs=None))
+    assert not refused.accepted and refused.failed is Check.OUTCOME
+    assert "no logprobs for the first token" in refused.detail
+    assert run(ok_result(first_token_logprobs=None))[0].accepted  # not asked: not needed
+
+
 def test_positive_evidence_is_accepted_after_every_check() -> None:
     verdict, calls = run(ok_result())
     assert verdict.accepted and verdict.failed is None

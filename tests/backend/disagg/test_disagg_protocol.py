@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -16,6 +17,7 @@ from backend.disagg.protocol import (
     ErrorInfo,
     HandoffOutcome,
     KvLayout,
+    SamplingSpec,
     TokenRange,
     abort_ack_from_wire,
     abort_request_from_wire,
@@ -41,15 +43,30 @@ def test_every_message_round_trips_exactly() -> None:
         pages_written=(),
         checksum=None,
         first_token=None,
+        first_token_logprobs=None,
     )
     assert prefill_result_from_wire(wire(rejected)) == rejected
+    plain = request(sampling=SamplingSpec(8, 0.0, 1.0, None, ()))  # no biases, no logprobs
+    assert prefill_request_from_wire(wire(plain)) == plain
+    assert prefill_result_from_wire(wire(ok_result(first_token_logprobs=None))).first_token == 65
     abort = AbortRequest(PROTOCOL_VERSION, "req-1", "inst-1")
     assert abort_request_from_wire(wire(abort)) == abort
     ack = AbortAck(PROTOCOL_VERSION, "req-1", "inst-1", True, "aborted")
     assert abort_ack_from_wire(wire(ack)) == ack
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", 1.0, None, True])
+OTHER_VERSIONS = [
+    0,
+    PROTOCOL_VERSION - 1,
+    PROTOCOL_VERSION + 1,
+    str(PROTOCOL_VERSION),
+    float(PROTOCOL_VERSION),
+    None,
+    True,
+]
+
+
+@pytest.mark.parametrize("version", OTHER_VERSIONS)
 def test_another_version_is_refused_before_anything_else_is_read(version: Any) -> None:
     for parse, message in [
         (prefill_request_from_wire, request()),
@@ -65,8 +82,11 @@ def test_another_version_is_refused_before_anything_else_is_read(version: Any) -
 
 def test_each_side_checks_against_its_own_version() -> None:
     payload = wire(request())
-    with pytest.raises(ProtocolVersionMismatch, match="speaks version 2, the peer sent 1"):
-        prefill_request_from_wire(payload, local=2)
+    newer = PROTOCOL_VERSION + 1
+    with pytest.raises(
+        ProtocolVersionMismatch, match=f"speaks version {newer}, the peer sent {PROTOCOL_VERSION}"
+    ):
+        prefill_request_from_wire(payload, local=newer)
     with pytest.raises(ProtocolVersionMismatch):
         check_version({"no": "version"}, "x")
     with pytest.raises(ProtocolVersionMismatch):
@@ -86,6 +106,11 @@ def test_each_side_checks_against_its_own_version() -> None:
         (lambda p: p["pages"][0].update(generation=0), "generation must be an integer >= 1"),
         (lambda p: p["target"]["layout"].update(dtype="int4"), "unknown dtype"),
         (lambda p: p.update(lease_s=0), "lease_s and max_batch_pages must be positive"),
+        (lambda p: p["sampling"].pop("logit_bias"), "missing fields ['logit_bias']"),
+        (lambda p: p["sampling"].update(logit_bias=[[65]]), "logit_bias must be a list of"),
+        (lambda p: p["sampling"].update(logit_bias=[[-1, 2]]), "logit_bias must be a list of"),
+        (lambda p: p["sampling"].update(logit_bias=[["65", 2]]), "logit_bias must be a list of"),
+        (lambda p: p["sampling"].update(logprobs=-1), "logprobs must be an integer >= 0"),
     ],
 )
 def test_malformed_requests_are_refused_not_guessed(mutate: Any, problem: str) -> None:
@@ -110,6 +135,19 @@ def test_results_cannot_claim_an_outcome_without_its_evidence(changes: dict[str,
         ok_result(**changes)
 
 
+def test_first_token_logprobs_are_strict_and_need_the_token() -> None:
+    payload = wire(ok_result())
+    payload["first_token_logprobs"]["top"] = [[65, "-0.25"]]
+    with pytest.raises(MalformedMessage, match="top must be a list of"):
+        prefill_result_from_wire(payload)
+    payload = wire(ok_result())
+    payload["first_token_logprobs"] = {"logprob": -0.25}
+    with pytest.raises(MalformedMessage, match="missing fields \\['top'\\]"):
+        prefill_result_from_wire(payload)
+    with pytest.raises(ValueError, match="without a first_token"):
+        dataclasses.replace(ok_result(), outcome=HandoffOutcome.ABORTED, first_token=None)
+
+
 def test_an_unknown_outcome_is_malformed() -> None:
     payload = {**wire(ok_result()), "outcome": "done"}  # the legacy word is not an outcome
     with pytest.raises(MalformedMessage, match="unknown outcome 'done'"):
@@ -120,6 +158,7 @@ def test_reprs_leave_out_prompt_and_tokens() -> None:
     text = repr(request(prompt_ids=(4242,) * 20))
     assert "4242" not in text and "prompt_ids" not in text
     assert "98765" not in repr(ok_result(first_token=98765))
+    assert "-0.25" not in repr(ok_result())  # the first token's logprobs show its alternatives
 
 
 def test_layout_offsets_and_geometry() -> None:

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from backend.disagg.faults import Fault, FaultSet
+from backend.disagg.protocol import PROTOCOL_VERSION
 from backend.verify import BOUNDS, INCIDENT_FAULTS, MUTATIONS, Invariant, Mutation, check
 from backend.verify.__main__ import main, render
 from backend.verify.bounds import INCIDENT, INCIDENT_CORE, MIXED, REUSE
@@ -60,7 +61,7 @@ def test_verify_incident_trace_names_the_cross_tenant_read() -> None:
     )
     assert report.problem.startswith("r1 (tenant B) read KV of r0 (tenant A)")
     text = render(report)
-    assert "PrefillResult(v1 d1/r1." in text and "transferred=[0,1)" in text
+    assert f"PrefillResult(v{PROTOCOL_VERSION} d1/r1." in text and "transferred=[0,1)" in text
     assert "decode step r1 (reads KV)" in report.trace[-1].label
 
 
