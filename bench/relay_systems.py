@@ -93,10 +93,16 @@ class Systems:
     def close(self) -> None:
         self.stack.close()
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> tuple:
+    def _spawn(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> tuple:
         log = self.tmp / f"{name}.log"
         proc = subprocess.Popen(
-            argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=Path.cwd()
+            argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=cwd or Path.cwd()
         )
         self.stack.callback(_stop, proc)
         return proc, log
@@ -155,12 +161,18 @@ class Systems:
             **gateway_env(redis_url, database_url),
             "KVGUARD_ENGINES": json.dumps(specs),
             "KVGUARD_MIGRATE_ON_START": "false",
+            "KVGUARD_DATA_DIR": str(self.tmp / f"gateway-data-{port}"),  # not the working dir
         }
+        cwd = None
         if source is not None:
-            env["PYTHONPATH"] = str(source.resolve())
+            # ``python -m`` puts its working directory first on sys.path, before PYTHONPATH:
+            # the checkout's code runs only when the process starts inside it
+            cwd = source.resolve()
+            env["PYTHONPATH"] = str(cwd)
         argv = [sys.executable, "-m", "kvguard", "gateway", "--port", str(port)]
         log_name = f"gateway-{engines}-{port}"
-        proc, log = self._spawn(log_name, _on_relay_cpu([*argv, "--log-level", "warning"]), env)
+        argv = _on_relay_cpu([*argv, "--log-level", "warning"])
+        proc, log = self._spawn(log_name, argv, env, cwd)
         _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
         _wait_routable(port, keys[0], proc, log)
         return Relay(name, port, MODEL, proc.pid, keys)
