@@ -2,8 +2,10 @@
 
 One Lua script admits (checks all three limits, then takes all or nothing) and one releases
 (removes the lease, refunds tokens). Both read the clock with Redis ``TIME``, so gateway clocks
-never disagree. A tenant's keys share a hash tag (``{tenant}``), so the scripts stay valid on a
-Redis Cluster. Buckets expire after two idle windows (a full bucket needs no state).
+never disagree. Commands go over ``gateway.limits.resp`` (one pipelined connection: a request's
+admit and release cost a write and a reply each). A tenant's keys share a hash tag
+(``{tenant}``), so the scripts stay valid on a Redis Cluster. Buckets expire after two idle
+windows (a full bucket needs no state).
 
 Leases carry deadlines; this process refreshes the ones it holds every third of the lease time,
 so a gateway that dies frees its slots within one lease time. Any Redis error raises
@@ -28,12 +30,6 @@ import contextlib
 import logging
 import uuid
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-
 from gateway.domain import TenantPlan
 from gateway.limits.base import (
     WINDOW_MS,
@@ -43,10 +39,12 @@ from gateway.limits.base import (
     LimitKind,
     Refusal,
 )
+from gateway.limits.resp import RespClient, RespError, Script
 
 log = logging.getLogger("kvguard.gateway.limits")
 MAX_UNRELEASED = 10_000  # releases kept for a retry; beyond, the oldest expire on their own
 INLINE_RETRIES = 16  # retried before an admit (the refresh loop retries the rest)
+_FAILURES = (RespError, OSError)  # an error reply; no connection, a broken one, a timeout
 
 _LEVEL = """
 local function level(key, cap, now, window)
@@ -150,21 +148,15 @@ class RedisLimiter(Limiter):
     backend = "redis"
 
     def __init__(self, *, url: str, lease_s: float, timeout_s: float = 0.5) -> None:
-        # One retry on a broken connection: after an outage the pool still holds connections
-        # the server side has dropped, and each would fail one admit with a spurious 503. A retry
-        # is safe here: a lease is added under its own id (ZADD again is a no-op) and a release
-        # removes it by id; at worst a replayed admit charges its rate buckets twice.
-        self._client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1),
-            retry_on_error=[RedisConnectionError],
-        )
+        # gateway.limits.resp: one pipelined connection; a call whose connection broke is tried
+        # once more on a fresh one (after an outage the old one is dead). That is safe here: a
+        # lease is added under its own id (ZADD again is a no-op) and a release removes it by id;
+        # at worst a replayed admit charges its rate buckets twice.
+        self._client = RespClient(url, timeout_s=timeout_s)
         self._lease_ms = int(lease_s * 1000)
-        self._admit = self._client.register_script(ADMIT_LUA)
-        self._release = self._client.register_script(RELEASE_LUA)
-        self._refresh = self._client.register_script(REFRESH_LUA)
+        self._admit = Script(self._client, ADMIT_LUA)
+        self._release = Script(self._client, RELEASE_LUA)
+        self._refresh = Script(self._client, REFRESH_LUA)
         self._held: dict[str, Lease] = {}
         # lease id -> (lease, unused tokens, abandoned: an admit given up on, see the docstring)
         self._unreleased: dict[str, tuple[Lease, int, bool]] = {}
@@ -181,14 +173,20 @@ class RedisLimiter(Limiter):
             str(self._lease_ms),
             str(WINDOW_MS),
         ]
-        with contextlib.suppress(RedisError, OSError):
-            await self._retry_releases(INLINE_RETRIES)  # first give back what an outage kept
+        if self._unreleased:
+            with contextlib.suppress(*_FAILURES):
+                await self._retry_releases(INLINE_RETRIES)  # first give back what an outage kept
         try:
-            result = await self._admit(keys=[*_keys(tenant_id), _tombstone(lease)], args=args)
-        except (RedisError, OSError) as exc:
+            result = await self._admit([*_keys(tenant_id), _tombstone(lease)], args)
+        except _FAILURES as exc:
             # It may still run when Redis answers: release it then (tombstoned).
             self._keep_unreleased(lease, tokens, abandoned=True)
             raise LimiterUnavailable(f"redis: {exc.__class__.__name__}") from exc
+        except asyncio.CancelledError:
+            # The request went away while the admit was on its way: it may have run.
+            self._keep_unreleased(lease, tokens, abandoned=True)
+            raise
+        assert isinstance(result, list)
         if int(result[0]) == 1:
             if plan.max_concurrency is not None:
                 self._held[lease.lease_id] = lease
@@ -205,7 +203,7 @@ class RedisLimiter(Limiter):
         self._held.pop(lease.lease_id, None)
         try:
             await self._release_one(lease, unused_tokens, abandoned=False)
-        except (RedisError, OSError):
+        except _FAILURES:
             # Kept for a retry: without it the slot stays taken until the lease's deadline.
             self._keep_unreleased(lease, unused_tokens, abandoned=False)
             log.warning(
@@ -216,7 +214,7 @@ class RedisLimiter(Limiter):
         _, tokens_key, leases_key = _keys(lease.tenant_id)
         args = [_arg(lease.plan.tokens_per_minute), str(max(0, unused_tokens)), lease.lease_id]
         args += [str(WINDOW_MS), str(self._lease_ms) if abandoned else ""]
-        await self._release(keys=[tokens_key, leases_key, _tombstone(lease)], args=args)
+        await self._release([tokens_key, leases_key, _tombstone(lease)], args)
 
     def _keep_unreleased(self, lease: Lease, unused_tokens: int, *, abandoned: bool) -> None:
         self._unreleased[lease.lease_id] = (lease, unused_tokens, abandoned)
@@ -232,22 +230,25 @@ class RedisLimiter(Limiter):
 
     async def healthy(self) -> bool:
         try:
-            return bool(await self._client.ping())
-        except (RedisError, OSError):
+            return await self._client.execute("PING") == b"PONG"
+        except _FAILURES:
             return False
 
     async def refresh_held(self) -> None:
-        """Extend every lease this process holds (one round trip via a pipeline)."""
+        """Extend every lease this process holds (one write for all of them)."""
         if not self._held:
             return
-        pipe = self._client.pipeline(transaction=False)
-        for lease in list(self._held.values()):
-            await self._refresh(
-                keys=[_keys(lease.tenant_id)[2]],
-                args=[lease.lease_id, str(self._lease_ms)],
-                client=pipe,
-            )
-        await pipe.execute()
+        commands = [
+            self._refresh.command([_keys(lease.tenant_id)[2]], [lease.lease_id, self._lease_ms])
+            for lease in list(self._held.values())
+        ]
+        replies = await self._client.pipeline(commands)
+        if any(isinstance(r, RespError) and str(r).startswith("NOSCRIPT") for r in replies):
+            await self._refresh.load()
+            replies = await self._client.pipeline(commands)
+        for reply in replies:
+            if isinstance(reply, RespError):
+                raise reply
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -255,7 +256,7 @@ class RedisLimiter(Limiter):
             try:
                 await self.refresh_held()
                 await self._retry_releases()
-            except (RedisError, OSError):
+            except _FAILURES:
                 log.warning("lease refresh failed; retrying")
 
     async def start(self) -> None:
@@ -266,4 +267,4 @@ class RedisLimiter(Limiter):
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
-        await self._client.aclose()
+        await self._client.close()

@@ -164,3 +164,20 @@ async def test_redis_keys_share_a_hash_tag_and_expire(redis_url, redis_limiters)
     ]
     assert all(0 < client.pttl(k) <= 120_000 for k in keys)
     client.close()
+
+
+async def test_an_admit_cancelled_in_flight_gives_its_slot_back(redis_url) -> None:
+    """The request went away while its admit was on the way to Redis: the admit may have run,
+    so it is abandoned (released with a tombstone), not left holding the slot for a lease time."""
+    limiter = RedisLimiter(url=redis_url, lease_s=60)
+    plan = TenantPlan(max_concurrency=1)
+    try:
+        assert await limiter.healthy()  # the connection is open: the admit below is sent at once
+        admitting = asyncio.create_task(limiter.admit(tenant_id="gone", plan=plan, tokens=1))
+        await asyncio.sleep(0)  # the admit's command is written; its reply is awaited
+        admitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await admitting
+        assert isinstance(await limiter.admit(tenant_id="gone", plan=plan, tokens=1), Lease)
+    finally:
+        await limiter.close()
