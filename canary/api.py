@@ -20,8 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from canary.findings import (
     CanaryFinding,
-    FindingKind,
-    FindingSeverity,
     NewProbeRun,
     ProbeKind,
     ProbeRun,
@@ -29,6 +27,7 @@ from canary.findings import (
     list_probe_runs,
     store_probe_runs,
 )
+from canary.kinds import FindingKind, FindingSeverity
 from canary.metrics import CanaryMetrics
 from gateway.api.timestamps import Instant
 from gateway.db.text import StoredText

@@ -26,32 +26,8 @@ from typing import Any
 from sqlalchemy import Boolean, Float, Index, Integer, String, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
+from canary.kinds import Action, Evidence, FindingKind, FindingSeverity
 from contracts.sql import AUDIT_ID, Base, UTCDateTime, utcnow
-
-
-class FindingKind(StrEnum):
-    CROSS_TENANT = "cross_tenant"
-    CROSS_REQUEST = "cross_request"
-    USAGE_MISMATCH = "usage_mismatch"
-    FAST_FIRST_TOKEN = "fast_first_token"
-
-
-class FindingSeverity(StrEnum):
-    CRITICAL = "critical"
-    HIGH = "high"
-    LOW = "low"
-
-
-class Evidence(StrEnum):
-    CONFIRMED = "confirmed"  # a complete marker whose MAC verifies
-    SUSPECTED = "suspected"  # a damaged marker carrying a known foreign tenant's tag
-    MEASURED = "measured"  # counts or timings, no marker
-
-
-class Action(StrEnum):
-    CUT_AND_QUARANTINED = "cut_quarantined"
-    CUT = "cut"
-    RECORDED = "recorded"
 
 
 class ProbeKind(StrEnum):

@@ -117,13 +117,13 @@ class GatewayClient:
         return str(data[0]["id"])
 
     async def engine_limits(self, model: str) -> dict[str, int]:
-        """Each routable engine serving ``model`` -> its own enforceable limit (tokens)."""
+        """Each routable engine serving ``model`` -> its own max_request_tokens."""
         r = await self.http.get("/admin/engines", headers=self._admin)
         _expect(r, 200, "list engines")
         return {
-            str(e["name"]): int(e["enforceable_limit"])
+            str(e["name"]): int(e["max_request_tokens"])
             for e in r.json()
-            if e.get("model") == model and e.get("routable") and e.get("enforceable_limit")
+            if e.get("model") == model and e.get("routable") and e.get("max_request_tokens")
         }
 
     async def report(self, run_id: str, results: Sequence[Any]) -> None:

@@ -15,7 +15,7 @@ nonces), so a probe can see what the model copied.
   code; the answer must hold M and no other marker (needs a model that copies, e.g. the bundled
   ``kvguard-tiny``).
 - ``capacity``: for each distinct limit L among the model's routable engines (each engine's own
-  enforceable limit, from the admin API), requests of L-1, L, L+1 tokens (prompt + max_tokens)
+  max_request_tokens, from the admin API), requests of L-1, L, L+1 tokens (prompt + max_tokens)
   and 1.5 L. Each must get 200 when some engine's own limit holds it (served by such an engine:
   the ``x-kvguard-engine`` it names) and 400 ``context_length_exceeded`` otherwise; with one
   engine: 200, 200, 400, 400. Prompt sizes come from a two-point calibration of the engine's own

@@ -42,21 +42,15 @@ from prometheus_client import CollectorRegistry
 from canary.anomalies import Anomaly, FirstTokenCalibrator, usage_anomaly
 from canary.config import CanarySettings
 from canary.evidence import input_echo
-from canary.findings import (
-    Action,
-    Evidence,
-    FindingKind,
-    FindingSeverity,
-    NewFinding,
-)
+from canary.findings import NewFinding
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.injection import MarkerInjector, MarkerLedger
 from canary.keeper import FindingKeeper
+from canary.kinds import Action, Evidence, FindingKind, severity_of
 from canary.markers import MarkerCodec, encode_tag
 from canary.metrics import CanaryMetrics
 from canary.records import MarkerRecord, MemoryRecordStore, RecordStore, RedisRecordStore
-from canary.scanner import Finding, Severity
-from canary.scanner import FindingKind as ScanKind
+from canary.scanner import Finding
 from contracts.plugins import Cut, GatewayHooks, RequestInfo, RequestReport, ServiceContext
 from contracts.sql import utcnow
 
@@ -221,11 +215,11 @@ class CanaryRuntime:
         echo = None if body is None or chars is None else input_echo(body, chars)
         why_not: str | None = None
         if (
-            finding.severity is Severity.SUSPECTED
+            finding.evidence is Evidence.SUSPECTED
             and not self.settings.canary_quarantine_on_suspected
         ):
             why_not = "suspected only (a damaged copy has no MAC): alerted, not quarantined"
-        elif finding.kind is not ScanKind.CROSS_TENANT:
+        elif finding.kind is not FindingKind.CROSS_TENANT:
             why_not = "another request of the same tenant: alerted, not quarantined"
         elif echo is not None:
             why_not = f"the marker's text is in this request's own input ({echo}): not a leak"
@@ -234,7 +228,7 @@ class CanaryRuntime:
         return Judged(finding, record, why_not)
 
     def _marker_chars(self, finding: Finding) -> str | None:
-        if finding.severity is Severity.CONFIRMED and finding.key_id is not None:
+        if finding.evidence is Evidence.CONFIRMED and finding.key_id is not None:
             nonce = finding.victim_nonce
             if nonce is not None:
                 return self.codec.body_of(finding.victim_tag, finding.key_id, nonce)
@@ -298,7 +292,8 @@ class CanaryRuntime:
     ) -> None:
         info = report.info
         engine = info.engine or "unknown"
-        self.metrics.findings.labels(kind=kind.value, severity=FindingSeverity.LOW.value).inc()
+        severity = severity_of(Evidence.MEASURED)
+        self.metrics.findings.labels(kind=kind.value, severity=severity.value).inc()
         now = self._clock()
         last = self._last_low.get((engine, kind))
         if last is not None and now - last < self.settings.canary_finding_interval_s:
@@ -306,7 +301,7 @@ class CanaryRuntime:
         self._last_low[(engine, kind)] = now
         new = NewFinding(
             kind=kind,
-            severity=FindingSeverity.LOW,
+            severity=severity,
             evidence=Evidence.MEASURED,
             action=Action.RECORDED,
             observer_tenant_id=info.tenant_id,
@@ -339,18 +334,17 @@ def victim_record(finding: Finding, record: MarkerRecord | None) -> MarkerRecord
     """The issue record found for the finding's nonce, if it may name the victim's request. A
     confirmed nonce is authenticated by the MAC; a suspected one was read from a damaged copy, so
     its record counts only when it names the tenant the copy's tag names."""
-    if record is None or finding.severity is Severity.CONFIRMED:
+    if record is None or finding.evidence is Evidence.CONFIRMED:
         return record
     return record if record.tenant_id == finding.victim_tenant else None
 
 
 def _isolation_finding(info: RequestInfo, judged: Judged, action: Action) -> NewFinding:
     finding, record = judged.finding, judged.record
-    confirmed = finding.severity is Severity.CONFIRMED
     return NewFinding(
-        kind=FindingKind(finding.kind.value),
-        severity=FindingSeverity.CRITICAL if confirmed else FindingSeverity.HIGH,
-        evidence=Evidence.CONFIRMED if confirmed else Evidence.SUSPECTED,
+        kind=finding.kind,
+        severity=severity_of(finding.evidence),
+        evidence=finding.evidence,
         action=action,
         observer_tenant_id=info.tenant_id,
         engine=info.engine,

@@ -76,6 +76,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 
+from canary.kinds import Evidence, FindingKind
 from canary.markers import (
     BASE32_CLASS,
     BODY_CHARS,
@@ -126,16 +127,6 @@ class ScannerStateError(RuntimeError):
     """A feed or finish on a scanner that is already cut or finished."""
 
 
-class FindingKind(StrEnum):
-    CROSS_TENANT = "cross_tenant"
-    CROSS_REQUEST = "cross_request"
-
-
-class Severity(StrEnum):
-    CONFIRMED = "confirmed"  # a complete marker whose MAC verifies
-    SUSPECTED = "suspected"  # a damaged marker carrying a known foreign tenant's tag
-
-
 @dataclass(frozen=True, slots=True)
 class Finding:
     """One isolation finding. Holds no marker text; the nonce (confirmed, or read from a damaged
@@ -145,8 +136,8 @@ class Finding:
     (own markers removed): for the finding that cuts, the number of characters delivered.
     """
 
-    kind: FindingKind
-    severity: Severity
+    kind: FindingKind  # cross_tenant or cross_request
+    evidence: Evidence  # confirmed or suspected
     position: int
     victim_tag: bytes
     victim_tenant: str | None
@@ -155,7 +146,7 @@ class Finding:
 
     def __repr__(self) -> str:
         return (
-            f"Finding(kind={self.kind.value}, severity={self.severity.value}, "
+            f"Finding(kind={self.kind.value}, evidence={self.evidence.value}, "
             f"position={self.position}, victim_tag={self.victim_tag.hex()}, "
             f"victim_tenant={self.victim_tenant!r}, key_id={self.key_id})"
         )
@@ -418,7 +409,7 @@ class StreamScanner:
             kind, victim = FindingKind.CROSS_TENANT, self._lookup(v.tenant_tag)
         finding = Finding(
             kind=kind,
-            severity=Severity.CONFIRMED,
+            evidence=Evidence.CONFIRMED,
             position=position,
             victim_tag=v.tenant_tag,
             victim_tenant=victim,
@@ -439,7 +430,7 @@ class StreamScanner:
         key_id, nonce = self._visible_nonce(run, tag, victim)
         finding = Finding(
             kind=FindingKind.CROSS_TENANT,
-            severity=Severity.SUSPECTED,
+            evidence=Evidence.SUSPECTED,
             position=position,
             victim_tag=tag,
             victim_tenant=victim,

@@ -55,21 +55,17 @@ class RoleCapacity(BaseModel):
     )
 
 
-class CapacityReport(BaseModel):
-    """`GET /engine/capacity`: the truth the gateway enforces."""
+class CapacityReport(RoleCapacity):
+    """`GET /engine/capacity`: the truth the gateway enforces.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    The entry role's own ``RoleCapacity``, widened to the serving path it is the entry point of:
+    ``max_request_tokens``, ``drift`` and ``faults`` are the path's (every role's), and ``roles``
+    lists every role on the path (decode reports prefill too).
+    """
 
     schema_version: int = CAPACITY_SCHEMA_VERSION
     model: str
-    role: Role
-    protocol_version: int
-    page_size: int = Field(gt=0)
-    pool_pages: int = Field(ge=0)
-    pool_tokens: int = Field(ge=0)
-    free_pages: int = Field(ge=0)
-    quarantined_pages: int = Field(ge=0, default=0)
-    context_window: int = Field(gt=0)
+    protocol_version: int  # the entry role's handoff protocol (always known here)
     max_request_tokens: int = Field(
         ge=0, description="largest prompt + max_tokens the serving path can accept end to end"
     )
@@ -80,9 +76,9 @@ class CapacityReport(BaseModel):
         "prompt tokens exactly (the bundled byte tokenizer's); null: ask /tokenize",
     )
     drift: str | None = Field(
-        default=None, description="null, or why the advertised window exceeds the real pool"
+        default=None, description="null, or why the advertised window exceeds a real pool"
     )
-    faults: list[str] = Field(default_factory=list, description="enabled fault drills")
+    faults: list[str] = Field(default_factory=list, description="enabled fault drills, any role")
     roles: list[RoleCapacity] = Field(
         default_factory=list, description="every role on the path (decode reports prefill too)"
     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from backend.core.errors import ContextLengthExceeded, InvalidRequest, LimitReason
 from backend.core.pages import PagePool
+from contracts.capacity import drift_message
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +58,9 @@ class CapacityLimits:
         """None, or why the advertised window is not what this engine can really serve."""
         if self.context_window <= self.pool_tokens:
             return None
-        return (
-            f"context window {self.context_window} exceeds the real KV pool of "
-            f"{self.pool_tokens} tokens ({self.pool_pages} pages x {self.page_size}); "
-            f"requests are limited to {self.max_request_tokens} tokens"
+        pages = f" ({self.pool_pages} pages x {self.page_size})"
+        return drift_message(
+            self.context_window, self.pool_tokens, self.max_request_tokens, detail=pages
         )
 
 

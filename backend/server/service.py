@@ -21,6 +21,7 @@ from backend.metrics import EngineMetrics
 from backend.model.chat import ChatFormat, ChatTemplateRefused
 from backend.model.tokenizer import Tokenizer
 from backend.server.openai_schema import ChatMessage
+from contracts.capacity import drift_message, path_max_request_tokens
 from contracts.engine import CapacityReport, Role, RoleCapacity
 
 
@@ -101,42 +102,34 @@ class EngineService:
         )
 
     def capacity(self) -> CapacityReport:
-        limits, pool = self.limits, self.pool
-        roles = [self.own_role()]
+        """This role's own report, widened to the whole path it is the entry point of."""
+        own = self.own_role()
+        roles = [own]
         unavailable = None
         if self.guard is not None:
             roles += self.guard.peer_roles()
             unavailable = self.guard.unavailable()
-        max_request = 0 if unavailable else min(r.max_request_tokens for r in roles)
+        path_limit = path_max_request_tokens(own.context_window, roles)
         return CapacityReport(
+            **own.model_dump(exclude={"max_request_tokens", "drift", "faults", "age_s"}),
             model=self.model_name,
-            role=self.role,
-            protocol_version=self.protocol_version,
-            page_size=limits.page_size,
-            pool_pages=limits.pool_pages,
-            pool_tokens=limits.pool_tokens,
-            free_pages=self.available_pages(),
-            quarantined_pages=pool.quarantined_pages,
-            context_window=limits.context_window,
-            max_request_tokens=max_request,
+            max_request_tokens=0 if unavailable else path_limit,
             zero_on_free=self.zero_on_free,
             tokenizer=self.tokenizer_id,
-            drift=_path_drift(limits, roles),
+            drift=_path_drift(own, roles, path_limit),
             faults=sorted({f for role in roles for f in role.faults}),
             roles=roles,
             unavailable=unavailable,
         )
 
 
-def _path_drift(limits: CapacityLimits, roles: list[RoleCapacity]) -> str | None:
+def _path_drift(own: RoleCapacity, roles: list[RoleCapacity], path_limit: int) -> str | None:
     """The entry point's window against the smallest real pool on the path."""
-    if limits.drift is not None:
-        return limits.drift
+    if own.drift is not None:
+        return own.drift
     smallest = min(roles, key=lambda r: r.pool_tokens)
-    if limits.context_window > smallest.pool_tokens:
-        return (
-            f"context window {limits.context_window} exceeds the {smallest.role.value} role's "
-            f"real KV pool of {smallest.pool_tokens} tokens; requests are limited to "
-            f"{min(r.max_request_tokens for r in roles)} tokens"
+    if own.context_window > smallest.pool_tokens:
+        return drift_message(
+            own.context_window, smallest.pool_tokens, path_limit, role=smallest.role.value
         )
     return None

@@ -26,7 +26,7 @@ def engine_out(registry: EngineRegistry, record: EngineRecord) -> EngineOut:
         measured=None if snapshot is None else snapshot.measured,
         context_window=None if snapshot is None else snapshot.context_window,
         real_pool_tokens=None if snapshot is None else snapshot.real_pool,
-        enforceable_limit=None if snapshot is None else snapshot.enforceable_limit,
+        max_request_tokens=None if snapshot is None else snapshot.max_request_tokens,
         drift=None if snapshot is None else snapshot.drift,
         faults=[] if snapshot is None else list(snapshot.faults),
         roles=[

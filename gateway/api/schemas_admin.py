@@ -194,7 +194,7 @@ class EngineOut(BaseModel):
     measured: bool | None
     context_window: int | None
     real_pool_tokens: int | None
-    enforceable_limit: int | None
+    max_request_tokens: int | None
     drift: str | None
     faults: list[str]
     roles: list[RoleOut]

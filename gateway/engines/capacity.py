@@ -1,14 +1,18 @@
 """Capacity truth: what an engine really holds, and the limit the gateway enforces from it.
 
-An adapter turns an engine's own introspection payload into a ``CapacitySnapshot``. The
-enforceable limit of a request (prompt + max_tokens) on that engine is the smallest of: the
-advertised window, every role's real KV pool, every role's own request limit, and the engine's
-end-to-end request limit. An advertised window larger than the real pool is capacity *drift*:
-flagged, never trusted (the limit is the pool).
+An adapter turns an engine's own introspection payload into a ``CapacitySnapshot``. The largest
+request (prompt + max_tokens) the gateway lets through to that engine, its ``max_request_tokens``,
+is the smallest of: the advertised window, every role's real KV pool, every role's own request
+limit, and the engine's end-to-end request limit (``contracts.capacity.path_max_request_tokens``,
+as the engine computes its own). An advertised window larger than the real pool is capacity
+*drift*: flagged, never trusted (the limit is the pool). One name along the whole path: the
+engine's ``max_request_tokens``, the snapshot's, a tenant's (``max_request_tokens_for``: capped by
+its plan), and the refusal's; only ``GET /v1/models`` says ``max_model_len``, the name OpenAI-
+compatible clients read.
 
 An engine group (an SGLang or vLLM deployment behind a router) is one snapshot whose roles are
 every member's roles, named after the member: the minimum over every pool a request can land in is
-then the same ``enforceable_limit`` as for one engine, computed here and nowhere else.
+then the same ``max_request_tokens`` as for one engine, computed here and nowhere else.
 
 Pure: no I/O.
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+from contracts.capacity import drift_message, path_max_request_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +59,7 @@ class CapacitySnapshot:
     context_window: int  # the advertised window
     roles: tuple[RoleView, ...]
     measured: bool  # False: numbers were declared in config, nothing was read from the engine
-    max_request_tokens: int | None = None  # the engine's own end-to-end limit, if it reports one
+    reported_max_request_tokens: int | None = None  # the engine's own end-to-end limit, if any
     max_prompt_tokens: int | None = None  # a prompt-only limit (SGLang's max_req_input_len)
     faults: tuple[str, ...] = ()
     engine_drift: str | None = None  # the engine's own drift statement, if it makes one
@@ -88,13 +94,11 @@ class CapacitySnapshot:
         return "; ".join(reasons) or None
 
     @property
-    def enforceable_limit(self) -> int:
-        limits = [self.context_window]
-        limits += [role.pool_tokens for role in self.roles if role.pool_tokens is not None]
-        limits += [r.max_request_tokens for r in self.roles if r.max_request_tokens is not None]
-        if self.max_request_tokens is not None:
-            limits.append(self.max_request_tokens)
-        return min(limits)
+    def max_request_tokens(self) -> int:
+        """The largest prompt + max_tokens the gateway lets through to this engine."""
+        return path_max_request_tokens(
+            self.context_window, self.roles, self.reported_max_request_tokens
+        )
 
     @property
     def free_tokens(self) -> int | None:
@@ -106,13 +110,12 @@ class CapacitySnapshot:
         """Why the advertised window cannot be trusted, or None."""
         if self.engine_drift:
             return self.engine_drift  # the engine's own words already name window and pool
-        reasons = []
-        for role in self.roles:
-            if role.pool_tokens is not None and self.context_window > role.pool_tokens:
-                reasons.append(
-                    f"advertised window {self.context_window} exceeds the {role.role} role's "
-                    f"real KV pool of {role.pool_tokens} tokens"
-                )
+        limit = self.max_request_tokens
+        reasons = [
+            drift_message(self.context_window, role.pool_tokens, limit, role=role.role)
+            for role in self.roles
+            if role.pool_tokens is not None and self.context_window > role.pool_tokens
+        ]
         return "; ".join(reasons) or None
 
 
@@ -122,13 +125,13 @@ def group_snapshot(
     """One snapshot for a deployment: every member's roles (renamed ``member/role``) on one path.
 
     The window and prompt limit are the smallest any member reports (a request may land on any);
-    an engine-level request limit becomes a role limit of its member, so ``enforceable_limit``
+    an engine-level request limit becomes a role limit of its member, so ``max_request_tokens``
     stays the one place where the minimum is taken. Isolation holds only if every member has it.
     """
     roles: list[RoleView] = []
     for name, part in members:
         for role in part.roles:
-            limit = _smallest(role.max_request_tokens, part.max_request_tokens)
+            limit = _smallest(role.max_request_tokens, part.reported_max_request_tokens)
             roles.append(replace(role, role=f"{name}/{role.role}", max_request_tokens=limit))
     prompt_limits = [p.max_prompt_tokens for _, p in members if p.max_prompt_tokens is not None]
     drifts = [f"{name}: {p.engine_drift}" for name, p in members if p.engine_drift]
@@ -179,10 +182,10 @@ class RequestSize:
 def fits(snapshot: CapacitySnapshot, size: RequestSize, plan_cap: int | None) -> bool:
     if snapshot.max_prompt_tokens is not None and size.prompt_tokens > snapshot.max_prompt_tokens:
         return False
-    return size.total <= limit_for(snapshot, plan_cap)
+    return size.total <= max_request_tokens_for(snapshot, plan_cap)
 
 
-def limit_for(snapshot: CapacitySnapshot, plan_cap: int | None) -> int:
-    """The enforceable limit on this engine for a tenant whose plan caps context at plan_cap."""
-    limit = snapshot.enforceable_limit
+def max_request_tokens_for(snapshot: CapacitySnapshot, plan_cap: int | None) -> int:
+    """The largest request on this engine for a tenant whose plan caps context at plan_cap."""
+    limit = snapshot.max_request_tokens
     return limit if plan_cap is None else min(limit, plan_cap)

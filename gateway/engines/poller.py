@@ -128,7 +128,7 @@ class CapacityPoller:
             snapshot.context_window
         )
         m.engine_capacity.labels(engine=name, role="all", kind="enforced").set(
-            snapshot.enforceable_limit
+            snapshot.max_request_tokens
         )
         for role in snapshot.roles:
             if role.pool_tokens is not None:

@@ -10,7 +10,7 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
    here when the engine reports a tokenizer this release can apply itself (the bundled byte
    tokenizer and chat format), else from the engine's own tokenize route, sent every field its
    chat template renders (``gateway.engines.prompt``); an upper bound for declared engines;
-5. max_tokens: the client's, or as many as fit (the largest enforceable limit among the engines
+5. max_tokens: the client's, or as many as fit (the largest max_request_tokens among the engines
    less the prompt), at most ``default_max_tokens_cap`` and what the plan's tokens per minute
    leave for each of the ``n`` choices;
 6. fit: prompt + max_tokens <= min(window, every role's real pool, engine limits, plan cap)
@@ -36,7 +36,7 @@ from contracts.plugins import RequestRefused
 from gateway.api import surface
 from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.engines.adapters import AdapterError, adapter_for
-from gateway.engines.capacity import RequestSize, fits, limit_for
+from gateway.engines.capacity import RequestSize, fits, max_request_tokens_for
 from gateway.engines.isolation import isolate
 from gateway.engines.registry import EngineRecord
 from gateway.errors import (
@@ -135,7 +135,9 @@ def _as_much_as_fits(
     engine, at most the operator's cap and what the plan's tokens per minute leave each choice.
     At least 1: a prompt that leaves no room is refused as too long, by the same check as any."""
     plan = ctx.principal.plan
-    limits = [limit_for(r.snapshot, plan.max_context_tokens) for r in routable if r.snapshot]
+    limits = [
+        max_request_tokens_for(r.snapshot, plan.max_context_tokens) for r in routable if r.snapshot
+    ]
     room = max(limits, default=0) - prompt_tokens
     cap = state.settings.default_max_tokens_cap
     if cap is not None:
@@ -197,10 +199,12 @@ async def count_prompt(
 def too_long(
     routable: list[EngineRecord], size: RequestSize, plan_cap: int | None, *, param: str
 ) -> ContextLengthExceeded:
-    best = max(routable, key=lambda r: limit_for(r.snapshot, plan_cap) if r.snapshot else 0)
-    snapshot = best.snapshot
+    def largest(record: EngineRecord) -> int:
+        return max_request_tokens_for(record.snapshot, plan_cap) if record.snapshot else 0
+
+    snapshot = max(routable, key=largest).snapshot
     assert snapshot is not None
-    limit = limit_for(snapshot, plan_cap)
+    max_request_tokens = max_request_tokens_for(snapshot, plan_cap)
     if snapshot.max_prompt_tokens is not None and size.prompt_tokens > snapshot.max_prompt_tokens:
         return ContextLengthExceeded(
             f"This request's prompt has {size.prompt_tokens} tokens, but the engine accepts "
@@ -208,13 +212,13 @@ def too_long(
             param=param,
         )
     why = ""
-    if plan_cap is not None and limit == plan_cap:
+    if plan_cap is not None and max_request_tokens == plan_cap:
         why = " (your plan's context limit)"
-    elif snapshot.real_pool is not None and limit < snapshot.context_window:
+    elif snapshot.real_pool is not None and max_request_tokens < snapshot.context_window:
         why = f" (the engine's real capacity; its advertised window is {snapshot.context_window})"
     return ContextLengthExceeded(
         f"This request needs {size.total} tokens ({size.prompt_tokens} in the prompt + "
-        f"{size.max_tokens} max_tokens), but the limit is {limit} tokens{why}.",
+        f"{size.max_tokens} max_tokens), but the limit is {max_request_tokens} tokens{why}.",
         param=param,
     )
 

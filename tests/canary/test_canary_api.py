@@ -6,14 +6,8 @@ from __future__ import annotations
 from canary_harness import bearer, canary_gateway
 from sqlalchemy import inspect
 
-from canary.findings import (
-    Action,
-    Evidence,
-    FindingKind,
-    FindingSeverity,
-    NewFinding,
-    store_finding,
-)
+from canary.findings import NewFinding, store_finding
+from canary.kinds import Action, Evidence, FindingKind, FindingSeverity
 from contracts.sql import session_scope
 from gateway.db.session import current_revision, downgrade_database, make_engine, upgrade_database
 

@@ -14,8 +14,8 @@ import pytest
 
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
+from canary.kinds import Evidence, FindingKind
 from canary.markers import MarkerCodec, MarkerKeyring, decode_tag
-from canary.scanner import FindingKind, Severity
 from contracts.plugins import RequestInfo
 from contracts.sse import SseSplitter
 from gateway.lifecycle import Phase
@@ -92,9 +92,9 @@ def test_a_foreign_marker_split_at_every_offset_never_reaches_the_client() -> No
         assert isinstance(cut, CanaryCut) and cut.code == "isolation_violation", points
         assert text.startswith(delivered) and len(delivered) <= at
         [finding] = cut.findings
-        assert (finding.kind, finding.severity, finding.victim_tenant) == (
+        assert (finding.kind, finding.evidence, finding.victim_tenant) == (
             FindingKind.CROSS_TENANT,
-            Severity.CONFIRMED,
+            Evidence.CONFIRMED,
             TENANTS[7],
         )
 
@@ -261,7 +261,7 @@ def test_a_marker_cut_short_by_the_engine_still_yields_its_finding() -> None:
             assert victim.text[:8] not in out.decode()
             assert (end.end, end.code) == (Phase.CUT, "isolation_violation")
             [finding] = stream.cut.findings
-            assert (finding.severity, finding.victim_tenant) == (Severity.SUSPECTED, TENANTS[11])
+            assert (finding.evidence, finding.victim_tenant) == (Evidence.SUSPECTED, TENANTS[11])
             assert (finding.victim_nonce == victim.nonce) is (visible >= 23)
     # Nothing held: the usual upstream error.
     stream = new_relay()

@@ -251,4 +251,4 @@ async def test_with_faults_off_the_probes_pass_and_nothing_is_found(
         assert "A dropped mid-stream" in table, table
         assert await gw.findings() == []
         engines = (await gw.client.get("/admin/engines", headers=gw.admin)).json()
-        assert engines[0]["enforceable_limit"] == 256  # prefill's real pool, not the window
+        assert engines[0]["max_request_tokens"] == 256  # prefill's real pool, not the window

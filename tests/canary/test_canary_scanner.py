@@ -8,17 +8,16 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from canary.kinds import Evidence, FindingKind
 from canary.markers import NONCE_CHARS, Marker, MarkerCodec, MarkerKeyring, encode_tag
 from canary.scanner import (
     MAX_HOLDBACK,
     TERMINAL,
     TRANSITIONS,
     Finding,
-    FindingKind,
     KnownTags,
     ScannerState,
     ScannerStateError,
-    Severity,
     StreamScanner,
 )
 
@@ -89,7 +88,7 @@ def genuine_markers_in(text: str) -> list[str]:
 def confirmed(marker: Marker, kind: FindingKind, victim: str | None, at: int) -> Finding:
     return Finding(
         kind=kind,
-        severity=Severity.CONFIRMED,
+        evidence=Evidence.CONFIRMED,
         position=at,
         victim_tag=marker.tenant_tag,
         victim_tenant=victim,
@@ -103,7 +102,7 @@ def suspected(marker: Marker, victim: str, at: int, *, visible: int = 0) -> Find
     shows = visible >= NONCE_CHARS
     return Finding(
         kind=FindingKind.CROSS_TENANT,
-        severity=Severity.SUSPECTED,
+        evidence=Evidence.SUSPECTED,
         position=at,
         victim_tag=marker.tenant_tag,
         victim_tenant=victim,

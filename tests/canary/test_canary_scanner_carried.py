@@ -3,8 +3,9 @@ marker, never another request's)."""
 
 from __future__ import annotations
 
+from canary.kinds import FindingKind
 from canary.markers import MarkerCodec, MarkerKeyring
-from canary.scanner import FindingKind, StreamScanner
+from canary.scanner import StreamScanner
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))
 INJECTED = CODEC.issue("acme", nonce=b"inject01")

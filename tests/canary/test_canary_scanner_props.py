@@ -9,8 +9,9 @@ from collections.abc import Iterable, Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from canary.kinds import Evidence, FindingKind
 from canary.markers import MarkerCodec, MarkerKeyring, encode_tag
-from canary.scanner import MAX_HOLDBACK, Finding, FindingKind, Severity, StreamScanner
+from canary.scanner import MAX_HOLDBACK, Finding, StreamScanner
 
 KEY_1 = bytes(range(32))
 KEY_2 = bytes(range(100, 140))
@@ -156,8 +157,8 @@ def test_random_documents_match_a_reference_model(seed: int, sizes: list[int]) -
     delivered, findings, cut, _ = scan(chunked(text, sizes))
     assert (delivered, cut) == (expected, cut_at != -1)
     if cut:
-        assert [(f.kind, f.severity, f.victim_tenant, f.position) for f in findings] == [
-            (FindingKind.CROSS_TENANT, Severity.CONFIRMED, "globex", len(expected))
+        assert [(f.kind, f.evidence, f.victim_tenant, f.position) for f in findings] == [
+            (FindingKind.CROSS_TENANT, Evidence.CONFIRMED, "globex", len(expected))
         ]
     else:
         assert findings == []

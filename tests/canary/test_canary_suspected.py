@@ -16,10 +16,11 @@ from canary_harness import (
     sse_text,
 )
 
+from canary.kinds import Evidence, FindingKind
 from canary.markers import PREFIX, TAG_CHARS, MarkerCodec, MarkerKeyring
 from canary.records import MarkerRecord
 from canary.runtime import victim_record
-from canary.scanner import Finding, FindingKind, Severity
+from canary.scanner import Finding
 
 
 def _chat(stream: bool, content: str = "hello") -> dict:
@@ -120,7 +121,7 @@ def test_a_suspected_nonce_names_a_request_only_of_the_tagged_tenant() -> None:
     marker = codec.issue("victim")
     found = Finding(
         kind=FindingKind.CROSS_TENANT,
-        severity=Severity.SUSPECTED,
+        evidence=Evidence.SUSPECTED,
         position=0,
         victim_tag=marker.tenant_tag,
         victim_tenant="victim",

@@ -37,9 +37,10 @@ def test_sglang_server_info_to_snapshot() -> None:
     assert snapshot.context_window == 32768
     # rank 1's memory_usage.token_capacity is the smallest pool (the handshake shows rank 0's)
     assert snapshot.roles == (RoleView(role="unified", pool_tokens=18000, page_size=1),)
-    assert (snapshot.max_prompt_tokens, snapshot.enforceable_limit) == (20474, 18000)
+    assert (snapshot.max_prompt_tokens, snapshot.max_request_tokens) == (20474, 18000)
     assert snapshot.drift == (
-        "advertised window 32768 exceeds the unified role's real KV pool of 18000 tokens"
+        "context window 32768 exceeds the unified role's real KV pool of 18000 tokens; "
+        "requests are limited to 18000 tokens"
     )
     assert snapshot.isolation is not None and snapshot.isolation.field == "cache_salt"
     worker.mode, worker.version = "prefill", "0.5.10"
@@ -124,7 +125,7 @@ async def test_bundled_adapter_and_exact_counts(standin) -> None:
     async with httpx.AsyncClient() as client:
         adapter = adapter_for(EngineSpec(name="b", base_url=standin.url))
         snapshot = await adapter.introspect(client, timeout=2)
-        assert (snapshot.context_window, snapshot.real_pool, snapshot.enforceable_limit) == (
+        assert (snapshot.context_window, snapshot.real_pool, snapshot.max_request_tokens) == (
             8192,
             2048,
             2048,
@@ -170,7 +171,7 @@ async def test_declared_engines(standin) -> None:
     )
     async with httpx.AsyncClient() as client:
         snapshot = await adapter_for(spec).introspect(client, timeout=2)
-        assert (snapshot.measured, snapshot.enforceable_limit, snapshot.model) == (
+        assert (snapshot.measured, snapshot.max_request_tokens, snapshot.model) == (
             False,
             1000,
             "hosted",

@@ -1,9 +1,15 @@
-"""Capacity truth (pure): the enforceable limit, drift, fits, and registry assessment."""
+"""Capacity truth (pure): max_request_tokens, drift, fits, and registry assessment."""
 
 from __future__ import annotations
 
 from gateway.config import EngineSpec
-from gateway.engines.capacity import CapacitySnapshot, RequestSize, RoleView, fits, limit_for
+from gateway.engines.capacity import (
+    CapacitySnapshot,
+    RequestSize,
+    RoleView,
+    fits,
+    max_request_tokens_for,
+)
 from gateway.engines.registry import (
     EngineBlock,
     EngineControls,
@@ -18,17 +24,18 @@ def snap(window: int, *pools: int | None, **kw) -> CapacitySnapshot:
     return CapacitySnapshot(model="m", context_window=window, roles=roles, measured=True, **kw)
 
 
-def test_enforceable_limit_is_the_smallest_real_limit() -> None:
+def test_max_request_tokens_is_the_smallest_real_limit() -> None:
     incident = snap(1_048_576, 681_280)
-    assert incident.enforceable_limit == 681_280
+    assert incident.max_request_tokens == 681_280
     assert incident.drift == (
-        "advertised window 1048576 exceeds the r0 role's real KV pool of 681280 tokens"
+        "context window 1048576 exceeds the r0 role's real KV pool of 681280 tokens; "
+        "requests are limited to 681280 tokens"
     )
     disagg = snap(8192, 20_000, 6_000)
-    assert (disagg.enforceable_limit, disagg.real_pool) == (6_000, 6_000)
+    assert (disagg.max_request_tokens, disagg.real_pool) == (6_000, 6_000)
     assert "r1 role's real KV pool of 6000" in (disagg.drift or "")
-    healthy = snap(4096, 8192, max_request_tokens=4000)
-    assert (healthy.enforceable_limit, healthy.drift) == (4000, None)
+    healthy = snap(4096, 8192, reported_max_request_tokens=4000)
+    assert (healthy.max_request_tokens, healthy.drift) == (4000, None)
     engine_says = snap(4096, 8192, engine_drift="allow_capacity_drift set")
     assert engine_says.drift == "allow_capacity_drift set"
     role_limit = CapacitySnapshot(
@@ -37,7 +44,7 @@ def test_enforceable_limit_is_the_smallest_real_limit() -> None:
         measured=True,
         roles=(RoleView(role="decode", pool_tokens=9000, max_request_tokens=3000),),
     )
-    assert role_limit.enforceable_limit == 3000
+    assert role_limit.max_request_tokens == 3000
 
 
 def test_fits_at_the_boundary_and_plan_cap() -> None:
@@ -45,7 +52,7 @@ def test_fits_at_the_boundary_and_plan_cap() -> None:
     assert fits(s, RequestSize(681_279 - 16, 16), None)
     assert fits(s, RequestSize(681_280 - 16, 16), None)
     assert not fits(s, RequestSize(681_281 - 16, 16), None)
-    assert limit_for(s, 1000) == 1000 and limit_for(s, None) == 681_280
+    assert max_request_tokens_for(s, 1000) == 1000 and max_request_tokens_for(s, None) == 681_280
     assert not fits(s, RequestSize(990, 11), 1000)
     prompt_cap = snap(100, 100, max_prompt_tokens=50)
     assert fits(prompt_cap, RequestSize(50, 50), None)

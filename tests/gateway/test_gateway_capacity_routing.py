@@ -41,7 +41,7 @@ async def test_window_larger_than_pool_is_held_to_the_pool(make_settings, standi
         health = (await gw.client.get("/health")).json()
         assert (health["status"], health["capacity_drift"]) == ("degraded", ["drifty"])
         engines = (await gw.client.get("/admin/engines", headers=gw.admin)).json()
-        assert engines[0]["drift"].startswith("advertised window 4096 exceeds")
+        assert engines[0]["drift"].startswith("context window 4096 exceeds")
         assert (engines[0]["context_window"], engines[0]["real_pool_tokens"]) == (4096, 1024)
         metrics = (await gw.client.get("/metrics")).text
         assert 'kvguard_gateway_engine_capacity_drift{engine="drifty"} 1.0' in metrics

@@ -108,7 +108,7 @@ async def test_capacity_truth_on_a_drifted_engine(engine_factory, make_settings)
         assert (
             listed["context_window"],
             listed["real_pool_tokens"],
-            listed["enforceable_limit"],
+            listed["max_request_tokens"],
         ) == (1024, 256, 256)
         assert "1024" in listed["drift"] and "256" in listed["drift"]
         assert (

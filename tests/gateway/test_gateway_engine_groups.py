@@ -91,7 +91,7 @@ async def test_sglang_pd_group_behind_the_model_gateway(make_settings, tmp_path:
         async with running_gateway(settings, hooks=_canary_hooks()) as gw:
             view = await _engine(gw, "sglang-pd")
             assert view["routable"], view
-            assert view["enforceable_limit"] == 1800  # d2's pool: the smallest on any path
+            assert view["max_request_tokens"] == 1800  # d2's pool: the smallest on any path
             assert {r["role"]: r["pool_tokens"] for r in view["roles"]} == {
                 "p1/prefill": 3000,
                 "p2/prefill": 2400,
@@ -213,7 +213,7 @@ async def test_vllm_deployment_behind_the_pd_proxy(make_settings, tmp_path: Path
         engines.write_text(_toml("vllm-pd", "vllm", routed.url, routed.members()))
         async with running_gateway(make_settings(engines_file=engines)) as gw:
             view = await _engine(gw, "vllm-pd")
-            assert view["routable"] and view["enforceable_limit"] == 6000
+            assert view["routable"] and view["max_request_tokens"] == 6000
             assert view["tokenize_url"] == f"{routed.urls['prefill-0']}/tokenize"
             assert view["prefix_cache_isolation"]["field"] == "cache_salt"
             tenant, key = await gw.create_tenant("acme")
@@ -257,7 +257,7 @@ async def test_vllm_without_stats_routes_only_on_a_consistent_declared_pool(make
         )
         async with running_gateway(settings) as gw:
             declared = await _engine(gw, "declared")
-            assert declared["routable"] and declared["enforceable_limit"] == 8192
+            assert declared["routable"] and declared["max_request_tokens"] == 8192
             assert declared["roles"][0]["pool_declared"] is True
             too_low = await _engine(gw, "too-low")
             assert too_low["blocked_reason"] == "unknown_capacity"
@@ -280,11 +280,11 @@ async def test_group_registered_through_the_admin_api(make_settings) -> None:
             entry = {"name": "pd", "kind": "sglang", "base_url": pd.url, "members": pd.members()}
             r = await gw.client.post("/admin/engines", json=entry, headers=gw.admin)
             assert r.status_code == 201, r.text
-            assert r.json()["routable"] and r.json()["enforceable_limit"] == 3000
+            assert r.json()["routable"] and r.json()["max_request_tokens"] == 3000
             assert [m["name"] for m in r.json()["members"]] == ["p", "d"]
             await gw.state.reload_engines()  # read back from the database, as a replica does
             await gw.state.poller.poll_once()
-            assert (await _engine(gw, "pd"))["enforceable_limit"] == 3000
+            assert (await _engine(gw, "pd"))["max_request_tokens"] == 3000
             bad = {**entry, "name": "pd2", "members": [{**pd.members()[1]}]}
             r = await gw.client.post("/admin/engines", json=bad, headers=gw.admin)
             assert r.status_code == 400 and "prefill or unified member" in r.text
@@ -316,12 +316,12 @@ async def test_router_worker_lists_keep_members_complete(make_settings) -> None:
             ]
         )
         async with running_gateway(settings) as gw:
-            assert (await _engine(gw, "listed"))["enforceable_limit"] == 3000
+            assert (await _engine(gw, "listed"))["max_request_tokens"] == 3000
             found = await _engine(gw, "found")
             assert [m["name"] for m in found["members"]] == []  # none configured ...
             assert {r["role"] for r in found["roles"]} == {"prefill-0/prefill", "decode-1/decode"}
             vllm = await _engine(gw, "vllm")  # ... the routers' lists are the members
-            assert vllm["routable"] and vllm["enforceable_limit"] == 7000
+            assert vllm["routable"] and vllm["max_request_tokens"] == 7000
 
             pd.router.add(late_server.url, "decode")  # scaled out behind the gateway's back
             await gw.state.poller.poll_once()
@@ -332,7 +332,7 @@ async def test_router_worker_lists_keep_members_complete(make_settings) -> None:
                 in (listed_view["blocked_detail"])
             )
             found = await _engine(gw, "found")
-            assert found["routable"] and found["enforceable_limit"] == 900  # measured at once
+            assert found["routable"] and found["max_request_tokens"] == 900  # measured at once
     finally:
         await pd.stop()
         await late_server.stop()

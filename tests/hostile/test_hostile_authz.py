@@ -31,14 +31,8 @@ from hostile_harness import (
 )
 from starlette.routing import Route
 
-from canary.findings import (
-    Action,
-    Evidence,
-    FindingKind,
-    FindingSeverity,
-    NewFinding,
-    store_finding,
-)
+from canary.findings import NewFinding, store_finding
+from canary.kinds import Action, Evidence, FindingKind, FindingSeverity
 from contracts.sql import session_scope
 from kvguard.testing import EngineProcess
 

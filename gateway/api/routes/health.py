@@ -59,7 +59,7 @@ def _engines(state: GatewayState) -> list[dict[str, Any]]:
                 "blocked_reason": None if block is None else block.value,
                 "drift": None if snapshot is None else snapshot.drift,
                 "faults": [] if snapshot is None else list(snapshot.faults),
-                "enforceable_limit": None if snapshot is None else snapshot.enforceable_limit,
+                "max_request_tokens": None if snapshot is None else snapshot.max_request_tokens,
             }
         )
     return out

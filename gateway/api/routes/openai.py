@@ -10,7 +10,7 @@ from starlette.responses import Response
 from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.deps import CurrentTenant, StateDep
 from gateway.domain import Principal
-from gateway.engines.capacity import limit_for
+from gateway.engines.capacity import max_request_tokens_for
 from gateway.errors import ModelNotFound
 from gateway.proxy.service import serve_completion
 from gateway.state import GatewayState
@@ -65,13 +65,14 @@ def _model_cards(principal: Principal, state: GatewayState) -> dict[str, dict[st
     cap = principal.plan.max_context_tokens
     cards = {}
     for model, records in sorted(state.registry.routable_models().items()):
-        limits = [limit_for(r.snapshot, cap) for r in records if r.snapshot is not None]
+        limits = [max_request_tokens_for(r.snapshot, cap) for r in records if r.snapshot]
         if limits:
             cards[model] = {
                 "id": model,
                 "object": "model",
                 "created": 0,
                 "owned_by": "kvguard",
+                # OpenAI-compatible clients (vLLM's card) read the limit under this name
                 "max_model_len": min(limits),
             }
     return cards

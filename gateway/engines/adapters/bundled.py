@@ -55,7 +55,7 @@ def snapshot_from_report(report: CapacityReport, *, model: str) -> CapacitySnaps
         context_window=report.context_window,
         roles=tuple(views.values()),
         measured=True,
-        max_request_tokens=report.max_request_tokens,
+        reported_max_request_tokens=report.max_request_tokens,
         faults=tuple(faults),
         engine_drift="; ".join(drifts) or None,
         unavailable=report.unavailable,
