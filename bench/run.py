@@ -32,7 +32,15 @@ BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results" / "latest.md"
 # the benchmarks that offer a smaller --quick workload
 HAS_QUICK = frozenset(
-    {"bench_engine", "bench_disagg", "bench_kvcache", "bench_load", "bench_proxy", "bench_relay"}
+    {
+        "bench_engine",
+        "bench_disagg",
+        "bench_kvcache",
+        "bench_load",
+        "bench_proxy",
+        "bench_relay",
+        "bench_canary_answers",
+    }
 )
 # benchmarks run more than once, with these arguments (full, quick); every other runs once, plain
 RUNS: dict[str, tuple[list[list[str]], list[list[str]]]] = {

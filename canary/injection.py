@@ -16,12 +16,18 @@ Lifecycle of one request's markers (``RequestMarkers`` in the ``MarkerLedger``):
    the body the client sent, where a cut looks for the marker it found, ``canary.evidence``);
    ``on_finish`` pops it (the ledger holds in-flight requests only).
 
-Where the marker goes (chosen to keep the request's meaning, and phrased the way the bundled model
-``kvguard-tiny`` is trained to read a reference, see ``backend/bundled/data.py``): chat requests
-get the line ``Reference code: CNRY-...`` as the first line of the first system message (a system
-message holding only that line is added when there is none); completion prompts get the same line
-before the prompt (``canary_inject_completions``). The marker costs about 26 tokens on a byte-level
-tokenizer, fewer on a BPE one; a request that fits only without it is sent without it (admission).
+Where the marker goes (chosen to keep the request's meaning): chat requests get the marker alone
+as the first line of the first system message (a system message holding only the marker is
+added when there is none); completion prompts get the same line before the prompt
+(``canary_inject_completions``). The bundled model ``kvguard-tiny`` copies a marker from anywhere
+in its context when asked for "the reference code" (``backend/bundled/data.py``), so no phrase
+around it is needed: the line used to be ``Reference code: <marker>``, 16 tokens more. On the
+bundled byte tokenizer the marker adds 38 prompt tokens to a chat with a system message and 49
+to one without (its system header), 46 on average over ``bench/bench_canary_answers.py``'s prompt
+set (62 before); fewer on a BPE tokenizer. Those tokens count for capacity (a request that fits
+only without the marker is sent without it: admission), never against the tenant: its tokens per
+minute, its usage row and the ``usage`` in its answer are its own prompt's (``hidden_prompt_tokens``
+in the gateway's request context).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from contracts.sql import utcnow
 
 log = logging.getLogger("kvguard.canary")
 
-REFERENCE_LINE = "Reference code: {marker}"
+REFERENCE_LINE = "{marker}"  # the marker alone: see the module docstring
 MAX_PENDING_WRITES = 1000
 _MARKER_RE = re.compile(re.escape(PREFIX) + BASE32_CLASS + "{" + str(BODY_CHARS) + "}")
 _TAGGED_RE = re.compile(re.escape(PREFIX) + "(" + BASE32_CLASS + "{" + str(TAG_CHARS) + "})")

@@ -144,8 +144,9 @@ class PassThroughFactory:
 class RequestReport:
     """How one request ended: ids, counts and timings only.
 
-    ``prompt_tokens`` is the gateway's own count (exact for engines with a tokenizer endpoint,
-    ``exact_count``; a safe upper bound otherwise); ``engine_prompt_tokens`` is what the engine
+    ``prompt_tokens`` is the gateway's own count of what the engine read, hooks' additions
+    included (exact for engines with a tokenizer endpoint, ``exact_count``; a safe upper bound
+    otherwise); ``engine_prompt_tokens`` is what the engine
     reported in ``usage``. ``first_token_s`` is the time from forwarding to the first streamed
     text (streaming only).
     """

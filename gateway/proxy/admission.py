@@ -17,8 +17,9 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
    on at least one engine (400 ``context_length_exceeded`` stating the real limit and the size;
    if engines turned unavailable while the prompt was counted, route again: 503, never a 400);
    a request that fits only without what the hooks added is sent as the client wrote it;
-7. limits: one atomic take of request, tokens (prompt + n x max_tokens: the prompt is read once)
-   and a concurrency lease (429 + Retry-After; 503 if the shared limiter is down, unless
+7. limits: one atomic take of request, tokens (prompt + n x max_tokens: the prompt is read once;
+   the tenant's own prompt: a canary marker's tokens count for capacity, never against its
+   budget) and a concurrency lease (429 + Retry-After; 503 if the shared limiter is down, unless
    configured to fail open);
 8. choose: least in-flight among the engines the request fits; the body loses what that engine
    does not take (``surface.for_engine``);
@@ -80,14 +81,21 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
         except RequestRefused as refusal:
             raise InvalidRequest(refusal.message, code=refusal.code) from refusal
     plan_cap = ctx.principal.plan.max_context_tokens
-    size, fitting = await _measure(state, routable, upstream_body, ctx, body, plan_cap)
+    own: int | None = None  # the client's own prompt tokens, when a hook added to them
+    if upstream_body is not plain_body:
+        own = await count_prompt(state, routable, plain_body, ctx)
+    size, fitting = await _measure(state, routable, upstream_body, ctx, body, plan_cap, own)
     if not fitting and upstream_body is not plain_body:
         # What a hook added (a canary marker) must never be the reason a request is refused:
         # send it as the client wrote it, or refuse it with the client's own size.
-        upstream_body = plain_body
-        size, fitting = await _measure(state, routable, plain_body, ctx, body, plan_cap)
+        upstream_body, own = plain_body, None
+        size, fitting = await _measure(state, routable, plain_body, ctx, body, plan_cap, own)
     upstream_body["max_tokens"] = size.max_tokens
-    ctx.prompt_tokens, ctx.max_tokens = size.prompt_tokens, size.max_tokens * body.choices
+    # Capacity counts what the engine reads (``size``); the tenant is billed and limited for what
+    # it sent: the hooks' tokens (a canary marker) are hidden from its count and its usage.
+    hidden = 0 if own is None else max(0, size.prompt_tokens - own)
+    ctx.prompt_tokens, ctx.hidden_prompt_tokens = size.prompt_tokens - hidden, hidden
+    ctx.max_tokens = size.max_tokens * body.choices
     if not fitting:
         # Counting awaited the engine: an engine that became unavailable meanwhile now reports
         # a limit of 0. That is a 503 (route again), never a "too long" 400 the client would
@@ -96,7 +104,7 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
         fitting = _fitting(routable, size, plan_cap)
     if not fitting:
         raise too_long(routable, size, plan_cap, param=_param(body))
-    ctx.lease = await take_lease(state, ctx, size, choices=body.choices)
+    ctx.lease = await take_lease(state, ctx, size, choices=body.choices, hidden=hidden)
     ctx.advance(Phase.ADMITTED)
     engine = state.registry.choose(fitting)
     upstream_body = isolate(
@@ -115,11 +123,13 @@ async def _measure(
     ctx: RequestContext,
     body: Body,
     plan_cap: int | None,
+    own: int | None,
 ) -> tuple[RequestSize, list[EngineRecord]]:
     prompt_tokens = await count_prompt(state, routable, upstream_body, ctx)
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
-        max_tokens = _as_much_as_fits(state, ctx, routable, prompt_tokens, body.choices)
+        billed = prompt_tokens if own is None else own
+        max_tokens = _as_much_as_fits(state, ctx, routable, prompt_tokens, billed, body.choices)
     size = RequestSize(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
     return size, _fitting(routable, size, plan_cap)
 
@@ -129,10 +139,12 @@ def _as_much_as_fits(
     ctx: RequestContext,
     routable: list[EngineRecord],
     prompt_tokens: int,
+    billed_prompt: int,
     choices: int,
 ) -> int:
     """A request without max_tokens may generate what fits after its prompt on the roomiest
-    engine, at most the operator's cap and what the plan's tokens per minute leave each choice.
+    engine, at most the operator's cap and what the plan's tokens per minute leave each choice
+    after the prompt the tenant is billed for (``billed_prompt``: without a canary marker).
     At least 1: a prompt that leaves no room is refused as too long, by the same check as any."""
     plan = ctx.principal.plan
     limits = [
@@ -143,7 +155,7 @@ def _as_much_as_fits(
     if cap is not None:
         room = min(room, cap)
     if plan.rate_limited and plan.tokens_per_minute is not None:
-        room = min(room, (plan.tokens_per_minute - prompt_tokens) // choices)
+        room = min(room, (plan.tokens_per_minute - billed_prompt) // choices)
     return max(1, room)
 
 
@@ -224,12 +236,19 @@ def too_long(
 
 
 async def take_lease(
-    state: GatewayState, ctx: RequestContext, size: RequestSize, *, choices: int = 1
+    state: GatewayState,
+    ctx: RequestContext,
+    size: RequestSize,
+    *,
+    choices: int = 1,
+    hidden: int = 0,
 ) -> Lease | None:
+    """The tenant's limits, for the tokens it sent (``hidden``: prompt tokens a hook added, which
+    capacity counts and the tenant's tokens per minute do not)."""
     plan = ctx.principal.plan
     if not plan.rate_limited:
         return None
-    tokens = size.prompt_tokens + size.max_tokens * choices
+    tokens = size.prompt_tokens - hidden + size.max_tokens * choices
     try:
         result = await state.limiter.admit(
             tenant_id=ctx.principal.tenant_id, plan=plan, tokens=tokens

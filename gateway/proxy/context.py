@@ -37,7 +37,8 @@ class RequestContext:
     engine: EngineRecord | None = None  # set with the engine's in-flight slot taken (forwarding)
     lease: Lease | None = None
     answered: bool = False  # the engine answered 200 (a body or an open stream): it did work
-    prompt_tokens: int | None = None
+    prompt_tokens: int | None = None  # the client's own: what it is billed and limited for
+    hidden_prompt_tokens: int = 0  # added by request hooks (a canary marker): counted for capacity
     max_tokens: int | None = None
     completion_tokens: int | None = None
     handoff: HandoffProof | None = None
@@ -72,7 +73,9 @@ class RequestContext:
             outcome=self.phase.value,
             status=status,
             stream=self.stream,
-            prompt_tokens=self.prompt_tokens,
+            prompt_tokens=None
+            if self.prompt_tokens is None
+            else self.prompt_tokens + self.hidden_prompt_tokens,
             engine_prompt_tokens=self.engine_prompt_tokens,
             completion_tokens=self.completion_tokens,
             exact_count=self.engine is not None and self.engine.spec.introspected,

@@ -16,7 +16,8 @@
   joins that chunk), or at ``[DONE]`` as a chunk of its own;
 - a ``Cut`` becomes an OpenAI-style error event and ends the stream;
 - the usage-only chunk (which the gateway always asks for) reaches the client only if the client
-  asked for it; usage and the handoff proof are recorded from it;
+  asked for it; usage and the handoff proof are recorded from it; every ``usage`` the client gets
+  shows its own prompt (``own_usage``: a canary marker's tokens taken out);
 - an upstream error event passes through (screened) and ends the stream as failed; a stream that
   ends without ``[DONE]`` gets an error event (never a silently truncated 200), after every guard
   is finished for its verdict only (nothing held back is delivered): a marker cut short by an
@@ -83,8 +84,9 @@ class StreamRelay:
     refuse_handoff_mismatch: bool = True
     screen_side: bool = True  # off only when the guards pass everything (no canary)
     side_prefilter: Prefilter | None = None
+    hidden_prompt_tokens: int = 0  # what the hooks added: taken out of the usage the client sees
     completion_tokens: int | None = None
-    prompt_tokens: int | None = None
+    prompt_tokens: int | None = None  # the engine's count (hooks' additions included)
     handoff: HandoffProof | None = None
     cut: Cut | None = None
     saw_text: bool = False
@@ -125,6 +127,8 @@ class StreamRelay:
         if "error" in obj:
             return Step([raw if canonical else encode_event(obj)], Phase.FAILED, _error_code(obj))
         self._note(obj)
+        if self.hidden_prompt_tokens and isinstance(obj.get("usage"), dict):
+            obj, canonical = own_usage(obj, self.hidden_prompt_tokens), False
         mismatch = self.handoff is not None and not self.handoff.consistent
         if mismatch and self.refuse_handoff_mismatch:
             mismatch_event = error_event(HandoffMismatch.MESSAGE, HandoffMismatch.code)
@@ -253,6 +257,17 @@ class StreamRelay:
             if side and self._template is not None:
                 out.append(encode_event(tail_chunk(self._template, side)))
         return Step([*out, done], Phase.COMPLETED)
+
+
+def own_usage(obj: dict[str, Any], hidden: int) -> dict[str, Any]:
+    """``obj`` (an answer or a chunk) with its ``usage`` as the tenant's own: the ``hidden`` prompt
+    tokens the gateway's hooks added (a canary marker) taken out of ``prompt_tokens`` and
+    ``total_tokens``. A copy; ``obj`` is left as it is."""
+    usage = dict(obj["usage"])
+    for name in ("prompt_tokens", "total_tokens"):
+        if _count(usage.get(name)) is not None:
+            usage[name] = max(0, usage[name] - hidden)
+    return {**obj, "usage": usage}
 
 
 def screen(guard: StreamGuard, text: str) -> str | Cut:

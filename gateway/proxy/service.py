@@ -59,6 +59,7 @@ from gateway.proxy.relay import (
     InvalidUpstream,
     StreamRelay,
     error_event,
+    own_usage,
     relay_body,
     screen,
 )
@@ -254,6 +255,8 @@ class Flight:
             raise UpstreamFailed("the engine sent an invalid answer") from exc
         if isinstance(result, Cut):
             return await self._cut(result)
+        if ctx.hidden_prompt_tokens and isinstance(result.get("usage"), dict):
+            result = own_usage(result, ctx.hidden_prompt_tokens)  # the tenant's own usage
         ctx.first_byte_s = ctx.elapsed_s()
         latency.answered(self.state, ctx)
         return Outcome(COMPLETED, JSONResponse(result, headers=self._headers()))
@@ -325,6 +328,7 @@ class Flight:
                 refuse_handoff_mismatch=self.state.settings.refuse_on_handoff_mismatch,
                 screen_side=capabilities.screens_side,
                 side_prefilter=capabilities.side_prefilter,
+                hidden_prompt_tokens=self.ctx.hidden_prompt_tokens,
             )
             await self._start_stream()
             return await self._relay(opened, relay)

@@ -14,6 +14,7 @@ import redis
 from canary_harness import TEST_CANARY_KEY, bearer, canary_gateway, sse_text
 
 from backend.bundled import chat
+from canary.injection import inject_chat
 from kvguard.cli import main
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ async def _engine(engine_factory, **options) -> str:
 
 def _marker_tokens() -> int:
     """Prompt tokens a marker adds on the byte tokenizer (a system message of one line)."""
-    marked = [{"role": "system", "content": "Reference code: " + "C" * 37}, *MESSAGES]
+    marked = inject_chat(MESSAGES, "C" * 37)
     return len(chat.render(marked).encode()) - len(chat.render(MESSAGES).encode())
 
 
@@ -67,8 +68,15 @@ async def test_markers_are_injected_at_the_sampled_rate_and_never_returned(
             tokens, raw = await _prompt_tokens(gw, key, stream=i % 2 == 1)
             assert "CNRY" not in raw
             seen.append(tokens)
-        assert seen == [base + _marker_tokens() if marked else base for marked in expected]
+        # The tenant never sees (nor pays for) the marker's tokens: its usage is its own.
+        assert seen == [base] * 12
         assert 3 < sum(expected) < 9
+        for _ in range(500):  # the audit rows land within a flush or two
+            usage = (await gw.client.get("/v1/usage", headers=bearer(key))).json()
+            if usage["requests"] == 12:
+                break
+            await anyio.sleep(0.02)
+        assert (usage["requests"], usage["prompt_tokens"]) == (12, 12 * base)
 
         await gw.runtime.injector.drain()
         client = redis.Redis.from_url(redis_url)
@@ -84,6 +92,35 @@ async def test_markers_are_injected_at_the_sampled_rate_and_never_returned(
         unmarked = f'kvguard_canary_requests_total{{marked="false",tenant="{tenant_id}"}}'
         assert f"{unmarked} {12 - sum(expected)}.0" in metrics
         assert await gw.findings() == []  # the engine's counts match the gateway's exactly
+
+
+async def test_a_sampled_tenant_is_limited_for_its_own_tokens_and_capacity_counts_all(
+    engine_factory, gateway_settings, canary_settings
+) -> None:
+    """tokens/min exactly the tenant's own prompt + max_tokens: admitted with the marker (which
+    adds ``_marker_tokens()`` the engine reads); the request counts its real size for capacity:
+    with a pool that holds the prompt without the marker only, it is sent unmarked."""
+    url = await _engine(engine_factory, pool_tokens=1024, page_size=16, context_window=1024)
+    settings = gateway_settings(engines=[{"name": "real", "base_url": url}])
+    async with canary_gateway(settings, canary_settings()) as gw:
+        gw.model = (await gw.client.get("/admin/engines", headers=gw.admin)).json()[0]["model"]
+        _, plain_key = await gw.create_tenant("plain")
+        base, _ = await _prompt_tokens(gw, plain_key, stream=False)
+        fields = {"canary_sample_rate": 1.0, "tokens_per_minute": base + 4}
+        tenant_id, key = await gw.create_tenant("budget", **fields)
+        tokens, _ = await _prompt_tokens(gw, key, stream=False)
+        assert tokens == base
+        metrics = await gw.metrics()
+        assert f'kvguard_canary_markers_injected_total{{tenant="{tenant_id}"}} 1.0' in metrics
+        # The engine read the marker: the canary's usage check (engine vs gateway count) agrees.
+        assert await gw.findings() == []
+        # Capacity: own prompt + max_tokens == the pool: it fits only without the marker.
+        body = {"model": gw.model, "messages": MESSAGES, "max_tokens": 1024 - base}
+        r = await gw.client.post("/v1/chat/completions", headers=bearer(plain_key), json=body)
+        assert r.status_code == 200, r.text
+        _, big_key = await gw.create_tenant("big", canary_sample_rate=1.0)
+        r = await gw.client.post("/v1/chat/completions", headers=bearer(big_key), json=body)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == base, r.text
 
 
 async def _probe(argv: list[str]) -> int:

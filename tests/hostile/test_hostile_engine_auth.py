@@ -33,6 +33,7 @@ from hostile_harness import ENGINE_MODEL, gateway_settings, openai_error, served
 from test_hostile_fuzz import _handoff_bodies
 
 from canary.config import new_key
+from kvguard.cli import main
 from kvguard.testing import EngineProcess, launch_engine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,26 +137,42 @@ def test_prefill_writes_only_to_decode_peers_it_knows(
     assert capacity["free_pages"] == capacity["pool_pages"], capacity
 
 
-@pytest.mark.parametrize(
-    ("role", "env", "expected"),
-    [
-        ("unified", {}, "KVGUARD_ENGINE_TOKEN must be set"),
-        ("unified", {"KVGUARD_ENGINE_TOKEN": "a" * 32}, "KVGUARD_ENGINE_TOKEN is too predictable"),
-        ("prefill", {"KVGUARD_ENGINE_TOKEN": TOKEN}, "KVGUARD_DECODE_PEERS is required"),
-    ],
-)
-def test_production_refuses_an_open_engine_or_a_prefill_without_peers(
-    role: str, env: dict[str, str], expected: str, tiny_checkpoint: str
-) -> None:
+def test_production_refuses_an_open_engine_in_one_line(tiny_checkpoint: str) -> None:
     child = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
-    child.update(KVGUARD_MODE="production", **env)
-    argv = [sys.executable, "-m", "kvguard", "backend", role, "--port", "1"]
+    child["KVGUARD_MODE"] = "production"
+    argv = [sys.executable, "-m", "kvguard", "backend", "unified", "--port", "1"]
     done = subprocess.run(
         [*argv, "--model", tiny_checkpoint], env=child, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
-    assert expected in lines[-1] and lines[-1].startswith(f"kvguard backend {role}: cannot start")
+    assert lines[-1].startswith("kvguard backend unified: cannot start")
+    assert "KVGUARD_ENGINE_TOKEN must be set" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("role", "env", "expected"),
+    [
+        ("unified", {"KVGUARD_ENGINE_TOKEN": "a" * 32}, "KVGUARD_ENGINE_TOKEN is too predictable"),
+        ("prefill", {"KVGUARD_ENGINE_TOKEN": TOKEN}, "KVGUARD_DECODE_PEERS is required"),
+    ],
+)
+def test_production_refuses_a_weak_credential_or_a_prefill_without_peers(
+    role: str,
+    env: dict[str, str],
+    expected: str,
+    tiny_checkpoint: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The same path in-process (``kvguard backend ROLE``'s main), for the other refusals."""
+    for name in [n for n in os.environ if n.startswith("KVGUARD_")]:
+        monkeypatch.delenv(name)
+    for name, value in {"KVGUARD_MODE": "production", **env}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["backend", role, "--port", "1", "--model", tiny_checkpoint]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"kvguard backend {role}: cannot start") and expected in line, line
 
 
 def test_compose_gives_the_engines_a_network_of_their_own() -> None:
