@@ -50,21 +50,23 @@ def test_chat_marker_is_the_first_line_of_the_system_message() -> None:
         {"role": "user", "content": "hi"},
     ]
     assert inject_chat(messages, M) == [
-        {"role": "system", "content": f"Reference code: {M}\nBe brief."},
+        {"role": "system", "content": f"{M}\nBe brief."},
         {"role": "user", "content": "hi"},
     ]
     assert messages[0]["content"] == "Be brief."  # the client's list is not changed
     assert inject_chat([{"role": "user", "content": "hi"}], M) == [
-        {"role": "system", "content": f"Reference code: {M}"},
+        {"role": "system", "content": M},
         {"role": "user", "content": "hi"},
     ]
-    assert inject_prompt("Once upon", M) == f"Reference code: {M}\nOnce upon"
+    assert inject_prompt("Once upon", M) == f"{M}\nOnce upon"
 
 
-def test_the_phrasing_matches_the_bundled_models_training_data() -> None:
+def test_the_bundled_model_reads_a_marker_anywhere_in_its_context() -> None:
+    """The marker goes alone on its line (no phrase: 16 tokens fewer): the bundled model is
+    trained on markers placed anywhere in a message, and asked for them by these phrases."""
     from backend.bundled import data
 
-    assert "Reference code: {m}" in data._REF_LINES
+    assert "{m}" in data._REF_LINES  # a bare marker is one of the training placements
     assert data.chat.REFERENCE_REQUEST == "Repeat the reference code."
 
 
@@ -108,8 +110,8 @@ async def test_an_injected_marker_is_genuine_and_recorded() -> None:
     hook, ledger, store, _ = injector()
     out = await hook.prepare(info(1), {"prompt": "Once upon"})
     line, rest = out["prompt"].split("\n", 1)
-    assert rest == "Once upon" and line.startswith("Reference code: CNRY-")
-    verified = CODEC.verify(line.removeprefix("Reference code: "))
+    assert rest == "Once upon" and line.startswith("CNRY-")
+    verified = CODEC.verify(line)
     assert verified is not None and verified.tenant_tag == CODEC.tenant_tag("acme")
     assert ledger.get("req1").own == {verified.nonce} and ledger.get("req1").carried == set()
     await hook.drain()

@@ -41,7 +41,7 @@ async def _victim_request(gw, provider, key: str) -> tuple[str, str]:
     )
     marker = provider.controls.stolen_marker()
     system = provider.controls.seen[-1]["messages"][0]["content"]
-    assert system == f"Reference code: {marker}\nYou are a helpful assistant."
+    assert system == f"{marker}\nYou are a helpful assistant."
     return r.headers["x-kvguard-request-id"], marker
 
 
@@ -220,15 +220,15 @@ async def test_the_tenant_never_sees_its_own_marker(
             text = (
                 sse_text(r.content)[0] if stream else r.json()["choices"][0]["message"]["content"]
             )
-            assert text == "You said: Reference code: \nYou are a helpful assistant. -- done."
+            assert text == "You said: \nYou are a helpful assistant. -- done."
             assert "CNRY" not in r.text
             sent = provider.controls.seen[-1]["messages"][0]["content"]
-            assert sent.startswith("Reference code: CNRY-")
+            assert sent.startswith("CNRY-")
         assert await gw.findings() == []
         await gw.runtime.injector.drain()
         nonce_records = [
             await gw.runtime._store.get(
-                gw.runtime.codec.verify(m["messages"][0]["content"][16:53]).nonce
+                gw.runtime.codec.verify(m["messages"][0]["content"][:37]).nonce
             )
             for m in provider.controls.seen
         ]

@@ -230,7 +230,9 @@ def _leak_drill(client: httpx.Client, stack: drillstack.DrillStack, alice: str) 
     """The incident on ``drill`` (caught by the firewall), then the same on ``guarded``."""
     _, carol = _tenant(client, stack, "carol")
     incident = drillstack.play(client, drillstack.DRILL, drillstack.DRILL_MODEL, alice, carol)
-    assert incident.a.status == 200 and incident.a.prompt_tokens == drillstack.A_TOKENS
+    # The engine read A_TOKENS; A's usage leaves out the marker the gateway added (estimated on
+    # this declared engine with the gateway's upper bound): never more than A sent.
+    assert incident.a.status == 200 and (incident.a.prompt_tokens or 0) < drillstack.A_TOKENS
     assert (incident.b.status, incident.b.codes) == (200, (drillstack.CUT_CODE,))
     assert not incident.b.marker_seen
     finding = drillstack.finding_for(client, stack.admin(), incident.b.request_id)
