@@ -16,7 +16,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from contracts.sql import run_in_session, session_scope, utcnow
+from contracts.sql import run_in_session, session_scope
 from gateway.domain import Principal
 from gateway.errors import AuthenticationFailed, PermissionDenied, RateLimited
 from gateway.services.keys import AuthFailure, authenticate, looks_like_tenant_key
@@ -60,7 +60,7 @@ def bearer_token(request: Request) -> str:
 
 async def current_principal(request: Request, state: StateDep) -> Principal:
     token = bearer_token(request)
-    now = utcnow()
+    now = state.clock()
     cached = state.auth_cache.get(token, now=now)
     if cached is not None:
         return cached

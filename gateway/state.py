@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 
 import httpx
@@ -10,7 +12,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.plugins import GatewayHooks, ServiceContext
-from contracts.sql import run_in_session
+from contracts.sql import run_in_session, utcnow
 from gateway.config import EngineSpec, GatewaySettings, UpstreamPath
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
@@ -47,6 +49,7 @@ class GatewayState:
     auth_cache: AuthCache
     credential_throttle: FailedCredentialThrottle
     quarantines: Quarantines
+    clock: Callable[[], datetime] = utcnow  # wall time of key expiry and the auth cache's TTL
 
     async def reload_engines(self) -> None:
         await reload_registry(

@@ -2,18 +2,21 @@
 
 ``write_tiny_checkpoint`` makes a small random byte-level Llama in Hugging Face layout (it needs
 ``transformers``, part of the test extra); ``launch_engine`` starts ``kvguard backend ROLE`` on a
-free port and waits for its health check.
+free port and waits for its health check; ``serve`` runs an ASGI app (a gateway, a stand-in
+engine) under uvicorn on a free 127.0.0.1 port inside the test's own event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import httpx
 
@@ -151,6 +154,42 @@ def wait_for(check: Callable[[], Any], timeout_s: float, what: str, poll_s: floa
             return value
         time.sleep(poll_s)
     raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@dataclass
+class RunningServer:
+    """An app served by ``serve``; ``stop`` ends it (after its open requests, as uvicorn does)."""
+
+    server: Any  # uvicorn.Server
+    task: asyncio.Task[None]
+    url: str
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def serve(
+    app: Any, *, lifespan: Literal["auto", "on", "off"] = "off", timeout_s: float = 30.0
+) -> RunningServer:
+    """Run an ASGI app under uvicorn on a free 127.0.0.1 port in this event loop, once started
+    (its lifespan too, with ``lifespan="on"``); a server that fails to start raises its error."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("uvicorn stopped before it started")
+        if time.monotonic() > deadline:
+            task.cancel()
+            raise TimeoutError(f"the server did not start within {timeout_s} s")
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return RunningServer(server=server, task=task, url=f"http://127.0.0.1:{port}")
 
 
 def interruptible() -> None:

@@ -34,7 +34,7 @@ response_format) count too, since providers write them into the prompt:
   ``BYTES_PER_TOOLS`` for the tool-use instructions a provider adds of its own (Anthropic
   documents a fixed system prompt of a few hundred tokens for tool use).
 
-Both bounds are checked by a property test (``tests/gateway/test_provider_count.py``) over
+Both bounds are checked by a property test (``tests/gateway/engines/test_provider_count.py``) over
 several chat renderings and scripts, tool definitions rendered OpenAI's way (its cookbook's
 accounting and the TypeScript-like namespace its models read) and as JSON blocks, and the
 overcount is measured there on an English corpus.

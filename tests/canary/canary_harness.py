@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -32,38 +31,11 @@ from canary.runtime import CanaryRuntime
 from gateway.app import create_app
 from gateway.config import GatewaySettings
 from gateway.state import GatewayState
+from kvguard.testing import RunningServer, serve
 
 PROVIDER_MODEL = "provider-model"
 TEST_CANARY_KEY = "canary-test-key-0123456789abcdef0123456789"
 MARKER_RE = re.compile(r"CNRY-[A-Z2-7]{32}")
-
-
-# -- a uvicorn server inside the test's event loop -------------------------------------------------
-
-
-@dataclass
-class RunningServer:
-    server: uvicorn.Server
-    task: asyncio.Task[None]
-    url: str
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        await self.task
-
-
-async def serve(app: Any, *, lifespan: str = "off") -> RunningServer:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    for _ in range(3000):
-        if server.started:
-            break
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return RunningServer(server=server, task=task, url=f"http://127.0.0.1:{port}")
 
 
 # -- the gateway with the canary ------------------------------------------------------------------

@@ -8,10 +8,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 from kvguard.localservices import free_port
 from kvguard.supervisor import RoleSpec, Supervisor
+from kvguard.testing import wait_for
 
 
 def _http_role(name: str, port: int) -> RoleSpec:
@@ -34,17 +34,13 @@ def test_a_dying_role_stops_the_stack_and_is_named() -> None:
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(sup.run("banner")))
     thread.start()
-    deadline = time.monotonic() + 30
-    while "all roles healthy" not in out.getvalue() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert "all roles healthy" in out.getvalue()
+    wait_for(lambda: "all roles healthy" in out.getvalue(), 30, "both roles healthy")
     pids = [r.proc.pid for r in sup._running]
     os.kill(pids[1], signal.SIGKILL)
     thread.join(timeout=30)
     assert result == [1]
     assert "role 'second' exited with status -9" in out.getvalue()
-    time.sleep(0.2)
-    assert not _alive(pids[0]), "the surviving role must be stopped too"
+    wait_for(lambda: not _alive(pids[0]), 10, "the surviving role stopped too")
 
 
 def test_a_role_that_fails_at_start_up_stops_the_earlier_ones() -> None:

@@ -20,11 +20,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from contracts.engine import CAPACITY_SCHEMA_VERSION
+from kvguard.testing import RunningServer, serve
 
 MESSAGE_OVERHEAD = 3
 MODEL = "standin-model"
@@ -221,32 +221,6 @@ def build_app(controls: StandInControls) -> FastAPI:
             controls.active_streams -= 1
 
     return app
-
-
-@dataclass
-class RunningServer:
-    server: uvicorn.Server
-    task: asyncio.Task[None]
-    url: str
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        await self.task
-
-
-async def serve(app: Any, *, lifespan: str = "off") -> RunningServer:
-    """Run an ASGI app on a free 127.0.0.1 port in this event loop."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    for _ in range(1000):
-        if server.started:
-            break
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return RunningServer(server=server, task=task, url=f"http://127.0.0.1:{port}")
 
 
 @dataclass

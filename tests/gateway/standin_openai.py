@@ -22,7 +22,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from gateway_standin import RunningServer, serve
+
+from kvguard.testing import RunningServer, serve
 
 MESSAGE_OVERHEAD = 3  # the stand-in chat template: tokens per message besides its words
 # The stand-in chat template's tools turn, in the style of the tool-calling templates vLLM and

@@ -38,7 +38,6 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from gateway_standin import serve
 from standin_openai import (
     Deployment,
     Script,
@@ -51,6 +50,8 @@ from standin_openai import (
     sse,
     word_count,
 )
+
+from kvguard.testing import serve
 
 VERSION = "0.5.23"
 

@@ -32,7 +32,6 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from gateway_standin import serve
 from standin_openai import (
     Deployment,
     Script,
@@ -45,6 +44,8 @@ from standin_openai import (
     sse,
     word_count,
 )
+
+from kvguard.testing import serve
 
 VERSION = "0.33.0"
 

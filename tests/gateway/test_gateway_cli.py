@@ -3,13 +3,14 @@ with the same environment."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 from gateway_harness import bearer, running_gateway
 
+from contracts.sql import utcnow
 from gateway.config import GatewaySettings
 from kvguard.cli import main
 
@@ -39,7 +40,8 @@ async def test_tenant_create_prints_a_working_key_last(sqlite_url, monkeypatch, 
         status, lines = _run(capsys, "admin", "key", "revoke", key.split("_")[1])
         assert status == 0
         # revoked elsewhere (the CLI): this replica trusts its verified copy for at most the TTL
-        await asyncio.sleep(0.55)
+        past_ttl = utcnow() + timedelta(seconds=0.55)
+        gw.state.clock = lambda: past_ttl
         assert (await gw.client.get("/v1/models", headers=bearer(key))).status_code == 401
 
 

@@ -14,12 +14,12 @@ import httpx
 import pytest
 import redis
 from gateway_harness import bearer, running_gateway
-from gateway_standin import serve
 from sqlalchemy import select
 
 from contracts.sql import session_scope
 from gateway.app import create_app
 from gateway.db.models import RequestAudit
+from kvguard.testing import serve
 
 pytestmark = pytest.mark.slow
 

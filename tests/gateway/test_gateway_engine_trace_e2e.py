@@ -24,7 +24,6 @@ import anyio
 import httpx
 import pytest
 from gateway_harness import bearer, running_gateway
-from gateway_standin import serve
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -34,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvguard.testing import launch_engine
+from kvguard.testing import launch_engine, serve
 
 pytestmark = pytest.mark.slow
 

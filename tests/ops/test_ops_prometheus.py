@@ -361,6 +361,20 @@ def _evaluate_everything(prometheus: str) -> tuple[dict[str, set[str]], set[str]
     return lit, counted, errors
 
 
+def _panels_lit(
+    prometheus: str, timeout_s: float = 20.0
+) -> tuple[dict[str, set[str]], set[str], list[str]]:
+    """``_evaluate_everything`` once every expected panel is lit and counted, or at the deadline
+    (the caller's asserts then say which are not)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lit, counted, errors = _evaluate_everything(prometheus)
+        done = all(titles <= lit.get(uid, set()) for uid, titles in EXPECTED.items())
+        if errors or (done and counted >= COUNTED) or time.monotonic() > deadline:
+            return lit, counted, errors
+        time.sleep(0.5)
+
+
 def _named(alert: dict[str, Any], name: str) -> bool:
     return bool(alert["labels"]["alertname"] == name)
 
@@ -395,10 +409,9 @@ def test_every_panel_and_alert_against_a_real_prometheus(tmp_path: Path) -> None
         _leak_drill(client, stack, alice)
         _handoff_proof(stack)
         probed_at = _failing_probe(stack)
-        # Two scrapes after the traffic, so rate() and increase() have two samples to compare.
         _wait_for(prom.url, 'kvguard_canary_probe_passing{kind="echo"} == 0')
-        time.sleep(2.5)
-        lit, counted, errors = _evaluate_everything(prom.url)
+        # rate() and increase() light up once two scrapes after the traffic have landed
+        lit, counted, errors = _panels_lit(prom.url)
         assert errors == []
         for uid, titles in EXPECTED.items():
             assert titles <= lit.get(uid, set()), (uid, titles - lit.get(uid, set()))

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from gateway_harness import bearer, running_gateway
-from gateway_standin import serve
 from sqlalchemy import select
 from standin_openai import Script, Traffic
 from standin_sglang import SGLangWorker, start_sglang_pd
@@ -24,6 +23,7 @@ from canary.runtime import CanaryRuntime
 from contracts.sql import session_scope
 from gateway.db.models import RequestAudit
 from gateway.engines.isolation import tenant_salt
+from kvguard.testing import serve
 
 CANARY_KEY = "canary-test-key-0123456789abcdef0123456789"
 

@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from gateway_standin import serve, standin_count, static_app
+from gateway_standin import standin_count, static_app
 from standin_sglang import SGLangWorker
 from standin_sglang import worker_app as sglang_app
 from standin_vllm import VLLMWorker
@@ -25,6 +25,7 @@ from gateway.engines.provider_count import (
     BYTES_PER_TOOLS,
     upper_bound_tokens,
 )
+from kvguard.testing import serve
 
 JSON = "application/json"
 

@@ -13,13 +13,14 @@ import time
 
 import httpx
 from gateway_harness import bearer, running_gateway
-from gateway_standin import serve, standin_count
+from gateway_standin import standin_count
 from sqlalchemy import select
 
 from contracts.plugins import Cut, Emit, GatewayHooks, GuardCapabilities, RequestInfo, StreamGuard
 from contracts.sql import session_scope
 from gateway.app import create_app
 from gateway.db.models import RequestAudit
+from kvguard.testing import serve
 
 MODEL = "standin-model"
 WORDS = "alpha beta gamma delta epsilon"

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from gateway_harness import bearer
-from gateway_standin import StandInEngine, serve
+from gateway_standin import StandInEngine
 from sqlalchemy import select
 
 from contracts.plugins import GatewayHooks, GuardCapabilities
@@ -30,6 +30,7 @@ from gateway.config import GatewaySettings
 from gateway.db.models import RequestAudit
 from gateway.state import GatewayState
 from gateway.upstream.base import Upstream, UpstreamCall, UpstreamReply, UpstreamStream
+from kvguard.testing import serve
 
 MODEL = "standin-model"
 DEADLINE_S = 10.0

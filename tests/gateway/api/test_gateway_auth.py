@@ -3,9 +3,11 @@ and OpenAI-style bodies."""
 
 from __future__ import annotations
 
-import asyncio
+from datetime import timedelta
 
 from gateway_harness import bearer
+
+from contracts.sql import utcnow
 
 ROUTES = [
     ("GET", "/v1/models", None),
@@ -76,7 +78,8 @@ async def test_revoked_and_expired_keys(gateway) -> None:
     short_key = short.json()["key"]
     assert (await gateway.client.get("/v1/models", headers=bearer(short_key))).status_code == 200
     await gateway.client.post(f"/admin/keys/{key.split('_')[1]}/revoke", headers=gateway.admin)
-    await asyncio.sleep(1.1)
+    later = utcnow() + timedelta(seconds=1.1)
+    gateway.state.clock = lambda: later  # the one-second key has expired
     for method, path, body in ROUTES:
         revoked = await _call(gateway, method, path, body, bearer(key))
         _assert_401(revoked)

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 from gateway_harness import bearer, running_gateway
-from gateway_standin import serve
 from standin_openai import MESSAGE_OVERHEAD, NO_THINKING, tools_turn
 from standin_sglang import SGLangWorker
 from standin_sglang import worker_app as sglang_app
@@ -20,6 +19,7 @@ from standin_vllm import worker_app as vllm_app
 
 from gateway.api import surface
 from gateway.engines import prompt
+from kvguard.testing import serve
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "what is the weather"}]  # 4 words

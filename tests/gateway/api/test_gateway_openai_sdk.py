@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from gateway_standin import RunningServer, serve
 from openai_contract import check, check_sse
 from standin_openai import Script, ToolCall
 from standin_sglang import SGLangWorker
@@ -24,7 +23,7 @@ from standin_vllm import worker_app as vllm_app
 from canary.config import CanarySettings
 from canary.runtime import CanaryRuntime
 from gateway.app import create_app
-from kvguard.testing import EngineProcess, launch_engine
+from kvguard.testing import EngineProcess, RunningServer, launch_engine, serve
 
 BUNDLED_MODEL = "tiny-llama"
 CANARY_KEY = "sdk-test-canary-key-0123456789abcdef0123"

@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from gateway_harness import bearer, running_gateway
-from gateway_standin import serve
 from sqlalchemy import select
 from standin_openai import ProviderControls, provider_app
 
 from contracts.sql import session_scope
 from gateway.db.models import RegisteredEngine, RequestAudit
 from gateway.engines.provider_count import upper_bound_tokens
+from kvguard.testing import serve
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

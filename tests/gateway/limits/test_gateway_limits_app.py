@@ -10,10 +10,10 @@ import contextlib
 import httpx
 import redis
 from gateway_harness import bearer, running_gateway
-from gateway_standin import serve
 
 from gateway.app import create_app
 from kvguard.localservices import free_port
+from kvguard.testing import serve
 
 BODY = {"model": "standin-model", "prompt": "one two three four", "max_tokens": 4}
 

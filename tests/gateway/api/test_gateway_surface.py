@@ -20,7 +20,7 @@ from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 
 MODEL = "standin-model"
 CHAT = "/v1/chat/completions"
-README = Path(__file__).parents[2] / "gateway" / "README.md"
+README = Path(__file__).parents[3] / "gateway" / "README.md"
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
 
 
