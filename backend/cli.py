@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 _OVERRIDES = (
     "host",
     "port",
@@ -123,21 +121,22 @@ def _serve(args: argparse.Namespace, role_name: str) -> int:
     from backend.transport.base import TransportUnavailable
     from contracts.engine import Role
     from contracts.http_edge import server_config
-    from contracts.settings import settings_error
+    from contracts.settings import CONFIG_ERRORS, settings_error
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per handoff call otherwise
-    try:
-        settings = settings_from_args(args)
-        app = create_app(settings, Role(role_name))
-    except (
-        ValidationError,
+    refusals: tuple[type[Exception], ...] = (
+        *CONFIG_ERRORS,
         CheckpointError,
         CapacityDriftRefused,
         TransportUnavailable,
         ValueError,
-    ) as exc:
-        reason = settings_error(exc) if isinstance(exc, ValidationError) else str(exc)
+    )
+    try:
+        settings = settings_from_args(args)
+        app = create_app(settings, Role(role_name))
+    except refusals as exc:
+        reason = settings_error(exc)
         print(f"kvguard backend {role_name}: cannot start: {reason}", file=sys.stderr)
         return 2
     config = server_config(

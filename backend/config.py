@@ -17,8 +17,8 @@ BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled" / "kvguard-tiny"
 
 
 class BackendSettings(KvguardSettings):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8100, ge=1, le=65535)
+    host: str = Field(default="127.0.0.1", description="address the engine listens on")
+    port: int = Field(default=8100, ge=1, le=65535, description="port the engine listens on")
     model: Path = Field(
         default=BUNDLED_MODEL_DIR,
         description="checkpoint directory (HF layout), or a Hugging Face cache entry "
@@ -48,7 +48,9 @@ class BackendSettings(KvguardSettings):
     allow_capacity_drift: bool = Field(
         default=False, description="start even if the window exceeds the real pool (reported)"
     )
-    zero_on_free: bool = True
+    zero_on_free: bool = Field(
+        default=True, description="zero a freed KV page before it can be allocated again"
+    )
     prefix_cache: bool = Field(
         default=True,
         description="reuse the K/V of full prompt pages across requests of one tenant, namespaced "
@@ -67,17 +69,33 @@ class BackendSettings(KvguardSettings):
     )
     max_batch_tokens: int = Field(default=2048, ge=1, description="tokens per forward step")
     max_running: int = Field(default=64, ge=1, description="sequences decoding at once")
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    device: str = "cpu"
-    torch_threads: int | None = Field(default=None, ge=1)
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        default="auto",
+        description=(
+            "paged attention: torch (CPU reference), triton (GPU kernel), auto (triton on CUDA, "
+            "else torch)"
+        ),
+    )
+    device: str = Field(
+        default="cpu", description="torch device of the model and KV pool (cpu, cuda, cuda:1, ...)"
+    )
+    torch_threads: int | None = Field(
+        default=None, ge=1, description="CPU threads torch may use (unset: torch's default)"
+    )
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, description="largest request body accepted (413 beyond)"
+    )
     header_timeout_s: float = Field(
         default=15.0, gt=0, description="a client must send its whole request head within this"
     )
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="a client must send its whole request body within this"
     )
-    request_timeout_s: float = Field(default=600.0, gt=0)
+    request_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="the longest one request may run before it is aborted and its pages released",
+    )
     otlp_endpoint: str | None = Field(
         default=None, description="OTLP/HTTP collector for the engine's spans (unset: no spans)"
     )
@@ -102,7 +120,10 @@ class BackendSettings(KvguardSettings):
         "Mooncake is not installed); inprocess (both roles in one process: tests)",
     )
     transfer_host: str = Field(default="127.0.0.1", description="address peers write KV to")
-    transfer_protocol: Literal["tcp", "rdma"] = "tcp"
+    transfer_protocol: Literal["tcp", "rdma"] = Field(
+        default="tcp",
+        description="Mooncake transport between prefill and decode: tcp, or rdma on clusters",
+    )
     transfer_device: str = Field(default="", description="RDMA device names, empty for TCP")
     transfer_batch_pages: int = Field(
         default=16, ge=1, description="decode: most pages prefill may have in flight at once"
@@ -114,16 +135,36 @@ class BackendSettings(KvguardSettings):
     handoff_timeout_s: float = Field(
         default=30.0, gt=0, description="lease: decode waits this long, prefill writes no later"
     )
-    abort_ack_timeout_s: float = Field(default=5.0, gt=0)
-    prefill_capacity_refresh_s: float = Field(default=1.0, gt=0)
-    prefill_capacity_stale_s: float = Field(default=5.0, gt=0)
+    abort_ack_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "decode: how long to wait for prefill to confirm an abort before the drain bound "
+            "decides"
+        ),
+    )
+    prefill_capacity_refresh_s: float = Field(
+        default=1.0, gt=0, description="decode: how often it reads prefill's /engine/capacity"
+    )
+    prefill_capacity_stale_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "decode: prefill's capacity older than this is unknown (requests refused, fail closed)"
+        ),
+    )
     staging_pages: int | None = Field(
         default=None, ge=1, description="prefill: transfer staging pages (default: pool pages)"
     )
     kv_checksum: Literal["crc32", "sha256"] = Field(
         default="crc32", description="prefill: checksum of the transferred KV (decode recomputes)"
     )
-    allow_fault_drills: bool = False
+    allow_fault_drills: bool = Field(
+        default=False,
+        description=(
+            "accept KVGUARD_FAULTS / --fault (drills remove isolation defences; refused otherwise)"
+        ),
+    )
     faults: list[str] = Field(default_factory=list, description="fault drills to enable")
     drill_link_bytes_per_s: float | None = Field(
         default=None, gt=0, description="drill: prefill simulates a slow link of this bandwidth"

@@ -125,14 +125,14 @@ def _run(
 def _call(gateway: str | None, method: str, path: str, params: dict[str, Any]) -> Any:
     """The admin API's JSON answer; CommandFailed with the exit status and a one-line reason."""
     import httpx
-    from pydantic import ValidationError
 
     from canary.config import CanarySettings
+    from contracts.settings import CONFIG_ERRORS, settings_error
 
     try:
         settings = CanarySettings()
-    except ValidationError as exc:
-        raise CommandFailed(EXIT_SETUP, f"invalid settings: {exc}") from exc
+    except CONFIG_ERRORS as exc:
+        raise CommandFailed(EXIT_SETUP, f"invalid settings: {settings_error(exc)}") from exc
     url = gateway or settings.canary_gateway_url
     if not url:
         raise CommandFailed(EXIT_SETUP, "pass --gateway URL (or set KVGUARD_CANARY_GATEWAY_URL)")

@@ -70,14 +70,12 @@ def run_new_key(args: argparse.Namespace) -> int:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
     from canary.config import CanarySettings
-    from contracts.settings import settings_error
+    from contracts.settings import CONFIG_ERRORS, settings_error
 
     try:
         settings = CanarySettings()
-    except ValidationError as exc:
+    except CONFIG_ERRORS as exc:
         print(f"kvguard canary: invalid settings: {settings_error(exc)}", file=sys.stderr)
         return EXIT_SETUP
     url = args.gateway or settings.canary_gateway_url

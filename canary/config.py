@@ -33,10 +33,32 @@ KeyId = Annotated[int, Field(ge=0, le=MAX_KEY_ID)]
 class CanarySettings(KvguardSettings):
     """Marker keys, firewall policy, lower-severity checks and the probe runner."""
 
-    canary_enabled: bool = True
-    canary_key: SecretStr | None = None
-    canary_key_id: KeyId = 1
-    canary_previous_keys: dict[KeyId, SecretStr] = Field(default_factory=dict)
+    canary_enabled: bool = Field(
+        default=True,
+        description=(
+            "the leak firewall and marker injection (off: responses are not scanned, a warning "
+            "is logged)"
+        ),
+    )
+    canary_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "the marker key (>= 32 bytes; `kvguard canary new-key`); required outside "
+            "development, where unset means a well-known key"
+        ),
+    )
+    canary_key_id: KeyId = Field(
+        default=1,
+        description=(
+            "key id of KVGUARD_CANARY_KEY, written into new markers (0-255; rotate by bumping it)"
+        ),
+    )
+    canary_previous_keys: dict[KeyId, SecretStr] = Field(
+        default_factory=dict,
+        description=(
+            "earlier keys by key id (JSON object), still accepted when scanning after a rotation"
+        ),
+    )
 
     canary_quarantine_on_cut: bool = Field(
         default=True,
@@ -53,15 +75,51 @@ class CanarySettings(KvguardSettings):
         default=True,
         description="also mark /v1/completions prompts (a reference line before the prompt)",
     )
-    canary_record_ttl_s: float = Field(default=86_400.0, gt=0)
-    canary_tag_refresh_s: float = Field(default=30.0, gt=0)
+    canary_record_ttl_s: float = Field(
+        default=86_400.0,
+        gt=0,
+        description="how long a marker's issue record (which request, tenant and engine) is kept",
+    )
+    canary_tag_refresh_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="how often the tenant tag index is rebuilt from the tenants table",
+    )
 
-    canary_usage_check: bool = True
-    canary_ttft_check: bool = True
-    canary_ttft_min_prompt_tokens: int = Field(default=256, gt=0)
-    canary_ttft_ratio: float = Field(default=0.2, gt=0, lt=1)
-    canary_ttft_history: int = Field(default=200, ge=10)
-    canary_ttft_min_samples: int = Field(default=20, ge=5)
+    canary_usage_check: bool = Field(
+        default=True,
+        description=(
+            "record a low finding when an engine's usage.prompt_tokens disagrees with the "
+            "gateway's count"
+        ),
+    )
+    canary_ttft_check: bool = Field(
+        default=True,
+        description=(
+            "record a low finding when a first token comes back implausibly fast for the "
+            "prompt's size"
+        ),
+    )
+    canary_ttft_min_prompt_tokens: int = Field(
+        default=256,
+        gt=0,
+        description="prompts shorter than this are not judged by the first-token check",
+    )
+    canary_ttft_ratio: float = Field(
+        default=0.2,
+        gt=0,
+        lt=1,
+        description=(
+            "a first token faster than this fraction of the engine's typical one (per prompt "
+            "token) is a finding"
+        ),
+    )
+    canary_ttft_history: int = Field(
+        default=200, ge=10, description="first-token timings kept per engine to judge against"
+    )
+    canary_ttft_min_samples: int = Field(
+        default=20, ge=5, description="timings an engine needs before its first tokens are judged"
+    )
     canary_finding_interval_s: float = Field(
         default=60.0,
         ge=0,
@@ -69,12 +127,28 @@ class CanarySettings(KvguardSettings):
         "interval (the metric counts every one)",
     )
 
-    canary_gateway_url: str | None = None
-    admin_token: SecretStr | None = None
-    canary_probe_interval_s: float = Field(default=60.0, gt=0)
-    canary_probe_timeout_s: float = Field(default=60.0, gt=0)
+    canary_gateway_url: str | None = Field(
+        default=None, description="kvguard canary probe / findings / load: the gateway to call"
+    )
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description=(
+            "kvguard canary probe / findings: the gateway's admin token (development: the dev "
+            "token)"
+        ),
+    )
+    canary_probe_interval_s: float = Field(
+        default=60.0, gt=0, description="kvguard canary probe: seconds between probe rounds"
+    )
+    canary_probe_timeout_s: float = Field(
+        default=60.0, gt=0, description="kvguard canary probe: bound of one probe request"
+    )
     canary_probe_tenant_prefix: str = Field(
-        default="canary-probe", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$"
+        default="canary-probe",
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="kvguard canary probe: name prefix of the synthetic tenants it creates",
     )
 
     @model_validator(mode="after")

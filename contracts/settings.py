@@ -12,11 +12,12 @@ entropy, and no two roles sharing one. A start-up that refuses its settings prin
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from enum import StrEnum
 
-from pydantic import SecretStr, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 
 class RunMode(StrEnum):
@@ -34,7 +35,13 @@ class KvguardSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVGUARD_", extra="forbid", frozen=True)
 
-    mode: RunMode = RunMode.DEVELOPMENT
+    mode: RunMode = Field(
+        default=RunMode.DEVELOPMENT,
+        description=(
+            "development (default secrets accepted, for one machine) or production (real, "
+            "distinct secrets and the production dependencies required)"
+        ),
+    )
 
 
 MIN_SECRET_CHARS = 24
@@ -101,11 +108,26 @@ def require_distinct_secrets(mode: RunMode, **secrets: SecretStr | None) -> None
             )
 
 
-def settings_error(exc: ValidationError) -> str:
+CONFIG_ERRORS: tuple[type[Exception], ...] = (ValidationError, SettingsError)
+"""What building a settings class raises for bad input: a value refused (``ValidationError``) or
+an environment variable that is not even parsable (``SettingsError``, e.g. a list that is not
+JSON). Every command catches these, prints ``settings_error`` and exits 2."""
+
+_UNPARSABLE = re.compile(r'error parsing value for field "(\w+)"')
+
+
+def settings_error(exc: Exception) -> str:
     """One line for a settings class that refused its input: what is wrong, where."""
-    parts = []
-    for error in exc.errors():
-        where = ".".join(str(p) for p in error.get("loc", ()))
-        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where else message)
-    return "; ".join(parts) or str(exc).splitlines()[0]
+    if isinstance(exc, ValidationError):
+        parts = []
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error.get("loc", ()))
+            message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+            parts.append(f"{where}: {message}" if where else message)
+        text = "; ".join(parts) or str(exc)
+    elif (found := _UNPARSABLE.search(str(exc))) is not None:
+        cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+        text = f"KVGUARD_{found.group(1).upper()} is not valid JSON{cause}"
+    else:
+        text = str(exc)
+    return " ".join(text.split())

@@ -13,6 +13,7 @@ import json
 import sys
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from gateway.domain import TenantPlan
@@ -45,9 +46,12 @@ def register(subparsers: Any) -> None:
     create.add_argument("--canary-sample-rate", type=float, default=0.0)
     create.add_argument("--key-expires-in", type=int, default=None, metavar="SECONDS")
     create.set_defaults(handler=run_admin(_tenant_create))
-    tenant_cmds.add_parser("list").set_defaults(handler=run_admin(_tenant_list))
+    tenant_cmds.add_parser(
+        "list", help="every tenant with its limits, one JSON line each"
+    ).set_defaults(handler=run_admin(_tenant_list))
     for action, status in (("disable", TenantStatus.DISABLED), ("enable", TenantStatus.ACTIVE)):
-        cmd = tenant_cmds.add_parser(action)
+        what = "refuse every key of a tenant (401)" if action == "disable" else "accept them again"
+        cmd = tenant_cmds.add_parser(action, help=what)
         cmd.add_argument("name")
         cmd.set_defaults(handler=run_admin(_tenant_status), status=status)
     limits = tenant_cmds.add_parser("set-limits", help="change limits ('none' removes one)")
@@ -61,10 +65,10 @@ def register(subparsers: Any) -> None:
     key_create.add_argument("--name", default=None)
     key_create.add_argument("--expires-in", type=int, default=None, metavar="SECONDS")
     key_create.set_defaults(handler=run_admin(_key_create))
-    key_list = key_cmds.add_parser("list")
+    key_list = key_cmds.add_parser("list", help="a tenant's keys: prefix, name, dates (no secret)")
     key_list.add_argument("tenant")
     key_list.set_defaults(handler=run_admin(_key_list))
-    revoke = key_cmds.add_parser("revoke")
+    revoke = key_cmds.add_parser("revoke", help="revoke a key by its prefix (kvg_<prefix>_...)")
     revoke.add_argument("prefix")
     revoke.set_defaults(handler=run_admin(_key_revoke))
 
@@ -86,9 +90,9 @@ def run_admin(action: AdminAction) -> Callable[[argparse.Namespace], int]:
     """Wrap an admin action: settings, schema upgrade, one transaction, errors as messages."""
 
     def handler(args: argparse.Namespace) -> int:
-        from pydantic import ValidationError
+        from sqlalchemy.exc import OperationalError
 
-        from contracts.settings import settings_error
+        from contracts.settings import CONFIG_ERRORS, settings_error
         from contracts.sql import make_session_factory, session_scope
         from gateway.config import GatewaySettings
         from gateway.db.session import make_engine, upgrade_database
@@ -96,10 +100,12 @@ def run_admin(action: AdminAction) -> Callable[[argparse.Namespace], int]:
 
         try:
             settings = GatewaySettings()
-        except ValidationError as exc:
+        except CONFIG_ERRORS as exc:
             print(f"kvguard admin: invalid settings: {settings_error(exc)}", file=sys.stderr)
             return 2
-        engine = make_engine(settings.sqlalchemy_url())
+        url = settings.sqlalchemy_url()
+        print(f"kvguard admin: {_which_database(url)}", file=sys.stderr)
+        engine = make_engine(url)
         try:
             if settings.migrate_on_start or action is _migrate:
                 upgrade_database(engine)
@@ -108,11 +114,30 @@ def run_admin(action: AdminAction) -> Callable[[argparse.Namespace], int]:
         except GatewayError as exc:
             print(f"kvguard admin: {exc.message}", file=sys.stderr)
             return 1
+        except OperationalError as exc:
+            print(f"kvguard admin: the database did not answer ({exc.orig})", file=sys.stderr)
+            return 1
         finally:
             engine.dispose()
         return 0
 
     return handler
+
+
+def _which_database(url: str) -> str:
+    """The database this command uses, said on every run: another directory's ``./data`` is
+    another database (the stack's is under the KVGUARD_DATA_DIR it was started with)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    shown = parsed.render_as_string(hide_password=True)
+    path = parsed.database or ":memory:"
+    if parsed.get_backend_name() == "sqlite" and path != ":memory:" and not Path(path).exists():
+        return (
+            f"creating a new database at {Path(path).resolve()} (none was there; to use a "
+            "running stack's, set KVGUARD_DATA_DIR or KVGUARD_DATABASE_URL as it was started)"
+        )
+    return f"database {shown}"
 
 
 def _migrate(args: argparse.Namespace, session: Any) -> None:
@@ -149,8 +174,11 @@ def _tenant_row(tenant: Any) -> dict[str, Any]:
 def _tenant_list(args: argparse.Namespace, session: Any) -> None:
     from gateway.services.tenants import list_tenants
 
-    for tenant in list_tenants(session):
+    tenants = list_tenants(session)
+    for tenant in tenants:
         print(json.dumps(_tenant_row(tenant)))
+    if not tenants:
+        print("kvguard admin: no tenants in this database", file=sys.stderr)
 
 
 def _tenant_status(args: argparse.Namespace, session: Any) -> None:

@@ -23,10 +23,12 @@ from pydantic import (
     Field,
     PrivateAttr,
     SecretStr,
+    ValidationError,
     field_validator,
     model_validator,
 )
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from contracts.settings import (
     DEV_ADMIN_TOKEN,
@@ -34,6 +36,7 @@ from contracts.settings import (
     RunMode,
     require_distinct_secrets,
     require_real_secret,
+    settings_error,
 )
 
 MiB = 1 << 20
@@ -115,23 +118,62 @@ class EngineSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
-    kind: EngineKind = EngineKind.BUNDLED
-    base_url: Annotated[str, Field(min_length=1, max_length=512)]
+    name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=64,
+            pattern=r"^[A-Za-z0-9_.:-]+$",
+            description="unique name of the engine (metrics, audit rows, quarantine)",
+        ),
+    ]
+    kind: EngineKind = Field(
+        default=EngineKind.BUNDLED,
+        description="how it is introspected and called: bundled, sglang, vllm, openai, litellm",
+    )
+    base_url: Annotated[
+        str,
+        Field(
+            min_length=1, max_length=512, description="the engine's (or its router's) http(s) URL"
+        ),
+    ]
     model: str | None = Field(
         default=None,
         max_length=256,
         description="introspected kinds: the model the engine must report (else refused); "
         "declared kinds: the model name tenants use",
     )
-    litellm_model: str | None = Field(default=None, max_length=256)
-    declared_max_model_len: int | None = Field(default=None, gt=0)
+    litellm_model: str | None = Field(
+        default=None,
+        max_length=256,
+        description="litellm engines: the provider/model litellm calls (e.g. openai/gpt-4o-mini)",
+    )
+    declared_max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "declared kinds (openai, litellm): the context window the provider promises (nothing"
+            " can be measured)"
+        ),
+    )
     allow_unverified: bool = Field(
         default=False,
         description="route to a declared-capacity engine although nothing was measured",
     )
-    upstream: UpstreamPath | None = None
-    api_key: SecretStr | None = None
+    upstream: UpstreamPath | None = Field(
+        default=None,
+        description=(
+            "how completions are sent: direct (the engine's OpenAI routes) or litellm; default: "
+            "litellm for litellm engines, else direct"
+        ),
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "the credential presented to this engine (a provider's key; bundled engines: default"
+            " KVGUARD_ENGINE_TOKEN)"
+        ),
+    )
     api_key_env: str | None = Field(
         default=None,
         pattern=SECRET_REF,
@@ -232,12 +274,36 @@ def parse_engine_arg(arg: str) -> EngineSpec:
 class GatewaySettings(KvguardSettings):
     """Everything the gateway (and ``kvguard admin``) reads from ``KVGUARD_*``."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    data_dir: Path = Path("data")
-    database_url: str | None = None
-    redis_url: str | None = None
-    admin_token: SecretStr | None = None
+    host: str = Field(default="127.0.0.1", description="address the gateway listens on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port the gateway listens on")
+    data_dir: Path = Field(
+        default=Path("data"),
+        description=(
+            "where the embedded SQLite database (kvguard.db) and the local spool live; relative "
+            "paths are from the working directory"
+        ),
+    )
+    database_url: str | None = Field(
+        default=None,
+        description=(
+            "SQLAlchemy URL of the database (postgresql+psycopg://... in production); unset: "
+            "SQLite at KVGUARD_DATA_DIR/kvguard.db"
+        ),
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description=(
+            "Redis for tenant limits and quarantine state shared by every replica (required in "
+            "production); unset: in-process"
+        ),
+    )
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description=(
+            "bearer credential of the admin API (required in production; development: the well-"
+            "known dev token)"
+        ),
+    )
     metrics_token: SecretStr | None = Field(
         default=None,
         description="bearer credential for GET /metrics (it carries every tenant's series; the "
@@ -255,7 +321,10 @@ class GatewaySettings(KvguardSettings):
         description="wrong admin or metrics tokens an address may send per minute (per replica); "
         "beyond that its attempts are refused with 429 before any comparison",
     )
-    migrate_on_start: bool = True
+    migrate_on_start: bool = Field(
+        default=True,
+        description="upgrade the database schema when the gateway (or kvguard admin) starts",
+    )
     database_timeout_s: float = Field(
         default=2.0,
         gt=0,
@@ -264,27 +333,60 @@ class GatewaySettings(KvguardSettings):
         "from a frozen server",
     )
 
-    engines: list[EngineSpec] = Field(default_factory=list)
-    engines_file: Path | None = None
-    poll_interval_s: float = Field(default=5.0, gt=0)
-    capacity_stale_after_s: float = Field(default=15.0, gt=0)
-    engine_timeout_s: float = Field(default=5.0, gt=0)
-    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
-    upstream_read_timeout_s: float = Field(default=600.0, gt=0)
+    engines: list[EngineSpec] = Field(
+        default_factory=list,
+        description="engines to route to (JSON list of engine entries, below); --engine adds more",
+    )
+    engines_file: Path | None = Field(
+        default=None,
+        description=(
+            'a TOML ([[engines]]) or JSON ({"engines": [...]}) file of engine entries, read at '
+            "start-up"
+        ),
+    )
+    poll_interval_s: float = Field(
+        default=5.0, gt=0, description="how often each engine's capacity is read"
+    )
+    capacity_stale_after_s: float = Field(
+        default=15.0,
+        gt=0,
+        description=(
+            "an engine whose capacity was not read for this long is not routed to (fail closed)"
+        ),
+    )
+    engine_timeout_s: float = Field(
+        default=5.0, gt=0, description="bound of one capacity read or token count against an engine"
+    )
+    upstream_connect_timeout_s: float = Field(
+        default=5.0, gt=0, description="bound of connecting to an engine for a completion"
+    )
+    upstream_read_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="the longest wait for an engine's next bytes during a completion",
+    )
 
-    limiter_fail_open: bool = False
-    concurrency_lease_s: float = Field(default=60.0, gt=1)
-    default_requests_per_minute: int | None = Field(default=None, gt=0)
-    default_tokens_per_minute: int | None = Field(default=None, gt=0)
-    default_max_concurrency: int | None = Field(default=None, gt=0)
-    default_max_context_tokens: int | None = Field(default=None, gt=0)
+    limiter_fail_open: bool = Field(
+        default=False,
+        description=(
+            "let requests through when Redis (the shared limiter) is unreachable; default: "
+            "refuse with 503"
+        ),
+    )
+    concurrency_lease_s: float = Field(
+        default=60.0,
+        gt=1,
+        description="a concurrency slot not released (a replica died) frees itself after this",
+    )
 
     refuse_on_handoff_mismatch: bool = Field(
         default=True,
         description="refuse (or cut) an answer whose handoff proof shows reserved != transferred; "
         "off only for drills that must let such an answer reach the canary firewall",
     )
-    max_body_bytes: int = Field(default=8 * MiB, gt=0)
+    max_body_bytes: int = Field(
+        default=8 * MiB, gt=0, description="largest request body accepted (413 beyond)"
+    )
     header_timeout_s: float = Field(
         default=15.0, gt=0, description="a client must send its whole request head within this"
     )
@@ -299,17 +401,30 @@ class GatewaySettings(KvguardSettings):
         "admission fits and the limiter takes, and what an engine that reserves KV up front "
         "(the bundled one with KVGUARD_KV_ALLOCATION=reserve) holds per request",
     )
-    key_last_used_interval_s: float = Field(default=60.0, ge=0)
+    key_last_used_interval_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="how often a key's last_used_at is written (at most once per interval)",
+    )
     auth_cache_ttl_s: float = Field(
         default=1.0,
         ge=0,
         description="how long a replica trusts a verified key without asking the database (0: "
         "never); revocation through this replica's admin API applies at once, elsewhere within it",
     )
-    audit_flush_interval_s: float = Field(default=0.5, gt=0)
+    audit_flush_interval_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="how often audit rows are written to the database in one batch",
+    )
 
-    otlp_endpoint: str | None = None
-    service_name: str = "kvguard-gateway"
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OTLP/HTTP collector for the gateway's spans (unset: no spans exported)",
+    )
+    service_name: str = Field(
+        default="kvguard-gateway", description="OpenTelemetry service.name of the gateway's spans"
+    )
     cache_salt_key: SecretStr | None = Field(
         default=None,
         description="key of the per-tenant prefix-cache salt sent to vLLM/SGLang (cache_salt); "
@@ -332,6 +447,19 @@ class GatewaySettings(KvguardSettings):
             raise ValueError("KVGUARD_REDIS_URL is required when KVGUARD_MODE=production")
         if self.capacity_stale_after_s <= self.poll_interval_s:
             raise ValueError("capacity_stale_after_s must exceed poll_interval_s")
+        return self
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> Self:
+        """The database URL parses and the engines file reads: refused at start-up, in one line,
+        not as a traceback from the first connection or the lifespan."""
+        try:
+            make_url(self.sqlalchemy_url())
+        except ArgumentError as exc:
+            raise ValueError(
+                "KVGUARD_DATABASE_URL is not a database URL (e.g. postgresql+psycopg://u:p@host/db)"
+            ) from exc
+        self.engine_specs()  # the engines file is readable and valid, every name unique
         return self
 
     def admin_secret(self) -> str:
@@ -376,8 +504,18 @@ class GatewaySettings(KvguardSettings):
 
 def load_engines_file(path: Path) -> list[EngineSpec]:
     """A TOML (``[[engines]]`` tables) or JSON (``{"engines": [...]}``) engines file."""
-    text = path.read_text(encoding="utf-8")
-    data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    if set(data) - {"engines"}:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+        raise ValueError(f"engines file {path}: cannot read it ({reason})") from exc
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except ValueError as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        raise ValueError(f"engines file {path}: {exc}") from exc
+    if not isinstance(data, dict) or set(data) - {"engines"}:
         raise ValueError(f"{path}: only an 'engines' list is allowed at the top level")
-    return [EngineSpec.model_validate(item) for item in data.get("engines", [])]
+    try:
+        return [EngineSpec.model_validate(item) for item in data.get("engines", [])]
+    except ValidationError as exc:
+        raise ValueError(f"engines file {path}: {settings_error(exc)}") from exc

@@ -33,7 +33,26 @@ def build_parser() -> argparse.ArgumentParser:
     backend_cli.register(subparsers)
     load_cli.register(subparsers)
     benchcmd.register(subparsers)
+    show_defaults(parser)
     return parser
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option of every command says its default in ``--help`` (when it has one worth
+    saying: not None, not off, not empty)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                show_defaults(sub)
+            continue
+        default = action.default
+        if not action.option_strings or default in (None, False, [], argparse.SUPPRESS):
+            continue
+        if action.help == argparse.SUPPRESS or "%(default)" in (action.help or ""):
+            continue
+        action.help = (
+            f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,9 +24,22 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def _without_annotated(text: str) -> str:
+    """``Annotated[int, FieldInfo(...)]`` -> ``int`` (the constraints are not a type)."""
+    while (start := text.find("Annotated[")) >= 0:
+        depth, end = 0, start + len("Annotated")
+        for end in range(start + len("Annotated"), len(text)):
+            depth += {"[": 1, "]": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        inner = text[start + len("Annotated[") : end]
+        text = text[:start] + inner.split(",", 1)[0] + text[end + 1 :]
+    return text
+
+
 def _type_name(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    text = text or str(annotation)
+    text = _without_annotated(text or str(annotation))
     noises = ("typing.", "pathlib.", "pydantic.types.", "gateway.config.", "contracts.settings.")
     for noise in noises:
         text = text.replace(noise, "")

@@ -20,8 +20,12 @@ def register(subparsers: Any) -> None:
         description="Serve the OpenAI-compatible "
         "tenant API with keys, limits and capacity truth from the engines.",
     )
-    gateway.add_argument("--host", default=None)
-    gateway.add_argument("--port", type=int, default=None)
+    gateway.add_argument(
+        "--host", default=None, help="address to listen on (default: KVGUARD_HOST, else 127.0.0.1)"
+    )
+    gateway.add_argument(
+        "--port", type=int, default=None, help="port (default: KVGUARD_PORT, else 8000)"
+    )
     gateway.add_argument(
         "--engine",
         action="append",
@@ -34,10 +38,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
     from canary.config import CanarySettings
-    from contracts.settings import settings_error
+    from contracts.settings import CONFIG_ERRORS, settings_error
     from gateway.config import GatewaySettings, parse_engine_arg
 
     try:  # settings first: a refusal is one line, before the heavy imports below
@@ -49,7 +51,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             overrides["port"] = args.port
         settings = GatewaySettings(**overrides)
         canary = CanarySettings()
-    except ValidationError as exc:
+    except CONFIG_ERRORS as exc:
         print(f"kvguard gateway: cannot start: {settings_error(exc)}", file=sys.stderr)
         return 2
     return _serve_gateway(settings, canary, log_level=args.log_level)

@@ -62,6 +62,23 @@ def stack_env(data_dir: Path) -> dict[str, str]:
     return env
 
 
+def settings_refusal(env: dict[str, str]) -> str | None:
+    """Every role's settings, read from the stack's environment before anything starts: one
+    line naming what is wrong, or None (a role refusing later would stop the others half-up)."""
+    from backend.config import BackendSettings
+    from canary.config import CanarySettings
+    from contracts.settings import CONFIG_ERRORS, settings_error
+    from gateway.config import GatewaySettings
+
+    os.environ.update(env)  # the roles' environment, which this process hands them anyway
+    for settings in (BackendSettings, GatewaySettings, CanarySettings):
+        try:
+            settings()
+        except CONFIG_ERRORS as exc:
+            return settings_error(exc)
+    return None
+
+
 def embedded_roles(args: argparse.Namespace, env: dict[str, str]) -> list[RoleSpec]:
     kvguard = [sys.executable, "-m", "kvguard"]
     host, backend_port, gateway_port = args.host, args.backend_port, args.port
@@ -120,7 +137,11 @@ def run(args: argparse.Namespace) -> int:
         from kvguard.up_production import run_production_like
 
         return run_production_like(args)
-    env = stack_env(args.data_dir)
+    env = stack_env(args.data_dir.resolve())  # absolute: `kvguard admin` can be pointed at it
+    refusal = settings_refusal(env)
+    if refusal is not None:
+        print(f"kvguard up: cannot start: {refusal}", file=sys.stderr)
+        return 2
     roles = embedded_roles(args, env)
     backend, gateway = roles
 

@@ -82,18 +82,18 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import httpx
-    from pydantic import ValidationError
 
     from canary.config import CanarySettings
     from canary.markers import MarkerCodec
+    from contracts.settings import CONFIG_ERRORS, settings_error
     from kvguard.load.report import Slo, format_summary, passed
     from kvguard.load.runner import LoadOptions, run_load
     from kvguard.load.setup import LoadSetupError
 
     try:
         settings = CanarySettings()
-    except ValidationError as exc:
-        print(f"kvguard load: invalid settings: {exc}", file=sys.stderr)
+    except CONFIG_ERRORS as exc:
+        print(f"kvguard load: invalid settings: {settings_error(exc)}", file=sys.stderr)
         return EXIT_SETUP
     url = args.gateway or settings.canary_gateway_url
     if not url:

@@ -3,6 +3,7 @@ docs/configuration.md holds its current output."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,15 @@ def test_reference_lists_every_variable_once_per_section() -> None:
     engine_rows = [line for line in sections[3].splitlines() if line.startswith("| `")]
     assert [row.split("`")[1] for row in engine_rows] == list(EngineSpec.model_fields)
     assert "/work/" not in text and "/home/" not in text  # no build-machine paths
+
+
+def test_every_row_says_what_the_setting_means() -> None:
+    rows = [line for line in render().splitlines() if line.startswith("| `")]
+    cells = [re.split(r"(?<!\\)\|", row)[1:-1] for row in rows]  # escaped pipes stay in cells
+    assert {len(row) for row in cells} == {4}
+    unexplained = [variable.strip() for variable, _, _, meaning in cells if not meaning.strip()]
+    assert unexplained == []
+    assert "Annotated[" not in render()  # types read as types, not as their constraints
 
 
 def test_the_docs_hold_the_current_reference() -> None:
