@@ -12,6 +12,8 @@ from datetime import datetime
 
 from pydantic import SecretStr, TypeAdapter
 from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.sql import run_in_session, utcnow
@@ -96,10 +98,20 @@ def controls(session: Session) -> dict[str, EngineControls]:
 
 
 def _control(session: Session, name: str) -> EngineControl:
-    row = session.get(EngineControl, name)
-    if row is None:
-        row = EngineControl(engine_name=name, allow_unsafe=False)
-        session.add(row)
+    """The engine's control row, created when missing, locked for this unit of work.
+
+    Two writers may reach a new engine's row at once (the quarantine writer behind a slow
+    database and an admin's clear): the insert does nothing when the other got there first, and
+    waits for it while it is uncommitted, so neither fails on the primary key."""
+    values = {"engine_name": name, "allow_unsafe": False, "updated_at": utcnow()}
+    if session.get_bind().dialect.name == "postgresql":
+        pg_absent = postgresql_insert(EngineControl).values(values)
+        session.execute(pg_absent.on_conflict_do_nothing(index_elements=["engine_name"]))
+    else:
+        absent = sqlite_insert(EngineControl).values(values)
+        session.execute(absent.on_conflict_do_nothing(index_elements=["engine_name"]))
+    row = session.get(EngineControl, name, with_for_update=True, populate_existing=True)
+    assert row is not None  # inserted above or by the writer it waited for
     return row
 
 
