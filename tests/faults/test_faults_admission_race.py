@@ -34,7 +34,9 @@ class BecomesUnavailable:
             registry = self.app.state.gateway.registry
             record = registry.get(ENGINE)
             gone = "the prefill role is unavailable: capacity not readable (ConnectError)"
-            snapshot = dataclasses.replace(record.snapshot, unavailable=gone, max_request_tokens=0)
+            snapshot = dataclasses.replace(
+                record.snapshot, unavailable=gone, reported_max_request_tokens=0
+            )
             registry.record_success(ENGINE, snapshot)
         return body
 
