@@ -217,11 +217,14 @@ async def test_vllm_deployment_behind_the_pd_proxy(make_settings, tmp_path: Path
             assert view["tokenize_url"] == f"{routed.urls['prefill-0']}/tokenize"
             assert view["prefix_cache_isolation"]["field"] == "cache_salt"
             tenant, key = await gw.create_tenant("acme")
-            body = _chat("qwen3-32b", 12, cache_salt="mine")
+            body = _chat("qwen3-32b", 12, cache_salt="the-client-chose-this")
             r = await gw.client.post("/v1/chat/completions", json=body, headers=bearer(key))
             assert r.status_code == 200 and '"stop_reason"' in r.text
             salt = decoded.bodies[-1]["cache_salt"]
-            assert salt == tenant_salt(gw.state.settings.cache_salt_secret(), tenant) != "mine"
+            assert salt == tenant_salt(gw.state.settings.cache_salt_secret(), tenant)
+            received = routed.workers["prefill-0"].traffic.bodies + decoded.bodies
+            assert len(received) == 2  # the proxy's KV-prepare on prefill-0, the decode request
+            assert "the-client-chose-this" not in json.dumps(received)
             assert len(salt) <= 128 and not set(salt) & set("@/\\\0")
             assert routed.workers["prefill-0"].traffic.hits("/tokenize") >= 2  # probe + count
             rows = await _audit(gw)
