@@ -65,3 +65,27 @@ async def test_litellm_chat_and_completions(make_settings, standin, monkeypatch)
         standin.controls.refuse_above = 5
         r = await gw.client.post("/v1/chat/completions", json=chat, headers=bearer(key))
         assert r.status_code == 400 and "error" in r.json()
+
+
+async def test_api_base_false_leaves_the_endpoint_to_the_provider_config(
+    make_settings, standin, monkeypatch
+) -> None:
+    """``api_base = false``: litellm is given no api_base, so the provider's own configuration
+    (here litellm's ``OPENAI_BASE_URL``) picks the endpoint; base_url is only a label and points
+    at a port nothing listens on."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-the-environment")
+    monkeypatch.setenv("OPENAI_BASE_URL", f"{standin.url}/v1")
+    label_only = {**_spec(standin), "base_url": "http://127.0.0.1:9/v1", "api_base": False}
+    async with running_gateway(make_settings(engines=[label_only])) as gw:
+        _, key = await gw.create_tenant("acme")
+        chat = {
+            "model": "standin-model",
+            "messages": [{"role": "user", "content": WORDS}],
+            "max_tokens": 5,
+        }
+        r = await gw.client.post("/v1/chat/completions", json=chat, headers=bearer(key))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == WORDS
+        assert standin.controls.seen_headers[-1]["authorization"] == (
+            "Bearer sk-from-the-environment"
+        )
