@@ -3,7 +3,8 @@
 A cell (family x feature) is ✓ only when a test of `make test` is parametrised over that family
 for that feature; the table is read from the test functions' own `parametrize` marks, so it
 cannot claim a family a test does not run. `python tests/backend/model/model_matrix.py` prints
-it; test_model_matrix.py holds the docs to this output.
+it; `python tests/backend/model/model_matrix.py --write` puts it between the markers of every page
+in PAGES; test_model_matrix.py holds those copies to this output.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ REPO = HERE.parents[2]
 sys.path.insert(0, str(HERE))
 
 from tiny_families import FAMILIES  # noqa: E402
+
+# the pages that carry the table, between these markers
+PAGES = [REPO / "README.md", REPO / "docs" / "models.md"]
+BEGIN, END = "<!-- model-matrix:begin -->", "<!-- model-matrix:end -->"
 
 # feature -> the tests (file, function) that prove it for each family they are parametrised over
 FEATURES: dict[str, list[tuple[str, str]]] = {
@@ -86,5 +91,30 @@ def render() -> str:
     return "\n".join(rows + legend)
 
 
+def _span(text: str) -> tuple[int, int]:
+    """Where the table lies in a page: between the end of BEGIN and the start of END."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"no {BEGIN} ... {END} in the page")
+    return start + len(BEGIN), end
+
+
+def table_in(page: Path) -> str:
+    """The table a page carries now."""
+    text = page.read_text(encoding="utf-8")
+    start, end = _span(text)
+    return text[start:end].strip("\n")
+
+
+def write(page: Path) -> None:
+    text = page.read_text(encoding="utf-8")
+    start, end = _span(text)
+    page.write_text(text[:start] + "\n" + render() + "\n" + text[end:], encoding="utf-8")
+
+
 if __name__ == "__main__":
-    print(render())
+    if sys.argv[1:] == ["--write"]:
+        for page in PAGES:
+            write(page)
+    else:
+        print(render())

@@ -1,13 +1,11 @@
-"""The models table in the docs is `model_matrix.render()` verbatim, and every cell is proven."""
+"""The models table of README.md and docs/models.md is `model_matrix.render()` verbatim, and
+every cell is proven."""
 
 from __future__ import annotations
 
-from model_matrix import FEATURES, REPO, coverage, render
+import pytest
+from model_matrix import FEATURES, PAGES, REPO, coverage, render, table_in
 from tiny_families import FAMILY_NAMES
-
-
-def docs_page():
-    return REPO / "docs" / "models.md"
 
 
 def test_every_family_has_every_feature_tested():
@@ -16,8 +14,8 @@ def test_every_family_has_every_feature_tested():
     assert missing == []
 
 
-def test_the_docs_hold_the_generated_table():
-    page = docs_page()
-    assert render() in page.read_text(encoding="utf-8"), (
-        f"stale: paste `python tests/backend/model/model_matrix.py` into {page.name}"
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(REPO)))
+def test_the_page_holds_the_generated_table(page):
+    assert table_in(page) == render(), (
+        f"stale: run `python tests/backend/model/model_matrix.py --write` ({page.name})"
     )
