@@ -39,6 +39,7 @@ from backend.model.kv_cache import KVCache
 from backend.model.snapshot import default_served_name
 from backend.server.prefill_client import HttpPrefillChannel, PrefillLink, PrefillMonitor
 from backend.server.service import EngineService
+from backend.server.tracing import HANDOFF_HOOKS
 from backend.transport.base import KvTransport
 from contracts.engine import Role
 
@@ -261,7 +262,8 @@ def _decode_runtime(
     drivers: list[HandoffDriver],
     channel: PrefillLink | None,
 ) -> RoleRuntime:
-    client = httpx.AsyncClient(headers=settings.engine_headers())  # prefill wants the credential
+    # prefill wants the credential; the hooks put each handoff's HTTP exchange on its span
+    client = httpx.AsyncClient(headers=settings.engine_headers(), event_hooks=HANDOFF_HOOKS)
     if channel is None:
         assert settings.prefill_url is not None
         channel = HttpPrefillChannel(

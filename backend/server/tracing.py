@@ -11,12 +11,18 @@ Decode -> prefill: the handoff is sent later, from the event loop's handoff driv
 request's context. The middleware therefore remembers each decode request's span by (request
 id, tenant) while it runs (``HandoffTraces``); the driver opens a CLIENT span ``kv handoff`` under
 it around the prefill call, and ``HttpPrefillChannel`` puts that span's ``traceparent`` on the
-``/kv/v1/prefill`` request, whose SERVER span on prefill is its child.
+``/kv/v1/prefill`` request, whose SERVER span on prefill is its child. Decode's HTTP client to
+prefill carries ``HANDOFF_HOOKS``: while a handoff span is current they record the request it
+sends (``server.address``, ``server.port``, ``url.full`` without credentials or query) and the
+status it gets; a failure before any status (a refused connection, a timeout) leaves its
+exception's type as ``error.type``.
 
 Spans are exported over OTLP/HTTP when ``otlp_endpoint`` is set (the same
 ``KVGUARD_OTLP_ENDPOINT`` the gateway reads) or to an exporter a test passes; otherwise nothing is
-built at all. Attributes follow the HTTP semantic conventions (``http.request.method``,
-``http.route``, ``http.response.status_code``, ``error.type``) plus ids (role, request id, tenant
+built at all. Attributes follow the HTTP semantic conventions (server spans:
+``http.request.method``, ``http.route``, ``http.response.status_code``, ``error.type``; the
+handoff's client span: ``http.request.method``, ``server.address``, ``server.port``,
+``url.full``, ``http.response.status_code``, ``error.type``) plus ids (role, request id, tenant
 id), never a prompt or a completion.
 """
 
@@ -24,25 +30,28 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from fastapi import FastAPI
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER
 
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/kv/v1/prefill"})
-HANDOFF_PATH = "/kv/v1/prefill"
 MAX_REMEMBERED = 4096  # decode requests in flight whose handoff may still be sent
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Message, Receive, Send], Awaitable[None]]
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def tracer_provider(
@@ -81,7 +90,8 @@ class HandoffTraces:
     @contextmanager
     def handoff(self, request_id: str, tenant: str) -> Iterator[None]:
         """A CLIENT span around one prefill call, current while it runs (so the channel
-        propagates it); no span when the request's own span is unknown."""
+        propagates it and ``HANDOFF_HOOKS`` record its HTTP exchange); no span when the request's
+        own span is unknown."""
         parent = self._running.get((request_id, tenant))
         if parent is None:
             yield
@@ -90,14 +100,77 @@ class HandoffTraces:
             "kv handoff",
             context=trace.set_span_in_context(trace.NonRecordingSpan(parent)),
             kind=SpanKind.CLIENT,
-            attributes={
-                "http.request.method": "POST",
-                "url.path": HANDOFF_PATH,
-                "kvguard.request_id": request_id[:128],
-            },
+            attributes={"http.request.method": "POST", "kvguard.request_id": request_id[:128]},
         )
-        with trace.use_span(span, end_on_exit=True, record_exception=False):
-            yield
+        call = _HandoffCall(span)
+        token = _CURRENT_HANDOFF.set(call)
+        try:
+            with trace.use_span(
+                span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+            ):
+                try:
+                    yield
+                except Exception as exc:  # the span is still open here
+                    if not call.answered_error:  # a status >= 400 already names the failure
+                        span.set_attribute("error.type", _error_type(exc))
+                    span.set_status(Status(StatusCode.ERROR))
+                    raise
+        finally:
+            _CURRENT_HANDOFF.reset(token)
+
+
+@dataclass(slots=True)
+class _HandoffCall:
+    """The handoff span the HTTP hooks write to, and whether its answer was an HTTP error."""
+
+    span: Span
+    answered_error: bool = False
+
+
+_CURRENT_HANDOFF: ContextVar[_HandoffCall | None] = ContextVar("kvguard_handoff", default=None)
+
+
+def _error_type(exc: BaseException) -> str:
+    """The exception's fully qualified class name (builtins by their bare name)."""
+    kind = type(exc)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+async def _record_request(request: httpx.Request) -> None:
+    call = _CURRENT_HANDOFF.get()
+    if call is None:
+        return
+    url = request.url
+    if url.userinfo:
+        url = url.copy_with(username="REDACTED", password="REDACTED")
+    call.span.set_attributes(
+        {
+            "server.address": url.host,
+            "server.port": url.port or DEFAULT_PORTS[url.scheme],
+            "url.full": str(url.copy_with(query=None, fragment=None)),
+        }
+    )
+
+
+async def _record_response(response: httpx.Response) -> None:
+    call = _CURRENT_HANDOFF.get()
+    if call is None:
+        return
+    status = response.status_code
+    call.span.set_attribute("http.response.status_code", status)
+    if status >= 400:  # a client span's error (OpenTelemetry's HTTP span status rules)
+        call.answered_error = True
+        call.span.set_attribute("error.type", str(status))
+        call.span.set_status(Status(StatusCode.ERROR))
+
+
+# httpx event hooks for decode's client to prefill; outside a handoff span they do nothing.
+HANDOFF_HOOKS: dict[str, list[Callable[..., Any]]] = {
+    "request": [_record_request],
+    "response": [_record_response],
+}
 
 
 def install_tracing(

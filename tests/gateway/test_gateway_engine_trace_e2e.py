@@ -2,8 +2,8 @@
 prefill and decode processes export their spans over OTLP/HTTP (``KVGUARD_OTLP_ENDPOINT``) to a
 receiver in this test (a real HTTP server on 127.0.0.1 decoding the OTLP protobuf). The chain must
 be gateway SERVER -> gateway CLIENT (the engine call, GenAI attributes) -> decode SERVER -> decode
-CLIENT (``kv handoff``) -> prefill SERVER (``/kv/v1/prefill``), one trace id, ids and counts only
-(no prompt, no completion).
+CLIENT (``kv handoff``, HTTP client attributes: where it went and what it got) -> prefill SERVER
+(``/kv/v1/prefill``), one trace id, ids and counts only (no prompt, no completion).
 
 Times: every span starts after its parent (a call is made before it is received). Only a parent in
 the same process is promised to end after its child (the gateway closes its engine call's span
@@ -19,6 +19,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import httpx
@@ -166,6 +167,14 @@ async def test_one_trace_from_the_gateway_through_decode_to_prefill(
         request_id,
     )
     assert _attrs(prefill_server)["http.response.status_code"] == 200
-    assert _attrs(handoff)["kvguard.request_id"] == request_id
+    prefill_url = urlsplit(prefill.url)
+    assert _attrs(handoff) == {  # OpenTelemetry's HTTP client span, and the request it carries
+        "http.request.method": "POST",
+        "server.address": prefill_url.hostname,
+        "server.port": prefill_url.port,
+        "url.full": prefill.url + "/kv/v1/prefill",
+        "http.response.status_code": 200,
+        "kvguard.request_id": request_id,
+    }
     for span in chain:
         assert "secret" not in str(span)
