@@ -61,7 +61,10 @@ def isolation_out(kind: EngineKind, snapshot: CapacitySnapshot | None) -> Isolat
         return IsolationOut(
             supported=True,
             field=None,
-            detail="bundled engine: KV pages are never shared across tenants",
+            detail=(
+                "bundled engine: KV pages are never shared across tenants unless an operator"
+                " groups them (KVGUARD_PREFIX_CACHE_GROUPS)"
+            ),
         )
     if kind in (EngineKind.OPENAI, EngineKind.LITELLM):
         return IsolationOut(
