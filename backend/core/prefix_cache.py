@@ -29,18 +29,20 @@ Lifecycle of a cached page (its states are ``PagePool``'s; this class keeps the 
   chain is evicted from its end), through the pool's one release path: zeroed before reuse, the
   next allocation bumps the generation.
 
-What the scope guarantees about timing. Two requests share a page only if their keys are equal,
-and equal keys need equal scopes: with per-tenant scopes (the default) no request of tenant B can
-hit a page computed for tenant A, whatever their tokens. Which of B's pages hit is a function of
-B's own requests and of evictions; evictions depend on how much others hold (their token counts
-and timing), never on what their tokens are. So B's time to first token cannot tell B whether
-another tenant sent B's prefix; it tells B no more about other tenants than a cacheless engine's
-load does (``test_core_prefix_cache``: B's schedule is identical whether A sent B's prompt or
-other tokens of the same length). Tenants an operator puts in one group share a scope: each of
-them can learn from timing whether another member recently sent a prefix (the CVE-2025-46570
-channel) — the price of sharing their cache hits, for tenants that trust each other (one
-customer's tenant ids). The ``shared_prefix_across_tenants`` fault drill puts every tenant in one
-scope: the unsalted cache, whose counterexample the model checker prints.
+What the scope guarantees about timing. Two requests share a page only if their keys are equal, and
+equal keys need equal scopes: with per-tenant scopes (the default) no request of tenant B can hit a
+page computed for tenant A, whatever their tokens. Which of B's pages hit is a function of B's own
+requests and of evictions; evictions depend on how much others hold and when (their token counts
+and timing, and so their tokens only through their own scope's hits: a tenant whose requests repeat
+a prefix holds fewer pages), never on whether another tenant sent a prefix B sends: no page of
+another scope is in B's chains. So B's time to first token cannot tell B whether another tenant
+sent B's prefix; it tells B no more about other tenants than a cacheless engine's load does
+(``test_core_prefix_cache``: B's schedule is identical whether A sent B's prompt or other tokens of
+the same length). Tenants an operator puts in one group share a scope: each of them can learn from
+timing whether another member recently sent a prefix (the CVE-2025-46570 channel) — the price of
+sharing their cache hits, for tenants that trust each other (one customer's tenant ids). The
+``shared_prefix_across_tenants`` fault drill puts every tenant in one scope: the unsalted cache,
+whose counterexample the model checker prints.
 
 Pure bookkeeping (``hashlib``/``hmac``/``struct`` compute keys; no I/O, no environment).
 """
