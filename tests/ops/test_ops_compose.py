@@ -45,6 +45,8 @@ SECRETS = {
 }
 INTERPOLATION = re.compile(r"\$\{(\w+)(:\?[^}]*)?\}")
 HEALTH_URL = re.compile(r"https?://([\w.-]+):(\d+)/")
+# otel/opentelemetry-collector-contrib's Dockerfile: USER 10001:10001
+COLLECTOR_USER = "10001:10001"
 
 
 def interpolate(value: str) -> str:
@@ -339,9 +341,25 @@ def test_alertmanager_routes_every_kvguard_alert_to_the_receiver_users_point() -
     assert targets["targets"] == [f"alertmanager:{_container_port('alertmanager')}"]
 
 
+def _mounts(service: str) -> dict[str, tuple[str, str]]:
+    """A service's mounts by target: (type, source), from compose's short or long syntax."""
+    mounts = {}
+    for volume in SERVICES[service].get("volumes", []):
+        if isinstance(volume, dict):
+            mounts[volume["target"]] = (volume["type"], volume.get("source", ""))
+            continue
+        source, target = volume.split(":")[:2]
+        kind = "bind" if source.startswith(("./", "/")) else "volume"
+        mounts[target] = (kind, source)
+    return mounts
+
+
 def test_every_role_sends_its_traces_to_the_collector_which_keeps_them() -> None:
     """Gateway, decode and prefill export to the collector's OTLP/HTTP receiver (one trace across
-    the three); the collector writes them to a file on a volume and logs a summary."""
+    the three); the collector writes them to a file on a named volume, which ``docker compose cp``
+    can read (not a tmpfs: it cannot, and the distroless image has no shell to read it with),
+    owned by the image's user before the collector starts, and logs a summary. The documented
+    ``docker compose cp`` names that file."""
     collector = yaml.safe_load((REPO / "deploy" / "otel-collector.yaml").read_text())
     receiver = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
     for name in ("gateway", "decode", "prefill"):
@@ -349,10 +367,21 @@ def test_every_role_sends_its_traces_to_the_collector_which_keeps_them() -> None
         assert otlp.hostname == "otel-collector" and receiver.endswith(f":{otlp.port}"), name
     pipeline = collector["service"]["pipelines"]["traces"]
     assert pipeline["receivers"] == ["otlp"] and "debug" in pipeline["exporters"]
+    assert collector["exporters"]["debug"]["verbosity"] == "basic"  # a line per batch, no spans
     (file_exporter,) = [e for e in pipeline["exporters"] if e.startswith("file")]
     path = Path(collector["exporters"][file_exporter]["path"])
-    mounts = [v for v in SERVICES["otel-collector"]["volumes"] if isinstance(v, dict)]
-    assert [m["target"] for m in mounts] == [str(path.parent)]
+    kind, volume = _mounts("otel-collector")[str(path.parent)]
+    assert kind == "volume" and volume in COMPOSE["volumes"], (kind, volume)
+    sharing = [n for n in SERVICES if ("volume", volume) in _mounts(n).values()]
+    (init,) = set(sharing) - {"otel-collector"}
+    assert _mounts(init) == {str(path.parent): ("volume", volume)} and init in ONE_SHOT
+    assert SERVICES[init]["command"] == ["chown", COLLECTOR_USER, str(path.parent)]
+    depends = SERVICES["otel-collector"]["depends_on"][init]
+    assert depends == {"condition": "service_completed_successfully"}
+    copy = f"docker compose cp otel-collector:{path} "
+    for doc in (REPO / "docs" / "operations.md", REPO / "deploy" / "otel-collector.yaml"):
+        commands = re.findall(r"docker compose cp \S+ ", doc.read_text())
+        assert commands and set(commands) == {copy}, (doc.name, commands)
 
 
 def test_the_walkthrough_sets_every_variable_compose_requires() -> None:
