@@ -7,6 +7,12 @@ CPU (httpx stays for the capacity poller and token counting, which are not per-r
 A stream is opened, its status checked before the client sees anything (so an engine 400 becomes
 a proper 400, not a broken 200 stream), then relayed chunk by chunk as the engine writes; closing
 it early closes the connection, so the engine sees the client go away.
+
+A router may answer 200 with a worker's error: vLLM's PD proxy demo
+(``disagg_proxy_demo.py`` ``forward_request``) relays a worker's 4xx body as it is, under
+status 200, streamed or not. A 200 whose body is one JSON object carrying ``error`` (and no
+``choices``) is therefore read as that error, its status the error's own ``code`` (502 when that
+is no 4xx/5xx), so the client gets the engine's message, not a completion that never started.
 """
 
 from __future__ import annotations
@@ -31,10 +37,13 @@ _FAILURES = (aiohttp.ClientError, TimeoutError)
 
 
 class DirectStream(UpstreamStream):
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, first: bytes) -> None:
         self._response = response
+        self._first = first  # read already, to tell a stream from a relayed error
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        if self._first:
+            yield self._first
         try:
             async for chunk in self._response.content.iter_any():
                 yield chunk
@@ -90,22 +99,52 @@ class DirectUpstream(Upstream):
         body = _json_or_none(content)
         if response.status != 200:
             body = engine_error_body(body)
+        elif (relayed := _relayed_error(body)) is not None:
+            return relayed
         return UpstreamReply(status=response.status, body=body, raw=_utf8_or_none(content))
 
     async def stream(self, call: UpstreamCall) -> UpstreamStream | UpstreamReply:
         response = await self._send(call)
         if response.status == 200:
-            return DirectStream(response)
+            first = await _first_chunk(response)
+            if not first.lstrip().startswith(b"{"):  # SSE: "data: ..."
+                return DirectStream(response, first)
+        else:
+            first = b""
         try:
-            body = await _read_bounded(response)
+            body = _json_or_none(first + await _read_bounded(response))
         finally:
             response.close()
-        return UpstreamReply(status=response.status, body=engine_error_body(_json_or_none(body)))
+        if response.status != 200:
+            return UpstreamReply(status=response.status, body=engine_error_body(body))
+        return _relayed_error(body) or UpstreamReply(status=502, body=None)
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _relayed_error(body: dict[str, Any] | None) -> UpstreamReply | None:
+    """A 200 whose body is a worker's error (see the module docstring), as that error."""
+    body = engine_error_body(body)
+    error = None if body is None or "choices" in body else body.get("error")
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    if isinstance(code, bool) or not isinstance(code, int) or not 400 <= code < 600:
+        code = 502
+    return UpstreamReply(status=code, body=body)
+
+
+async def _first_chunk(response: aiohttp.ClientResponse) -> bytes:
+    try:
+        async for chunk in response.content.iter_any():
+            return chunk
+    except _FAILURES as exc:
+        response.close()
+        raise UpstreamUnreachable(f"stream broke: {exc.__class__.__name__}") from exc
+    return b""
 
 
 async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:

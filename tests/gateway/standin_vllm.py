@@ -21,6 +21,9 @@ examples):
 - ``PDProxy``: ``examples/online_serving/disaggregated_serving/disagg_proxy_demo.py``: the request
   goes to a prefill instance with ``max_tokens=1`` first, then to a decode instance whose answer is
   streamed back; ``GET /status`` lists the instances; no ``/v1/models``, ``/metrics`` or tokenize.
+  ``forward_request`` relays a worker's 2xx and 4xx bodies alike, so a decode worker's 400
+  ``ErrorResponse`` reaches the caller as HTTP 200 (``StreamingResponse(...,
+  media_type="application/json")``, streamed or not); a 5xx becomes FastAPI's ``{"detail"}``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class VLLMWorker:
     log_stats: bool = True
     version: str = VERSION
     status: int = 200
+    refuse: str | None = None  # completions answer vLLM's 400 ErrorResponse with this message
     script: Script = field(default_factory=Script)
     traffic: Traffic = field(default_factory=Traffic)
 
@@ -153,6 +157,8 @@ def worker_app(w: VLLMWorker) -> FastAPI:
     async def complete(request: Request) -> Any:
         body = await request.json()
         w.traffic.bodies.append(body)
+        if w.refuse is not None:
+            return _error(400, w.refuse)
         w.traffic.prompts.append(prompt_text(body))
         salt = body.get("cache_salt")
         if salt is not None and (len(salt) > 128 or any(c in salt for c in "@/\\\0")):
@@ -206,11 +212,11 @@ def proxy_app(p: PDProxy) -> FastAPI:
         await client.post(f"http://{next(p._p)}{path}", json=kv_prepare)
         upstream = client.build_request("POST", f"http://{next(p._d)}{path}", json=body)
         opened = await client.send(upstream, stream=True)
-        if opened.status_code != 200:
+        if opened.status_code >= 500:
             await opened.aread()
-            return JSONResponse(opened.json(), status_code=opened.status_code)
-        media = "text/event-stream" if body.get("stream") else "application/json"
-        return StreamingResponse(opened.aiter_raw(), media_type=media)
+            detail = f"Request failed with status {opened.status_code}: {opened.text}"
+            return JSONResponse({"detail": detail}, status_code=opened.status_code)
+        return StreamingResponse(opened.aiter_raw(), media_type="application/json")
 
     return app
 

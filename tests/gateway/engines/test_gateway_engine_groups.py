@@ -211,12 +211,14 @@ async def test_vllm_deployment_behind_the_pd_proxy(make_settings, tmp_path: Path
     try:
         engines = tmp_path / "engines.toml"
         engines.write_text(_toml("vllm-pd", "vllm", routed.url, routed.members()))
-        async with running_gateway(make_settings(engines_file=engines)) as gw:
+        settings = make_settings(engines_file=engines)
+        async with running_gateway(settings, hooks=_canary_hooks()) as gw:
             view = await _engine(gw, "vllm-pd")
             assert view["routable"] and view["max_request_tokens"] == 6000
             assert view["tokenize_url"] == f"{routed.urls['prefill-0']}/tokenize"
             assert view["prefix_cache_isolation"]["field"] == "cache_salt"
-            tenant, key = await gw.create_tenant("acme")
+            tenant, key = await gw.create_tenant("acme", canary_sample_rate=1.0)
+            _, observer_key = await gw.create_tenant("observer")
             body = _chat("qwen3-32b", 12, cache_salt="the-client-chose-this")
             r = await gw.client.post("/v1/chat/completions", json=body, headers=bearer(key))
             assert r.status_code == 200 and '"stop_reason"' in r.text
@@ -234,6 +236,35 @@ async def test_vllm_deployment_behind_the_pd_proxy(make_settings, tmp_path: Path
                 12 + 3,
             )
 
+            decoders = [routed.workers[name] for name in ("decode-0", "decode-1")]
+            for worker in decoders:  # vLLM's ErrorResponse, relayed by the proxy as HTTP 200
+                worker.refuse = "This model's maximum context length is 8192 tokens."
+            for stream in (True, False):
+                refused = await gw.client.post(
+                    "/v1/chat/completions",
+                    json=_chat("qwen3-32b", 5, stream=stream),
+                    headers=bearer(observer_key),
+                )
+                assert refused.status_code == 400, refused.text
+                error = refused.json()["error"]
+                assert error["message"] == "This model's maximum context length is 8192 tokens."
+                assert error["type"] == "BadRequestError"
+            for worker in decoders:
+                worker.refuse = None
+                worker.script = Script(leak_previous=True)
+            leak = await gw.client.post(
+                "/v1/chat/completions", json=_chat("qwen3-32b", 5), headers=bearer(observer_key)
+            )  # decode answers with acme's marked prompt: the firewall cuts it
+            assert leak.status_code == 200 and "isolation_violation" in leak.text
+            assert "CNRY-" not in leak.text
+            rows = await _audit(gw)
+            assert [(row.engine, row.outcome) for row in rows[-3:]] == [
+                ("vllm-pd", "rejected"),
+                ("vllm-pd", "rejected"),
+                ("vllm-pd", "cut"),
+            ]
+
+            await gw.client.delete("/admin/engines/vllm-pd/quarantine", headers=gw.admin)
             routed.workers["decode-1"].log_stats = False  # --disable-log-stats on one worker
             await gw.state.poller.poll_once()
             view = await _engine(gw, "vllm-pd")
