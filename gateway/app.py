@@ -18,11 +18,13 @@ import anyio
 import httpx
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
+from starlette.types import ASGIApp
 
 from contracts.http_edge import BodyGuardMiddleware
 from contracts.plugins import GatewayHooks
 from contracts.spool import Spool
 from contracts.sql import make_session_factory
+from gateway.api.request_ids import RequestIds
 from gateway.api.routes import admin, health, openai, tenant
 from gateway.config import GatewaySettings
 from gateway.db.session import make_engine, upgrade_database
@@ -162,6 +164,14 @@ async def stop(state: GatewayState, tasks: list[asyncio.Task[None]]) -> None:
     state.db.dispose()
 
 
+class GatewayApp(FastAPI):
+    """The FastAPI app with ``RequestIds`` outermost: Starlette puts its error middleware (which
+    answers a gateway bug's 500) outside every ``add_middleware`` layer."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return RequestIds(super().build_middleware_stack())
+
+
 def create_app(
     settings: GatewaySettings,
     *,
@@ -186,7 +196,7 @@ def create_app(
                 await service.stop()
             await stop(state, tasks)
 
-    app = FastAPI(title="kvguard gateway", version="0.1.0", lifespan=lifespan)
+    app = GatewayApp(title="kvguard gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(
         BodyGuardMiddleware,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,7 +72,6 @@ from gateway.upstream.base import (
 )
 
 log = logging.getLogger("kvguard.gateway.proxy")
-OPENAI_REQUEST_ID = "x-request-id"
 
 
 async def serve_completion(
@@ -82,9 +80,9 @@ async def serve_completion(
     principal: Principal,
     body: Body,
     endpoint: Endpoint,
+    request_id: str,
     incoming_headers: Mapping[str, str],
 ) -> Response:
-    request_id = uuid.uuid4().hex
     span = state.tracing.start_request(endpoint.path, body.model, incoming_headers)
     span.set_attribute("kvguard.tenant_id", principal.tenant_id)
     span.set_attribute("kvguard.request_id", request_id)
@@ -199,11 +197,10 @@ class Flight:
     # -- replies ---------------------------------------------------------------------------------
 
     def _headers(self) -> dict[str, str]:
-        # x-request-id is the header OpenAI's SDKs read into their ``request_id``.
-        headers = {REQUEST_ID_HEADER: self.ctx.request_id, OPENAI_REQUEST_ID: self.ctx.request_id}
+        # the request id headers are every answer's (gateway.api.request_ids)
         if self.ctx.principal.synthetic and self.ctx.engine is not None:
-            headers[ENGINE_HEADER] = self.ctx.engine.name  # canary probes report per engine
-        return headers
+            return {ENGINE_HEADER: self.ctx.engine.name}  # canary probes report per engine
+        return {}
 
     def _error(self, err: GatewayError) -> Response | bytes:
         """The error as a response, or as the last event of a stream already open."""

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from gateway.api.request_ids import request_id_of
 from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.deps import CurrentTenant, StateDep
 from gateway.domain import Principal
@@ -28,6 +29,7 @@ async def chat_completions(
         principal=principal,
         body=body,
         endpoint=Endpoint.CHAT,
+        request_id=request_id_of(request),
         incoming_headers=request.headers,
     )
 
@@ -41,6 +43,7 @@ async def completions(
         principal=principal,
         body=body,
         endpoint=Endpoint.COMPLETIONS,
+        request_id=request_id_of(request),
         incoming_headers=request.headers,
     )
 

@@ -288,3 +288,33 @@ async def test_a_marker_split_across_streamed_tool_call_arguments_is_cut(served:
     events = check_sse(raw.content, "CreateChatCompletionStreamResponse")
     assert events[-1]["error"]["code"] == "isolation_violation" and b"[DONE]" not in raw.content
     assert marker[:6].encode() not in raw.content
+
+
+async def test_every_answer_carries_the_request_id_the_sdk_reads(served: Any) -> None:
+    """Errors raised before any engine is asked (a 400 from validation, a 401, a 404) and the
+    model list carry ``x-request-id``: the SDK's ``request_id`` names the request to report."""
+    worker = VLLMWorker()
+    server = await serve(vllm_app(worker))
+    gw = await served([_engine("vllm", server.url)])
+    gw.stoppers.append(server)
+    client, _ = await gw.client()
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    failures: list[tuple[type[openai.APIStatusError], Any]] = [
+        (openai.BadRequestError, client.chat.completions.create(model=worker.model, n=99, **chat)),
+        (openai.NotFoundError, client.chat.completions.create(model="nobody-serves-this", **chat)),
+        (openai.NotFoundError, client.models.retrieve("nobody-serves-this")),
+    ]
+    stranger = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="kvg_000000000000_" + "0" * 64)
+    failures.append((openai.AuthenticationError, stranger.models.list()))
+    for kind, call in failures:
+        with pytest.raises(kind) as caught:
+            await call
+        assert caught.value.request_id, f"{kind.__name__} without request_id"
+        assert caught.value.request_id == caught.value.response.headers["x-kvguard-request-id"]
+    listed = await client.models.with_raw_response.list()
+    answered = await client.chat.completions.with_raw_response.create(model=worker.model, **chat)
+    ids = [r.http_response.headers["x-request-id"] for r in (listed, answered)]
+    assert all(ids) and len(set(ids)) == 2
+    assert answered.http_response.headers["x-kvguard-request-id"] == ids[1]
+    # One id per request, in the answer and in what the engine was told.
+    assert worker.traffic.headers[-1]["x-kvguard-request-id"] == ids[1]
