@@ -1,7 +1,8 @@
 """OpenAI-style error bodies for the engine's HTTP edge, and the handlers that produce them.
 
 Every failure a client can cause is a 4xx with ``{"error": {"message", "type", "param", "code"}}``
-and a stable ``code``; nothing a client sends may produce a 500 or a hang.
+and a stable ``code``; nothing a client sends may produce a 500 or a hang. An engine bug is a 500
+of the same shape (``InternalEngineError``), or that error event in a stream that had started.
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ from backend.core.errors import InvalidRequest, KvguardError
 from contracts.http_edge import error_body, validation_message
 
 log = logging.getLogger("kvguard.engine")
+
+
+class InternalEngineError(KvguardError):
+    """An engine bug as the client sees it: the usual error shape, a message that names nothing
+    internal (the traceback goes to the log only)."""
+
+    code = "internal_error"
+    http_status = 500
+
+    def __init__(self) -> None:
+        super().__init__("internal engine error")
 
 
 def error_response(
@@ -58,6 +70,4 @@ def install_error_handlers(app: FastAPI) -> None:
         # An engine bug: the client still gets the usual error shape (not Starlette's plain-text
         # 500), and the message names nothing internal; the traceback goes to the log only.
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(
-            500, "internal engine error", code="internal_error", type_="server_error"
-        )
+        return engine_error_response(InternalEngineError())

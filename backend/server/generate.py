@@ -5,8 +5,10 @@ plain 400 even when the client asked for a stream. A request for ``n`` choices i
 requests (ids ``<request id>.<index>``; a seeded one seeds choice i with ``seed + i``), admitted
 together: if one is refused, the others are aborted and the request gets that refusal. After that,
 a stream ends in exactly one way: each choice's finish chunk (plus usage when asked) and
-``[DONE]``, or an error event and ``[DONE]`` as soon as any choice fails. A client that goes away
-aborts every choice, which releases their pages.
+``[DONE]``, or an error event and ``[DONE]`` as soon as any choice fails (an engine bug while its
+answer is built, in the detokenizer or the stop matching, is such a failure: the choice is aborted,
+the traceback logged, and the error is ``internal_error``; without streaming, a 500). A client
+that goes away aborts every choice, which releases their pages.
 
 Without ``max_tokens`` (or ``max_completion_tokens``) a choice may generate as many tokens as fit
 the engine's limit after its prompt, as OpenAI and vLLM do.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 import time
 import uuid
@@ -36,7 +39,7 @@ from backend.core.errors import InvalidRequest, KvguardError
 from backend.core.request import FinishReason, RequestState, SamplingParams
 from backend.engine.async_engine import EngineEvent, Generation
 from backend.server import formatting as fmt
-from backend.server.errors import error_body
+from backend.server.errors import InternalEngineError, error_body
 from backend.server.openai_schema import _SamplingFields
 from backend.server.service import EngineService
 from backend.server.textstream import TextStream
@@ -44,6 +47,7 @@ from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER, HandoffProof, ans
 
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 DEFAULT_TENANT = "anonymous"
+log = logging.getLogger("kvguard.engine")
 
 
 @dataclass(slots=True)
@@ -169,6 +173,12 @@ async def _consume(service: EngineService, choice: _Choice) -> AsyncIterator[_Pi
     except TimeoutError:
         choice.generation.abort()
         tally.error = RequestTimedOut(service.request_timeout_s)
+    except Exception:
+        # A bug between the engine and the client (detokenizer, stop matching): the choice ends
+        # as a failed one, never as a cut stream or a truncated answer that looks finished.
+        log.exception("request %s failed while its answer was built", choice.generation.request_id)
+        choice.generation.abort()
+        tally.error = InternalEngineError()
     finally:
         service.metrics.requests.labels(_outcome(tally)).inc()
 
