@@ -13,9 +13,11 @@ labels are ``CacheConfig``'s fields::
 front end sums every core's ``num_gpu_blocks`` (``v1/engine/core_client.py``), so the per-core
 pool cannot be read and the engine is refused with the fix.
 
-No gauge at all means the stat loggers are off (``--disable-log-stats``: ``AsyncLLM`` builds
-none) or the URL is a router (vLLM's PD proxy demo serves no /metrics; production-stack and llm-d
-routers publish their own metrics): the refusal says to re-enable stats or to register the
+A 404 on ``/v1/models`` or ``/metrics`` of an engine registered alone means the URL is no vLLM
+server but a router (the PD proxy demo serves neither): the refusal says to list the workers as
+members or to set ``discover_members``. No gauge at all means the stat loggers are off
+(``--disable-log-stats``: ``AsyncLLM`` builds none) or the URL is a router that publishes its own
+metrics (production-stack, llm-d): the refusal says to re-enable stats or to register the
 workers as group members. An operator may instead declare the pool (``declared_pool_tokens``);
 it is accepted only when it is at least the worker's ``max_model_len``, since vLLM refuses to
 start when one ``max_model_len`` request cannot fit its KV cache
@@ -51,6 +53,13 @@ NO_STATS = (
     "a router) list the vLLM workers as members, or set declared_pool_tokens"
 )
 
+# Every vLLM API server serves /v1/models and /metrics; its PD proxy demo serves neither.
+NOT_A_SERVER = (
+    "a vLLM server always serves /v1/models and /metrics, so this URL looks like a router (such "
+    "as vLLM's PD proxy): list the vLLM workers as members (the router stays base_url), or set "
+    "discover_members = true to read them from the router"
+)
+
 
 class VLLMAdapter(GroupAdapter):
     tokenize_paths = ("/tokenize", "/v1/tokenize")
@@ -75,8 +84,15 @@ class VLLMAdapter(GroupAdapter):
         self, client: httpx.AsyncClient, worker: Worker, *, timeout: float
     ) -> CapacitySnapshot:
         base, headers = worker.url, worker.headers
-        models = await get_json(client, f"{base}/v1/models", timeout=timeout, headers=headers)
-        metrics = await get_response(client, f"{base}/metrics", timeout=timeout, headers=headers)
+        try:
+            models = await get_json(client, f"{base}/v1/models", timeout=timeout, headers=headers)
+            metrics = await get_response(
+                client, f"{base}/metrics", timeout=timeout, headers=headers
+            )
+        except AdapterError as exc:
+            if worker.member is None and "HTTP 404" in str(exc):
+                raise AdapterError(f"{exc}: {NOT_A_SERVER}") from exc
+            raise
         version = await _version(client, base, timeout=timeout, headers=headers)
         return snapshot_from_vllm(
             models,

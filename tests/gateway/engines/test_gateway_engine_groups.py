@@ -275,6 +275,31 @@ async def test_vllm_deployment_behind_the_pd_proxy(make_settings, tmp_path: Path
         await routed.stop()
 
 
+async def test_vllm_pd_proxy_alone_is_refused_with_the_fix(make_settings) -> None:
+    routed = await start_vllm_routed(
+        {
+            "prefill-0": ("prefill", VLLMWorker(core_pools=[12000])),
+            "decode-0": ("decode", VLLMWorker(core_pools=[7000])),
+        }
+    )
+    try:
+        alone = {"name": "alone", "kind": "vllm", "base_url": routed.url}
+        settings = make_settings(
+            engines=[alone, {**alone, "name": "found", "discover_members": True}]
+        )
+        async with running_gateway(settings) as gw:
+            view = await _engine(gw, "alone")  # the proxy serves no /v1/models
+            assert view["blocked_reason"] == "unreachable"
+            assert view["blocked_detail"].startswith("GET /v1/models: HTTP 404: ")
+            assert "this URL looks like a router" in view["blocked_detail"]
+            assert "list the vLLM workers as members" in view["blocked_detail"]
+            assert "discover_members = true" in view["blocked_detail"]
+            found = await _engine(gw, "found")  # the fix the detail names
+            assert found["routable"] and found["max_request_tokens"] == 7000
+    finally:
+        await routed.stop()
+
+
 async def test_vllm_without_stats_routes_only_on_a_consistent_declared_pool(make_settings) -> None:
     low = await start_vllm_routed({"w": ("unified", VLLMWorker(log_stats=False))})
     old_dp = await start_vllm_routed(
