@@ -38,6 +38,7 @@ FEATURES: dict[str, list[tuple[str, str]]] = {
     "streaming text": [
         ("test_model_families_http.py", "test_streaming_text"),
         ("test_model_families_http.py", "test_first_token_keeps_its_leading_space"),
+        ("test_model_families_http.py", "test_byte_fallback_stream_ends_honestly"),
         ("test_model_detokenizer.py", "test_encoded_text_cut_anywhere_streams_honestly"),
         ("test_model_detokenizer.py", "test_random_ids_never_raise_and_stream_honestly"),
     ],

@@ -11,7 +11,9 @@ transformers on the same directory:
 - batched: eight concurrent completions, each equal to its own greedy continuation;
 - streaming text: a streamed chat answer equals transformers' decode of the same tokens (no
   U+FFFD for a character still arriving, the first token's leading space kept), and equals the
-  non-streamed answer.
+  non-streamed answer; a byte-fallback stream (Llama 2, Mistral) that logit_bias makes end on
+  invalid bytes or inside a character ends with [DONE], its text transformers' decode of the same
+  ids less the cut character.
 """
 
 from __future__ import annotations
@@ -165,26 +167,26 @@ def test_first_token_keeps_its_leading_space(family):
     assert text.startswith(" ") and text == completion_text(f["tok"], ids, [first])
 
 
+def _sse(f, path, body):
+    """A stream's events, ``[DONE]`` included, after a 200."""
+    body = {"model": f"tiny/{f['name']}", **body, "stream": True}
+    with httpx.stream("POST", f["engine"].url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        data = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
 def _stream_chat(f, messages):
     body = {
-        "model": f"tiny/{f['name']}",
         "messages": messages,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
-        "stream": True,
         "stream_options": {"include_usage": True},
     }
-    deltas, usage = [], None
-    with httpx.stream("POST", f["engine"].url + "/v1/chat/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices", []):
-                deltas.append(choice["delta"].get("content") or "")
+    events = _sse(f, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    usage = next((e["usage"] for e in events[:-1] if e.get("usage")), None)
+    deltas = [c["delta"].get("content") or "" for e in events[:-1] for c in e["choices"]]
     return deltas, usage
 
 
@@ -209,3 +211,49 @@ def test_streaming_text(family):
         # U+FFFD only where transformers' text has it too (a truly invalid byte, never a
         # character still arriving)
         assert text.count(REPLACEMENT) <= want.count(REPLACEMENT)
+
+
+@pytest.mark.parametrize("family", ["llama2", "mistral"], indirect=True)
+@pytest.mark.parametrize(
+    ("prompt", "piece", "max_tokens"),
+    [
+        # the prompt ends in the byte piece <0x27> ("'"), then stray continuation bytes: the
+        # decoder regroups the run into U+FFFD, which made the library's stream decoder raise
+        ("Hello '", "<0xA3>", 3),
+        # the first byte of a three-byte character, cut by max_tokens: no text, not U+FFFD
+        ("Hello", "<0xE2>", 1),
+        # an invalid byte (a lead byte followed by a lead byte), then a lead byte cut
+        ("Hello", "<0xE2>", 2),
+    ],
+    ids=["invalid-after-prompt-byte", "cut-in-a-character", "invalid-then-cut"],
+)
+def test_byte_fallback_stream_ends_honestly(family, prompt, piece, max_tokens):
+    """A stream of byte pieces (forced by logit_bias) that ends inside a character or on invalid
+    bytes: a 200 that ends with the finish chunk and [DONE], its text transformers' decode of
+    the same ids, U+FFFD only for a byte transformers decodes so too, none for a character cut by
+    max_tokens (left out)."""
+    f = family
+    tok = f["tok"]
+    forced = tok.convert_tokens_to_ids(piece)
+    prompt_ids = tok(prompt)["input_ids"]
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logit_bias": {str(forced): 100},
+        "stream_options": {"include_usage": True},
+    }
+
+    events = _sse(f, "/v1/completions", body)
+
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert events[-2]["usage"]["completion_tokens"] == max_tokens
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    deltas = [c["text"] for e in events[:-2] for c in e["choices"]]
+    text = "".join(deltas)
+    ids = [forced] * max_tokens
+    assert_honest(text, tok, prompt_ids, ids)
+    hf_text = tok.decode(ids, skip_special_tokens=True)
+    cut = hf_text.endswith(REPLACEMENT) and piece == "<0xE2>"  # the last lead byte's character
+    assert text == (hf_text[:-1] if cut else hf_text)
+    assert text.count(REPLACEMENT) == hf_text.count(REPLACEMENT) - cut
