@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from kvguard.testing import stop_process, wait_for_health
 
 KVGUARD = [sys.executable, "-m", "kvguard"]
+REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "kvguard-tiny"
 
 
@@ -144,3 +146,12 @@ def webhook_receiver() -> Iterator[Webhook]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def completed_alertmanager_config(webhook: str) -> dict[str, Any]:
+    """The committed deploy/alertmanager.yml as a user completes it (step 2 of the operations
+    walk-through): a webhook on the ``kvguard`` receiver, nothing else changed."""
+    config = yaml.safe_load((REPO / "deploy" / "alertmanager.yml").read_text())
+    (receiver,) = [r for r in config["receivers"] if r["name"] == "kvguard"]
+    receiver["webhook_configs"] = [{"url": webhook, "send_resolved": True}]
+    return dict(config)

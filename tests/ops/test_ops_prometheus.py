@@ -31,13 +31,18 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from ops_stack import Webhook, base_env, prom_query, webhook_receiver
+from ops_stack import (
+    Webhook,
+    base_env,
+    completed_alertmanager_config,
+    prom_query,
+    webhook_receiver,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from canary import metrics as cm
 from dashboards.alerts import ALERTS
 from dashboards.build import (
-    REPO,
     RULES_FILE,
     ScrapeTarget,
     alerting,
@@ -155,11 +160,9 @@ def _prometheus_config(stack: drillstack.DrillStack, alertmanager: str) -> dict[
 def _alertmanager_config(webhook: str) -> dict[str, Any]:
     """The committed deploy/alertmanager.yml as a user completes it (a webhook on the ``kvguard``
     receiver), waiting 1 s instead of 10 s before a group's first notification."""
-    config = yaml.safe_load((REPO / "deploy" / "alertmanager.yml").read_text())
+    config = completed_alertmanager_config(webhook)
     config["route"]["group_wait"] = "1s"
-    (receiver,) = [r for r in config["receivers"] if r["name"] == "kvguard"]
-    receiver["webhook_configs"] = [{"url": webhook, "send_resolved": False}]
-    return dict(config)
+    return config
 
 
 def _leak_alert_reaches_the_receiver(webhook: Webhook) -> None:
