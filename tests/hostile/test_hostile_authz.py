@@ -1,15 +1,23 @@
 """The authorization matrix: every gateway endpoint x every kind of credential.
 
-The real gateway (with the canary's routes, as ``kvguard gateway`` serves it) on 127.0.0.1, with
-PostgreSQL and Redis. The endpoint list comes from the app's own routes: an endpoint added without
-a row in ``MATRIX`` fails ``test_every_endpoint_has_a_matrix_row``.
+Attacker: a caller holding the wrong credential for an endpoint -- none, a malformed token, a
+well-formed unknown key, a revoked key, a disabled tenant's key, another tenant's key, the metrics
+token, the admin token on a tenant route -- and a tenant with a live key that asks for another
+tenant's data by every parameter it can think of (``tenant_id``, ``tenant``, ``victim_tenant_id``)
+or looks for it in ``/metrics`` and ``/health``.
 
-Credentials: none, a malformed token, a well-formed unknown key, a revoked key, a disabled
-tenant's key, the other tenant's key, the metrics token, the admin token, the tenant's own key.
-Expected: tenant endpoints accept only live tenant keys (never the admin token), admin endpoints
-only the admin token (never a tenant key), ``/metrics`` (every tenant's series) only the metrics
-or the admin token, public endpoints anything; and a tenant endpoint answers about the caller's
-own tenant only, whatever it is asked.
+Proves, against the real gateway (with the canary's routes, as ``kvguard gateway`` serves it) on
+127.0.0.1 with PostgreSQL and Redis: tenant endpoints accept only live tenant keys (a disabled
+tenant's gets 403 ``tenant_disabled``, everything else 401 ``invalid_api_key``, the admin token
+included), admin endpoints only the admin token, ``/metrics`` (every tenant's series) only the
+metrics or the admin token, public endpoints anything; every wrong credential is refused before
+it changes anything (each rightful call afterwards still gets its expected status); a tenant
+endpoint answers about the caller's own tenant only (tenant B, asking for A's usage and
+findings, gets its own account with zero requests and an empty list; A's finding does not name
+the observer; no tenant endpoint's answer to B names A), and neither a refused ``/metrics`` nor
+``/health`` names a tenant. The
+endpoint list comes from the app's own routes: an endpoint added without a row in ``MATRIX`` fails
+``test_every_endpoint_has_a_matrix_row``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,24 @@
-"""Hostile clients against the real gateway and the real engine on 127.0.0.1.
+"""Hostile HTTP against the real gateway and the real engine on 127.0.0.1.
 
-Each case is a clear 4xx with an OpenAI-style body (or, for a client too slow to send its head,
-a 408 and a closed connection) — never a 500, never a connection the server holds for ever — and
-the server keeps serving afterwards.
+Attacker: a client that speaks HTTP badly on purpose, to the gateway with a tenant key (SQLite,
+in-process limiter, canary on) and straight to a ``kvguard backend unified`` process, as anything
+that reaches an engine's port could (this engine runs without a credential: what is tested here is
+its HTTP edge; ``test_hostile_engine_auth`` tests the credential). It tries to tie connections up
+(a head or a body dribbled every 0.25 s for 10 s, a connection that sends nothing), to inject or
+smuggle (a bare CR or LF, a NUL, Content-Length with Transfer-Encoding, two lengths, a space before
+the colon, non-ASCII header bytes), to exhaust memory or the parser (a 256 KiB header, 4,000
+headers, a declared 10 GiB body, 256 MiB chunked, JSON nested 100,000 deep, non-UTF-8 bytes, a
+million-token prompt), and to fail a whole batch with a temperature whose logits overflow float32.
+
+Proves, on both servers: a slow or silent client gets 408 ``request_timeout`` and a closed
+connection once the 1.5 s edge timeouts pass, while honest clients (a head a little slow, a
+kept-alive second request, a 300 KB body in one packet) are not cut; oversized heads are 431,
+framing and injection attempts 400 ``invalid_http_request``, unreadable header values a plain
+refusal (the gateway's 401, the engine's 400); bad bodies get their own 4xx (``invalid_encoding``,
+400 for nesting, 413 ``body_too_large`` before a declared body is sent and near the limit of a
+chunked one, the engine's memory growing by under 64 MiB, ``context_length_exceeded`` whether
+streamed or not); a vanishing temperature samples greedily. Every error is an OpenAI-style body,
+never a 500, and after every attack that could wedge a server it still serves a completion.
 """
 
 from __future__ import annotations

@@ -1,12 +1,25 @@
-"""Property-based fuzzing of the gateway's and the engine's HTTP APIs from their OpenAPI schemas.
+"""Property-based fuzzing of the gateway's and the engines' HTTP APIs from their OpenAPI schemas.
 
-schemathesis generates requests that fit each operation's schema (positive) and requests that
-break it (negative); each is sent over real HTTP on 127.0.0.1 to the real servers: the gateway
-under uvicorn as ``kvguard gateway`` runs it (canary on, routing to the real engine), a real
-``kvguard backend unified`` process, and a real ``kvguard backend prefill`` process (its internal
-handoff API, whose OpenAPI the test completes with the wire schemas of the handoff messages).
-Every answer must come within the timeout (no hang), must not be a 5xx, and every 4xx must be an
-OpenAI-style error body.
+Attacker: a client that sends every shape an operation's schema admits and every way of breaking
+it, to each operation of the gateway (with a live tenant key, and the admin token for
+``/admin``), of a ``kvguard backend unified`` process reached directly, and of a
+``kvguard backend prefill`` process's internal handoff API (``/kv/v1/prefill``, ``/kv/v1/abort``)
+as anything on the engines' network could call it. The engines run without a credential here, so
+the generated requests reach their parsers and compute (the credential is
+``test_hostile_engine_auth``'s).
+
+How: schemathesis generates requests that fit each schema (positive) and requests that break it
+(negative), sent over real HTTP on 127.0.0.1 to the real servers (the gateway under uvicorn as
+``kvguard gateway`` runs it, canary on, routing to the real engine); positive completions name the
+served model, so they run on the engine. Prefill's routes read their raw body, so the test gives
+its OpenAPI the wire schemas of the handoff messages, with the checkpoint's page geometry and a
+closed local port as the transfer target.
+
+Proves: every answer comes within 30 s (no hang) and is not a 5xx; every 4xx is an OpenAI-style
+error body with a code; the gateway's chat completions and tenant creation and the engine's
+completions and ``/tokenize`` were among the operations fuzzed; at least ten generated handoffs got
+through prefill's parser and compute to the (refused) transfer, and afterwards prefill holds no
+page (``free_pages == pool_pages``) and still answers.
 
 Derandomized (a fixed seed per operation) and small (``EXAMPLES`` per operation and mode) so the
 tier takes a little over a minute on two cores; a failure prints the request to reproduce it.

@@ -1,4 +1,18 @@
-"""Bugs the fuzzers found, pinned: each was a 500 from a request any admin or tenant could send."""
+"""Bugs the fuzzers found, pinned, and the engine's answer to a bug of its own.
+
+Attackers: an admin (or a script holding the admin token) that asks for a key lifetime past what
+a datetime can hold (``MAX_KEY_LIFETIME_S`` + 1, 10**12 and 2**63 seconds): now + lifetime
+overflowed and the route answered 500; and anyone who makes an engine fail inside a route, then
+reads the error for internals (Starlette's default answer was a plain-text 500 with no OpenAI
+shape).
+
+Proves: against the gateway as ``kvguard gateway`` serves it (uvicorn on 127.0.0.1, SQLite, the
+real engine behind it), such a lifetime is a 400 naming the field on both routes that take one
+(``key_expires_in_s`` when a tenant is created, ``expires_in_s`` for a new key), and the longest
+allowed lifetime still gives a key that authenticates; and an unhandled error in the engine's app
+(in-process: a route that raises stands in for any engine bug) is an OpenAI-style 500
+``internal_error`` of type ``server_error`` that does not carry the exception's text.
+"""
 
 from __future__ import annotations
 
