@@ -76,10 +76,9 @@ def decide_limits(settings: BackendSettings, config: ModelConfig, pages: int) ->
     limits = CapacityLimits(page_size=settings.page_size, pool_pages=pages, context_window=window)
     if limits.drift is not None and not settings.allow_capacity_drift:
         raise CapacityDriftRefused(
-            f"context window {window} exceeds the real KV pool of {pool_tokens} tokens "
-            f"({pages} pages x {settings.page_size}); lower --context-window, raise the pool, "
-            "or pass --allow-capacity-drift to run anyway (requests stay limited to the pool "
-            "and the drift is reported)"
+            f"{limits.drift}. Lower --context-window, raise the pool, or pass "
+            "--allow-capacity-drift to run anyway (requests stay limited to the pool and the "
+            "drift is reported)"
         )
     return limits
 

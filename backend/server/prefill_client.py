@@ -37,6 +37,7 @@ from backend.disagg.protocol import (
     to_wire,
 )
 from backend.metrics import EngineMetrics
+from contracts.capacity import path_max_request_tokens
 from contracts.engine import CapacityReport, Role, RoleCapacity
 
 log = logging.getLogger("kvguard.disagg.decode")
@@ -153,8 +154,10 @@ class PrefillMonitor:
         if not self._cross_role:
             return  # the legacy_reject_handoff drill: decode's own pool only
         prefill = CapacityLimits(report.page_size, report.pool_pages, report.context_window)
-        binding = min((prefill, self._own), key=lambda limits: limits.max_request_tokens)
-        admit(prompt_tokens, max_tokens, binding)
+        roles = (prefill, self._own)
+        limit = path_max_request_tokens(self._own.context_window, roles)
+        # the role that sets the limit: its pool and window are what a refusal states
+        admit(prompt_tokens, max_tokens, next(r for r in roles if r.max_request_tokens == limit))
 
     def peer_roles(self) -> list[RoleCapacity]:
         if self._seen is None:
