@@ -1,8 +1,8 @@
 """Validators and readers of OpenAI-shaped bodies that more than one deployable applies.
 
-The engine's and the gateway's request schemas check stop sequences and lone surrogates with the
-same functions (a request one accepts, the other accepts too); the gateway's relay and the canary's
-leak firewall read a completion's choice texts the same way.
+The engine's and the gateway's request schemas read explicit nulls and check stop sequences and
+lone surrogates with the same functions (a request one accepts, the other accepts too); the
+gateway's relay and the canary's leak firewall read a completion's choice texts the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +14,19 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 1024
 """The longest stop sequence either server accepts (a longer one can never end an answer the
 context holds usefully, and a 6 MB one reached the engine's body limit as a 413)."""
+
+
+def null_is_absent(data: Any) -> Any:
+    """A request object (the body, a message, ``stream_options``) with its null members left out.
+
+    OpenAI's schemas make the optional fields nullable, and SDKs send a null for a None (and echo
+    an assistant turn back with ``refusal: null``, ``tool_calls: null``...): a null means "not
+    given", the field's default. Both servers read it so before validating (a ``mode="before"``
+    model validator), so a null is never refused by one and accepted by the other, and the
+    gateway forwards nothing for it."""
+    if isinstance(data, dict) and any(value is None for value in data.values()):
+        return {key: value for key, value in data.items() if value is not None}
+    return data
 
 
 def check_stops(stops: list[str]) -> None:

@@ -12,6 +12,8 @@ and structured output are fields it knows and refuses with ``unsupported_paramet
 field, unless their value asks for nothing (``tools: []``, ``tool_choice: "none"``,
 ``response_format: {"type": "text"}``; ``parallel_tool_calls`` alone asks for nothing).
 Without ``max_tokens`` a request gets as many tokens as fit its context (as OpenAI and vLLM do).
+A null member of the body, a message or ``stream_options`` is not given (its default applies), as
+OpenAI's nullable fields mean and SDKs send for a None (``contracts.openai.null_is_absent``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from backend.core.errors import InvalidRequest
 from backend.core.request import MIN_SAMPLING_TEMPERATURE
 from contracts.chat_format import message_text
-from contracts.openai import check_logit_bias_keys, check_stops, lone_surrogate
+from contracts.openai import check_logit_bias_keys, check_stops, lone_surrogate, null_is_absent
 
 MAX_TOKENS_CEILING = 1 << 20
 MAX_CHOICES = 16  # n; the gateway relays at most this many choices per answer
@@ -40,16 +42,25 @@ class UnsupportedField(InvalidRequest):
     code = "unsupported_parameter"
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
+    """A request object whose null members are not given: their defaults apply
+    (``contracts.openai.null_is_absent``, which the gateway applies too)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return null_is_absent(data)
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _UnicodeOnly(BaseModel):
+class _UnicodeOnly(_Request):
     """Refuses a body holding a lone surrogate anywhere (a union-typed field such as ``content``
     or ``stop`` lets pydantic pass one through; the tokenizer then failed with a 500)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
@@ -139,14 +150,13 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
     """One chat turn; ``content`` is a string or a list of text parts (``{"type": "text",
-    "text": ...}``, joined by newlines). Other part types and the ``tool`` role are refused."""
-
-    model_config = ConfigDict(extra="forbid")
+    "text": ...}``, joined by newlines), or, for an assistant turn only, absent or null (OpenAI's
+    schema allows it: an empty turn). Other part types and the ``tool`` role are refused."""
 
     role: str
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = Field(default=None, max_length=64)
 
     @field_validator("role")
@@ -173,7 +183,15 @@ class ChatMessage(BaseModel):
                 raise ValueError("a text part is {'type': 'text', 'text': <string>}")
         return value
 
+    @model_validator(mode="after")
+    def _content_needed(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         text = message_text(self.content)
         assert text is not None  # checked on validation
         return text

@@ -10,7 +10,10 @@ messages, prompt, token limits, n, stream) are typed exactly; the objects it onl
 them for valid Unicode.
 
 What the engine receives is exactly the fields the client set (less what ``surface`` drops for
-that engine), plus the ``max_tokens`` the gateway enforced and the usage request it needs.
+that engine), plus the ``max_tokens`` the gateway enforced and the usage request it needs. A null
+is not a value set: OpenAI's schemas make every optional field nullable, and a null there means the
+default (``contracts.openai.null_is_absent``, which the engine's schema applies too), so nothing
+is forwarded for it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contracts.openai import check_logit_bias_keys, check_stops, lone_surrogate
+from contracts.openai import check_logit_bias_keys, check_stops, lone_surrogate, null_is_absent
 from gateway.db.text import StoredText
 
 MAX_TOKENS_CEILING = 1 << 20
@@ -49,8 +52,19 @@ JsonObject = Annotated[dict[str, Any], AfterValidator(_unicode_within)]
 JsonObjects = Annotated[list[dict[str, Any]], AfterValidator(_unicode_within)]
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
+    """A request object whose null members are not given (``contracts.openai.null_is_absent``):
+    not in ``model_fields_set``, so neither decided by ``surface`` nor forwarded."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return null_is_absent(data)
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
     include_obfuscation: bool | None = None
 
@@ -81,9 +95,7 @@ def _content(value: Any) -> str | list[ContentPart] | None:
     raise ValueError("must be a string, a non-empty list of content parts, or null")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ChatMessage(_Request):
     role: Literal["developer", "system", "user", "assistant", "tool", "function"]
     content: Annotated[Any, AfterValidator(_content)] = None
     name: Text | None = Field(default=None, max_length=64)
@@ -111,10 +123,8 @@ class ChatMessage(BaseModel):
     __str__ = __repr__
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Request):
     """The fields chat completions and completions share."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: StoredText = Field(min_length=1, max_length=256)  # in every audit row
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
@@ -134,11 +144,6 @@ class _Sampling(BaseModel):
     # vLLM/SGLang's prefix-cache salt: accepted for compatibility, never forwarded (the gateway
     # sets its own per tenant, gateway.engines.isolation)
     cache_salt: Text | None = Field(default=None, max_length=1024)
-
-    @field_validator("stream", mode="before")
-    @classmethod
-    def _null_stream(cls, value: Any) -> Any:
-        return False if value is None else value  # OpenAI's schema lets a client send null
 
     @field_validator("stop")
     @classmethod

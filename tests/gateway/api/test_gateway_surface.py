@@ -10,13 +10,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from gateway_harness import Gateway, bearer, running_gateway
 from gateway_standin import StandInEngine, start_standin
 from openai_contract import check, request_fields
+from pydantic import ValidationError
 
+from backend.server.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.api import surface
 from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
+from gateway.config import EngineSpec
+from gateway.engines.registry import EngineRecord, EngineSource
 
 MODEL = "standin-model"
 CHAT = "/v1/chat/completions"
@@ -135,3 +140,151 @@ async def test_a_request_goes_only_to_an_engine_that_takes_all_of_it(two_kinds: 
     sent = [b for b in declared.controls.seen_bodies if "safety_identifier" in b]
     assert all("metadata" not in b for b in sent)
     assert len(bundled.controls.seen_bodies) + len(sent) == 4
+
+
+# A sample value for each row the bundled engine is forwarded, with what else it needs.
+USER = {"role": "user", "content": "hi"}
+SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "model": (MODEL, {}),
+    "messages": ([USER], {}),
+    "prompt": ("hi", {}),
+    "stream": (True, {}),
+    "stream_options": ({"include_usage": True}, {"stream": True}),
+    "max_tokens": (5, {}),
+    "max_completion_tokens": (5, {}),
+    "temperature": (0.5, {}),
+    "top_p": (0.9, {}),
+    "seed": (3, {}),
+    "stop": (["\n"], {}),
+    "n": (2, {}),
+    "user": ("u1", {}),
+    "presence_penalty": (0.5, {}),
+    "frequency_penalty": (-0.5, {}),
+    "logit_bias": ({"65": 1.0}, {}),
+    "logprobs": (True, {}),
+    "top_logprobs": (2, {"logprobs": True}),
+    "parallel_tool_calls": (False, {}),
+}
+COMPLETIONS_SAMPLES = {"logprobs": 2}  # an integer there (alternatives per token)
+# Message features: a message using it, and the same message with its nullable members null.
+MESSAGE_FEATURES = {
+    "messages: developer role": {"role": "developer", "content": "be brief"},
+    "messages: text content parts": {"role": "user", "content": [{"type": "text", "text": "x"}]},
+}
+NULL_MEMBERS = {"name": None, "refusal": None, "tool_calls": None, "function_call": None}
+# Assistant turns as SDKs echo them back (``message.model_dump()``): nulls for what is absent.
+ECHOED = [
+    {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None},
+    {"role": "assistant", "content": None, "refusal": None, "audio": None, "function_call": None},
+    {"role": "assistant", "content": "hi", "name": None, "tool_call_id": None},
+]
+GATEWAY_SET = {"max_tokens", "stream", "stream_options"}  # the gateway sends its own
+BUNDLED_ROWS = [
+    r.field
+    for r in surface.TABLE
+    if r.decision(surface.Profile.BUNDLED) is surface.Decision.FORWARD
+]
+BUNDLED = EngineRecord(EngineSpec(name="tiny", base_url="http://127.0.0.1:1"), EngineSource.CONFIG)
+
+
+def _forwarded(body: dict[str, Any]) -> tuple[dict[str, Any], type[Any]] | None:
+    """What the gateway sends the bundled engine for ``body`` and the engine's request model, or
+    None when the gateway refuses it at the door."""
+    gateway, engine = (
+        (ChatCompletionBody, ChatCompletionRequest)
+        if "messages" in body
+        else (CompletionBody, CompletionRequest)
+    )
+    try:
+        parsed = gateway.model_validate(body)
+    except ValidationError:
+        return None
+    if surface.refusal(surface.requested(parsed), BUNDLED) is not None:
+        return None
+    return surface.for_engine(parsed.upstream_body(max_tokens=8), BUNDLED), engine
+
+
+def _bodies(row: str) -> list[tuple[dict[str, Any], bool]]:
+    """(request, must the door accept it): the row's sample and its null, on each endpoint that
+    has the field."""
+    if row in MESSAGE_FEATURES:
+        message = MESSAGE_FEATURES[row]
+        return [
+            ({"model": MODEL, "messages": [message]}, True),
+            ({"model": MODEL, "messages": [{**message, **NULL_MEMBERS}]}, True),
+        ]
+    value, needs = SAMPLES[row]
+    bases = []
+    if row in ChatCompletionBody.model_fields:
+        bases.append(({"model": MODEL, "messages": [USER], **needs}, value))
+    if row in CompletionBody.model_fields:
+        bases.append(
+            ({"model": MODEL, "prompt": "hi", **needs}, COMPLETIONS_SAMPLES.get(row, value))
+        )
+    required = row in ("model", "messages", "prompt")
+    return [
+        body
+        for base, sample in bases
+        for body in (({**base, row: sample}, True), ({**base, row: None}, not required))
+    ]
+
+
+def test_the_sample_table_covers_every_row_forwarded_to_the_bundled_engine() -> None:
+    assert set(BUNDLED_ROWS) == set(SAMPLES) | set(MESSAGE_FEATURES)
+
+
+@pytest.mark.parametrize("row", BUNDLED_ROWS)
+def test_what_the_door_lets_in_for_the_bundled_engine_it_takes(row: str) -> None:
+    """A sample value and an explicit null (which OpenAI's schemas allow for every optional field,
+    and SDKs send for a None): what the gateway accepts, the bundled engine's request model
+    accepts as the gateway forwards it (no engine process: the engine's own schema)."""
+    for body, accepted in _bodies(row):
+        forwarded = _forwarded(body)
+        if forwarded is None:
+            assert not accepted, f"the door refused {body}"
+            continue
+        sent, engine = forwarded
+        parsed = engine.model_validate(sent)  # raises naming the field the engine refuses
+        assert parsed.refused() is None, body
+        if body.get(row, True) is None and row not in GATEWAY_SET:
+            assert row not in sent  # a null is not given: nothing forwarded for it
+
+
+@pytest.mark.parametrize("message", ECHOED)
+def test_assistant_turns_echoed_with_nulls_pass_both_sides(message: dict[str, Any]) -> None:
+    forwarded = _forwarded({"model": MODEL, "messages": [USER, message, USER]})
+    assert forwarded is not None
+    sent, engine = forwarded
+    engine.model_validate(sent)
+    assert all(None not in m.values() for m in sent["messages"])
+
+
+@pytest.mark.slow
+async def test_nulls_through_the_gateway_to_the_real_bundled_engine(
+    engine_factory: Any, make_settings: Any
+) -> None:
+    """What an SDK sends for Nones, and an assistant turn echoed back: a 200 from a real engine."""
+    url = await anyio.to_thread.run_sync(lambda: engine_factory(pool_tokens=512, page_size=16))
+    settings = make_settings(engines=[{"name": "tiny", "kind": "bundled", "base_url": url}])
+    async with running_gateway(settings) as gw:
+        _, key = await gw.create_tenant("acme")
+        models = (await gw.client.get("/v1/models", headers=bearer(key))).json()["data"]
+        nulls = dict.fromkeys(
+            ["temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "logprobs"]
+            + ["top_logprobs", "seed", "stop", "user", "logit_bias", "stream_options", "stream"]
+        )
+        messages = [
+            {"role": "user", "content": "hi", "name": None},
+            {"role": "assistant", "content": None, "refusal": None, "tool_calls": None},
+            {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None},
+            {"role": "user", "content": "again"},
+        ]
+        body = {"model": models[0]["id"], "messages": messages, "max_tokens": 4, **nulls}
+        r = await gw.client.post(CHAT, json=body, headers=bearer(key))
+        assert r.status_code == 200, r.text
+        check("CreateChatCompletionResponse", r.json())
+        body = {"model": models[0]["id"], "prompt": "hi", "max_tokens": 4, **nulls}
+        body.pop("top_logprobs")
+        r = await gw.client.post("/v1/completions", json=body, headers=bearer(key))
+        assert r.status_code == 200, r.text
+        check("CreateCompletionResponse", r.json())
