@@ -43,6 +43,7 @@ class TokenizeTarget:
 
     url: str
     member: str | None = None  # the group member that serves it (its key is used)
+    chat_refused: str | None = None  # why it cannot count a chat (then refused, never guessed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,10 @@ Shapes follow these upstream sources, read from the released packages:
   ``internal_states`` entry per DP rank, pool in ``memory_usage.token_capacity``), errors from
   ``srt/entrypoints/openai/serving_base.py`` ``create_error_response`` (a flat
   ``{"object": "error", "message", "type", "param", "code"}``, not OpenAI's nested ``error``).
-  ``legacy=True`` answers like 0.5.5 (no ``/server_info``).
+  ``legacy=True`` answers like 0.5.5 (no ``/server_info``). Before 0.5.12 (by ``version``) the
+  tokenize routes take prompt strings only: ``TokenizeRequest`` has a required ``prompt`` and no
+  ``messages``, so a chat is a validation error, which ``http_server.py``'s
+  ``validation_exception_handler`` answers as a 400 flat ``ErrorResponse``.
 - ``MiniLB``: sglang-router 0.3.2, ``sglang_router/mini_lb.py`` (``/get_server_info`` =
   ``{"internal_states": decode ranks', "prefill": [infos], "decode": [infos]}``; ``/v1/models``
   from the first prefill; completions sent to a prefill and a decode worker, the decode answer
@@ -26,7 +29,10 @@ Shapes follow these upstream sources, read from the released packages:
   ``/tokenize``; ``/v1/models``; ``GET /workers`` (``crates/protocols/src/worker.rs``
   ``WorkerListResponse``: ``WorkerInfo`` with the flattened ``WorkerSpec``: ``url``,
   ``worker_type`` prefill/decode/regular, ``bootstrap_port``...), to which workers can be added
-  at run time; chat/completions dual-dispatched to a prefill/decode pair.
+  at run time; chat/completions dual-dispatched to a prefill/decode pair. Over regular (non-PD)
+  workers (``routers/http/router.rs``): ``/get_server_info`` and ``/v1/models`` proxied to the
+  first worker (``proxy_get_request``), the same router-side ``/v1/tokenize`` and
+  ``GET /workers``, completions sent to one worker.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from standin_openai import (
 from kvguard.testing import serve
 
 VERSION = "0.5.23"
+CHAT_TOKENIZE_FROM = (0, 5, 12)
 
 
 @dataclass
@@ -111,9 +118,13 @@ class SGLangWorker:
         }
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    body = {"object": "error", "message": message, "type": "BadRequestError", "param": None}
+def _error(status: int, message: str, type_: str = "BadRequestError") -> JSONResponse:
+    body = {"object": "error", "message": message, "type": type_, "param": None}
     return JSONResponse({**body, "code": status}, status_code=status)
+
+
+def _counts_chats(version: str) -> bool:
+    return tuple(int(part) for part in version.split(".")[:3]) >= CHAT_TOKENIZE_FROM
 
 
 def chat_tokens(body: dict[str, Any]) -> int:
@@ -167,6 +178,9 @@ def worker_app(w: SGLangWorker) -> FastAPI:
     async def tokenize(request: Request) -> Any:
         body = await request.json()
         w.traffic.tokenize_bodies.append(body)
+        if not _counts_chats(w.version) and not isinstance(body.get("prompt"), str | list):
+            message = "1 validation error for TokenizeRequest\nprompt\n  Field required"
+            return _error(400, message, "Bad Request")  # messages: an extra field, ignored
         count = chat_tokens(body)  # messages: rendered as for a chat completion of this body
         return {"tokens": list(range(count)), "count": count, "max_model_len": w.context_len}
 
@@ -192,10 +206,12 @@ def worker_app(w: SGLangWorker) -> FastAPI:
 
 @dataclass
 class PDRouter:
-    """A PD router over SGLang workers: ``mini_lb`` or the model gateway (``flavor``)."""
+    """A router over SGLang workers: ``mini_lb`` or the model gateway (``flavor``), over PD
+    workers (prefill and decode) or, the model gateway only, regular ones."""
 
     prefill: list[str]
     decode: list[str]
+    regular: list[str] = field(default_factory=list)
     flavor: str = "model_gateway"  # or "mini_lb"
     traffic: Traffic = field(default_factory=Traffic)
 
@@ -203,6 +219,12 @@ class PDRouter:
         self._pairs = itertools.cycle(
             [(p, d) for p in self.prefill for d in self.decode] or [("", "")]
         )
+        self._regular = itertools.cycle(self.regular or [""])
+
+    @property
+    def first(self) -> str:
+        """The worker the model gateway proxies ``/get_server_info`` and ``/v1/models`` to."""
+        return (self.prefill or self.regular)[0]
 
     def add(self, url: str, role: str) -> None:
         """A worker registered with the running router (the model gateway's POST /workers)."""
@@ -211,6 +233,7 @@ class PDRouter:
 
     def worker_list(self) -> dict[str, Any]:
         listed = [(u, "prefill") for u in self.prefill] + [(u, "decode") for u in self.decode]
+        listed += [(u, "regular") for u in self.regular]
         workers = [
             {
                 "id": f"worker-{i}",
@@ -228,7 +251,8 @@ class PDRouter:
             }
             for i, (url, role) in enumerate(listed)
         ]
-        by_type = {"regular": 0, "prefill": len(self.prefill), "decode": len(self.decode)}
+        by_type = {"regular": len(self.regular), "prefill": len(self.prefill)}
+        by_type["decode"] = len(self.decode)
         stats = {"total_workers": len(workers), "healthy_workers": len(workers)}
         stats |= {"total_models": 1, "total_load": 0, "by_type": by_type}
         return {"workers": workers, "total": len(workers), "stats": stats}
@@ -247,7 +271,7 @@ def router_app(r: PDRouter) -> FastAPI:
     @app.get("/get_server_info")
     async def get_server_info() -> Any:
         if r.flavor == "model_gateway":
-            return (await client.get(f"{r.prefill[0]}/get_server_info")).json()
+            return (await client.get(f"{r.first}/get_server_info")).json()
         prefill = [(await client.get(f"{u}/get_server_info")).json() for u in r.prefill]
         decode = [(await client.get(f"{u}/get_server_info")).json() for u in r.decode]
         states = [s for info in decode for s in info.get("internal_states", [])]
@@ -255,7 +279,7 @@ def router_app(r: PDRouter) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Any:
-        return (await client.get(f"{r.prefill[0]}/v1/models")).json()
+        return (await client.get(f"{r.first}/v1/models")).json()
 
     if r.flavor == "model_gateway":
 
@@ -275,11 +299,14 @@ def router_app(r: PDRouter) -> FastAPI:
     @app.post("/v1/completions")
     async def complete(request: Request) -> Any:
         body = await request.json()
-        prefill, decode = next(r._pairs)
         headers = {k: v for k, v in request.headers.items() if k.lower().startswith("x-")}
-        sent = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_room": 7}
         path = request.url.path
-        await client.post(f"{prefill}{path}", json={**sent, "stream": False}, headers=headers)
+        if r.regular:
+            decode, sent = next(r._regular), body  # one worker answers the whole request
+        else:
+            prefill, decode = next(r._pairs)
+            sent = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_room": 7}
+            await client.post(f"{prefill}{path}", json={**sent, "stream": False}, headers=headers)
         if not body.get("stream"):
             answer = await client.post(f"{decode}{path}", json=sent, headers=headers)
             return JSONResponse(answer.json(), status_code=answer.status_code)
@@ -304,11 +331,14 @@ class SGLangPD(Deployment):
 async def start_sglang_pd(
     workers: dict[str, SGLangWorker], *, flavor: str = "model_gateway"
 ) -> SGLangPD:
+    """The workers behind one router; workers whose ``mode`` is "null" are regular ones (the
+    members an operator lists for them are "unified")."""
     servers, urls = await serve_workers({name: worker_app(w) for name, w in workers.items()})
-    roles = {name: worker.mode for name, worker in workers.items()}
+    roles = {n: "unified" if w.mode == "null" else w.mode for n, w in workers.items()}
     router = PDRouter(
         prefill=[urls[n] for n, role in roles.items() if role == "prefill"],
         decode=[urls[n] for n, role in roles.items() if role == "decode"],
+        regular=[urls[n] for n, role in roles.items() if role == "unified"],
         flavor=flavor,
     )
     router_server = await serve(router_app(router))

@@ -51,6 +51,8 @@ class EngineAdapter(ABC):
         target = snapshot.tokenize if snapshot is not None else None
         if target is None:
             target = TokenizeTarget(url=self.url(DEFAULT_TOKENIZE_PATH))
+        if "messages" in body and target.chat_refused is not None:
+            raise AdapterError(target.chat_refused)
         headers = self.headers(member=target.member)
         request = self.tokenize_request(model, body)
         data = await post_json(client, target.url, request, timeout=timeout, headers=headers)
@@ -92,28 +94,22 @@ async def probe_tokenize(
     base: str,
     paths: tuple[str, ...],
     *,
-    model: str,
+    request: dict[str, Any],
     timeout: float,
     headers: dict[str, str],
 ) -> str:
-    """The first of ``paths`` on ``base`` that counts a prompt (404/405: not served, try the next).
+    """The first of ``paths`` on ``base`` that counts ``request`` (404/405: not served, try the
+    next); any other refusal fails the probe.
 
     Routers differ from their workers here (the SGLang model gateway routes only /v1/tokenize,
-    vLLM serves only /tokenize), so the path is found by asking, not assumed per kind.
+    and counts prompt strings only; vLLM serves only /tokenize), so the path is found by asking
+    with what admission will send, not assumed per kind.
     """
     tried = []
     for path in paths:
         url = f"{base}{path}"
         try:
-            _count(
-                await post_json(
-                    client,
-                    url,
-                    {"model": model, "prompt": "kvguard"},
-                    timeout=timeout,
-                    headers=headers,
-                )
-            )
+            _count(await post_json(client, url, request, timeout=timeout, headers=headers))
             return url
         except AdapterError as exc:
             if not ("HTTP 404" in str(exc) or "HTTP 405" in str(exc)):

@@ -10,10 +10,16 @@ Lifecycle of one introspection:
    fails the whole engine with a reason naming the member (fail closed: a request could land on
    the worker nobody measured);
 3. every worker must serve the same model (and the configured one, if set);
-4. the counting target is probed on the first prefill/unified worker (routers do not count chat
-   prompts: the SGLang model gateway's /v1/tokenize takes a prompt string only, mini_lb and the
-   vLLM PD proxy serve no tokenize route at all);
-5. ``group_snapshot`` joins the workers into one path whose limit is the smallest pool.
+4. an engine registered alone (no members) that is a router by its own account is refused with
+   the fix (``router_problem``: the SGLang model gateway answers ``GET /workers``; it shows its
+   first worker's info only), as is a worker that cannot be a whole serving path alone
+   (``standalone_problem``);
+5. the counting target is probed on the first prefill/unified worker with what admission will
+   send it, a chat (routers do not count chat prompts: the SGLang model gateway's /v1/tokenize
+   takes a prompt string only, mini_lb and the vLLM PD proxy serve no tokenize route at all); a
+   worker whose release counts prompt strings only (``chat_refusal``) is probed with a prompt
+   and its target refuses chats with that reason;
+6. ``group_snapshot`` joins the workers into one path whose limit is the smallest pool.
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ import httpx
 from gateway.config import MemberRole, MemberSpec
 from gateway.engines.adapters.base import AdapterError, EngineAdapter, probe_tokenize
 from gateway.engines.capacity import CapacitySnapshot, TokenizeTarget, group_snapshot
+
+# What the probe asks to count: a chat, as admission sends one (or a prompt, where chats cannot be
+# counted); each kind's tokenize_request turns it into that kind's body.
+PROBE_CHAT = {"messages": [{"role": "user", "content": "kvguard"}]}
+PROBE_PROMPT = {"prompt": "kvguard"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +67,14 @@ class GroupAdapter(EngineAdapter):
         """Why a worker registered alone (no members) cannot be a whole serving path, if so."""
         return None
 
+    async def router_problem(self, client: httpx.AsyncClient, *, timeout: float) -> str | None:
+        """Why an engine registered alone is a router to register as a group, if it says so."""
+        return None
+
+    def chat_refusal(self, snapshot: CapacitySnapshot) -> str | None:
+        """Why this worker's tokenize route cannot count a chat (its release), if so."""
+        return None
+
     async def listed_workers(
         self, client: httpx.AsyncClient, *, timeout: float
     ) -> list[tuple[str, MemberRole]]:
@@ -76,15 +95,16 @@ class GroupAdapter(EngineAdapter):
                 raise AdapterError(
                     f"member '{_name(worker)}' serves model '{part.model}', the group '{model}'"
                 )
-        counter = next(worker for worker in workers if worker.counts)
-        target = TokenizeTarget(
-            url=await self._probe(client, counter, model=model, timeout=timeout),
-            member=None if counter.member is None else counter.member.name,
-        )
-        if counter.member is None:
+        if workers[0].member is None:  # registered alone
             snapshot = parts[0]
-            problem = self.standalone_problem(snapshot)
-            return _with(snapshot, tokenize=target, unavailable=problem or snapshot.unavailable)
+            problem = await self.router_problem(client, timeout=timeout)
+            problem = problem or self.standalone_problem(snapshot)
+            if problem is not None:
+                return _with(snapshot, tokenize=None, unavailable=problem)
+            target = await self._probe(client, workers[0], snapshot, model=model, timeout=timeout)
+            return _with(snapshot, tokenize=target, unavailable=snapshot.unavailable)
+        counter, part = next((w, p) for w, p in zip(workers, parts, strict=True) if w.counts)
+        target = await self._probe(client, counter, part, model=model, timeout=timeout)
         named = [(_name(worker), part) for worker, part in zip(workers, parts, strict=True)]
         return group_snapshot(model, named, tokenize=target)
 
@@ -121,14 +141,24 @@ class GroupAdapter(EngineAdapter):
             ) from exc
 
     async def _probe(
-        self, client: httpx.AsyncClient, worker: Worker, *, model: str, timeout: float
-    ) -> str:
+        self,
+        client: httpx.AsyncClient,
+        worker: Worker,
+        snapshot: CapacitySnapshot,
+        *,
+        model: str,
+        timeout: float,
+    ) -> TokenizeTarget:
+        refusal = self.chat_refusal(snapshot)
+        if refusal is not None and worker.member is not None:
+            refusal = f"member '{worker.member.name}': {refusal}"
+        request = self.tokenize_request(model, PROBE_CHAT if refusal is None else PROBE_PROMPT)
         try:
-            return await probe_tokenize(
+            url = await probe_tokenize(
                 client,
                 worker.url,
                 self.tokenize_paths,
-                model=model,
+                request=request,
                 timeout=timeout,
                 headers=worker.headers,
             )
@@ -139,6 +169,8 @@ class GroupAdapter(EngineAdapter):
                     "registered as a group (register its workers as members)"
                 ) from exc
             raise AdapterError(f"member '{worker.member.name}': {exc}") from exc
+        member = None if worker.member is None else worker.member.name
+        return TokenizeTarget(url=url, member=member, chat_refused=refusal)
 
 
 def reconcile(
@@ -177,6 +209,6 @@ def _name(worker: Worker) -> str:
 
 
 def _with(
-    snapshot: CapacitySnapshot, *, tokenize: TokenizeTarget, unavailable: str | None
+    snapshot: CapacitySnapshot, *, tokenize: TokenizeTarget | None, unavailable: str | None
 ) -> CapacitySnapshot:
     return replace(snapshot, tokenize=tokenize, unavailable=unavailable)

@@ -46,6 +46,7 @@ from gateway.engines.capacity import CacheIsolation, CapacitySnapshot, RoleView
 SERVER_INFO = "/server_info"
 LEGACY_SERVER_INFO = "/get_server_info"
 SALT_FROM = (0, 5, 12)
+CHAT_TOKENIZE_FROM = (0, 5, 12)  # TokenizeRequest takes messages (before: a required prompt)
 PD_MODES = ("prefill", "decode")
 
 
@@ -70,6 +71,31 @@ class SGLangAdapter(GroupAdapter):
             client, f"{worker.url}/v1/models", timeout=timeout, headers=worker.headers
         )
         return snapshot_from_sglang(info, models)
+
+    async def router_problem(self, client: httpx.AsyncClient, *, timeout: float) -> str | None:
+        """The model gateway lists its workers (``GET /workers``); a worker has no such list."""
+        try:
+            listed = await self.listed_workers(client, timeout=timeout)
+        except AdapterError:
+            return None  # no worker list: not the model gateway (mini_lb is caught by its info)
+        roles = sorted({role.value for _, role in listed})
+        pd = set(roles) & set(PD_MODES)
+        return (
+            f"this URL is a router (GET /workers lists {len(listed)} workers: {', '.join(roles)}; "
+            "it shows its first worker's info only and counts no chat): register the deployment "
+            f"as a group, listing every {'prefill and decode ' if pd else ''}worker as members "
+            "with the router as base_url, or set discover_members = true"
+        )
+
+    def chat_refusal(self, snapshot: CapacitySnapshot) -> str | None:
+        parsed = parse_version(snapshot.version)
+        if parsed is None or parsed >= CHAT_TOKENIZE_FROM:
+            return None  # an unknown release is probed with a chat: it fails closed if it cannot
+        return (
+            f"SGLang {snapshot.version} counts prompt strings only on its tokenize route (chat "
+            f"messages from {'.'.join(map(str, CHAT_TOKENIZE_FROM))}): upgrade SGLang to serve "
+            "chats through the gateway; completions are counted"
+        )
 
     def standalone_problem(self, snapshot: CapacitySnapshot) -> str | None:
         modes = sorted({role.role for role in snapshot.roles if role.role in PD_MODES})

@@ -21,6 +21,7 @@ from standin_vllm import worker_app as vllm_app
 
 from kvguard.testing import serve
 
+CHAT = "/v1/chat/completions"
 CLIENT_SALT = "the-client-chose-this"
 
 
@@ -94,13 +95,11 @@ async def test_isolation_report_of_every_other_engine_kind(make_settings, monkey
 
             _, key = await gw.create_tenant("acme")
             for model in ("standin-model", "hosted-model", "gpt-4o-mini", "old-vllm", "old-sglang"):
-                body = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": "alpha beta"}],
-                    "max_tokens": 2,
-                    "cache_salt": CLIENT_SALT,
-                }
-                r = await gw.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+                body = {"model": model, "max_tokens": 2, "cache_salt": CLIENT_SALT}
+                path, body["messages"] = CHAT, [{"role": "user", "content": "alpha beta"}]
+                if model == "old-sglang":  # before 0.5.12 it counts prompts only: chats fail
+                    path, body["prompt"] = "/v1/completions", body.pop("messages")[0]["content"]
+                r = await gw.client.post(path, json=body, headers=bearer(key))
                 assert r.status_code == 200, (model, r.text)
         received = {
             "bundled": bundled.controls.seen_bodies,

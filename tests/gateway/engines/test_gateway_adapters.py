@@ -94,6 +94,8 @@ async def test_sglang_and_vllm_adapters_over_http() -> None:
             assert (snapshot.real_pool, snapshot.context_window) == (20480, 32768)
             assert snapshot.tokenize is not None and snapshot.tokenize.url.endswith("/v1/tokenize")
             assert current.traffic.hits("/get_server_info") == 0  # the deprecated path: never
+            probe = {"model": current.model, "messages": [{"role": "user", "content": "kvguard"}]}
+            assert current.traffic.tokenize_bodies == [probe]  # probed with a chat, as admitted
             spec = EngineSpec(name="old", kind="sglang", base_url=legacy_url)
             old = await adapter_for(spec).introspect(client, timeout=2)
             assert old.real_pool == 20480 and legacy.traffic.hits("/get_server_info") == 1
@@ -106,6 +108,7 @@ async def test_sglang_and_vllm_adapters_over_http() -> None:
                 "0.33.0",
             )
             assert snapshot.tokenize is not None and snapshot.tokenize.url == f"{v_url}/tokenize"
+            assert vllm.traffic.tokenize_bodies == [{**probe, "model": "qwen3-32b"}]
             messages = [{"role": "user", "content": "a b c"}]
             count = await adapter_for(spec).count_tokens(
                 client, model="qwen3-32b", body={"messages": messages}, timeout=2, snapshot=snapshot

@@ -179,11 +179,17 @@ async def test_sglang_router_alone_is_refused_with_the_fix(make_settings) -> Non
     mini = await start_sglang_pd(
         {"p": SGLangWorker(mode="prefill"), "d": SGLangWorker(mode="decode")}, flavor="mini_lb"
     )
+    replicas = await start_sglang_pd(  # the model gateway over regular (non-PD) workers
+        {"r1": SGLangWorker(rank_pools=[5000]), "r2": SGLangWorker(rank_pools=[2000])}
+    )
     try:
+        regular = {"name": "regular", "kind": "sglang", "base_url": replicas.url}
         settings = make_settings(
             engines=[
                 {"name": "smg", "kind": "sglang", "base_url": gateway_pd.url},
                 {"name": "mini", "kind": "sglang", "base_url": mini.url},
+                regular,
+                {**regular, "name": "regular-found", "discover_members": True},
             ]
         )
         async with running_gateway(settings) as gw:
@@ -194,9 +200,18 @@ async def test_sglang_router_alone_is_refused_with_the_fix(make_settings) -> Non
             assert mini_view["blocked_reason"] == "unreachable"
             assert "no tokenize endpoint" in mini_view["blocked_detail"]
             assert "register its workers as members" in mini_view["blocked_detail"]
+            # it shows r1's pool only, and its /v1/tokenize counts no chat: never routable
+            view = await _engine(gw, "regular")
+            assert view["blocked_reason"] == "unavailable", view
+            assert "is a router (GET /workers lists 2 workers: unified;" in view["blocked_detail"]
+            assert "listing every worker as members" in view["blocked_detail"]
+            found = await _engine(gw, "regular-found")  # the fix the detail names
+            assert found["routable"] and found["max_request_tokens"] == 2000
+            assert found["tokenize_url"] == f"{replicas.urls['r1']}/v1/tokenize"
     finally:
         await gateway_pd.stop()
         await mini.stop()
+        await replicas.stop()
 
 
 async def test_vllm_deployment_behind_the_pd_proxy(make_settings, tmp_path: Path) -> None:

@@ -121,6 +121,43 @@ async def test_what_only_sglang_leaves_out_or_only_vllm_adds(make_settings: Any)
             await server.stop()
 
 
+async def test_sglang_before_0_5_12_refuses_chats_naming_the_version(
+    make_settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang before 0.5.12 counts prompt strings only (its TokenizeRequest has no messages): the
+    engine is probed with a prompt and stays routable for completions, and a chat fails closed
+    (502 token_count_unavailable) for the reason the log names, never admitted on a guess."""
+    worker = SGLangWorker(legacy=True, version="0.5.5")
+    server = await serve(sglang_app(worker))
+    try:
+        settings = make_settings(
+            engines=[{"name": "old", "kind": "sglang", "base_url": server.url}]
+        )
+        async with running_gateway(settings) as gw:
+            _, key = await gw.create_tenant("acme")
+            assert worker.traffic.tokenize_bodies[0] == {"model": worker.model, "prompt": "kvguard"}
+            r = await gw.client.post(
+                "/v1/completions",
+                json={"model": worker.model, "prompt": "a b c", "max_tokens": 4},
+                headers=bearer(key),
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == 3
+            asked = len(worker.traffic.bodies)
+            chat = {"model": worker.model, "messages": MESSAGES, "max_tokens": 4}
+            with caplog.at_level("WARNING", logger="kvguard.gateway"):
+                r = await gw.client.post(CHAT, json=chat, headers=bearer(key))
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["code"] == "token_count_unavailable"
+            assert "token count on engine old failed: SGLang 0.5.5 counts prompt strings only" in (
+                caplog.text
+            )
+            assert "from 0.5.12" in caplog.text
+            assert len(worker.traffic.bodies) == asked  # the engine never got the chat
+    finally:
+        await server.stop()
+
+
 def test_what_each_kind_is_sent_to_count() -> None:
     """The tokenize request per kind (gateway.engines.prompt), as vLLM 0.33.0 and SGLang 0.5.23
     read it: vLLM takes tools and chat_template_kwargs only (the template variables its chat
