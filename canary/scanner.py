@@ -19,7 +19,8 @@ else -- the start of the request's own marker included -- cuts as undecided, wit
 at most ``CNRY-`` and 7 body characters of any marker pass that way, and whether they are the
 owner's changes nothing.
 
-A feed or finish in a terminal state raises ``ScannerStateError``.
+A feed or finish in a terminal state raises ``ScannerStateError``, an ``InvalidTransition``: the
+state moves go through ``contracts.lifecycle.check_move``, the one transition mechanism.
 
 What happens to each candidate (``CNRY-`` followed by a run of base32 characters):
 
@@ -89,6 +90,7 @@ from canary.markers import (
     decode_tag,
     decode_visible,
 )
+from contracts.lifecycle import InvalidTransition, check_move
 
 MAX_HOLDBACK = MARKER_CHARS - 1
 """The most characters a scanner ever holds back: a marker missing its last character."""
@@ -123,7 +125,7 @@ TERMINAL = frozenset({ScannerState.CUT, ScannerState.FINISHED})
 _OPEN = ScannerState.OPEN  # a module global: the per-chunk state check is on the hot path
 
 
-class ScannerStateError(RuntimeError):
+class ScannerStateError(InvalidTransition):
     """A feed or finish on a scanner that is already cut or finished."""
 
 
@@ -462,11 +464,12 @@ class StreamScanner:
 
     def _require_open(self) -> None:
         if self._state in TERMINAL:
-            raise ScannerStateError(f"scanner is {self._state}: no more text can be scanned")
+            raise ScannerStateError(
+                "scanner", "", self._state, ScannerState.OPEN, "no more text can be scanned"
+            )
 
     def _transition(self, new: ScannerState) -> None:
-        if new not in TRANSITIONS[self._state]:
-            raise ScannerStateError(f"scanner cannot go from {self._state} to {new}")
+        check_move(TRANSITIONS, "scanner", "", self._state, new)
         self._state = new
 
 

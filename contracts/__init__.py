@@ -19,5 +19,9 @@ directions.
   info and report, hook services);
 - ``sql``: the metadata base every SQL table is declared on (the gateway's and the canary's), and
   the unit of work their statements run in;
-- ``spool``: the durable local spool both keep records in while their database is unreachable.
+- ``spool``: the durable local spool both keep records in while their database is unreachable;
+- ``capacity``: the largest request a path can take, and the drift statement;
+- ``errors``: the base of every error raised on purpose (a stable code and HTTP status);
+- ``lifecycle``: the one transition mechanism (``check_move``, ``Machine``,
+  ``InvalidTransition``) every lifecycle of every package moves through.
 """

@@ -14,12 +14,27 @@ terminal phase, whatever the path (error, client disconnect, guard cut).
 A tenant is ACTIVE or DISABLED (both reachable from each other; nothing is terminal: tenants are
 never deleted, their audit rows outlive them).
 
-Pure: no I/O, no framework imports.
+Moves are checked by ``contracts.lifecycle.check_move``, the one transition mechanism every package
+uses; a refused one raises its ``InvalidTransition``. Pure: no I/O, no framework imports.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+
+from contracts.lifecycle import InvalidTransition, check_move
+
+__all__ = [
+    "TENANT_TERMINAL",
+    "TENANT_TRANSITIONS",
+    "TERMINAL",
+    "TRANSITIONS",
+    "InvalidTransition",
+    "Phase",
+    "TenantStatus",
+    "check_tenant_transition",
+    "check_transition",
+]
 
 
 class Phase(StrEnum):
@@ -51,13 +66,9 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 }
 
 
-class InvalidTransition(RuntimeError):
-    """A phase change the table does not allow: a bug in the gateway, never a client error."""
-
-
 def check_transition(current: Phase, target: Phase) -> Phase:
-    if target not in TRANSITIONS[current]:
-        raise InvalidTransition(f"request phase {current.value} -> {target.value} is not allowed")
+    """``target``, or ``InvalidTransition`` (a bug in the gateway, never a client error)."""
+    check_move(TRANSITIONS, "request phase", "", current, target)
     return target
 
 
@@ -76,6 +87,5 @@ TENANT_TERMINAL: frozenset[TenantStatus] = frozenset()
 def check_tenant_transition(current: TenantStatus, target: TenantStatus) -> TenantStatus:
     if current is target:
         return target  # idempotent: disabling a disabled tenant changes nothing
-    if target not in TENANT_TRANSITIONS[current]:
-        raise InvalidTransition(f"tenant status {current.value} -> {target.value} is not allowed")
+    check_move(TENANT_TRANSITIONS, "tenant status", "", current, target)
     return target

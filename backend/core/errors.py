@@ -1,5 +1,9 @@
 """Typed errors of the engine core, each with a stable ``code`` and the HTTP status it maps to.
 
+Their base, ``KvguardError``, and the lifecycle refusal ``InvalidTransition`` are contracts every
+package shares (``contracts.errors``, ``contracts.lifecycle``); they are named here too so the
+engine's whole catalogue reads from one module.
+
 The HTTP edge turns any :class:`KvguardError` into an OpenAI-style error body using ``code`` and
 ``http_status`` (see ``backend/server/errors.py``); logs, metrics and audit records use ``code``
 and :meth:`KvguardError.details` as low-cardinality labels and structured fields. Messages and
@@ -15,28 +19,22 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
+from contracts.errors import KvguardError
+from contracts.lifecycle import InvalidTransition
 
-class KvguardError(Exception):
-    """Base of every error the engine core raises on purpose.
-
-    Subclasses call ``super().__init__(message, *constructor_args)`` so the error pickles.
-    """
-
-    code: str = "internal_error"
-    http_status: int = 500
-
-    def __init__(self, message: str, *init_args: Any) -> None:
-        super().__init__(message)
-        # Kept so the error pickles as `type(self)(*init_args)`; Exception's default would call
-        # `type(self)(message)`, which subclasses with structured constructors cannot take.
-        self._init_args = init_args or (message,)
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (type(self), self._init_args)
-
-    def details(self) -> dict[str, Any]:
-        """Structured, content-free fields for logs, metrics and audit records."""
-        return {"code": self.code}
+__all__ = [
+    "ContextLengthExceeded",
+    "DuplicateRequestId",
+    "InvalidRequest",
+    "InvalidTransition",
+    "InvariantViolation",
+    "IsolationError",
+    "IsolationReason",
+    "KvguardError",
+    "LimitReason",
+    "OutOfPages",
+    "StepProtocolError",
+]
 
 
 class LimitReason(StrEnum):
@@ -188,33 +186,6 @@ class OutOfPages(KvguardError):
 
     def details(self) -> dict[str, Any]:
         return {"code": self.code, "requested": self.requested, "free": self.free}
-
-
-class InvalidTransition(KvguardError):
-    """A lifecycle move that the lifecycle's transition table does not allow."""
-
-    code = "invalid_state_transition"
-    http_status = 500
-
-    def __init__(
-        self, subject: str, subject_id: str, from_state: str, to_state: str, problem: str = ""
-    ) -> None:
-        self.subject = subject
-        self.subject_id = subject_id
-        self.from_state = from_state
-        self.to_state = to_state
-        self.problem = problem
-        suffix = f": {problem}" if problem else ""
-        message = f"{subject} {subject_id}: {from_state} -> {to_state} is not allowed{suffix}"
-        super().__init__(message, subject, subject_id, from_state, to_state, problem)
-
-    def details(self) -> dict[str, Any]:
-        return {
-            "code": self.code,
-            "subject": self.subject,
-            "from_state": self.from_state,
-            "to_state": self.to_state,
-        }
 
 
 class StepProtocolError(KvguardError):

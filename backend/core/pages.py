@@ -54,7 +54,7 @@ from backend.core.errors import (
     IsolationReason,
     OutOfPages,
 )
-from backend.core.lifecycle import check_move
+from contracts.lifecycle import check_move
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,8 +44,8 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from backend.core.errors import InvalidRequest, InvalidTransition, KvguardError
-from backend.core.lifecycle import check_move
 from backend.core.pages import Owner, PageRef
+from contracts.lifecycle import check_move
 
 
 class RequestState(StrEnum):

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.core.errors import KvguardError
-from backend.core.lifecycle import Machine
 from backend.core.request import Request, RequestState
 from backend.disagg.decode_scheduler import DecodeScheduler, Release
 from backend.disagg.errors import (
@@ -62,6 +61,7 @@ from backend.engine.core import EngineCore, StepOutcome
 from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
 from contracts.engine import HandoffProof
+from contracts.lifecycle import Machine
 
 log = logging.getLogger("kvguard.disagg.decode")
 _S = DecodeHandoffState

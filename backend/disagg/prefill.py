@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from backend.core.admission import CapacityLimits, admit
 from backend.core.errors import KvguardError
-from backend.core.lifecycle import Machine
 from backend.core.messages import SchedulerOutput
 from backend.core.pages import Owner, PageRef
 from backend.core.request import RequestState, SamplingParams
@@ -66,6 +65,7 @@ from backend.engine.sampling import Sampled
 from backend.metrics import EngineMetrics
 from backend.model.kv_cache import KVCache
 from backend.transport.base import KvTransport, Segment, TransferError
+from contracts.lifecycle import Machine
 
 log = logging.getLogger("kvguard.disagg.prefill")
 _P = PrefillHandoffState

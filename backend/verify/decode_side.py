@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 from backend.core.admission import admit
 from backend.core.errors import KvguardError
-from backend.core.lifecycle import Machine, check_move
 from backend.core.pages import PageRef
 from backend.core.request import TERMINAL, TRANSITIONS, RequestState
 from backend.disagg.errors import HandoffTimedOut, PrefillUnavailable, ProtocolVersionMismatch
@@ -34,6 +33,7 @@ from backend.disagg.protocol import (
     to_wire,
 )
 from backend.verify.world import MAX_TOKENS, ZERO_CELL, Cause, Cell, ChannelError, World
+from contracts.lifecycle import Machine, check_move
 
 _D = DecodeHandoffState
 LEASE_S = 1.0

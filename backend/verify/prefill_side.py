@@ -13,7 +13,6 @@ from dataclasses import replace
 
 from backend.core.admission import admit
 from backend.core.errors import KvguardError
-from backend.core.lifecycle import Machine
 from backend.core.pages import PageState
 from backend.disagg.errors import HandoffFailed, ProtocolVersionMismatch
 from backend.disagg.machines import (
@@ -39,6 +38,7 @@ from backend.disagg.protocol import (
 )
 from backend.verify.decode_side import digest, land
 from backend.verify.world import Cell, ChannelError, PrefillHandoff, World, Write
+from contracts.lifecycle import Machine
 
 _P = PrefillHandoffState
 

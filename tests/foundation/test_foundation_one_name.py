@@ -18,6 +18,11 @@ ONE_HOME = {
     "CapacityReport": "contracts/engine.py",  # extends RoleCapacity, no longer repeats it
     "path_max_request_tokens": "contracts/capacity.py",  # the minimum over roles
     "drift_message": "contracts/capacity.py",  # the drift statement
+    "check_move": "contracts/lifecycle.py",  # the transition check (was by hand in the gateway
+    # and the canary, and backend/core/lifecycle.py)
+    "Machine": "contracts/lifecycle.py",
+    "InvalidTransition": "contracts/lifecycle.py",  # was also gateway/lifecycle.py
+    "KvguardError": "contracts/errors.py",
 }
 GONE = {"Severity", "parse_handoff", "enforceable_limit", "limit_for", "_holds"}
 

@@ -14,6 +14,7 @@ ALLOWED_STDLIB = {
     *("__future__", "collections", "dataclasses", "enum", "math", "types", "typing"),
     *("hashlib", "hmac", "struct"),
 }
+PURE_CONTRACTS = {"contracts.capacity", "contracts.errors", "contracts.lifecycle"}
 FORBIDDEN_CALLS = {"open", "getenv", "environ", "print", "input"}
 
 
@@ -33,9 +34,17 @@ def test_core_modules_import_only_stdlib_and_core() -> None:
     for path in files:
         for module in imported_modules(path):
             top = module.split(".")[0]
-            pure_contract = module == "contracts.capacity"  # standard library only, too
+            pure_contract = module in PURE_CONTRACTS
             allowed = top in ALLOWED_STDLIB or module.startswith("backend.core") or pure_contract
             assert allowed, f"{path.name} imports {module}"
+
+
+def test_the_contracts_core_imports_are_pure_too() -> None:
+    for contract in sorted(PURE_CONTRACTS):
+        path = REPO / (contract.replace(".", "/") + ".py")
+        for module in imported_modules(path):
+            allowed = module.split(".")[0] in ALLOWED_STDLIB or module in PURE_CONTRACTS
+            assert allowed, f"{contract} imports {module}"
 
 
 def test_core_modules_touch_no_environment_or_files() -> None:

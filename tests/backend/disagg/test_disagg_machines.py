@@ -10,7 +10,6 @@ import pytest
 from disagg_messages import GRANTS, ok_result
 
 from backend.core.errors import InvalidTransition
-from backend.core.lifecycle import Machine
 from backend.disagg.faults import Fault, FaultDrillRefused, FaultSet
 from backend.disagg.machines import (
     ALL_CHECKS,
@@ -30,6 +29,7 @@ from backend.disagg.machines import (
     verify_result,
 )
 from backend.disagg.protocol import ErrorInfo, HandoffOutcome, PageGrant, TokenRange
+from contracts.lifecycle import Machine
 
 D, P = DecodeHandoffState, PrefillHandoffState
 
