@@ -4,6 +4,12 @@ It reads the same ``KVGUARD_*`` settings as ``kvguard gateway`` (``kvguard.gatew
 tenant created with ``kvguard admin`` can call a gateway started in the same environment.
 ``kvguard admin tenant create NAME`` prints the new tenant's first key on its last line (and
 nowhere else: it is not stored).
+
+Every command says on stderr which database it uses. Only ``migrate`` and ``tenant create`` (the
+first step of a fresh install: the gateway then finds the tenant in the same place) create a
+SQLite database that is not there yet, and say so; every other command, run where there is none
+(another directory's ``./data`` is another database), creates nothing and exits 1 naming the path
+it looked at and how to point it at the stack's.
 """
 
 from __future__ import annotations
@@ -34,9 +40,9 @@ def _limit(text: str) -> int | None:
 def register(subparsers: Any) -> None:
     admin = subparsers.add_parser("admin", help="manage tenants, keys and the database")
     groups = admin.add_subparsers(dest="admin_command", required=True, metavar="AREA")
-    groups.add_parser("migrate", help="upgrade the database to the latest schema").set_defaults(
-        handler=run_admin(_migrate)
-    )
+    groups.add_parser(
+        "migrate", help="create the database, or upgrade it to the latest schema"
+    ).set_defaults(handler=run_admin(_migrate, creates=True))
     tenant = groups.add_parser("tenant", help="create/list/disable tenants, set limits")
     tenant_cmds = tenant.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
     create = tenant_cmds.add_parser("create", help="create a tenant; prints its first key last")
@@ -45,7 +51,7 @@ def register(subparsers: Any) -> None:
     create.add_argument("--synthetic", action="store_true", help="a canary probe tenant")
     create.add_argument("--canary-sample-rate", type=float, default=0.0)
     create.add_argument("--key-expires-in", type=int, default=None, metavar="SECONDS")
-    create.set_defaults(handler=run_admin(_tenant_create))
+    create.set_defaults(handler=run_admin(_tenant_create, creates=True))
     tenant_cmds.add_parser(
         "list", help="every tenant with its limits, one JSON line each"
     ).set_defaults(handler=run_admin(_tenant_list))
@@ -86,8 +92,9 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
 AdminAction = Callable[[argparse.Namespace, Any], None]
 
 
-def run_admin(action: AdminAction) -> Callable[[argparse.Namespace], int]:
-    """Wrap an admin action: settings, schema upgrade, one transaction, errors as messages."""
+def run_admin(action: AdminAction, *, creates: bool = False) -> Callable[[argparse.Namespace], int]:
+    """Wrap an admin action: settings, the database (created only when ``creates``), schema
+    upgrade, one transaction, errors as messages."""
 
     def handler(args: argparse.Namespace) -> int:
         from sqlalchemy.exc import OperationalError
@@ -104,7 +111,11 @@ def run_admin(action: AdminAction) -> Callable[[argparse.Namespace], int]:
             print(f"kvguard admin: invalid settings: {settings_error(exc)}", file=sys.stderr)
             return 2
         url = settings.sqlalchemy_url()
-        print(f"kvguard admin: {_which_database(url)}", file=sys.stderr)
+        missing = _missing_sqlite_file(url)
+        if missing is not None and not creates:
+            print(f"kvguard admin: {_no_database(missing)}", file=sys.stderr)
+            return 1
+        print(f"kvguard admin: {_which_database(url, missing)}", file=sys.stderr)
         engine = make_engine(url)
         try:
             if settings.migrate_on_start or action is _migrate:
@@ -124,20 +135,40 @@ def run_admin(action: AdminAction) -> Callable[[argparse.Namespace], int]:
     return handler
 
 
-def _which_database(url: str) -> str:
+_POINT_AT_THE_STACK = "KVGUARD_DATA_DIR or KVGUARD_DATABASE_URL as the stack was started with"
+
+
+def _missing_sqlite_file(url: str) -> Path | None:
+    """The SQLite file ``url`` names, when it is not there yet (None: it is, or the database is
+    a server or in memory)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    path = parsed.database or ":memory:"
+    if parsed.get_backend_name() != "sqlite" or path == ":memory:":
+        return None
+    file = Path(path).resolve()
+    return None if file.exists() else file
+
+
+def _no_database(path: Path) -> str:
+    return (
+        f"no database at {path}; to use a running stack's, set {_POINT_AT_THE_STACK} "
+        "('kvguard admin migrate' creates one here)"
+    )
+
+
+def _which_database(url: str, missing: Path | None) -> str:
     """The database this command uses, said on every run: another directory's ``./data`` is
     another database (the stack's is under the KVGUARD_DATA_DIR it was started with)."""
     from sqlalchemy.engine import make_url
 
-    parsed = make_url(url)
-    shown = parsed.render_as_string(hide_password=True)
-    path = parsed.database or ":memory:"
-    if parsed.get_backend_name() == "sqlite" and path != ":memory:" and not Path(path).exists():
+    if missing is not None:
         return (
-            f"creating a new database at {Path(path).resolve()} (none was there; to use a "
-            "running stack's, set KVGUARD_DATA_DIR or KVGUARD_DATABASE_URL as it was started)"
+            f"creating a new database at {missing} (none was there; to use a running stack's, "
+            f"set {_POINT_AT_THE_STACK})"
         )
-    return f"database {shown}"
+    return f"database {make_url(url).render_as_string(hide_password=True)}"
 
 
 def _migrate(args: argparse.Namespace, session: Any) -> None:

@@ -1,6 +1,7 @@
 """The `kvguard` command as a new user meets it: a bad setting is one line and exit 2 (never a
-traceback), `kvguard admin` says which database it uses (and when it creates one), and `--help`
-lists every subcommand and every default."""
+traceback), `kvguard admin` says which database it uses (and when it creates one: only `migrate`
+and `tenant create` do; every other command where there is none exits 1 and says where it looked),
+and `--help` lists every subcommand and every default."""
 
 from __future__ import annotations
 
@@ -51,12 +52,53 @@ def test_a_bad_setting_is_one_line_and_exit_2(
 
 def test_admin_says_which_database_it_uses_and_when_it_creates_one(tmp_path: Path) -> None:
     database = tmp_path / "data" / "kvguard.db"
-    first = kvguard(tmp_path, "admin", "tenant", "list")
-    assert first.returncode == 0 and first.stdout == ""
+    first = kvguard(tmp_path, "admin", "migrate")
+    assert first.returncode == 0, first.stderr
     assert f"creating a new database at {database}" in first.stderr
-    assert "KVGUARD_DATA_DIR" in first.stderr and "no tenants in this database" in first.stderr
+    assert "KVGUARD_DATA_DIR" in first.stderr and database.exists()
     again = kvguard(tmp_path, "admin", "tenant", "list")
+    assert again.returncode == 0 and again.stdout == ""
     assert f"database sqlite:///{database}" in again.stderr and "creating" not in again.stderr
+    assert "no tenants in this database" in again.stderr
+
+
+# Every admin command but the two that set a database up: run where there is none, each reads or
+# changes what is not there, so a new empty database would only hide that it looked elsewhere.
+NEEDS_A_DATABASE = [
+    ("tenant", "list"),
+    ("tenant", "enable", "acme"),
+    ("tenant", "disable", "acme"),
+    ("tenant", "set-limits", "acme", "--rpm", "5"),
+    ("key", "create", "acme"),
+    ("key", "list", "acme"),
+    ("key", "revoke", "abcdef"),
+]
+
+
+@pytest.mark.parametrize("argv", NEEDS_A_DATABASE, ids=" ".join)
+def test_admin_where_there_is_no_database_creates_none_and_says_where_it_looked(
+    tmp_path: Path, argv: tuple[str, ...]
+) -> None:
+    done = kvguard(tmp_path, "admin", *argv)
+    assert (done.returncode, done.stdout, done.stderr.count("\n")) == (1, "", 1), done.stderr
+    database = tmp_path / "data" / "kvguard.db"
+    assert done.stderr.startswith(f"kvguard admin: no database at {database}; ")
+    assert "KVGUARD_DATA_DIR or KVGUARD_DATABASE_URL" in done.stderr
+    assert "kvguard admin migrate" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_admin_tenant_create_sets_up_a_fresh_install(tmp_path: Path) -> None:
+    """The documented first step (then ``kvguard gateway`` in the same place) creates the
+    database, and says so; a second command finds it."""
+    database = tmp_path / "data" / "kvguard.db"
+    created = kvguard(tmp_path, "admin", "tenant", "create", "acme")
+    assert created.returncode == 0, created.stderr
+    assert f"creating a new database at {database}" in created.stderr
+    assert created.stdout.splitlines()[-1].startswith("kvg_")
+    listed = kvguard(tmp_path, "admin", "key", "list", "acme")
+    assert listed.returncode == 0 and f"database sqlite:///{database}" in listed.stderr
+    assert len(listed.stdout.splitlines()) == 1
 
 
 def parsers(parser: argparse.ArgumentParser, path: str = "kvguard"):
