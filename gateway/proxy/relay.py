@@ -255,7 +255,8 @@ class StreamRelay:
             if isinstance(side, Cut):
                 return self._cut(side)
             if side and self._template is not None:
-                out.append(encode_event(tail_chunk(self._template, side)))
+                chat = self.endpoint is Endpoint.CHAT
+                out.append(encode_event(tail_chunk(self._template, side, chat=chat)))
         return Step([*out, done], Phase.COMPLETED)
 
 
@@ -422,7 +423,7 @@ def _tail_chunk(
     if endpoint is Endpoint.CHAT:
         choice["delta"] = {"content": tail.text}
     else:
-        choice["text"] = tail.text
+        choice["text"], choice["logprobs"] = tail.text, None  # both required by the schema
     chunk["choices"] = [choice]
     return chunk
 

@@ -21,7 +21,8 @@ model, a tool call or the logprobs echo prompt text as readily as the answer doe
 logprobs token gets its ``bytes`` recomputed, so the marker does not survive as integers. What a
 rewrite guard still holds at the end (``finish``) comes back as ``SideTail``s: appended to the
 last value at that path (non-streaming, ``screen_body``) or sent as one more chunk before
-``[DONE]`` (streaming, ``tail_chunk``). Left cut-only: object keys (the completions endpoint's
+``[DONE]`` (streaming, ``tail_chunk``: a valid chunk of OpenAI's schema, with the fields it needs
+filled in). Left cut-only: object keys (the completions endpoint's
 ``top_logprobs`` maps tokens as keys) and identifiers, whose values must not shift between events.
 
 A cut-only field goes out as the engine sent it, so text its guard holds back (a possible marker
@@ -219,9 +220,10 @@ def _append_at(obj: Any, location: Location, text: str) -> None:
     set_at(obj, location, value + text)
 
 
-def tail_chunk(template: dict[str, Any], tails: list[SideTail]) -> dict[str, Any]:
+def tail_chunk(template: dict[str, Any], tails: list[SideTail], *, chat: bool) -> dict[str, Any]:
     """One streaming chunk carrying the tails, shaped like the events they came from: on the way
-    to each, every list holds elements that keep only their ``index`` (a choice, a tool call)."""
+    to each, every list holds elements that keep only their ``index`` (a choice, a tool call);
+    then completed to a valid chunk of OpenAI's schema (``_completed``)."""
     chunk: dict[str, Any] = {k: v for k, v in template.items() if k not in ("choices", "usage")}
     for tail in tails:
         node: Any = chunk
@@ -236,7 +238,44 @@ def tail_chunk(template: dict[str, Any], tails: list[SideTail]) -> dict[str, Any
             node.append(tail.text)  # a list of token strings (completions logprobs)
         else:
             node[last] = node.get(last, "") + tail.text
+    for choice in chunk.get("choices", ()):
+        _completed(choice, chat=chat)
     return chunk
+
+
+TAIL_LOGPROB = 0.0
+"""The logprob of a tail's token entry: the tail is no sampled token (its tokens went out with their
+logprobs, their text held back), so it adds nothing to the answer's sum."""
+
+
+def _completed(choice: dict[str, Any], *, chat: bool) -> None:
+    """A tail chunk's choice with what OpenAI's chunk schemas require: ``finish_reason`` (null:
+    the choice's own finish went out with the engine's event), a chat choice's ``delta``, a
+    completion's ``text`` and ``logprobs``; a chat logprobs object's ``content`` and ``refusal``
+    lists, and each token entry's ``logprob``, ``bytes`` and ``top_logprobs``; a completion's
+    ``token_logprobs`` as many as its ``tokens``."""
+    choice.setdefault("finish_reason", None)
+    if not chat:
+        choice.setdefault("text", "")
+        logprobs = choice.setdefault("logprobs", None)
+        if logprobs is not None and "tokens" in logprobs:
+            logprobs.setdefault("token_logprobs", [TAIL_LOGPROB] * len(logprobs["tokens"]))
+        return
+    choice.setdefault("delta", {})
+    logprobs = choice.get("logprobs")
+    if logprobs is None:
+        return
+    for part in ("content", "refusal"):
+        for entry in logprobs.setdefault(part, None) or ():
+            _token_entry(entry)
+            for ranked in entry.setdefault("top_logprobs", []):
+                _token_entry(ranked)
+
+
+def _token_entry(entry: dict[str, Any]) -> None:
+    token = entry.setdefault("token", "")
+    entry.setdefault("logprob", TAIL_LOGPROB)
+    entry["bytes"] = list(token.encode())
 
 
 def _element(items: list[Any], identity: int | None) -> dict[str, Any]:

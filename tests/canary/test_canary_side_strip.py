@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
+from openai_contract import check_sse
 
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
@@ -50,11 +51,13 @@ def _sse(chunks: list[dict[str, Any]]) -> bytes:
     return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
 
 
-def _stream(chunks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Any, bytes]:
+def _stream(
+    chunks: list[dict[str, Any]], endpoint: Endpoint = Endpoint.CHAT
+) -> tuple[list[dict[str, Any]], Any, bytes]:
     """(client's JSON events, cut, raw output) for upstream chunks through the firewall relay."""
-    fw, info = _guards()
+    fw, info = _guards(endpoint)
     relay = StreamRelay(
-        endpoint=Endpoint.CHAT,
+        endpoint=endpoint,
         open_guard=lambda: fw.open(info),
         wants_usage=False,
         side_prefilter=LeakFirewall.side_prefilter,
@@ -163,7 +166,7 @@ def test_text_held_back_at_the_end_of_a_side_field_is_delivered() -> None:
     assert out.endswith(b"data: [DONE]\n\n")
     tail = events[-1]
     assert tail["id"] == ID and tail["choices"] == [
-        {"index": 0, "delta": {"reasoning_content": "C"}}
+        {"index": 0, "delta": {"reasoning_content": "C"}, "finish_reason": None}
     ]
 
 
@@ -266,3 +269,88 @@ def test_a_field_name_spelled_with_escapes_is_still_rewritten() -> None:
     assert b"CNRY" not in out
     events = [json.loads(b[6:]) for b in out.decode().split("\n\n") if b.startswith("data: {")]
     assert _joined(events, "reasoning") == STRIPPED
+
+
+HEAD = {"id": ID, "object": "chat.completion.chunk", "created": 1, "model": "m"}
+COMPLETION_HEAD = {**HEAD, "object": "text_completion"}
+
+
+def _chat_chunk(choice: dict[str, Any]) -> dict[str, Any]:
+    return {**HEAD, "choices": [{"index": 0, "finish_reason": None, **choice}]}
+
+
+def _held_tails() -> dict[str, list[dict[str, Any]]]:
+    """Schema-valid upstream streams whose side fields end with a held-back "C"."""
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}
+    tool_calls = [
+        _chat_chunk({"delta": {"role": "assistant", "tool_calls": [call]}}),
+        *(
+            _chat_chunk({"delta": {"tool_calls": [{"index": 0, "function": {"arguments": p}}]}})
+            for p in ['{"a": ', '"x C']
+        ),
+    ]
+    refusal = [_chat_chunk({"delta": {"refusal": p}}) for p in ("no ", "C")]
+    tokens = [
+        _chat_chunk(
+            {"delta": {"content": ch}, "logprobs": {"content": [_logprob(ch)], "refusal": None}}
+        )
+        for ch in "a C"
+    ]
+    ranked = [
+        _chat_chunk(
+            {
+                "delta": {"content": ch},
+                "logprobs": {
+                    "content": [{**_logprob(ch), "top_logprobs": [_logprob(ch), _logprob(alt)]}],
+                    "refusal": None,
+                },
+            }
+        )
+        for ch, alt in zip("ab", "xC", strict=True)
+    ]
+    return {"tool call": tool_calls, "refusal": refusal, "logprobs": tokens, "top rank": ranked}
+
+
+@pytest.mark.parametrize("kind", ["tool call", "refusal", "logprobs", "top rank"])
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_held_back_tail_goes_out_as_a_schema_valid_chunk(kind: str, finished: bool) -> None:
+    """The chunk carrying what a side field's guard held to the end is a valid
+    ``chat.completion.chunk``: a choice with its ``delta`` and ``finish_reason``, a logprobs
+    object with ``content`` and ``refusal``, token entries with ``logprob``, ``bytes`` and
+    ``top_logprobs`` (the tail is no sampled token: logprob 0 adds nothing to a sum)."""
+    chunks = _held_tails()[kind]
+    if finished:
+        chunks.append(_chat_chunk({"delta": {}, "finish_reason": "stop"}))
+    events, cut, out = _stream(chunks)
+    assert cut is None and out.endswith(b"data: [DONE]\n\n")
+    check_sse(out, "CreateChatCompletionStreamResponse")
+    tail = events[-1]["choices"][0]
+    assert tail["index"] == 0 and "C" in json.dumps(tail)
+    for item in (tail.get("logprobs") or {}).get("content") or []:
+        assert item["bytes"] == list(item["token"].encode())
+
+
+def test_completions_tails_are_schema_valid_chunks() -> None:
+    """A held-back "C" at the end of a completion's text and of its logprobs tokens."""
+    chunks = [
+        {
+            **COMPLETION_HEAD,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": ch,
+                    "finish_reason": None,
+                    "logprobs": {"tokens": [ch], "token_logprobs": [-0.5], "top_logprobs": [{}]},
+                }
+            ],
+        }
+        for ch in "a C"
+    ]
+    events, cut, out = _stream(chunks, Endpoint.COMPLETIONS)
+    assert cut is None
+    check_sse(out, "CreateCompletionChunk")
+    assert "".join(c["text"] for e in events for c in e["choices"]) == "a C"
+    tokens = [
+        t for e in events for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])
+    ]
+    assert "".join(tokens) == "a C"
