@@ -123,9 +123,17 @@ def _drained(fs: FaultStack, role: Any) -> dict[str, float] | None:
     return pool if drained and pool["available"] == pool["total"] else None
 
 
+# error codes of answers given before the request's key was verified
+REFUSED_BEFORE_AUTH = frozenset({"database_unavailable", "invalid_api_key"})
+
+
 def _audit_problems(fs: FaultStack, outcomes: list[Outcome]) -> list[str]:
-    """Every numbered request has one audit row, and the row agrees with the client."""
-    numbered = {o.request_id: o for o in outcomes if o.request_id}
+    """Every request the gateway authenticated has one audit row, and the row agrees with the
+    client. Every answer carries a request id, but one refused before its tenant was known (the
+    database did not answer the key lookup) has no row: the audit records what a tenant did."""
+    numbered = {
+        o.request_id: o for o in outcomes if o.request_id and o.code not in REFUSED_BEFORE_AUTH
+    }
     ids = list(numbered)
 
     def complete() -> dict[str, list[dict[str, Any]]] | None:
