@@ -7,8 +7,9 @@ spawned at ``plan.spawn_rate`` -> stop when the duration passes or the request b
 and no request is in flight (users finish their current request, up to ``plan.stop_timeout_s``)
 -> write, under ``plan.out_dir``: Locust's CSVs (``locust_stats.csv``, ``locust_failures.csv``,
 ``locust_exceptions.csv``, and ``locust_stats_history.csv``, a row per second and per request
-name, written while the run goes and once more at its end), its HTML report (``locust.html``), one
-JSON line per request (``samples.jsonl``) and the run's wall time (``run.json``). While it runs it
+name, written while the run goes, when every user runs and at its end), its HTML report
+(``locust.html``), one JSON line per request (``samples.jsonl``) and the run's wall time
+(``run.json``). While it runs it
 prints a progress line every ``PROGRESS_INTERVAL_S`` to stderr (the terminal of ``kvguard load``;
 Locust's own log goes to stdout, the parent's ``worker.log``). The exit status only says whether
 the run itself worked; the parent judges the results.
@@ -58,6 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     history = gevent.spawn(stats_history, runner)
     tables = StatsCSVFileWriter(env, PERCENTILES_TO_REPORT, str(out / "locust"), full_history=True)
     writer = gevent.spawn(tables.stats_writer)
+
+    def history_rows(**_: object) -> None:
+        tables._stats_history_data_rows(tables.stats_history_csv_writer, time.time())
+
+    # The writer appends a row set once a second; a run shorter than that would hold only its
+    # first, empty rows: the history also gets one when every user is running and one at the end.
+    env.events.spawning_complete.add_listener(history_rows)
     started = time.time()
     runner.start(plan.users, spawn_rate=plan.spawn_rate)
 
@@ -82,9 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ticker.kill(block=True)
     history.kill(block=True)
     writer.kill(block=True)
-    # The history's last rows hold the final counts: the writer appends a row set once a second,
-    # so a run shorter than that would otherwise end on the rows of its first second.
-    tables._stats_history_data_rows(tables.stats_history_csv_writer, time.time())
+    history_rows()  # the final counts
     tables.close_files()
     for name, write in (  # the final tables (the writer refreshes them once a second)
         ("stats", tables.requests_csv),
