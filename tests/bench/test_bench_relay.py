@@ -170,7 +170,11 @@ def test_ceiling_verdicts_tell_the_relay_missing_the_bound_from_the_load_side_ru
 
 
 def _outcomes(
-    event_us: float, added_p99: float, tenants_growth: float, litellm_max: Max | None = None
+    event_us: float,
+    added_p99: float,
+    tenants_growth: float,
+    litellm_max: Max | None = None,
+    last_event_p99: float = 3.0,
 ) -> list[Outcome]:
     gateway = Outcome(
         "kvguard gateway",
@@ -180,6 +184,7 @@ def _outcomes(
         max_events=Max(30_000),
         added={100: (0.5, 1.0, 0), 500: (0.6, added_p99, 0)},
         growth={"10 tenants": [800.0], "10,000 tenants": [800.0 * (1 + tenants_growth)]},
+        event_delay_ms=[(1.0, last_event_p99), (2.0, last_event_p99 + 4), (1.5, last_event_p99)],
     )
     proxy = Outcome("LiteLLM proxy", [4000], [700], max_requests=Max(200), max_events=Max(5000))
     if litellm_max is not None:
@@ -200,7 +205,14 @@ def test_goals_are_met_only_when_every_one_holds_and_headlines_reach_bench_run(
         "max streamed events/s on one core, kvguard / LiteLLM proxy",
         "gateway-added p99 at 500/s non-streaming",
     }
-    for bad in (_outcomes(45.0, 4.0, 0.05), _outcomes(35.0, 6.0, 0.05), _outcomes(35, 4, 0.2)):
+    assert "added delay of a streamed answer's last event, p99" in {h.measure for h in headlines}
+    late = _outcomes(35.0, 4.0, 0.05, last_event_p99=12.0)  # later than one event interval
+    for bad in (
+        _outcomes(45.0, 4.0, 0.05),
+        _outcomes(35.0, 6.0, 0.05),
+        _outcomes(35, 4, 0.2),
+        late,
+    ):
         assert not goals({o.name: o for o in bad}, 10_000)[1]
 
 
@@ -222,7 +234,8 @@ def test_a_ratio_to_a_lower_bound_decides_the_litellm_goal_only_where_it_can(
 def test_tables_show_medians_with_their_spread_and_growth_against_the_first_row() -> None:
     outcomes = _outcomes(35.0, 4.0, 0.25)
     table = main_table(outcomes, (100, 500, 1000))
-    assert "| kvguard gateway | 820 (800-850) | 35.0 | 900 | 30,000 |" in table
+    # the last event's added delay: medians over rounds of p50 and of p99
+    assert "| kvguard gateway | 820 (800-850) | 35.0 | 900 | 30,000 | 1.50 / 3.00 |" in table
     assert "| >= 40,000 |" in table  # the load side ran out first
     assert "not reached" in table  # the gateway was not run at 1,000/s
     growth = growth_table(outcomes)
