@@ -70,8 +70,8 @@ class StreamOptions(_Request):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content: ``{"type": "text", "text": ...}`` or a non-text part
-    (``image_url``, ``input_audio``, ``file``, ``refusal``) passed on as is."""
+    """One part of a message's content: ``{"type": "text", "text": ...}`` (no other key) or a
+    non-text part (``image_url``, ``input_audio``, ``file``, ``refusal``) passed on as is."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text", "image_url", "input_audio", "file", "refusal"]
@@ -79,9 +79,12 @@ class ContentPart(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ContentPart:
-        _unicode_within(self.model_extra or {})
+        extra = self.model_extra or {}
+        _unicode_within(extra)
         if self.type == "text" and self.text is None:
             raise ValueError("a text part needs 'text'")
+        if self.type == "text" and extra:  # OpenAI's text part has no other key
+            raise ValueError(f"a text part has only 'type' and 'text', not {', '.join(extra)}")
         return self
 
 

@@ -288,3 +288,21 @@ async def test_nulls_through_the_gateway_to_the_real_bundled_engine(
         r = await gw.client.post("/v1/completions", json=body, headers=bearer(key))
         assert r.status_code == 200, r.text
         check("CreateCompletionResponse", r.json())
+
+
+async def test_a_text_part_with_keys_the_schema_lacks_is_refused_at_the_door(
+    gateway: Gateway, standin: StandInEngine
+) -> None:
+    """OpenAI's text part is ``type`` and ``text``; the bundled engine refuses any other key, so
+    the door does too (a provider extension such as ``cache_control`` used to pass the door and
+    then fail at the engine)."""
+    _, key = await gateway.create_tenant("acme", requests_per_minute=1)
+    part = {"type": "text", "text": "hello", "cache_control": {"type": "ephemeral"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [part]}]}
+    r = await gateway.client.post(CHAT, json=body, headers=bearer(key))
+    assert r.status_code == 400, r.text
+    error = check("ErrorResponse", r.json())["error"]
+    assert "cache_control" in error["message"] and error["param"].startswith("messages")
+    assert standin.controls.seen_bodies == []
+    # the refusal did not take the one request this minute allows
+    assert (await gateway.client.post(CHAT, json=_chat(), headers=bearer(key))).status_code == 200
