@@ -442,7 +442,10 @@ def test_overcount_on_english_is_measured_and_bounded(capsys: Any) -> None:
             )
         assert ratio < 1.03  # 1 token per message on ~48-token English messages
         bytes_ratio = sum(upper_bound_tokens(None, None, c) for c in chats) / truth
-        assert bytes_ratio > 3  # the bound for unknown tokenizers: why tiktoken is used
+        with capsys.disabled():
+            print(f"{name}: the bytes bound (any other model) counts {bytes_ratio:.2f}x")
+        # the bound for unknown tokenizers, as docs/engines.md states it: why tiktoken is used
+        assert 3 < bytes_ratio < 5.5  # 4.8x on this corpus
 
 
 def test_method_per_model() -> None:
