@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from opentelemetry.trace import Span
+from prometheus_client import Histogram
 
 from contracts.engine import HandoffProof
 from contracts.plugins import RequestInfo, RequestReport
@@ -48,6 +49,7 @@ class RequestContext:
     first_token_s: float | None = None  # forwarding -> first streamed text
     text_events: int = 0  # streamed engine events with text seen so far (gateway.proxy.latency)
     last_text_s: float | None = None  # arrival -> the latest of them
+    inter_token: Histogram | None = None  # the tenant's inter-token histogram, once it streams
     finish_reasons: tuple[str, ...] = ()  # each choice's, as the engine ended it
 
     def advance(self, phase: Phase) -> None:

@@ -21,11 +21,13 @@ def tick(state: GatewayState, ctx: RequestContext, text_events: int) -> None:
     if text_events == ctx.text_events:
         return
     now = ctx.elapsed_s()
-    tenant = ctx.principal.tenant_id
     if ctx.last_text_s is None:
+        tenant = ctx.principal.tenant_id
         state.metrics.tenant_ttft_seconds.labels(tenant=tenant, stream="true").observe(now)
-    else:
-        state.metrics.inter_token_seconds.labels(tenant=tenant).observe(now - ctx.last_text_s)
+        # the tenant's gap histogram, looked up once per stream, not once per event
+        ctx.inter_token = state.metrics.inter_token_seconds.labels(tenant=tenant)
+    elif ctx.inter_token is not None:
+        ctx.inter_token.observe(now - ctx.last_text_s)
     ctx.text_events = text_events
     ctx.last_text_s = now
 
