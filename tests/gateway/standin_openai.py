@@ -109,7 +109,13 @@ def answer_words(body: dict[str, Any], script: Script, traffic: Traffic) -> list
         text = script.text
     else:
         text = _last_user(body)
-    return text.split()[: int(body.get("max_tokens") or 16)]
+    return text.split()[: answer_limit(body)]
+
+
+def answer_limit(body: dict[str, Any]) -> int:
+    """The answer's token limit as the engines read it: ``max_completion_tokens`` first (what
+    SGLang's model gateway sends for a client's ``max_tokens``), then ``max_tokens``, else 16."""
+    return int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

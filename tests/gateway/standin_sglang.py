@@ -32,7 +32,12 @@ Shapes follow these upstream sources, read from the released packages:
   at run time; chat/completions dual-dispatched to a prefill/decode pair. Over regular (non-PD)
   workers (``routers/http/router.rs``): ``/get_server_info`` and ``/v1/models`` proxied to the
   first worker (``proxy_get_request``), the same router-side ``/v1/tokenize`` and
-  ``GET /workers``, completions sent to one worker.
+  ``GET /workers``, completions sent to one worker. Not modelled: the real sglang-router 0.3.2
+  model gateway rebuilds each request from its own schema (it drops ``cache_salt``, sends
+  ``max_completion_tokens`` for ``max_tokens``, adds its bootstrap fields) and answers
+  ``/get_server_info`` with its own ``{"router_manager": true, ...}``; the engine-group tests run
+  that real router in front of these workers (``test_sglang_pd_group_behind_the_real_router``).
+  Workers answer ``GET /health`` (``http_server.py``), which the real router checks first.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from standin_openai import (
     Deployment,
     Script,
     Traffic,
+    answer_limit,
     answer_words,
     chunks,
     full_body,
@@ -151,6 +157,10 @@ def worker_app(w: SGLangWorker) -> FastAPI:
         response: Response = await call_next(request)
         return response
 
+    @app.get("/health")
+    async def health() -> Any:  # http_server.py: what the model gateway checks before routing
+        return Response(status_code=200)
+
     @app.get("/server_info")
     async def server_info() -> Any:
         if w.legacy:
@@ -193,7 +203,7 @@ def worker_app(w: SGLangWorker) -> FastAPI:
             return _error(400, w.refuse)
         w.traffic.prompts.append(prompt_text(body))
         tokens = chat_tokens(body)
-        if tokens + int(body.get("max_tokens") or 16) > min(w.context_len, *w.rank_pools):
+        if tokens + answer_limit(body) > min(w.context_len, *w.rank_pools):
             return _error(400, f"The input ({tokens} tokens) is longer than the model's context")
         words = answer_words(body, w.script, w.traffic)
         if body.get("stream"):

@@ -32,7 +32,12 @@ import httpx
 
 from gateway.config import MemberRole, MemberSpec
 from gateway.engines.adapters.base import AdapterError, EngineAdapter, probe_tokenize
-from gateway.engines.capacity import CapacitySnapshot, TokenizeTarget, group_snapshot
+from gateway.engines.capacity import (
+    CacheIsolation,
+    CapacitySnapshot,
+    TokenizeTarget,
+    group_snapshot,
+)
 
 # What the probe asks to count: a chat, as admission sends one (or a prompt, where chats cannot be
 # counted); each kind's tokenize_request turns it into that kind's body.
@@ -81,6 +86,11 @@ class GroupAdapter(EngineAdapter):
         """(URL, role) of every worker the router routes to, from the router itself."""
         raise AdapterError(f"{self.spec.kind.value}: no router worker list is known")
 
+    async def router_drops_salt(self, client: httpx.AsyncClient, *, timeout: float) -> str | None:
+        """Why the router in front of the members does not pass the isolation field on, if so
+        (the members' own isolation then does not hold for requests sent through it)."""
+        return None
+
     async def introspect(self, client: httpx.AsyncClient, *, timeout: float) -> CapacitySnapshot:
         workers = self.workers()
         if self.spec.discover_members:
@@ -106,7 +116,11 @@ class GroupAdapter(EngineAdapter):
         counter, part = next((w, p) for w, p in zip(workers, parts, strict=True) if w.counts)
         target = await self._probe(client, counter, part, model=model, timeout=timeout)
         named = [(_name(worker), part) for worker, part in zip(workers, parts, strict=True)]
-        return group_snapshot(model, named, tokenize=target)
+        snapshot = group_snapshot(model, named, tokenize=target)
+        dropped = await self.router_drops_salt(client, timeout=timeout)
+        if dropped is not None and snapshot.isolation and snapshot.isolation.field is not None:
+            return replace(snapshot, isolation=CacheIsolation(field=None, detail=dropped))
+        return snapshot
 
     def workers(self) -> list[Worker]:
         if not self.spec.members:

@@ -22,7 +22,9 @@ Prefix-cache isolation: ``cache_salt`` on chat/completion requests namespaces th
 (0.5.5-0.5.14: joined into ``extra_key``; 0.5.23: its own radix-key field). Upstream fixed salts
 not reaching the scheduler in April 2026 (sgl-project/sglang#23300), so isolation is reported
 from 0.5.12, the first release checked after the fix; never with a hierarchical-cache storage
-backend or LMCache, whose external keys are token-only (SGLang's radix-key contract).
+backend or LMCache, whose external keys are token-only (SGLang's radix-key contract); never for a
+group behind the model gateway, which drops ``cache_salt`` from what it sends the workers (the
+real sglang-router 0.3.2, run by the tests; ``router_drops_salt``). mini_lb passes it on.
 """
 
 from __future__ import annotations
@@ -71,6 +73,20 @@ class SGLangAdapter(GroupAdapter):
             client, f"{worker.url}/v1/models", timeout=timeout, headers=worker.headers
         )
         return snapshot_from_sglang(info, models)
+
+    async def router_drops_salt(self, client: httpx.AsyncClient, *, timeout: float) -> str | None:
+        """The model gateway (it lists its workers) rebuilds every request from its own schema:
+        ``cache_salt`` never reaches the workers (sglang-router 0.3.2, tested with the real
+        router). mini_lb passes the request on as it came."""
+        try:
+            await self.listed_workers(client, timeout=timeout)
+        except AdapterError:
+            return None
+        return (
+            "the SGLang model gateway in front of the members drops cache_salt from every "
+            "request (sglang-router 0.3.2): tenants share the workers' radix caches unless the "
+            "workers run with --disable-radix-cache; route through mini_lb to salt them"
+        )
 
     async def router_problem(self, client: httpx.AsyncClient, *, timeout: float) -> str | None:
         """The model gateway lists its workers (``GET /workers``); a worker has no such list."""

@@ -7,13 +7,18 @@ firewall and into the audit."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from gateway_harness import bearer, running_gateway
 from sqlalchemy import select
-from standin_openai import Script, Traffic
+from standin_openai import Script, Traffic, serve_workers
 from standin_sglang import SGLangWorker, start_sglang_pd
 from standin_sglang import worker_app as sglang_worker_app
 from standin_vllm import VLLMWorker, start_vllm_routed
@@ -23,6 +28,7 @@ from canary.runtime import CanaryRuntime
 from contracts.sql import session_scope
 from gateway.db.models import RequestAudit
 from gateway.engines.isolation import tenant_salt
+from kvguard.localservices import free_port
 from kvguard.testing import serve
 
 CANARY_KEY = "canary-test-key-0123456789abcdef0123456789"
@@ -99,16 +105,19 @@ async def test_sglang_pd_group_behind_the_model_gateway(make_settings, tmp_path:
                 "d2/decode": 1800,
             }
             assert view["tokenize_url"] == f"{pd.urls['p1']}/v1/tokenize"
-            assert view["prefix_cache_isolation"] == {
-                "supported": True,
-                "field": "cache_salt",
-                "detail": "every member honours cache_salt",
-            }
+            # every member honours cache_salt, but the model gateway drops it from what it
+            # sends them (as the real one does: test_sglang_pd_group_behind_the_real_router)
+            isolation = view["prefix_cache_isolation"]
+            assert (isolation["supported"], isolation["field"]) == (False, None)
+            assert (
+                "SGLang model gateway in front of the members drops cache_salt"
+                in (isolation["detail"])
+            )
             for worker in workers.values():  # /server_info, never the deprecated path
                 assert worker.traffic.hits("/get_server_info") == 0
                 assert worker.traffic.hits("/server_info") >= 1
 
-            victim, victim_key = await gw.create_tenant("victim", canary_sample_rate=1.0)
+            _, victim_key = await gw.create_tenant("victim", canary_sample_rate=1.0)
             _, observer_key = await gw.create_tenant("observer")
             model = workers["p1"].model
             too_long = await gw.client.post(
@@ -125,8 +134,7 @@ async def test_sglang_pd_group_behind_the_model_gateway(make_settings, tmp_path:
             )
             assert r.status_code == 200 and "[DONE]" in r.text
             assert _text(r.text) == " ".join(["word"] * 8)  # echoed up to max_tokens
-            sent = shared.bodies[-1]
-            assert sent["cache_salt"] == tenant_salt(settings.cache_salt_secret(), victim)
+            assert "cache_salt" not in shared.bodies[-1]  # no salt claimed where none arrives
             assert "the-client-chose-this" not in str(shared.bodies)
             assert pd.router.traffic.hits("/v1/tokenize") == 0  # counted on p1, with messages
             assert workers["p1"].traffic.hits("/v1/tokenize") >= 2
@@ -168,6 +176,115 @@ async def test_sglang_pd_group_behind_the_model_gateway(make_settings, tmp_path:
             assert pd.url not in refused.text and "d2" not in refused.text
     finally:
         await pd.stop()
+
+
+async def test_sglang_pd_group_behind_mini_lb_gets_the_tenant_salt(
+    make_settings, tmp_path: Path
+) -> None:
+    """mini_lb passes each request on as it came, so the members' cache_salt holds through it."""
+    workers = {
+        "p1": SGLangWorker(mode="prefill", rank_pools=[3000]),
+        "d1": SGLangWorker(mode="decode", rank_pools=[2000]),
+    }
+    pd = await start_sglang_pd(workers, flavor="mini_lb")
+    try:
+        engines = tmp_path / "engines.toml"
+        engines.write_text(_toml("sglang-mini", "sglang", pd.url, pd.members()))
+        async with running_gateway(make_settings(engines_file=engines)) as gw:
+            view = await _engine(gw, "sglang-mini")
+            assert view["routable"] and view["max_request_tokens"] == 2000, view
+            assert view["prefix_cache_isolation"]["field"] == "cache_salt"
+            tenant, key = await gw.create_tenant("acme")
+            body = _chat(workers["p1"].model, 5, cache_salt="the-client-chose-this")
+            r = await gw.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+            assert r.status_code == 200 and "[DONE]" in r.text
+            salt = tenant_salt(gw.state.settings.cache_salt_secret(), tenant)
+            assert workers["d1"].traffic.bodies[-1]["cache_salt"] == salt
+            assert "the-client-chose-this" not in str(workers["d1"].traffic.bodies)
+    finally:
+        await pd.stop()
+
+
+def _real_router(pd_urls: dict[str, str], roles: dict[str, str], log: Path) -> tuple[Any, str]:
+    """SGLang's real model gateway (sglang-router, the package's own CLI) in front of the
+    workers, once it has found every one of them healthy."""
+    port = free_port()
+    argv = [str(Path(sys.executable).parent / "sglang-router"), "launch", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--pd-disaggregation", "--log-level", "warn"]
+    for name, url in pd_urls.items():
+        argv += ["--prefill", url, "none"] if roles[name] == "prefill" else ["--decode", url]
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, log.read_text()[-2000:]
+        assert time.monotonic() < deadline, "the router found no healthy workers in 60 s"
+        try:
+            listed = httpx.get(url + "/workers", timeout=2).json()["workers"]
+            if len(listed) == len(pd_urls) and all(w["is_healthy"] for w in listed):
+                return proc, url
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)  # polling the router's own worker list, with a deadline
+
+
+async def test_sglang_pd_group_behind_the_real_router(make_settings, tmp_path: Path) -> None:
+    """The real SGLang model gateway (sglang-router 0.3.2) over worker stand-ins, registered as
+    docs/engines.md says, both ways: the limit is the smallest member pool, counts come from a
+    prefill member (the router's /v1/tokenize takes no chat), requests stream through the router
+    and the canary firewall, and the router's dropping of cache_salt is reported, not papered
+    over (what it sends the workers carries no salt)."""
+    shared = Traffic()
+    workers = {
+        "p1": SGLangWorker(mode="prefill", rank_pools=[3000]),
+        "p2": SGLangWorker(mode="prefill", rank_pools=[2600, 2400]),
+        "d1": SGLangWorker(mode="decode", rank_pools=[4000], traffic=shared),
+        "d2": SGLangWorker(mode="decode", rank_pools=[1800], traffic=shared),
+    }
+    servers, urls = await serve_workers({n: sglang_worker_app(w) for n, w in workers.items()})
+    roles = {name: worker.mode for name, worker in workers.items()}
+    proc, router = await asyncio.to_thread(_real_router, urls, roles, tmp_path / "router.log")
+    try:
+        members = [{"name": n, "role": roles[n], "url": u} for n, u in urls.items()]
+        engines = tmp_path / "engines.toml"
+        engines.write_text(
+            _toml("listed", "sglang", router, members)
+            + _toml("found", "sglang", router, members, "discover_members = true\n")
+        )
+        settings = make_settings(engines_file=engines)
+        async with running_gateway(settings, hooks=_canary_hooks()) as gw:
+            for name in ("listed", "found"):
+                view = await _engine(gw, name)
+                assert view["routable"], view
+                assert view["max_request_tokens"] == 1800  # d2's pool
+                assert view["tokenize_url"] == f"{urls['p1']}/v1/tokenize"
+                isolation = view["prefix_cache_isolation"]
+                assert isolation["supported"] is False
+                assert "drops cache_salt" in isolation["detail"]
+
+            _, key = await gw.create_tenant("acme", canary_sample_rate=1.0)
+            model = workers["p1"].model
+            body = _chat(model, 20, cache_salt="the-client-chose-this")
+            r = await gw.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+            assert r.status_code == 200 and "[DONE]" in r.text, r.text
+            assert _text(r.text) == " ".join(["word"] * 8)
+            sent = shared.bodies[-1]  # what the real router sent a decode worker
+            assert "bootstrap_room" in sent  # its PD dispatch, not a pass-through
+            assert "cache_salt" not in sent and "the-client-chose-this" not in str(shared.bodies)
+
+            _, other_key = await gw.create_tenant("other")
+            for worker in ("d1", "d2"):
+                workers[worker].script = Script(leak_previous=True)
+            leak = await gw.client.post(
+                "/v1/chat/completions", json=_chat(model, 5), headers=bearer(other_key)
+            )
+            assert leak.status_code == 200 and "isolation_violation" in leak.text
+            assert "CNRY-" not in leak.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for server in servers:
+            await server.stop()
 
 
 async def test_sglang_router_alone_is_refused_with_the_fix(make_settings) -> None:
