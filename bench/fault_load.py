@@ -52,6 +52,7 @@ class Outcome:
     leaked: int = 0
     seconds: float = 0.0
     ended: float = field(default_factory=time.monotonic)
+    marker: str = ""  # a "wrong" answer's own marker (to ask the engine itself, engine_copies)
 
 
 @dataclass(slots=True)
@@ -168,7 +169,18 @@ async def ask(
     if read.done and marker in text:
         return Outcome("ok", None, status, request_id, leaked, took)
     code = "no_own_marker" if read.done else "silent_cut"
-    return Outcome("wrong", code, status, request_id, leaked, took)
+    return Outcome("wrong", code, status, request_id, leaked, took, marker=marker)
+
+
+async def engine_copies(engine_url: str, engine_token: str, tenant_id: str, marker: str) -> bool:
+    """Whether the engine itself, asked the same echo directly (greedy, no gateway), answers with
+    the marker: when it does not, a gateway answer without it is the model's own copy error."""
+    headers = {"Authorization": f"Bearer {engine_token}", "X-Kvguard-Tenant": tenant_id}
+    body = {**echo_body(marker), "stream": False}
+    async with httpx.AsyncClient(timeout=60) as client:
+        r = await client.post(engine_url + "/v1/chat/completions", json=body, headers=headers)
+    r.raise_for_status()
+    return marker in r.json()["choices"][0]["message"]["content"]
 
 
 async def clients(

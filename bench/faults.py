@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,7 +37,16 @@ from typing import Any
 
 import httpx
 
-from bench.fault_load import Live, Outcome, ask, clients, codec_for, codes, hold_cap
+from bench.fault_load import (
+    Live,
+    Outcome,
+    ask,
+    clients,
+    codec_for,
+    codes,
+    engine_copies,
+    hold_cap,
+)
 from bench.fault_stack import FaultStack, fault_stack, wait_for
 from bench.summary import emit
 
@@ -56,6 +66,8 @@ class FaultRow:
     during: dict[str, int]  # outcomes while the fault was on, by kind:code
     leaked_markers: int  # foreign markers delivered, over the whole scenario
     wrong_content: int  # 200s without their own marker or silently cut, whole scenario
+    model_misses: int  # 200s without their own marker that the engine itself, asked directly,
+    # also answers without it (the tiny model's copy error, not the gateway's): not wrong
     unclear_errors: int  # errors without an OpenAI-style code or dropped connections, whole
     recovery_s: float | None  # from clearing the fault to the first correct answer
     after: dict[str, int]  # outcomes of the concurrency-cap check after recovery
@@ -153,13 +165,25 @@ def _audit_problems(fs: FaultStack, outcomes: list[Outcome]) -> list[str]:
     return problems
 
 
+MODEL_MISS = "model_miss"
+
+
+async def _attributed(fs: FaultStack, outcome: Outcome) -> Outcome:
+    """A 200 that ended well without its own marker, asked again of the engine directly after
+    the scenario: when the engine's own greedy answer lacks it too, the model miscopied it."""
+    if outcome.kind != "wrong" or outcome.code != "no_own_marker":
+        return outcome
+    copied = await engine_copies(fs.decode.url, fs.engine_token, fs.tenant.id, outcome.marker)
+    return outcome if copied else dataclasses.replace(outcome, kind=MODEL_MISS)
+
+
 def _unclear(outcome: Outcome) -> bool:
     """An error without an OpenAI-style code, or a connection the gateway dropped unexplained."""
     return (outcome.code or "").startswith(("unclear", "transport_"))
 
 
 def _agrees(outcome: Outcome, row: dict[str, Any]) -> bool:
-    if outcome.kind == "ok":
+    if outcome.kind in ("ok", MODEL_MISS):
         return row["outcome"] == "completed" and row["status"] == 200
     if outcome.kind == "cancelled":  # the gateway may have finished just before the hang-up
         return row["outcome"] in ("cancelled", "completed")
@@ -208,7 +232,7 @@ async def _run(
     stop.set()
     outcomes = await load
     after = await hold_cap(fs.url, fs.tenant, codec)
-    everything = [*seen, *outcomes, *probes, *after]
+    everything = [await _attributed(fs, o) for o in [*seen, *outcomes, *probes, *after]]
     during = [o for o in outcomes if fault_on <= o.ended <= fault_off]
     pool_violations = await _blocking(lambda: _pool_violations(fs))
     # A restarted decode counts from zero again.
@@ -220,6 +244,7 @@ async def _run(
         during=codes(during),
         leaked_markers=sum(o.leaked for o in everything),
         wrong_content=sum(1 for o in everything if o.kind == "wrong"),
+        model_misses=sum(1 for o in everything if o.kind == MODEL_MISS),
         unclear_errors=sum(1 for o in everything if _unclear(o)),
         recovery_s=recovery_s,
         after=codes(after),

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import pytest
 
+from bench.fault_load import Outcome, codec_for, engine_copies
 from bench.fault_stack import FaultStack
 from bench.faults import (
     FaultRow,
+    _attributed,
     cancel_storm,
     decode_crash,
     postgres_down,
@@ -106,3 +108,21 @@ async def test_cancelling_many_streams_releases_everything(stack: FaultStack) ->
     row = await cancel_storm(stack, n_clients=cap(stack), hold_s=1.5)
     assert_recovered(row, cap(stack))
     assert set(row.during) == {"cancelled"} and row.requests >= cap(stack), row
+
+
+async def test_a_missing_marker_is_the_models_only_if_the_engine_itself_misses_it(
+    stack: FaultStack,
+) -> None:
+    """``bench.faults`` calls a 200 without its own marker a model miss, not wrong content, only
+    when the engine asked directly answers without it too: a marker the engine copies, or one a
+    gateway answer lost, stays wrong."""
+    codec = codec_for(stack.canary_key)
+    marker = codec.issue(stack.tenant.id).text
+    assert await engine_copies(stack.decode.url, stack.engine_token, stack.tenant.id, marker)
+    lost = Outcome("wrong", "no_own_marker", 200, "r1", marker=marker)
+    assert (await _attributed(stack, lost)).kind == "wrong"  # the engine copies this one
+    # no marker shape in the prompt: the model has nothing to copy, so it misses this text
+    plain = Outcome("wrong", "no_own_marker", 200, "r2", marker="plain words, no code")
+    assert (await _attributed(stack, plain)).kind == "model_miss"
+    cut = Outcome("wrong", "silent_cut", 200, "r3", marker=marker)
+    assert (await _attributed(stack, cut)).kind == "wrong"  # a cut stream is never the model's
