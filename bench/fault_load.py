@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import json
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -172,10 +173,12 @@ async def ask(
     return Outcome("wrong", code, status, request_id, leaked, took, marker=marker)
 
 
-async def engine_copies(engine_url: str, engine_token: str, tenant_id: str, marker: str) -> bool:
+async def engine_copies(engine_url: str, engine_token: str, marker: str) -> bool:
     """Whether the engine itself, asked the same echo directly (greedy, no gateway), answers with
-    the marker: when it does not, a gateway answer without it is the model's own copy error."""
-    headers = {"Authorization": f"Bearer {engine_token}", "X-Kvguard-Tenant": tenant_id}
+    the marker, computed from scratch: as a tenant of its own, so no cached prefix of the load's
+    tenant is reused. When it does not, a gateway answer without it is the model's copy error."""
+    oracle = f"fault-oracle-{uuid.uuid4().hex}"
+    headers = {"Authorization": f"Bearer {engine_token}", "X-Kvguard-Tenant": oracle}
     body = {**echo_body(marker), "stream": False}
     async with httpx.AsyncClient(timeout=60) as client:
         r = await client.post(engine_url + "/v1/chat/completions", json=body, headers=headers)
