@@ -57,6 +57,7 @@ SLOW_LINK = "1e5"
 LEASE_S = "2.0"
 DRAIN_TIMEOUT_S = 30.0
 MODEL_MISS = "model_miss"  # a 200 without its marker that the engine, from scratch, misses too
+MODEL_MISS_KEY = f"{MODEL_MISS}:no_own_marker"  # how one shows in FaultRow.during and .after
 KILL_ATTEMPTS = 3  # decode_crash: kills until one cuts a stream
 
 
@@ -83,7 +84,7 @@ class FaultRow:
             and self.wrong_content == 0
             and self.unclear_errors == 0
             and self.recovery_s is not None
-            and set(self.after) <= {"ok", f"{MODEL_MISS}:no_own_marker"}
+            and set(self.after) <= {"ok", MODEL_MISS_KEY}
             and not self.pool_violations
             and not self.audit_problems
         )

@@ -18,6 +18,7 @@ import pytest
 from bench.fault_load import Outcome, codec_for, engine_copies
 from bench.fault_stack import FaultStack
 from bench.faults import (
+    MODEL_MISS_KEY,
     FaultRow,
     _attributed,
     cancel_storm,
@@ -29,7 +30,6 @@ from bench.faults import (
 )
 
 pytestmark = pytest.mark.slow
-MODEL_MISS_KEY = "model_miss:no_own_marker"
 
 # Clear errors a client may get while a part is broken (each an OpenAI-style code).
 CLEAR = {

@@ -1,9 +1,10 @@
 """SGLang and vLLM deployments behind routers, registered as engine groups the way docs/engines
 tells an operator to, against stand-ins that follow the upstream sources (standin_sglang,
-standin_vllm): the enforced limit is the smallest pool of every member, one sick member fails the
-group closed with a reason naming it, token counts come from the endpoint the worker serves, the
-tenant's prefix-cache salt replaces the client's, and requests stream through the canary
-firewall and into the audit."""
+standin_vllm) and, for SGLang's model gateway, the real router (sglang-router): the enforced limit
+is the smallest pool of every member, one sick member fails the group closed with a reason naming
+it, token counts come from the endpoint the worker serves, the tenant's prefix-cache salt replaces
+the client's (where the router passes it on), and requests stream through the canary firewall and
+into the audit."""
 
 from __future__ import annotations
 
