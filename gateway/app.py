@@ -36,6 +36,7 @@ from gateway.limits.base import Limiter
 from gateway.limits.memory_limiter import MemoryLimiter
 from gateway.limits.redis_limiter import RedisLimiter
 from gateway.metrics import GatewayMetrics
+from gateway.proxy.deps import ProxySettings
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
 from gateway.services.quarantine import Quarantines
@@ -127,6 +128,7 @@ async def build_state(
             retry_s=min(settings.poll_interval_s, 5.0),
             write_timeout_s=settings.database_timeout_s,
         ),
+        proxy_settings=ProxySettings.of(settings),
     )
     poller.reload = state.reload_engines
     return state

@@ -40,7 +40,8 @@ def register(subparsers: Any) -> None:
 def run_gateway(args: argparse.Namespace) -> int:
     from canary.config import CanarySettings
     from contracts.settings import CONFIG_ERRORS, settings_error
-    from gateway.config import GatewaySettings, parse_engine_arg
+    from gateway.config import GatewaySettings
+    from gateway.engines.spec import parse_engine_arg
 
     try:  # settings first: a refusal is one line, before the heavy imports below
         env = GatewaySettings()

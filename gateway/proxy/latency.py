@@ -13,26 +13,26 @@ percentiles. Labels carry the tenant id, never content.
 from __future__ import annotations
 
 from gateway.proxy.context import RequestContext
-from gateway.state import GatewayState
+from gateway.proxy.deps import ProxyDeps
 
 
-def tick(state: GatewayState, ctx: RequestContext, text_events: int) -> None:
+def tick(deps: ProxyDeps, ctx: RequestContext, text_events: int) -> None:
     """Observe the latency of the text events seen since the last call (at most one per event)."""
     if text_events == ctx.text_events:
         return
     now = ctx.elapsed_s()
     if ctx.last_text_s is None:
         tenant = ctx.principal.tenant_id
-        state.metrics.tenant_ttft_seconds.labels(tenant=tenant, stream="true").observe(now)
+        deps.metrics.tenant_ttft_seconds.labels(tenant=tenant, stream="true").observe(now)
         # the tenant's gap histogram, looked up once per stream, not once per event
-        ctx.inter_token = state.metrics.inter_token_seconds.labels(tenant=tenant)
+        ctx.inter_token = deps.metrics.inter_token_seconds.labels(tenant=tenant)
     elif ctx.inter_token is not None:
         ctx.inter_token.observe(now - ctx.last_text_s)
     ctx.text_events = text_events
     ctx.last_text_s = now
 
 
-def answered(state: GatewayState, ctx: RequestContext) -> None:
+def answered(deps: ProxyDeps, ctx: RequestContext) -> None:
     """A whole (non-streamed) answer is about to be sent: its first token arrives with it."""
     tenant = ctx.principal.tenant_id
-    state.metrics.tenant_ttft_seconds.labels(tenant=tenant, stream="false").observe(ctx.elapsed_s())
+    deps.metrics.tenant_ttft_seconds.labels(tenant=tenant, stream="false").observe(ctx.elapsed_s())

@@ -43,6 +43,7 @@ from gateway.lifecycle import Phase
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
 from gateway.proxy.context import RequestContext
+from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.ending import (
     CLIENT_GONE,
     COMPLETED,
@@ -62,7 +63,6 @@ from gateway.proxy.relay import (
     relay_body,
     screen,
 )
-from gateway.state import GatewayState
 from gateway.upstream.base import (
     Endpoint,
     UpstreamCall,
@@ -75,7 +75,7 @@ log = logging.getLogger("kvguard.gateway.proxy")
 
 
 async def serve_completion(
-    state: GatewayState,
+    deps: ProxyDeps,
     *,
     principal: Principal,
     body: Body,
@@ -83,7 +83,7 @@ async def serve_completion(
     request_id: str,
     incoming_headers: Mapping[str, str],
 ) -> Response:
-    span = state.tracing.start_request(endpoint.path, body.model, incoming_headers)
+    span = deps.tracing.start_request(endpoint.path, body.model, incoming_headers)
     span.set_attribute("kvguard.tenant_id", principal.tenant_id)
     span.set_attribute("kvguard.request_id", request_id)
     ctx = RequestContext(
@@ -94,7 +94,7 @@ async def serve_completion(
         stream=body.stream,
         span=span,
     )
-    return FlightResponse(Flight(state, ctx, body))
+    return FlightResponse(Flight(deps, ctx, body))
 
 
 class FlightResponse(Response):
@@ -115,8 +115,8 @@ class ClientGone(Exception):
 class Flight:
     """One tenant request's context, lease and in-flight slot, from admission to the end."""
 
-    def __init__(self, state: GatewayState, ctx: RequestContext, body: Body) -> None:
-        self.state = state
+    def __init__(self, deps: ProxyDeps, ctx: RequestContext, body: Body) -> None:
+        self.deps = deps
         self.ctx = ctx
         self.body = body
         self._send: Send | None = None
@@ -128,7 +128,7 @@ class Flight:
         try:
             outcome = await self._watched(receive)
         finally:
-            await finish(self.state, self.ctx, outcome.ending)
+            await finish(self.deps, self.ctx, outcome.ending)
         reply = outcome.reply
         if isinstance(reply, Response):
             await reply(scope, receive, send)
@@ -162,26 +162,26 @@ class Flight:
             return Outcome(INTERNAL, self._error(GatewayError("internal gateway error")))
 
     async def _serve(self) -> Outcome:
-        admitted = await admit(self.state, self.ctx, self.body)
+        admitted = await admit(self.deps, self.ctx, self.body)
         call = self._forward(admitted)
         if self.body.stream:
             return await self._stream(call, wants_usage=self.body.wants_usage_chunk())
         return await self._answer(call)
 
     def _forward(self, admitted: Admitted) -> UpstreamCall:
-        ctx, state = self.ctx, self.state
+        ctx, deps = self.ctx, self.deps
         ctx.engine = admitted.engine
         ctx.engine.in_flight += 1
-        state.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).inc()
+        deps.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).inc()
         ctx.advance(Phase.FORWARDED)
         ctx.forwarded_s = ctx.elapsed_s()
-        state.metrics.overhead_seconds.labels(endpoint=ctx.endpoint.value).observe(ctx.forwarded_s)
+        deps.metrics.overhead_seconds.labels(endpoint=ctx.endpoint.value).observe(ctx.forwarded_s)
         ctx.span.set_attribute("kvguard.engine", admitted.engine.name)
         ctx.span.set_attribute("kvguard.prompt_tokens", admitted.size.prompt_tokens)
         ctx.span.set_attribute("gen_ai.request.max_tokens", admitted.size.max_tokens)
         headers = {TENANT_HEADER: ctx.principal.tenant_id, REQUEST_ID_HEADER: ctx.request_id}
         spec = admitted.engine.spec
-        ctx.upstream_span = state.tracing.start_upstream(
+        ctx.upstream_span = deps.tracing.start_upstream(
             ctx.span,
             base_url=spec.base_url,
             route=ctx.endpoint.path,
@@ -238,7 +238,7 @@ class Flight:
             ctx.engine_prompt_tokens = _count(usage.get("prompt_tokens"))
         ctx.finish_reasons = _finish_reasons(body)
         self._check_handoff(handoff_of(body))
-        capabilities = self.state.hooks.guards.capabilities
+        capabilities = self.deps.hooks.guards.capabilities
         try:
             result = relay_body(
                 ctx.endpoint,
@@ -255,12 +255,12 @@ class Flight:
         if ctx.hidden_prompt_tokens and isinstance(result.get("usage"), dict):
             result = own_usage(result, ctx.hidden_prompt_tokens)  # the tenant's own usage
         ctx.first_byte_s = ctx.elapsed_s()
-        latency.answered(self.state, ctx)
+        latency.answered(self.deps, ctx)
         return Outcome(COMPLETED, JSONResponse(result, headers=self._headers()))
 
     async def _call_engine(self, call: UpstreamCall) -> UpstreamReply:
         try:
-            return await self.state.upstream_for(call.spec).complete(call)
+            return await self.deps.upstream_for(call.spec).complete(call)
         except UpstreamUnreachable as exc:
             log.warning("engine %s unreachable: %s", call.spec.name, exc)
             raise UpstreamFailed("the engine could not be reached") from exc
@@ -285,18 +285,18 @@ class Flight:
         raise UpstreamFailed(f"the engine answered HTTP {reply.status}")
 
     def _check_handoff(self, proof: HandoffProof | None) -> None:
-        if not note_handoff(self.state, self.ctx, proof):
+        if not note_handoff(self.deps, self.ctx, proof):
             raise HandoffMismatch()
 
     def _open_guard(self) -> StreamGuard:
-        return self.state.hooks.guards.open(self.ctx.info())
+        return self.deps.hooks.guards.open(self.ctx.info())
 
     async def _cut(self, verdict: Cut) -> Outcome:
         await self._report_cut(verdict)
         return Outcome(cut(verdict), self._error(Stopped(verdict)))
 
     async def _report_cut(self, verdict: Cut) -> None:
-        on_cut = self.state.hooks.on_cut
+        on_cut = self.deps.hooks.on_cut
         if on_cut is not None:
             with anyio.CancelScope(shield=True):
                 try:
@@ -308,7 +308,7 @@ class Flight:
 
     async def _stream(self, call: UpstreamCall, *, wants_usage: bool) -> Outcome:
         try:
-            opened = await self.state.upstream_for(call.spec).stream(call)
+            opened = await self.deps.upstream_for(call.spec).stream(call)
         except UpstreamUnreachable as exc:
             log.warning("engine %s unreachable: %s", call.spec.name, exc)
             raise UpstreamFailed("the engine could not be reached") from exc
@@ -317,12 +317,12 @@ class Flight:
         self.ctx.answered = True
         try:
             self.ctx.advance(Phase.STREAMING)
-            capabilities = self.state.hooks.guards.capabilities
+            capabilities = self.deps.hooks.guards.capabilities
             relay = StreamRelay(
                 endpoint=self.ctx.endpoint,
                 open_guard=self._open_guard,
                 wants_usage=wants_usage,
-                refuse_handoff_mismatch=self.state.settings.refuse_on_handoff_mismatch,
+                refuse_handoff_mismatch=self.deps.settings.refuse_on_handoff_mismatch,
                 screen_side=capabilities.screens_side,
                 side_prefilter=capabilities.side_prefilter,
                 hidden_prompt_tokens=self.ctx.hidden_prompt_tokens,
@@ -354,7 +354,7 @@ class Flight:
                 ready: list[bytes] = []
                 for raw in splitter.feed(chunk):
                     step = relay.on_event(raw)
-                    latency.tick(self.state, ctx, relay.text_events)
+                    latency.tick(self.deps, ctx, relay.text_events)
                     if relay.saw_text and ctx.first_token_s is None:
                         ctx.first_token_s = ctx.elapsed_s() - (ctx.forwarded_s or 0.0)
                     ready += step.out
@@ -373,7 +373,7 @@ class Flight:
         self.ctx.completion_tokens = relay.completion_tokens
         self.ctx.engine_prompt_tokens = relay.prompt_tokens
         self.ctx.finish_reasons = tuple(relay.finish_reasons)
-        note_handoff(self.state, self.ctx, relay.handoff)
+        note_handoff(self.deps, self.ctx, relay.handoff)
         if end is Phase.CUT and relay.cut is not None:
             await self._report_cut(relay.cut)
         return Outcome(stream_ended(end, code, relay.cut), b"".join(last))
@@ -390,7 +390,7 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
     scope.cancel()
 
 
-def note_handoff(state: GatewayState, ctx: RequestContext, proof: HandoffProof | None) -> bool:
+def note_handoff(deps: ProxyDeps, ctx: RequestContext, proof: HandoffProof | None) -> bool:
     """Record the engine's handoff proof; False when it shows a mismatch and the gateway refuses
     such answers (``refuse_on_handoff_mismatch``, on by default: never trust that KV)."""
     if proof is None:
@@ -399,7 +399,7 @@ def note_handoff(state: GatewayState, ctx: RequestContext, proof: HandoffProof |
     if proof.consistent:
         return True
     engine = ctx.engine.name if ctx.engine is not None else "unknown"
-    state.metrics.handoff_mismatch.labels(engine=engine).inc()
+    deps.metrics.handoff_mismatch.labels(engine=engine).inc()
     log.error(
         "handoff mismatch on engine %s for request %s: outcome=%s reserved=%s transferred=%s",
         engine,
@@ -408,7 +408,7 @@ def note_handoff(state: GatewayState, ctx: RequestContext, proof: HandoffProof |
         proof.reserved_tokens,
         proof.transferred_tokens,
     )
-    return not state.settings.refuse_on_handoff_mismatch
+    return not deps.settings.refuse_on_handoff_mismatch
 
 
 def _engine_message(error: dict[str, Any]) -> str:

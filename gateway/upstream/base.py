@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from gateway.config import EngineSpec
+from gateway.engines.spec import EngineSpec
 
 MAX_ERROR_BODY_BYTES = 64 << 10
 

@@ -28,10 +28,10 @@ from gateway.api.schemas_admin import (
 )
 from gateway.api.timestamps import Instant
 from gateway.api.usage import usage_out
-from gateway.config import EngineSpec
 from gateway.deps import AdminDep, SessionDep, StateDep
 from gateway.domain import TenantPlan
 from gateway.engines.registry import EngineRecord
+from gateway.engines.spec import EngineSpec
 from gateway.errors import InvalidRequest, NotFound
 from gateway.services import engines as engine_service
 from gateway.services import keys as key_service

@@ -8,11 +8,11 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.api.request_ids import request_id_of
-from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.deps import CurrentTenant, StateDep
 from gateway.domain import Principal
 from gateway.engines.capacity import max_request_tokens_for
 from gateway.errors import ModelNotFound
+from gateway.openai.schemas import ChatCompletionBody, CompletionBody
 from gateway.proxy.service import serve_completion
 from gateway.state import GatewayState
 from gateway.upstream.base import Endpoint
@@ -25,7 +25,7 @@ async def chat_completions(
     body: ChatCompletionBody, principal: CurrentTenant, state: StateDep, request: Request
 ) -> Response:
     return await serve_completion(
-        state,
+        state.proxy,
         principal=principal,
         body=body,
         endpoint=Endpoint.CHAT,
@@ -39,7 +39,7 @@ async def completions(
     body: CompletionBody, principal: CurrentTenant, state: StateDep, request: Request
 ) -> Response:
     return await serve_completion(
-        state,
+        state.proxy,
         principal=principal,
         body=body,
         endpoint=Endpoint.COMPLETIONS,
