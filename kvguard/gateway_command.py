@@ -62,8 +62,7 @@ def _serve_gateway(settings: Any, canary: Any, *, log_level: str) -> int:
     import uvicorn
 
     from canary.runtime import build_hooks
-    from contracts.http_edge import server_config
-    from gateway.app import create_app
+    from gateway.app import create_app, server_config
 
     hooks = build_hooks(canary)  # the leak firewall: on unless KVGUARD_CANARY_ENABLED=0
     config = server_config(
@@ -71,7 +70,6 @@ def _serve_gateway(settings: Any, canary: Any, *, log_level: str) -> int:
         host=settings.host,
         port=settings.port,
         log_level=log_level,
-        header_timeout_s=settings.header_timeout_s,
     )
     uvicorn.Server(config).run()
     return 0

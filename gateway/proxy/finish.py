@@ -14,6 +14,7 @@ import logging
 import anyio
 
 from gateway.lifecycle import TERMINAL, InvalidTransition, Phase
+from gateway.proxy import latency
 from gateway.proxy.context import RequestContext
 from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.ending import INTERNAL, Ending, Refund
@@ -72,6 +73,7 @@ def _record(deps: ProxyDeps, ctx: RequestContext, *, status: int, code: str | No
             m.tokens.labels(tenant=tenant, kind="prompt").inc(ctx.prompt_tokens)
         if ctx.completion_tokens is not None:
             m.tokens.labels(tenant=tenant, kind="completion").inc(ctx.completion_tokens)
+    latency.record(deps, ctx)
     handoff = ctx.handoff
     deps.audit.record(
         AuditRecord(

@@ -1,51 +1,19 @@
-"""OpenAI-compatible routes: chat completions, completions, models."""
+"""OpenAI-compatible routes on FastAPI: the models (chat completions and completions are the data
+plane's, ``gateway.proxy.door``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
-from starlette.responses import Response
+from fastapi import APIRouter
 
-from gateway.api.request_ids import request_id_of
 from gateway.deps import CurrentTenant, StateDep
 from gateway.domain import Principal
 from gateway.engines.capacity import max_request_tokens_for
 from gateway.errors import ModelNotFound
-from gateway.openai.schemas import ChatCompletionBody, CompletionBody
-from gateway.proxy.service import serve_completion
 from gateway.state import GatewayState
-from gateway.upstream.base import Endpoint
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-
-@router.post("/chat/completions", response_model=None)
-async def chat_completions(
-    body: ChatCompletionBody, principal: CurrentTenant, state: StateDep, request: Request
-) -> Response:
-    return await serve_completion(
-        state.proxy,
-        principal=principal,
-        body=body,
-        endpoint=Endpoint.CHAT,
-        request_id=request_id_of(request),
-        incoming_headers=request.headers,
-    )
-
-
-@router.post("/completions", response_model=None)
-async def completions(
-    body: CompletionBody, principal: CurrentTenant, state: StateDep, request: Request
-) -> Response:
-    return await serve_completion(
-        state.proxy,
-        principal=principal,
-        body=body,
-        endpoint=Endpoint.COMPLETIONS,
-        request_id=request_id_of(request),
-        incoming_headers=request.headers,
-    )
 
 
 @router.get("/models")
