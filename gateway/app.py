@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import anyio
 import httpx
@@ -197,10 +198,22 @@ class GatewayApp(FastAPI):
         return data_plane_protocol(header_timeout_s=self.header_timeout_s)
 
 
-def server_config(app: GatewayApp, *, host: str, port: int, log_level: str) -> uvicorn.Config:
+def server_config(
+    app: GatewayApp,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    lifespan: Literal["auto", "on", "off"] = "auto",
+) -> uvicorn.Config:
     """uvicorn with the data plane's protocol (the edge's guarded one, with the way below ASGI)."""
     config = edge_config(
-        app, host=host, port=port, log_level=log_level, header_timeout_s=app.header_timeout_s
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        header_timeout_s=app.header_timeout_s,
+        lifespan=lifespan,
     )
     config.http = app.http_protocol
     return config

@@ -192,6 +192,7 @@ class Connection(asyncio.Protocol):
         self.last_read = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._delimited = False  # the response says where its body ends
+        self._keep_alive = False
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -225,6 +226,7 @@ class Connection(asyncio.Protocol):
             self.exchange.content_type = value
 
     def on_headers_complete(self) -> None:
+        self._keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once complete
         exchange = self.exchange
         if exchange is not None and not exchange.head.done():
             exchange.status = self.parser.get_status_code()
@@ -286,7 +288,7 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        if reuse and self.parser.should_keep_alive() and not transport.is_closing():
+        if reuse and self._keep_alive and not transport.is_closing():
             self.used = True
             transport.resume_reading()
             self.pool.give_back(self)
