@@ -143,7 +143,8 @@ class StreamRelay:
         if not isinstance(obj, dict):
             return self.invalid(out)
         side = self._side
-        if side is not None and not side.cleared(obj, data):  # most events: cleared
+        # most events: no guard holds text back and the prefilter clears them (``cleared``)
+        if side is not None and (side.holding or not side.prefilter or side.prefilter(data, obj)):
             try:
                 verdict = side.feed(obj, raw=data)
             except InvalidSide:

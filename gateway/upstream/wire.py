@@ -233,8 +233,15 @@ class Connection(asyncio.Protocol):
             exchange.head.set_result(exchange.status)
 
     def on_body(self, body: bytes) -> None:
-        if self.exchange is not None:
-            self.exchange._body(body)
+        exchange = self.exchange
+        if exchange is None:
+            return
+        sink = exchange._sink
+        if sink is not None and not exchange._lingering:  # a pushed stream: straight on
+            exchange._got_bytes = True
+            sink.data(body)
+        else:
+            exchange._body(body)
 
     def on_message_complete(self) -> None:
         self._stop_timer()
