@@ -12,6 +12,9 @@ few µs per event):
   Redis limits (requests and tokens per minute), PostgreSQL audit, the exact prompt count, the
   canary's injection (``--canary-rate`` of each tenant's requests get a marker) and its leak
   firewall on every byte of every answer;
+- ``kvguard pump, checks off``: the same data plane (server protocol, engine client, pump, relay)
+  with every check off (``bench.relay_candidates`` ``pump-no-checks``): what the checks cost is
+  the gateway's row minus this one;
 - ``LiteLLM proxy`` (``litellm --config``, master key, offline; its own venv, as ``bench_proxy``).
 
 Placement: each relay runs pinned to one core (``taskset -c 0``); the load generator
@@ -319,6 +322,7 @@ async def measure(args: argparse.Namespace, systems: Systems, tmp: Path) -> Benc
     keys = tuple(create_tenants(database_url, args.tenants, canary_rate=args.canary_rate))
     gateway = systems.gateway(redis_url=redis_url, database_url=database_url, engines=1, keys=keys)
     relays = [systems.floor("aiohttp", standin), systems.floor("lean", standin), gateway]
+    relays.append(systems.pump_without_checks(standin))  # the floor of the gateway's own pump
     missing = None
     if not args.skip_litellm:
         proxy = systems.litellm(standin)

@@ -2,8 +2,10 @@
 
 ``report(...)`` turns ``bench.bench_relay``'s outcomes into Markdown (what
 ``bench/results/relay.md`` holds) and emits the ``bench.summary`` headlines.
-``python -m bench.relay_report`` copies that file, and the profile ``bench.relay_profile``
-wrote (``bench/results/relay-profile.md``), into the benchmark page (``docs/benchmarks.md``)
+``python -m bench.relay_report`` copies that file, the server-layer candidates
+``bench.relay_candidates`` measured (``bench/results/relay-candidates.md``) and the profile
+``bench.relay_profile`` wrote (``bench/results/relay-profile.md``), into the benchmark page
+(``docs/benchmarks.md``)
 between the ``relay-report`` markers
 (``--check``: exit 1 if the page differs), so that section is generated, never edited by hand.
 """
@@ -25,6 +27,7 @@ from bench.summary import emit
 GATEWAY = "kvguard gateway"
 LITELLM = "LiteLLM proxy"
 NAIVE = "aiohttp pass-through"
+CHECKS_OFF = "kvguard pump, checks off"  # bench.relay_systems.PUMP_NO_CHECKS
 LEAN = "lean asyncio relay"
 # Issue 33's goals: ratios to the aiohttp pass-through measured in the same round, every check on.
 GOAL_EVENT_RATIO = 1.0
@@ -39,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 PAGES = (REPO / "docs" / "benchmarks.md",)  # the first with the markers
 RESULTS = REPO / "bench" / "results" / "relay.md"
 PROFILE = REPO / "bench" / "results" / "relay-profile.md"
+CANDIDATES = REPO / "bench" / "results" / "relay-candidates.md"  # bench.relay_candidates
 BEGIN, END = "<!-- relay-report:begin -->", "<!-- relay-report:end -->"
 
 
@@ -189,10 +193,15 @@ def goals(outcomes: dict[str, Outcome], tenants: int) -> tuple[str, bool]:
         if naive is None:
             row(f"{what} {goal}", "-", None)
             continue
-        base = naive.event_us if unit == "streamed event" else naive.request_us
+        streamed = unit == "streamed event"
+        base = naive.event_us if streamed else naive.request_us
         ratios = round_ratios(ours, base)
         met = bool(ratios) and median(ratios) <= goal_ratio
         shown = f"{spread(ratios, 2)}x"
+        floor = outcomes.get(CHECKS_OFF)
+        if floor is not None:  # the same pump with every check off, beside it
+            off = round_ratios(floor.event_us if streamed else floor.request_us, base)
+            shown += f"; the same pump, every check off: {spread(off, 2)}x"
         row(f"{what} {goal}", shown, met)
         emit("relay", what, shown, goal, met)
     for floor in (NAIVE, LEAN):
@@ -319,10 +328,11 @@ def page() -> Path:
     raise FileNotFoundError(f"no page holds {BEGIN} (looked in {', '.join(map(str, PAGES))})")
 
 
-def section(results: Path = RESULTS, profile: Path = PROFILE) -> str:
+def section(results: Path = RESULTS, profile: Path = PROFILE, candidates: Path = CANDIDATES) -> str:
     parts = [results.read_text(encoding="utf-8").strip()]
-    if profile.is_file():
-        parts.append(profile.read_text(encoding="utf-8").strip())
+    for extra in (candidates, profile):
+        if extra.is_file():
+            parts.append(extra.read_text(encoding="utf-8").strip())
     return BEGIN + "\n" + "\n\n".join(parts) + "\n" + END
 
 

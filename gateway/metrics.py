@@ -61,7 +61,7 @@ METRIC_NAMES = (
     TOKEN_COUNTS_TOTAL,
 )
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
@@ -125,27 +125,27 @@ class GatewayMetrics:
             REQUEST_SECONDS,
             "Whole request duration",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft_seconds = Histogram(
             TTFT_SECONDS,
             "Time to the first streamed byte",
             ["engine"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.tenant_ttft_seconds = Histogram(
             TENANT_TTFT_SECONDS,
             "Request arrival -> the first answer text, per tenant (stream=false: the whole answer)",
             ["tenant", "stream"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.inter_token_seconds = GapHistogram(
             INTER_TOKEN_SECONDS,
             "Gap between consecutive streamed engine events carrying text, per tenant",
-            _LATENCY_BUCKETS,
+            LATENCY_BUCKETS,
         )
         r.register(self.inter_token_seconds)
         self.overhead_seconds = Histogram(

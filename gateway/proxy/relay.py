@@ -143,7 +143,7 @@ class StreamRelay:
         if not isinstance(obj, dict):
             return self.invalid(out)
         side = self._side
-        # most events: no guard holds text back and the prefilter clears them (``cleared``)
+        # most events: no guard holds text back and the prefilter clears them: not walked
         if side is not None and (side.holding or not side.prefilter or side.prefilter(data, obj)):
             try:
                 verdict = side.feed(obj, raw=data)

@@ -328,13 +328,6 @@ class SideScreen:
         """A Cut, the event rewritten (only when a rewritable field changed), or None."""
         return self._screen(obj, raw, streamed=True)
 
-    def cleared(self, obj: dict[str, Any], raw: str) -> bool:
-        """True when ``feed(obj, raw=raw)`` would do nothing and return None: no guard holds text
-        back and the prefilter clears the event. The relay asks this first, so the usual streamed
-        event costs one call here instead of a walk (or three calls)."""
-        prefilter = self.prefilter
-        return not self.holding and prefilter is not None and not prefilter(raw, obj)
-
     def _screen(
         self, obj: dict[str, Any], raw: str | None, *, streamed: bool
     ) -> Cut | Rewritten | None:

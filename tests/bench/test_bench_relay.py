@@ -219,6 +219,10 @@ def test_goals_are_met_only_when_every_one_holds_and_headlines_reach_bench_run(
     ):
         assert not goals({o.name: o for o in bad}, 10_000)[1]
     assert goals({o.name: o for o in _outcomes(45, 4, 0.5)}, 10_000)[1]  # issue 23's: shown
+    # the same pump with every check off is shown beside a ratio (the floor of a miss)
+    off = Outcome("kvguard pump, checks off", [300, 312, 306], [30, 31.2, 30.6])
+    text, _ = goals({**good, off.name: off}, 10_000)
+    assert "0.88 (0.87-0.90)x; the same pump, every check off: 0.60 (0.60-0.60)x" in text
 
 
 def test_a_ratio_to_a_lower_bound_decides_the_litellm_goal_only_where_it_can(
