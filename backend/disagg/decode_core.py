@@ -3,14 +3,21 @@
 Lifecycle of one request here (the handoff's states are ``DECODE_TRANSITIONS``):
 
 1. ``add``: admission (raises, REJECTED, nothing reserved) -> waiting for pages.
-2. Pages reserved (AWAITING_KV): a ``SendHandoff`` notice carries the ticket to the event loop,
-   which sends the PrefillRequest. From this moment prefill may write into the pages.
-3. ``complete(result)``: VERIFYING -> ACCEPTED (the request joins the decode batch with prefill's
-   first token) only on positive evidence (``verify_result``); otherwise the request ends with
-   the original error and its pages are freed (a result is sent only once prefill is quiescent).
+2. Pages reserved (AWAITING_KV): on the sealed channel their landing slots are registered with
+   the transport for this handoff alone and a fresh seal key is drawn; a ``SendHandoff`` notice
+   carries the ticket (with the key) to the event loop, which sends the PrefillRequest. From this
+   moment prefill may write into the slots (on the open channel: into the pages themselves).
+3. ``complete(result)``: the slots are withdrawn; VERIFYING -> ACCEPTED (the request joins the
+   decode batch with prefill's first token) only on positive evidence (``verify_result``: the
+   seals are opened from a private copy of the slots, ``backend.disagg.channel``), and only then
+   is the KV moved into the pages; otherwise the request ends with the original error and its
+   pages are freed (a result is sent only once prefill is quiescent). A seal that does not open
+   fails that request alone (``kv_handoff_refused``, check ``seal``): nothing a peer of the
+   transfer port writes quarantines anything.
 4. ``abort`` / ``lost`` (client gone, timeout, prefill unreachable, unreadable reply) while
-   AWAITING_RESULT: the request ends at once, its pages go to quarantine (DRAINING) and a
-   ``SendAbort`` notice asks prefill to stop. ``drained`` (prefill acknowledged quiescence, or its
+   AWAITING_RESULT: the slots are withdrawn, the request ends at once, its pages go to quarantine
+   (DRAINING, which keeps their slots from reuse too) and a ``SendAbort`` notice asks prefill to
+   stop. ``drained`` (prefill acknowledged quiescence, or its
    late result arrived) or the drain deadline (``tick``) releases them with bumped generations.
    Prefill's result (before or after an ack) names the pages it wrote: writes the quarantine
    absorbed are counted, and in the early-release drill, writes that landed after the release.
@@ -34,8 +41,10 @@ from typing import Any
 
 from backend.core.errors import KvguardError
 from backend.core.request import Request, RequestState
+from backend.disagg.channel import Landing, LandingSlots, Opening, Unsealed, unseal
 from backend.disagg.decode_scheduler import DecodeScheduler, Release
 from backend.disagg.errors import (
+    HandoffFailed,
     HandoffTimedOut,
     ProtocolVersionMismatch,
 )
@@ -57,9 +66,11 @@ from backend.disagg.protocol import (
     PrefillResult,
     SamplingSpec,
 )
+from backend.disagg.seal import Binding, Seal, new_key
 from backend.engine.core import EngineCore, StepOutcome
 from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
+from backend.transport.base import TransferError
 from contracts.engine import HandoffProof
 from contracts.lifecycle import Machine
 
@@ -73,6 +84,7 @@ class HandoffTicket:
 
     ``handoff_id`` names this handoff on the wire: the request id plus a per-instance sequence
     number, so a client that reuses a request id never meets the old handoff's leftovers.
+    ``seal_key`` (sealed channel) is the handoff's own key: it leaves only in the PrefillRequest.
     """
 
     request_id: str
@@ -81,6 +93,7 @@ class HandoffTicket:
     prompt_ids: tuple[int, ...] = field(repr=False)
     sampling: SamplingSpec
     grants: tuple[PageGrant, ...]
+    seal_key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +127,14 @@ class _Handoff:
     machine: Machine[DecodeHandoffState]
     expect: Expectation
     sent_at: float
+    landing: Landing | None = None  # the sealed channel's registered slots, until withdrawn
+    seal: Seal | None = field(default=None, repr=False)  # dropped with the handoff
     drain_started: float | None = None
     drain_deadline: float | None = None
+
+    def withdraw(self) -> None:
+        if self.landing is not None:
+            self.landing.withdraw()
 
 
 class DecodeEngineCore(EngineCore):
@@ -126,12 +145,14 @@ class DecodeEngineCore(EngineCore):
         config: DecodeHandoffConfig,
         *,
         notify: Callable[[Notice], None],
+        landing: LandingSlots | None = None,
         metrics: EngineMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(scheduler, runner)
         self.decode = scheduler
         self.config = config
+        self.landing = landing  # None: the open channel (prefill writes into the pages)
         self._notify = notify
         self._metrics = metrics
         self._clock = clock
@@ -144,6 +165,7 @@ class DecodeEngineCore(EngineCore):
             OrderedDict() if config.keep_read_log else None
         )
         self._read_lock = threading.Lock()
+        self._unsent: list[Request] = []  # failed before their ticket left (delivered by tick)
 
     def read_log_snapshot(self) -> list[dict[str, Any]]:
         """A copy of the drill read log, safe to take from another thread."""
@@ -163,6 +185,7 @@ class DecodeEngineCore(EngineCore):
         handoff = self._handoffs.get(request_id)
         if handoff is None or handoff.machine.state is not _S.AWAITING_RESULT:
             return super().abort(request_id)
+        handoff.withdraw()
         if self.config.faults.early_release:
             # The drill: pages go back to the free list while prefill may still be writing.
             handoff.machine.advance(_S.RELEASED)
@@ -201,14 +224,17 @@ class DecodeEngineCore(EngineCore):
             return None
         if handoff.machine.state is not _S.AWAITING_RESULT:
             return None
+        handoff.withdraw()  # prefill is quiescent: nothing more may land, whatever comes next
         handoff.machine.advance(_S.VERIFYING)
         if self._metrics is not None:
             self._metrics.handoff_seconds.observe(self._clock() - handoff.sent_at)
-        verdict = self._check_result(handoff, result)
+        verdict, opened = self._check_result(handoff, result)
         proof = self._proof(handoff, result, verdict)
         outcome = StepOutcome(proofs={request_id: proof})
         if verdict.accepted:
             assert result.first_token is not None  # an OK result always carries it
+            if opened is not None:
+                self._move(handoff, opened)
             try:
                 step = self.decode.accept(request_id, result.first_token)
             except KvguardError as refused:
@@ -249,6 +275,7 @@ class DecodeEngineCore(EngineCore):
         handoff = self._handoffs.get(request_id)
         if handoff is None or handoff.machine.state is not _S.AWAITING_RESULT:
             return None
+        handoff.withdraw()
         handoff.machine.advance(_S.DRAINING)
         request = self.decode.end_awaiting(
             request_id, RequestState.FAILED, error, release=Release.DRAIN
@@ -280,7 +307,8 @@ class DecodeEngineCore(EngineCore):
 
     def tick(self) -> StepOutcome:
         now = self._clock()
-        outcome = StepOutcome()
+        outcome = StepOutcome(failed=self._unsent)
+        self._unsent = []
         for request_id, handoff in list(self._handoffs.items()):
             state = handoff.machine.state
             if state is _S.DRAINING and handoff.drain_deadline is not None:
@@ -335,9 +363,13 @@ class DecodeEngineCore(EngineCore):
                 logprobs=s.logprobs is not None,
             )
             machine = Machine("handoff", rid, self.config.faults.decode_table, _S.RESERVED)
-            # The ticket leaves now: from here on prefill may write into these pages.
+            handoff = _Handoff(rid, machine, expect, self._clock())
+            key = self._open_landing(handoff)
+            if handoff.machine.state is _S.RELEASED:
+                continue
+            # The ticket leaves now: from here on prefill may write into the slots (or pages).
             machine.advance(_S.AWAITING_RESULT)
-            self._handoffs[rid] = _Handoff(rid, machine, expect, self._clock())
+            self._handoffs[rid] = handoff
             sampling = SamplingSpec(
                 s.max_tokens,
                 s.temperature,
@@ -348,14 +380,45 @@ class DecodeEngineCore(EngineCore):
                 s.logprobs,
             )
             ticket = HandoffTicket(
-                rid, handoff_id, request.tenant, request.prompt_ids, sampling, grants
+                rid, handoff_id, request.tenant, request.prompt_ids, sampling, grants, key
             )
             self._notify(SendHandoff(ticket))
 
-    def _check_result(self, handoff: _Handoff, result: PrefillResult) -> Verdict:
+    def _open_landing(self, handoff: _Handoff) -> bytes | None:
+        """Sealed channel: register the handoff's slots and draw its key. A transport that
+        refuses the registration fails the request before anything was sent (pages freed)."""
+        if self.landing is None:
+            return None
+        started = time.perf_counter()
+        try:
+            handoff.landing = self.landing.open(handoff.expect.grants)
+        except TransferError as exc:
+            log.error("handoff %s: landing slots not registered: %s", handoff.request_id, exc)
+            error = HandoffFailed(handoff.request_id, "its KV landing slots were not registered")
+            self._unsent.append(
+                self.decode.end_awaiting(
+                    handoff.request_id, RequestState.FAILED, error, release=Release.FREE
+                )
+            )
+            handoff.machine.advance(_S.RELEASED)
+            self._count(HandoffOutcome.FAILED.value)
+            return None
+        self._phase("register", started)
+        key = new_key()
+        handoff.seal = Seal(key)
+        return key
+
+    def _check_result(
+        self, handoff: _Handoff, result: PrefillResult
+    ) -> tuple[Verdict, Unsealed | None]:
+        """Decode's checks on ``result``; on the sealed channel also the opened pages to move."""
         pool, owner = self.decode.pool, self._owner_of(handoff)
         kv = self.runner.kv_cache
         expect = handoff.expect
+        enforced = self.config.faults.enforced_checks
+        if self.landing is None:  # the open channel has no seal to check
+            enforced = enforced - {Check.SEAL}
+        opened: list[Unsealed] = []
 
         def pages_current(grants: Sequence[PageGrant]) -> bool:
             from backend.core.pages import PageRef
@@ -364,13 +427,23 @@ class DecodeEngineCore(EngineCore):
                 pool.is_current(PageRef(g.page_id, g.generation), owner) for g in grants
             )
 
+        def opening() -> Unsealed:
+            if not opened:
+                opened.append(self._unseal(handoff, result, Check.SEAL in enforced))
+            return opened[0]
+
         def local_checksum() -> str:
             algorithm = algorithm_of(result.checksum or "")
             if algorithm is None:  # an algorithm this node cannot recompute proves nothing
                 return "unsupported checksum algorithm"
             started = time.perf_counter()
             ids = [g.page_id for g in expect.grants]
-            digest = kv_digest(kv, ids, expect.reserved_tokens, algorithm)
+            n = expect.reserved_tokens
+            if self.landing is None:
+                digest = kv_digest(kv.k, kv.v, ids, n, algorithm)
+            else:
+                pages = opening()
+                digest = kv_digest(pages.k, pages.v, range(len(ids)), n, algorithm)
             if self._metrics is not None:
                 self._metrics.checksum_seconds.observe(time.perf_counter() - started)
             return digest
@@ -378,12 +451,44 @@ class DecodeEngineCore(EngineCore):
         verdict = verify_result(
             expect,
             result,
-            enforced=self.config.faults.enforced_checks,
+            enforced=enforced,
             pages_current=pages_current,
+            unsealed=lambda: opening().problem,
             local_checksum=local_checksum,
         )
         self._observe(verdict, handoff)
-        return verdict
+        return verdict, (opened[0] if opened else None)
+
+    def _unseal(self, handoff: _Handoff, result: PrefillResult, authenticate: bool) -> Unsealed:
+        """Open the chunks of the pages prefill reports written, from a private copy of the
+        slots. The binding names the tokens prefill says it transferred (the range check is
+        what holds that to the reservation)."""
+        assert handoff.landing is not None and handoff.seal is not None
+        expect = handoff.expect
+        reported = result.pages_written
+        written = tuple(
+            k for k, grant in enumerate(expect.grants) if k < len(reported) and reported[k] == grant
+        )
+        n_tokens = result.transferred.end if result.transferred else expect.reserved_tokens
+        binding = Binding(
+            self.config.protocol_version, self.config.instance_id, expect.request_id, n_tokens
+        )
+        opening = Opening(handoff.seal, binding, expect.grants, written, authenticate)
+        opened = unseal(handoff.landing, opening, self.runner.kv_cache)
+        if self._metrics is not None:
+            self._metrics.kv_channel_seconds.labels("copy").observe(opened.copy_s)
+            self._metrics.kv_channel_seconds.labels("unseal").observe(opened.open_s)
+        return opened
+
+    def _move(self, handoff: _Handoff, opened: Unsealed) -> None:
+        """Every check passed: the opened pages go into the pool's pages."""
+        started = time.perf_counter()
+        opened.move_into(self.runner.kv_cache, [g.page_id for g in handoff.expect.grants])
+        self._phase("move", started)
+
+    def _phase(self, phase: str, started: float) -> None:
+        if self._metrics is not None:
+            self._metrics.kv_channel_seconds.labels(phase).observe(time.perf_counter() - started)
 
     def _owner_of(self, handoff: _Handoff) -> Any:
         request = self.decode.awaiting(handoff.request_id)
