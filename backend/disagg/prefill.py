@@ -357,6 +357,9 @@ class PrefillService:
             try:
                 self._transport.write(message.target.endpoint, batch)
             except TransferError as exc:
+                if handoff.cancel.is_set():  # decode aborted and withdrew its slots first
+                    log.info("transfer of %s stopped by the abort: %s", message.request_id, exc)
+                    break
                 log.warning("transfer of %s failed: %s", message.request_id, exc)
                 return HandoffFailed(message.request_id, f"transfer failed: {exc}")
             handoff.written = min(pages, (index + 1) * pages_per_batch)
