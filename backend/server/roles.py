@@ -190,6 +190,7 @@ def build_prefill(
 ) -> RoleRuntime:
     faults = FaultSet.parse(settings.faults, role="prefill", allowed=settings.allow_fault_drills)
     zero = faults.zero_on_free(settings.zero_on_free)
+    transport = transport or make_transport(settings)  # refusals first, before the model loads
     built = build_engine(
         settings,
         role="prefill",
@@ -202,9 +203,9 @@ def build_prefill(
     staging = StagingArea(built.model.new_kv_cache(pages, settings.page_size), zero_on_free=zero)
     stager = Stager(built.kv_cache, staging)
     built.engine.core.after_forward = stager
-    transport = transport or make_transport(settings)
     if settings.kv_channel == "open":  # the unsealed channel sends from registered staging
         _register(transport, staging.kv)
+        log.warning("prefill: staging registered with the transport (open channel)")
     prefill = PrefillService(
         engine=built.engine,
         limits=built.limits,

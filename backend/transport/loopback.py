@@ -112,6 +112,7 @@ class LoopbackTransport(KvTransport):
             server = socket.create_server((self._host, 0), family=family)
             self._server = server
             self._endpoint = f"{self._host}:{server.getsockname()[1]}"
+        log.info("loopback transfer port listening at %s", self._endpoint)
         threading.Thread(target=self._accept, args=(server,), daemon=True).start()
 
     def _accept(self, server: socket.socket) -> None:

@@ -64,6 +64,7 @@ class MooncakeTransport(KvTransport):
         self._endpoint = f"{host}:{self._engine.get_rpc_port()}"
         self._protocol = protocol
         self._registered: set[int] = set()
+        log.info("Mooncake transfer engine at %s (%s)", self._endpoint, protocol)
 
     @property
     def endpoint(self) -> str:
