@@ -11,14 +11,14 @@ Lifecycle of one handoff's bytes:
    slots of the handoff's granted pages -- slot ``p`` belongs to pool page ``p`` -- and nothing
    else; the slots are host memory mapped for this purpose alone (never handed to any other
    object, so a write that lands late can only ever meet ciphertext).
-2. Prefill, per batch (transfer thread): ``SealedBatches`` reads the staged pages, seals each
-   page's chunk into its own buffer (registered only when the transport needs sources registered:
-   RDMA) and yields the segments that write each run of consecutive pages into its slots.
+2. Prefill, per batch (transfer thread): ``SealedBatches`` seals each chunk of the batch into
+   its own buffer (registered only when the transport needs sources registered: RDMA) and yields
+   one segment per chunk, into the slots of its pages.
 3. Decode, at the result (engine thread): ``Landing.take`` withdraws the slots (no new transfer
-   may touch them), then copies them once into private memory; ``unseal`` opens every written
-   page's chunk from that copy -- never from registered memory read twice -- into a scratch
-   ``Unsealed``; the checks run on it; only on acceptance ``move_into`` copies it into the pages.
-   An abort or a lost handoff withdraws the slots at once (``Landing.withdraw``).
+   may touch them), then copies them once into private memory; ``unseal`` opens every chunk of
+   the pages prefill reports written from that copy -- never from registered memory read twice --
+   into a scratch ``Unsealed``; the checks run on it; only on acceptance ``move_into`` copies it
+   into the pages. An abort or a lost handoff withdraws the slots at once (``Landing.withdraw``).
 
 Slot ``p`` is reused only when page ``p`` is allocated again, i.e. after its quarantine: the
 drain that keeps a late write of an aborted handoff from reaching a reader covers its slot too,
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,34 +50,85 @@ log = logging.getLogger("kvguard.disagg.channel")
 
 
 def chunk_bytes(layout: KvLayout) -> int:
-    """Plaintext bytes of one page's chunk: K and V of every layer."""
+    """Plaintext bytes of one page: K and V of every layer."""
     return 2 * layout.num_layers * layout.page_bytes
 
 
 def slot_bytes(layout: KvLayout) -> int:
-    """Bytes of one landing slot: a sealed chunk."""
+    """Bytes of one landing slot: one page sealed on its own."""
     return chunk_bytes(layout) + OVERHEAD
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One sealed chunk: the prompt's pages ``[first, first + pages)``, whose ids are
+    consecutive from ``page_id``."""
+
+    first: int
+    pages: int
+    page_id: int
+
+
+def chunks(grants: Sequence[PageGrant], max_batch_pages: int) -> list[Chunk]:
+    """The sealing plan: one chunk per run of consecutive page ids within each transfer batch."""
+    plan = []
+    for first in range(0, len(grants), max_batch_pages):
+        batch = [g.page_id for g in grants[first : first + max_batch_pages]]
+        plan += [Chunk(first + start, length, page_id) for start, page_id, length in runs(batch)]
+    return plan
+
+
+# -- host scratch memory ------------------------------------------------------------------------
+
+SCRATCH_KEEP_BYTES = 64 << 20  # larger scratch is allocated per use, not kept
+
+
+class _Scratch(threading.local):
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+
+_SCRATCH = _Scratch()
+
+
+def scratch(name: str, nbytes: int) -> torch.Tensor:
+    """A host byte tensor of ``nbytes`` this thread reuses under ``name`` (valid until its next
+    call with that name): a fresh allocation of a few MiB costs page faults worth ten times the
+    copy into it (``python -m bench.bench_handoff``). Above ``SCRATCH_KEEP_BYTES``, a fresh one."""
+    if nbytes > SCRATCH_KEEP_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    kept = _SCRATCH.buffers.get(name)
+    if kept is None or kept.numel() < nbytes:
+        kept = torch.empty(nbytes, dtype=torch.uint8)
+        _SCRATCH.buffers[name] = kept
+    return kept[:nbytes]
+
+
+def _pages(name: str, n: int, kv: KVCache) -> torch.Tensor:
+    """Scratch for ``n`` pages, ``[n, 2, layers, page_size, heads, dim]`` in ``kv``'s dtype."""
+    shape = (n, 2, kv.num_layers, kv.page_size, kv.num_kv_heads, kv.head_dim)
+    itemsize = torch.empty((), dtype=kv.dtype).element_size()
+    nbytes = itemsize * n * 2 * kv.num_layers * kv.page_size * kv.num_kv_heads * kv.head_dim
+    return scratch(name, nbytes).view(kv.dtype).view(shape)
 
 
 # -- decode: the landing slots ------------------------------------------------------------------
 
 
 class LandingSlots:
-    """One slot per pool page, in memory mapped for this alone; registered only per handoff."""
+    """One slot per pool page, in memory mapped for this alone; registered only per handoff.
+    ``max_batch_pages`` is decode's transfer-batch limit: prefill's chunks follow it."""
 
-    def __init__(self, layout: KvLayout, transport: KvTransport) -> None:
+    def __init__(self, layout: KvLayout, transport: KvTransport, max_batch_pages: int) -> None:
         self.layout = layout
+        self.max_batch_pages = max_batch_pages
         self.slot_bytes = slot_bytes(layout)
         self._transport = transport
         # Anonymous pages: zero until written, touched only as handoffs use them, and never
         # reused by the allocator for anything else (a late write meets only ciphertext).
         self._map = mmap.mmap(-1, layout.num_pages * self.slot_bytes)
-        flat = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.slots = flat.view(layout.num_pages, self.slot_bytes)
-
-    @property
-    def base(self) -> int:
-        return int(self.slots.data_ptr())
+        self.memory = memoryview(self._map)
+        self.base = int(torch.frombuffer(self._map, dtype=torch.uint8).data_ptr())
 
     def open(self, grants: Sequence[PageGrant]) -> Landing:
         """Register the slots of ``grants`` (run by run) for one handoff."""
@@ -111,11 +163,18 @@ class Landing:
             except TransferError as exc:  # the slot memory holds ciphertext only
                 log.error("withdrawing a landing slot run failed: %s", exc)
 
-    def take(self) -> torch.Tensor:
-        """Withdraw, then copy the slots once into private memory ``[pages, slot_bytes]``."""
+    def take(self) -> memoryview:
+        """Withdraw, then copy the slots once into private memory (this thread's scratch), in
+        grant order."""
         self.withdraw()
-        ids = torch.tensor(self.page_ids, dtype=torch.int64)
-        return self.slots.slots.index_select(0, ids)
+        size = self.slots.slot_bytes
+        arena = self.slots.memory
+        private = _bytes(scratch("landing copy", len(self.page_ids) * size))
+        for index, first, length in runs(self.page_ids):
+            private[index * size : (index + length) * size] = arena[
+                first * size : (first + length) * size
+            ]
+        return private
 
 
 # -- decode: opening the seals ------------------------------------------------------------------
@@ -124,10 +183,11 @@ class Landing:
 @dataclass(slots=True)
 class Unsealed:
     """The opened prompt pages, ``[pages, 2, layers, page_size, heads, dim]`` on the host, with
-    K and V views ``[layers, pages, page_size, heads, dim]`` (the pool's layout)."""
+    K and V views ``[layers, pages, page_size, heads, dim]`` (the pool's layout). They live in the
+    opening thread's scratch: used (checked, moved) before that thread opens another handoff."""
 
     pages: torch.Tensor
-    problem: str | None  # the first chunk that did not open, None when every one did
+    problem: str | None  # the first chunk whose seal did not hold, None when every one did
     copy_s: float = 0.0
     open_s: float = 0.0
 
@@ -140,8 +200,12 @@ class Unsealed:
         return self.pages[:, 1].transpose(0, 1)
 
     def move_into(self, kv: KVCache, page_ids: Sequence[int]) -> None:
-        """Copy the opened pages into the pool's pages (to the device, on a GPU)."""
-        kv.write_pages(list(page_ids), self.k.to(kv.device), self.v.to(kv.device))
+        """Copy the opened pages into the pool's pages (to the device, on a GPU), run by run."""
+        pages = self.pages.to(kv.device)
+        for start, first, length in runs(page_ids):
+            run = pages[start : start + length]
+            kv.k[:, first : first + length].copy_(run[:, 0].transpose(0, 1))
+            kv.v[:, first : first + length].copy_(run[:, 1].transpose(0, 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,45 +215,57 @@ class Opening:
     seal: Seal = field(repr=False)
     binding: Binding
     grants: tuple[PageGrant, ...]
-    written: tuple[int, ...]  # positions prefill reports written (all of them, unless a drill)
+    written: int  # prefill reports the first ``written`` pages written (all, unless a drill)
     authenticate: bool = True  # False only with the skip_seal_check drill
 
 
 def unseal(landing: Landing, opening: Opening, kv: KVCache) -> Unsealed:
-    """Take the landing slots and open every written position's chunk into a scratch copy.
+    """Take the landing slots and open every chunk of the written pages into a scratch copy.
 
-    Positions not written keep the pool's current bytes, so that the checksum (and, under a drill
+    Pages not written keep the pool's current bytes, so that the checksum (and, under a drill
     that lets such a result through, the move) sees the pages as they are.
     """
     started = time.perf_counter()
     private = landing.take()
     copied = time.perf_counter()
     n = len(opening.grants)
-    shape = (n, 2, kv.num_layers, kv.page_size, kv.num_kv_heads, kv.head_dim)
-    pages = torch.empty(shape, dtype=kv.dtype)
-    if len(opening.written) < n:
+    pages = _pages("opened pages", n, kv)
+    if opening.written < n:
         k, v = kv.read_pages([g.page_id for g in opening.grants])
         pages.copy_(torch.stack((k, v)).permute(2, 0, 1, 3, 4, 5))
+    plain, size = _bytes(pages), landing.slots.slot_bytes
+    page = size - OVERHEAD
     problem = None
-    for position in opening.written:
-        sealed = private[position].numpy().data
-        out = pages[position].view(torch.uint8).view(-1).numpy().data
+    plan = chunks(opening.grants[: opening.written], landing.slots.max_batch_pages)
+    for chunk in plan:
+        sealed = private[chunk.first * size : chunk.first * size + chunk.pages * page + OVERHEAD]
+        into = plain[chunk.first * page : (chunk.first + chunk.pages) * page]
         if not opening.authenticate:
-            opening.seal.open_unauthenticated(sealed, out)
+            opening.seal.open_unauthenticated(sealed, into)
             continue
-        aad = opening.binding.associated_data(position, opening.grants[position])
-        if not opening.seal.open_into(sealed, aad, out):
-            problem = f"page {position} of the prompt is not sealed for this handoff"
+        grants = opening.grants[chunk.first : chunk.first + chunk.pages]
+        if not opening.seal.open_into(
+            sealed, opening.binding.associated_data(chunk.first, grants), into
+        ):
+            problem = (
+                f"the seal of prompt pages [{chunk.first}, {chunk.first + chunk.pages}) does "
+                "not hold: not this handoff's KV"
+            )
             break
-    done = time.perf_counter()
-    return Unsealed(pages, problem, copied - started, done - copied)
+    return Unsealed(pages, problem, copied - started, time.perf_counter() - copied)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's memory as one flat, writable byte view (sliced per chunk at
+    the cost of a memoryview slice, not a tensor index)."""
+    return tensor.view(torch.uint8).view(-1).numpy().data
 
 
 # -- prefill: sealing batches ----------------------------------------------------------------
 
 
 class SealedBatches:
-    """Prefill's sealed transfer of one handoff: seal each batch of pages, yield its segments.
+    """Prefill's sealed transfer of one handoff: seal each batch's chunks, yield its segments.
 
     The ciphertext buffer holds one batch and is reused (``write`` is synchronous); it is
     registered for this handoff only, and only when the transport needs registered sources.
@@ -210,55 +286,61 @@ class SealedBatches:
         if len(source_pages) != len(grants):
             raise ValueError("source and destination page counts differ")
         self._staging, self._source = staging, list(source_pages)
-        self._target, self._grants = target, list(grants)
+        self._target, self._grants = target, tuple(grants)
         self._n_tokens, self._seal, self._binding = n_tokens, seal, binding
         self._transport = transport
         self.slot_bytes = slot_bytes(target.layout)
         width = min(len(grants), target.max_batch_pages)
-        self._buffer = torch.empty(width * self.slot_bytes, dtype=torch.uint8)
+        self._buffer = scratch("sealed batch", width * self.slot_bytes)
+        self._out = _bytes(self._buffer)
+        self._plain: torch.Tensor | None = None
         self._registered = transport.registers_sources
         if self._registered:
             transport.register(self._buffer.data_ptr(), self._buffer.numel())
         self.seal_s = 0.0
 
     def batches(self) -> Iterator[list[Segment]]:
+        started = time.perf_counter()
+        plain = self._plaintext()  # the whole prompt, page-major, once
+        self.seal_s += time.perf_counter() - started
+        plan = chunks(self._grants, self._target.max_batch_pages)
         step = self._target.max_batch_pages
         for first in range(0, len(self._grants), step):
-            yield self._sealed(first, min(len(self._grants), first + step))
+            yield self._sealed(plain, [c for c in plan if first <= c.first < first + step], first)
 
     def close(self) -> None:
         if self._registered:
             self._registered = False
             self._transport.unregister(self._buffer.data_ptr())
 
-    def _sealed(self, first: int, end: int) -> list[Segment]:
+    def _sealed(self, plain: memoryview, batch: list[Chunk], first: int) -> list[Segment]:
         started = time.perf_counter()
-        plain = self._plaintext(first, end)
-        for index in range(end - first):
-            position = first + index
-            out = self._buffer[index * self.slot_bytes : (index + 1) * self.slot_bytes]
-            aad = self._binding.associated_data(position, self._grants[position])
-            chunk = plain[index].view(torch.uint8).view(-1).numpy().data
-            self._seal.close_into(chunk, aad, out.numpy().data)
-        self.seal_s += time.perf_counter() - started
-        segments = []
+        size, page = self.slot_bytes, self.slot_bytes - OVERHEAD
         base, src = self._target.bases[0], self._buffer.data_ptr()
-        for index, page_id, length in runs([g.page_id for g in self._grants[first:end]]):
-            segments.append(
-                Segment(
-                    src + index * self.slot_bytes,
-                    base + page_id * self.slot_bytes,
-                    length * self.slot_bytes,
-                )
+        segments = []
+        for chunk in batch:
+            offset = (chunk.first - first) * size
+            length = chunk.pages * page + OVERHEAD
+            grants = self._grants[chunk.first : chunk.first + chunk.pages]
+            self._seal.close_into(
+                plain[chunk.first * page : (chunk.first + chunk.pages) * page],
+                self._binding.associated_data(chunk.first, grants),
+                self._out[offset : offset + length],
             )
+            segments.append(Segment(src + offset, base + chunk.page_id * size, length))
+        self.seal_s += time.perf_counter() - started
         return segments
 
-    def _plaintext(self, first: int, end: int) -> torch.Tensor:
-        """Pages ``[first, end)`` of the prompt, page-major on the host, the tail zeroed."""
-        k, v = self._staging.read_pages(self._source[first:end])
-        plain = torch.stack((k, v)).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
-        page_size = self._staging.page_size
-        last_tokens = self._n_tokens - (end - 1) * page_size  # of the batch's last page
-        if last_tokens < page_size:
+    def _plaintext(self) -> memoryview:
+        """The prompt's pages, page-major on the host, the last page's tail zeroed."""
+        staging, n = self._staging, len(self._source)
+        plain = _pages("plaintext", n, staging)
+        for start, first, length in runs(self._source):  # slices, not index copies
+            into = plain[start : start + length]
+            into[:, 0].copy_(staging.k[:, first : first + length].transpose(0, 1))
+            into[:, 1].copy_(staging.v[:, first : first + length].transpose(0, 1))
+        last_tokens = self._n_tokens - (n - 1) * staging.page_size
+        if last_tokens < staging.page_size:
             plain[-1, :, :, last_tokens:] = 0
-        return plain
+        self._plain = plain  # keeps the memory the view below reads alive
+        return _bytes(plain)

@@ -460,15 +460,16 @@ class DecodeEngineCore(EngineCore):
         return verdict, (opened[0] if opened else None)
 
     def _unseal(self, handoff: _Handoff, result: PrefillResult, authenticate: bool) -> Unsealed:
-        """Open the chunks of the pages prefill reports written, from a private copy of the
-        slots. The binding names the tokens prefill says it transferred (the range check is
-        what holds that to the reservation)."""
+        """Open the chunks of the pages prefill reports written (the granted pages it names, from
+        the first on), from a private copy of the slots. The binding names the tokens prefill
+        says it transferred (the range check is what holds that to the reservation)."""
         assert handoff.landing is not None and handoff.seal is not None
         expect = handoff.expect
-        reported = result.pages_written
-        written = tuple(
-            k for k, grant in enumerate(expect.grants) if k < len(reported) and reported[k] == grant
-        )
+        reported, written = result.pages_written, 0
+        while written < min(len(reported), len(expect.grants)):
+            if reported[written] != expect.grants[written]:
+                break
+            written += 1
         n_tokens = result.transferred.end if result.transferred else expect.reserved_tokens
         binding = Binding(
             self.config.protocol_version, self.config.instance_id, expect.request_id, n_tokens

@@ -5,21 +5,23 @@ Lifecycle of one handoff's key:
 1. Decode draws a fresh 256-bit key when it reserves the pages (``new_key``) and sends it inside
    the PrefillRequest, over the handoff API that takes the engine credential -- never over the
    transfer port.
-2. Prefill seals each prompt page's chunk (``Seal.close_into``): a random 96-bit nonce, then the
-   ciphertext, then the 16-byte tag, with associated data (``Binding.associated_data``) naming the
-   protocol version, the decode instance, the handoff id, the page's position in the prompt, the
-   granted page id and generation, and the prompt's length. A chunk therefore opens only in its
-   own handoff, at its own position, for its own page allocation: bytes replayed from another
-   handoff or moved to another position fail.
+2. Prefill seals each chunk -- a run of consecutive pages of one transfer batch
+   (``backend.disagg.channel.chunks``) -- with ``Seal.close_into``: a random 96-bit nonce, then
+   the ciphertext, then the 16-byte tag, with associated data (``Binding.associated_data``)
+   naming the protocol version, the decode instance, the handoff id, the prompt's length, the
+   chunk's first position in the prompt and every page id and generation it covers. A chunk
+   therefore opens only in its own handoff, at its own positions, for its own page allocations:
+   bytes replayed from another handoff or moved elsewhere fail, and so does any byte changed.
 3. Decode opens each chunk from its private copy of the landing slots (``Seal.open_into``) and
    forgets the key when the handoff ends.
 
 Nonces: the key is never used for more than one handoff, and each chunk draws its own random
 nonce, so a nonce repeats under a key only with probability about chunks^2 / 2^97 -- even if a
 PrefillRequest were replayed (only a holder of the engine credential could, and it already holds
-the key). AES-GCM over ChaCha20-Poly1305: 3-5x faster on CPUs with AES instructions
-(``python -m bench.bench_handoff`` measures both per page). ``cryptography`` (OpenSSL) does the
-work; nothing here is ours but the framing.
+the key). AES-GCM over ChaCha20-Poly1305: 3-5x faster on CPUs with AES instructions; a chunk per
+run of pages rather than per page: each call costs a few microseconds besides its bytes, which
+outweighs small pages (``python -m bench.bench_handoff`` measures both). ``cryptography``
+(OpenSSL) does the work; nothing here is ours but the framing.
 
 ``open_unauthenticated`` exists for the ``skip_seal_check`` drill only: it decrypts a chunk as
 AES-CTR (GCM's keystream) without its tag, which is what an unauthenticated cipher would accept.
@@ -28,6 +30,7 @@ AES-CTR (GCM's keystream) without its tag, which is what an unauthenticated ciph
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -58,10 +61,12 @@ class Binding:
     handoff_id: str
     n_tokens: int
 
-    def associated_data(self, position: int, grant: PageGrant) -> bytes:
+    def associated_data(self, first: int, grants: Sequence[PageGrant]) -> bytes:
+        """For the chunk of the prompt's pages ``first, first + 1, ...`` granted as ``grants``."""
+        pages = ",".join(f"{g.page_id}@{g.generation}" for g in grants)
         return (
             f"kvguard-kv/{self.protocol_version}/{self.instance_id}/{self.handoff_id}/"
-            f"{self.n_tokens}/{position}/{grant.page_id}@{grant.generation}"
+            f"{self.n_tokens}/{first}/{pages}"
         ).encode()
 
 

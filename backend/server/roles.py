@@ -241,7 +241,10 @@ def build_decode(settings: BackendSettings, *, channel: PrefillLink | None = Non
         config = _decode_config(settings, faults, runner.kv_cache)
         config_box.append(config)
         if settings.kv_channel == "sealed":
-            landings.append(LandingSlots(layout_of(runner.kv_cache), transport))
+            slots = LandingSlots(
+                layout_of(runner.kv_cache), transport, settings.transfer_batch_pages
+            )
+            landings.append(slots)
 
         def notify(notice: Notice) -> None:
             drivers[0].notify_from_engine(notice)

@@ -262,9 +262,13 @@ def _complete(world: World, index: int, result: PrefillResult) -> None:
 
 
 def _written(grants: tuple[PageGrant, ...], result: PrefillResult) -> tuple[int, ...]:
-    """Positions prefill reports written at the granted page (``DecodeEngineCore._unseal``)."""
-    reported = result.pages_written
-    return tuple(k for k, g in enumerate(grants) if k < len(reported) and reported[k] == g)
+    """The positions prefill reports written: the granted pages it names, from the first on
+    (``DecodeEngineCore._unseal``). The model seals page by page: a real chunk covers a run of
+    pages, and a byte changed in any of them fails the run, which refuses the same handoff."""
+    reported, written = result.pages_written, 0
+    while written < min(len(reported), len(grants)) and reported[written] == grants[written]:
+        written += 1
+    return tuple(range(written))
 
 
 def _open(slot: Cell, handoff_id: str, position: int) -> tuple[Cell, bool]:

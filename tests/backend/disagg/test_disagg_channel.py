@@ -13,7 +13,15 @@ import ctypes
 import pytest
 import torch
 
-from backend.disagg.channel import LandingSlots, Opening, SealedBatches, slot_bytes, unseal
+from backend.disagg.channel import (
+    Chunk,
+    LandingSlots,
+    Opening,
+    SealedBatches,
+    chunks,
+    slot_bytes,
+    unseal,
+)
 from backend.disagg.kvio import kv_digest, layout_of
 from backend.disagg.protocol import KvChannel, PageGrant, TransferTarget
 from backend.disagg.seal import OVERHEAD, Binding, Seal, new_key
@@ -42,7 +50,7 @@ class Channel:
     def __init__(self, max_batch_pages: int) -> None:
         self.staging, self.pool = cache(8, fill=True), cache(12, fill=False)
         self.sender, self.receiver = InProcessTransport(), InProcessTransport()
-        self.slots = LandingSlots(layout_of(self.pool), self.receiver)
+        self.slots = LandingSlots(layout_of(self.pool), self.receiver, max_batch_pages)
         self.target = TransferTarget(
             self.receiver.endpoint,
             "inst",
@@ -72,12 +80,16 @@ class Channel:
             transport=self.sender,
         )
         for batch in batches.batches():
-            assert all(s.length % self.slots.slot_bytes == 0 for s in batch)
+            # one segment per chunk, from the slot of its first page on
+            assert all((s.dst - self.slots.base) % self.slots.slot_bytes == 0 for s in batch)
+            assert all(
+                (s.length - OVERHEAD) % (self.slots.slot_bytes - OVERHEAD) == 0 for s in batch
+            )
             self.sender.write(self.target.endpoint, batch)
         batches.close()
         return batches.seal_s
 
-    def opening(self, written: tuple[int, ...] = (0, 1, 2, 3, 4)) -> Opening:
+    def opening(self, written: int = 5) -> Opening:
         return Opening(self.seal, BINDING, self.grants, written)
 
     def slot(self, page_id: int) -> int:
@@ -91,8 +103,9 @@ def test_a_handoff_lands_sealed_and_opens_into_exactly_the_prompt(batch_pages: i
     landing = channel.slots.open(channel.grants)
     assert channel.registered() == [(3, 2), (7, 2), (9, 1)]  # this handoff's slots only
     assert channel.send() > 0
-    raw = bytes(channel.slots.slots[7].numpy())  # what a reader of the slot would see
-    assert len(raw) == slot_bytes(channel.target.layout) == 2 * 2 * 4 * 6 * 4 + OVERHEAD
+    size = slot_bytes(channel.target.layout)
+    assert size == 2 * 2 * 4 * 6 * 4 + OVERHEAD
+    raw = bytes(channel.slots.memory[7 * size : 9 * size])  # what a reader of the slots sees
     plain_k = channel.staging.k[0, 0].numpy().tobytes()
     assert plain_k[:24] not in raw  # not the KV in the clear
     opened = unseal(landing, channel.opening(), channel.pool)
@@ -117,7 +130,9 @@ def test_bytes_written_into_a_slot_by_anyone_else_refuse_the_handoff() -> None:
     junk = torch.full((64,), 7, dtype=torch.uint8)  # as the attacker's own memory
     intruder.write(channel.target.endpoint, [Segment(junk.data_ptr(), channel.slot(3) + 40, 64)])
     opened = unseal(landing, channel.opening(), channel.pool)
-    assert opened.problem == "page 2 of the prompt is not sealed for this handoff"  # page id 3
+    # page id 3 is the prompt's page 2, sealed with page 3 (id 4) in one chunk of the batch
+    assert opened.problem is not None
+    assert opened.problem.startswith("the seal of prompt pages [2, 4) does not hold")
     assert torch.count_nonzero(channel.pool.k) == 0  # nothing was moved
 
 
@@ -147,7 +162,15 @@ def test_only_the_written_pages_are_opened_the_others_stay_as_they_are() -> None
     landing = channel.slots.open(channel.grants)
     channel.send()
     channel.pool.k[:, 9] = 5.0
-    opened = unseal(landing, channel.opening(written=(0, 1)), channel.pool)
+    opened = unseal(landing, channel.opening(written=2), channel.pool)
     assert opened.problem is None
     assert torch.equal(opened.k[:, 4], channel.pool.k[:, 9])
     assert torch.equal(opened.k[:, 0], channel.staging.k[:, 0])
+
+
+def test_the_sealing_plan_is_one_chunk_per_run_of_pages_within_a_batch() -> None:
+    grants = [PageGrant(p, 1) for p in (7, 8, 9, 3, 4)]
+    assert chunks(grants, 16) == [Chunk(0, 3, 7), Chunk(3, 2, 3)]
+    # batches [7, 8] [9, 3] [4]: the run 3-4 is split where the batch ends
+    assert chunks(grants, 2) == [Chunk(0, 2, 7), Chunk(2, 1, 9), Chunk(3, 1, 3), Chunk(4, 1, 4)]
+    assert chunks(grants, 1) == [Chunk(k, 1, g.page_id) for k, g in enumerate(grants)]

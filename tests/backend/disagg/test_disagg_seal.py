@@ -10,13 +10,14 @@ from backend.disagg.protocol import PageGrant
 from backend.disagg.seal import KEY_BYTES, NONCE_BYTES, OVERHEAD, TAG_BYTES, Binding, Seal, new_key
 
 BINDING = Binding(3, "inst-1", "req-1.1", 40)
-GRANT = PageGrant(7, 2)
+GRANT, NEXT = PageGrant(7, 2), PageGrant(8, 1)  # one chunk: a run of two pages
 PLAIN = bytes(range(256)) * 4
 
 
 def sealed(seal: Seal, binding: Binding = BINDING, position: int = 0) -> bytearray:
     out = bytearray(len(PLAIN) + OVERHEAD)
-    seal.close_into(memoryview(PLAIN), binding.associated_data(position, GRANT), memoryview(out))
+    aad = binding.associated_data(position, (GRANT, NEXT))
+    seal.close_into(memoryview(PLAIN), aad, memoryview(out))
     return out
 
 
@@ -25,12 +26,11 @@ def opens(
     chunk: bytes,
     binding: Binding = BINDING,
     position: int = 0,
-    grant: PageGrant = GRANT,
+    grants: tuple[PageGrant, ...] = (GRANT, NEXT),
 ) -> bool:
     out = bytearray(len(chunk) - OVERHEAD)
-    ok = seal.open_into(
-        memoryview(chunk), binding.associated_data(position, grant), memoryview(out)
-    )
+    aad = binding.associated_data(position, grants)
+    ok = seal.open_into(memoryview(chunk), aad, memoryview(out))
     assert not ok or bytes(out) == PLAIN
     return ok
 
@@ -44,23 +44,35 @@ def test_a_sealed_chunk_opens_to_its_plaintext_and_hides_it() -> None:
 
 
 @pytest.mark.parametrize(
-    ("binding", "position", "grant"),
+    ("binding", "position", "grants"),
     [
-        (Binding(3, "inst-1", "req-2.1", 40), 0, GRANT),  # another handoff
-        (Binding(3, "inst-2", "req-1.1", 40), 0, GRANT),  # another decode instance
-        (Binding(3, "inst-1", "req-1.1", 41), 0, GRANT),  # another prompt length
-        (Binding(2, "inst-1", "req-1.1", 40), 0, GRANT),  # another protocol version
-        (BINDING, 1, GRANT),  # another position of the prompt
-        (BINDING, 0, PageGrant(8, 2)),  # another page
-        (BINDING, 0, PageGrant(7, 3)),  # the same page, another allocation
+        (Binding(3, "inst-1", "req-2.1", 40), 0, (GRANT, NEXT)),  # another handoff
+        (Binding(3, "inst-2", "req-1.1", 40), 0, (GRANT, NEXT)),  # another decode instance
+        (Binding(3, "inst-1", "req-1.1", 41), 0, (GRANT, NEXT)),  # another prompt length
+        (Binding(2, "inst-1", "req-1.1", 40), 0, (GRANT, NEXT)),  # another protocol version
+        (BINDING, 1, (GRANT, NEXT)),  # another position of the prompt
+        (BINDING, 0, (PageGrant(9, 2), NEXT)),  # another page
+        (BINDING, 0, (PageGrant(7, 3), NEXT)),  # the same page, another allocation
+        (BINDING, 0, (GRANT, PageGrant(8, 2))),  # a later page of the chunk, reallocated
+        (BINDING, 0, (GRANT,)),  # fewer pages than it covers
     ],
-    ids=["handoff", "instance", "length", "version", "position", "page", "generation"],
+    ids=[
+        "handoff",
+        "instance",
+        "length",
+        "version",
+        "position",
+        "page",
+        "generation",
+        "run-generation",
+        "run-length",
+    ],
 )
 def test_a_chunk_opens_only_where_it_was_sealed(
-    binding: Binding, position: int, grant: PageGrant
+    binding: Binding, position: int, grants: tuple[PageGrant, ...]
 ) -> None:
     seal = Seal(new_key())
-    assert not opens(seal, bytes(sealed(seal)), binding, position, grant)
+    assert not opens(seal, bytes(sealed(seal)), binding, position, grants)
 
 
 def test_a_changed_byte_or_another_key_refuses() -> None:
