@@ -174,3 +174,39 @@ def test_the_sealing_plan_is_one_chunk_per_run_of_pages_within_a_batch() -> None
     # batches [7, 8] [9, 3] [4]: the run 3-4 is split where the batch ends
     assert chunks(grants, 2) == [Chunk(0, 2, 7), Chunk(2, 1, 9), Chunk(3, 1, 3), Chunk(4, 1, 4)]
     assert chunks(grants, 1) == [Chunk(k, 1, g.page_id) for k, g in enumerate(grants)]
+
+
+@pytest.mark.gpu
+def test_the_device_path_seals_from_and_moves_into_gpu_pages() -> None:
+    """On a GPU the staged pages and the pool are device memory: sealing copies each batch to
+    the host, opening moves the pages back to the device (``scripts/gpu-check`` runs this)."""
+    staging = KVCache(2, 8, 4, 2, 3, torch.bfloat16, "cuda")
+    staging.k.copy_(torch.randn_like(staging.k))
+    staging.v.copy_(torch.randn_like(staging.v))
+    pool = KVCache(2, 12, 4, 2, 3, torch.bfloat16, "cuda")
+    sender, receiver = InProcessTransport(), InProcessTransport()
+    slots = LandingSlots(layout_of(pool), receiver, 2)
+    target = TransferTarget(
+        receiver.endpoint, "inst", KvChannel.SEALED, (slots.base,), layout_of(pool), 2
+    )
+    grants = tuple(PageGrant(p, 1) for p in DST_PAGES)
+    seal = Seal(new_key())
+    landing = slots.open(grants)
+    batches = SealedBatches(
+        staging=staging,
+        source_pages=SRC_PAGES,
+        target=target,
+        grants=grants,
+        n_tokens=N_TOKENS,
+        seal=seal,
+        binding=BINDING,
+        transport=sender,
+    )
+    for batch in batches.batches():
+        sender.write(target.endpoint, batch)
+    opened = unseal(landing, Opening(seal, BINDING, grants, len(grants)), pool)
+    assert opened.problem is None
+    opened.move_into(pool, DST_PAGES)
+    staged = kv_digest(staging.k.cpu(), staging.v.cpu(), SRC_PAGES, N_TOKENS)
+    assert kv_digest(pool.k.cpu(), pool.v.cpu(), DST_PAGES, N_TOKENS) == staged
+    assert pool.k.device.type == "cuda"
