@@ -29,19 +29,16 @@ drills are allowed) records page fingerprints at acceptance and at the end of ea
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from backend.core.errors import KvguardError
 from backend.core.request import Request, RequestState
-from backend.disagg.channel import Landing, LandingSlots, Opening, Unsealed, unseal
+from backend.disagg.channel import Landing, LandingSlots
+from backend.disagg.decode_checks import Evidence, ResultChecks
 from backend.disagg.decode_scheduler import DecodeScheduler, Release
 from backend.disagg.errors import (
     HandoffFailed,
@@ -49,15 +46,11 @@ from backend.disagg.errors import (
     ProtocolVersionMismatch,
 )
 from backend.disagg.faults import FaultSet
-from backend.disagg.kvio import algorithm_of, kv_digest, page_fingerprints
 from backend.disagg.machines import (
-    Check,
     DecodeHandoffState,
     Expectation,
-    Verdict,
     refusal,
     release_deadline,
-    verify_result,
 )
 from backend.disagg.protocol import (
     PROTOCOL_VERSION,
@@ -66,7 +59,8 @@ from backend.disagg.protocol import (
     PrefillResult,
     SamplingSpec,
 )
-from backend.disagg.seal import Binding, Seal, new_key
+from backend.disagg.read_log import ReadLog
+from backend.disagg.seal import Seal, new_key
 from backend.engine.core import EngineCore, StepOutcome
 from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
@@ -161,16 +155,16 @@ class DecodeEngineCore(EngineCore):
         # they left ("ack" after a drain, or "early" in the drill), the handoff id, and when.
         self._released: dict[str, tuple[str, str, float]] = {}
         self._sequence = itertools.count(1)
-        self.read_log: OrderedDict[str, dict[str, Any]] | None = (
-            OrderedDict() if config.keep_read_log else None
+        self.read_log = ReadLog(runner.kv_cache) if config.keep_read_log else None
+        self.checks = ResultChecks(
+            pool=scheduler.pool,
+            kv=runner.kv_cache,
+            faults=config.faults,
+            protocol_version=config.protocol_version,
+            instance_id=config.instance_id,
+            metrics=metrics,
         )
-        self._read_lock = threading.Lock()
         self._unsent: list[Request] = []  # failed before their ticket left (delivered by tick)
-
-    def read_log_snapshot(self) -> list[dict[str, Any]]:
-        """A copy of the drill read log, safe to take from another thread."""
-        with self._read_lock:
-            return copy.deepcopy(list(self.read_log.values())) if self.read_log else []
 
     # -- requests in ---------------------------------------------------------------------------
 
@@ -228,13 +222,13 @@ class DecodeEngineCore(EngineCore):
         handoff.machine.advance(_S.VERIFYING)
         if self._metrics is not None:
             self._metrics.handoff_seconds.observe(self._clock() - handoff.sent_at)
-        verdict, opened = self._check_result(handoff, result)
-        proof = self._proof(handoff, result, verdict)
-        outcome = StepOutcome(proofs={request_id: proof})
+        evidence = self._evidence(handoff)
+        verdict, opened = self.checks.check(evidence, result)
+        outcome = StepOutcome(proofs={request_id: self.checks.proof(evidence, result, verdict)})
         if verdict.accepted:
             assert result.first_token is not None  # an OK result always carries it
             if opened is not None:
-                self._move(handoff, opened)
+                self.checks.move(evidence, opened)
             try:
                 step = self.decode.accept(request_id, result.first_token)
             except KvguardError as refused:
@@ -246,7 +240,8 @@ class DecodeEngineCore(EngineCore):
             outcome.results.append(step)
             if handoff.expect.logprobs and result.first_token_logprobs is not None:
                 outcome.logprobs[request_id] = result.first_token_logprobs
-            self._log_accept(request_id, handoff)
+            if self.read_log is not None:
+                self.read_log.accepted(request_id, handoff.expect)
             self._count(HandoffOutcome.OK.value)
         else:
             to, error = refusal(request_id, result, verdict)
@@ -339,7 +334,7 @@ class DecodeEngineCore(EngineCore):
         if self.read_log is not None:
             for result in outcome.results:
                 if result.state in (RequestState.FINISHED,):
-                    self._log_finish(result.request_id)
+                    self.read_log.finished(result.request_id)
         self._reserve()
         return outcome
 
@@ -403,136 +398,15 @@ class DecodeEngineCore(EngineCore):
             handoff.machine.advance(_S.RELEASED)
             self._count(HandoffOutcome.FAILED.value)
             return None
-        self._phase("register", started)
+        self.checks.phase("register", started)
         key = new_key()
         handoff.seal = Seal(key)
         return key
 
-    def _check_result(
-        self, handoff: _Handoff, result: PrefillResult
-    ) -> tuple[Verdict, Unsealed | None]:
-        """Decode's checks on ``result``; on the sealed channel also the opened pages to move."""
-        pool, owner = self.decode.pool, self._owner_of(handoff)
-        kv = self.runner.kv_cache
-        expect = handoff.expect
-        enforced = self.config.faults.enforced_checks
-        if self.landing is None:  # the open channel has no seal to check
-            enforced = enforced - {Check.SEAL}
-        opened: list[Unsealed] = []
-
-        def pages_current(grants: Sequence[PageGrant]) -> bool:
-            from backend.core.pages import PageRef
-
-            return owner is not None and all(
-                pool.is_current(PageRef(g.page_id, g.generation), owner) for g in grants
-            )
-
-        def opening() -> Unsealed:
-            if not opened:
-                opened.append(self._unseal(handoff, result, Check.SEAL in enforced))
-            return opened[0]
-
-        def local_checksum() -> str:
-            algorithm = algorithm_of(result.checksum or "")
-            if algorithm is None:  # an algorithm this node cannot recompute proves nothing
-                return "unsupported checksum algorithm"
-            started = time.perf_counter()
-            ids = [g.page_id for g in expect.grants]
-            n = expect.reserved_tokens
-            if self.landing is None:
-                digest = kv_digest(kv.k, kv.v, ids, n, algorithm)
-            else:
-                pages = opening()
-                digest = kv_digest(pages.k, pages.v, range(len(ids)), n, algorithm)
-            if self._metrics is not None:
-                self._metrics.checksum_seconds.observe(time.perf_counter() - started)
-            return digest
-
-        verdict = verify_result(
-            expect,
-            result,
-            enforced=enforced,
-            pages_current=pages_current,
-            unsealed=lambda: opening().problem,
-            local_checksum=local_checksum,
-        )
-        self._observe(verdict, handoff)
-        return verdict, (opened[0] if opened else None)
-
-    def _unseal(self, handoff: _Handoff, result: PrefillResult, authenticate: bool) -> Unsealed:
-        """Open the chunks of the pages prefill reports written (the granted pages it names, from
-        the first on), from a private copy of the slots. The binding names the tokens prefill
-        says it transferred (the range check is what holds that to the reservation)."""
-        assert handoff.landing is not None and handoff.seal is not None
-        expect = handoff.expect
-        reported, written = result.pages_written, 0
-        while written < min(len(reported), len(expect.grants)):
-            if reported[written] != expect.grants[written]:
-                break
-            written += 1
-        n_tokens = result.transferred.end if result.transferred else expect.reserved_tokens
-        binding = Binding(
-            self.config.protocol_version, self.config.instance_id, expect.request_id, n_tokens
-        )
-        opening = Opening(handoff.seal, binding, expect.grants, written, authenticate)
-        opened = unseal(handoff.landing, opening, self.runner.kv_cache)
-        if self._metrics is not None:
-            self._metrics.kv_channel_seconds.labels("copy").observe(opened.copy_s)
-            self._metrics.kv_channel_seconds.labels("unseal").observe(opened.open_s)
-        return opened
-
-    def _move(self, handoff: _Handoff, opened: Unsealed) -> None:
-        """Every check passed: the opened pages go into the pool's pages."""
-        started = time.perf_counter()
-        opened.move_into(self.runner.kv_cache, [g.page_id for g in handoff.expect.grants])
-        self._phase("move", started)
-
-    def _phase(self, phase: str, started: float) -> None:
-        if self._metrics is not None:
-            self._metrics.kv_channel_seconds.labels(phase).observe(time.perf_counter() - started)
-
-    def _owner_of(self, handoff: _Handoff) -> Any:
+    def _evidence(self, handoff: _Handoff) -> Evidence:
         request = self.decode.awaiting(handoff.request_id)
-        return None if request is None else request.owner
-
-    def _observe(self, verdict: Verdict, handoff: _Handoff) -> None:
-        rid = handoff.request_id
-        if verdict.transfer_mismatch:
-            log.error(
-                "handoff %s: transferred range != reserved %d tokens",
-                rid,
-                handoff.expect.reserved_tokens,
-            )
-        if verdict.failed is not None and verdict.failed is not Check.OUTCOME:
-            log.error("handoff %s refused by the %s check: %s", rid, verdict.failed, verdict.detail)
-        elif verdict.accepted and verdict.skipped:
-            log.error(
-                "handoff %s ACCEPTED WITHOUT %s (fault drill)", rid, ", ".join(verdict.skipped)
-            )
-        m = self._metrics
-        if m is None:
-            return
-        if verdict.transfer_mismatch:
-            m.handoff_transfer_mismatch.inc()
-        if verdict.checksum_mismatch:
-            m.handoff_checksum_failures.inc()
-        if verdict.failed is not None and verdict.failed is not Check.OUTCOME:
-            m.handoff_refusals.labels(verdict.failed.value).inc()
-
-    def _proof(self, handoff: _Handoff, result: PrefillResult, verdict: Verdict) -> HandoffProof:
-        transferred = result.transferred.num_tokens if result.transferred is not None else None
-        return HandoffProof(
-            self.config.protocol_version,
-            result.outcome.value,
-            handoff.expect.reserved_tokens,
-            transferred,
-            verdict.accepted,
-            tuple(c.value for c in verdict.ran),
-            tuple(c.value for c in verdict.skipped),
-            verdict.failed.value if verdict.failed is not None else None,
-            round(result.transfer_s * 1000, 3),
-            round(result.checksum_s * 1000, 3),
-        )
+        owner = None if request is None else request.owner
+        return Evidence(handoff.request_id, handoff.expect, owner, handoff.landing, handoff.seal)
 
     def _start_drain(self, handoff: _Handoff) -> None:
         now = self._clock()
@@ -583,37 +457,6 @@ class DecodeEngineCore(EngineCore):
     def _count(self, outcome: str) -> None:
         if self._metrics is not None:
             self._metrics.handoffs.labels(outcome).inc()
-
-    # -- the drill read log --------------------------------------------------------------------
-
-    def _log_accept(self, request_id: str, handoff: _Handoff) -> None:
-        if self.read_log is None:
-            return
-        ids = [g.page_id for g in handoff.expect.grants]
-        n = handoff.expect.reserved_tokens
-        prints = page_fingerprints(self.runner.kv_cache, ids, n)
-        entry = {
-            "request_id": request_id,
-            "reserved_tokens": handoff.expect.reserved_tokens,
-            "pages": [
-                {"page_id": g.page_id, "generation": g.generation, "at_accept": fp}
-                for g, fp in zip(handoff.expect.grants, prints, strict=True)
-            ],
-        }
-        with self._read_lock:
-            self.read_log[request_id] = entry
-            while len(self.read_log) > 256:
-                self.read_log.popitem(last=False)
-
-    def _log_finish(self, request_id: str) -> None:
-        entry = self.read_log.get(request_id) if self.read_log is not None else None
-        if entry is None:
-            return
-        ids = [page["page_id"] for page in entry["pages"]]
-        prints = page_fingerprints(self.runner.kv_cache, ids, entry["reserved_tokens"])
-        with self._read_lock:
-            for page, fp in zip(entry["pages"], prints, strict=True):
-                page["at_finish"] = fp
 
 
 def _lost_kind(error: KvguardError) -> str:

@@ -45,14 +45,15 @@ HTTP, no environment.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 from backend.core.messages import TokenLogprobs
 from backend.disagg.errors import MalformedMessage, ProtocolVersionMismatch
+from backend.disagg.wire import Reader, build, keys_of
 
 # 2: SamplingSpec carries logit_bias and logprobs (prefill samples the first token with the
 # biases) and an OK PrefillResult carries the first token's logprobs when they were asked for.
@@ -314,115 +315,27 @@ def _plain(value: object) -> object:
     return value
 
 
-class _Reader:
-    """Strict field access over one dict: exact key set, exact types."""
-
-    def __init__(self, kind: str, payload: object, keys: frozenset[str]) -> None:
-        if not isinstance(payload, dict):
-            raise MalformedMessage(kind, "not an object")
-        if set(payload) != keys:
-            extra, missing = sorted(set(payload) - keys), sorted(keys - set(payload))
-            raise MalformedMessage(kind, f"unknown fields {extra}, missing fields {missing}")
-        self.kind, self.payload = kind, payload
-
-    def integer(self, key: str, minimum: int = 0) -> int:
-        value = self.payload[key]
-        if type(value) is not int or value < minimum:
-            raise MalformedMessage(self.kind, f"{key} must be an integer >= {minimum}")
-        return value
-
-    def opt_integer(self, key: str) -> int | None:
-        return None if self.payload[key] is None else self.integer(key)
-
-    def number(self, key: str) -> float:
-        value = self.payload[key]
-        if type(value) not in (int, float):
-            raise MalformedMessage(self.kind, f"{key} must be a number")
-        return float(value)
-
-    def text(self, key: str) -> str:
-        value = self.payload[key]
-        if not isinstance(value, str) or not value or len(value) > 256:
-            raise MalformedMessage(self.kind, f"{key} must be a non-empty string")
-        return value
-
-    def opt_text(self, key: str) -> str | None:
-        return None if self.payload[key] is None else self.text(key)
-
-    def flag(self, key: str) -> bool:
-        value = self.payload[key]
-        if type(value) is not bool:
-            raise MalformedMessage(self.kind, f"{key} must be a boolean")
-        return value
-
-    def pairs(self, key: str) -> tuple[tuple[int, float], ...]:
-        """A list of ``[token id, number]`` pairs (biases, alternatives' logprobs)."""
-        value = self.payload[key]
-        if not isinstance(value, list) or not all(_is_pair(item) for item in value):
-            raise MalformedMessage(self.kind, f"{key} must be a list of [token id, number] pairs")
-        return tuple((item[0], float(item[1])) for item in value)
-
-    def integers(self, key: str) -> tuple[int, ...]:
-        value = self.payload[key]
-        if not isinstance(value, list) or any(type(v) is not int or v < 0 for v in value):
-            raise MalformedMessage(self.kind, f"{key} must be a list of non-negative integers")
-        return tuple(value)
-
-    def each(self, key: str, parse: Callable[[object], _T]) -> tuple[_T, ...]:
-        value = self.payload[key]
-        if not isinstance(value, list):
-            raise MalformedMessage(self.kind, f"{key} must be a list")
-        return tuple(parse(item) for item in value)
-
-    def sub(self, key: str) -> object:
-        return self.payload[key]
-
-
-_T = TypeVar("_T")
-
-
-def _is_pair(item: object) -> bool:
-    return (
-        isinstance(item, list)
-        and len(item) == 2
-        and type(item[0]) is int
-        and item[0] >= 0
-        and type(item[1]) in (int, float)
-    )
-
-
-def _keys(cls: type) -> frozenset[str]:
-    return frozenset(cls.__dataclass_fields__)  # type: ignore[attr-defined]
-
-
-def _build(kind: str, make: Callable[[], _T]) -> _T:
-    try:
-        return make()
-    except (ValueError, KeyError) as exc:
-        raise MalformedMessage(kind, str(exc)) from exc
-
-
 def _grant(payload: object) -> PageGrant:
-    r = _Reader("PageGrant", payload, _keys(PageGrant))
-    return _build("PageGrant", lambda: PageGrant(r.integer("page_id"), r.integer("generation", 1)))
+    r = Reader("PageGrant", payload, keys_of(PageGrant))
+    return build("PageGrant", lambda: PageGrant(r.integer("page_id"), r.integer("generation", 1)))
 
 
 def _range(payload: object) -> TokenRange | None:
     if payload is None:
         return None
-    r = _Reader("TokenRange", payload, _keys(TokenRange))
-    return _build("TokenRange", lambda: TokenRange(r.integer("start"), r.integer("end")))
+    r = Reader("TokenRange", payload, keys_of(TokenRange))
+    return build("TokenRange", lambda: TokenRange(r.integer("start"), r.integer("end")))
 
 
 def _error(payload: object) -> ErrorInfo | None:
     if payload is None:
         return None
-    r = _Reader("ErrorInfo", payload, _keys(ErrorInfo))
+    r = Reader("ErrorInfo", payload, keys_of(ErrorInfo))
     return ErrorInfo(r.text("code"), r.integer("http_status", 100), r.text("message"))
 
 
 def _layout(payload: object) -> KvLayout:
-    r = _Reader("KvLayout", payload, _keys(KvLayout))
+    r = Reader("KvLayout", payload, keys_of(KvLayout))
     dtype = r.text("dtype")
     if dtype not in DTYPE_BYTES:
         raise MalformedMessage("KvLayout", f"unknown dtype {dtype!r}")
@@ -437,11 +350,11 @@ def _layout(payload: object) -> KvLayout:
 
 
 def _target(payload: object) -> TransferTarget:
-    r = _Reader("TransferTarget", payload, _keys(TransferTarget))
+    r = Reader("TransferTarget", payload, keys_of(TransferTarget))
     channel = r.text("channel")
     if channel not in KvChannel._value2member_map_:
         raise MalformedMessage("TransferTarget", f"unknown channel {channel!r}")
-    return _build(
+    return build(
         "TransferTarget",
         lambda: TransferTarget(
             r.text("endpoint"),
@@ -467,7 +380,7 @@ def _seal_key(text: str | None) -> bytes | None:
 
 
 def _sampling(payload: object) -> SamplingSpec:
-    r = _Reader("SamplingSpec", payload, _keys(SamplingSpec))
+    r = Reader("SamplingSpec", payload, keys_of(SamplingSpec))
     return SamplingSpec(
         r.integer("max_tokens", 1),
         r.number("temperature"),
@@ -482,14 +395,14 @@ def _sampling(payload: object) -> SamplingSpec:
 def _logprobs(payload: object) -> TokenLogprobs | None:
     if payload is None:
         return None
-    r = _Reader("TokenLogprobs", payload, _keys(TokenLogprobs))
+    r = Reader("TokenLogprobs", payload, keys_of(TokenLogprobs))
     return TokenLogprobs(r.number("logprob"), r.pairs("top"))
 
 
 def prefill_request_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> PrefillRequest:
     check_version(payload, "prefill request", local)
-    r = _Reader("PrefillRequest", payload, _keys(PrefillRequest))
-    return _build(
+    r = Reader("PrefillRequest", payload, keys_of(PrefillRequest))
+    return build(
         "PrefillRequest",
         lambda: PrefillRequest(
             r.integer("protocol_version"),
@@ -508,11 +421,11 @@ def prefill_request_from_wire(payload: object, local: int = PROTOCOL_VERSION) ->
 
 def prefill_result_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> PrefillResult:
     check_version(payload, "prefill result", local)
-    r = _Reader("PrefillResult", payload, _keys(PrefillResult))
+    r = Reader("PrefillResult", payload, keys_of(PrefillResult))
     outcome = r.text("outcome")
     if outcome not in HandoffOutcome._value2member_map_:
         raise MalformedMessage("PrefillResult", f"unknown outcome {outcome!r}")
-    return _build(
+    return build(
         "PrefillResult",
         lambda: PrefillResult(
             r.integer("protocol_version"),
@@ -533,13 +446,13 @@ def prefill_result_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> 
 
 def abort_request_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> AbortRequest:
     check_version(payload, "abort request", local)
-    r = _Reader("AbortRequest", payload, _keys(AbortRequest))
+    r = Reader("AbortRequest", payload, keys_of(AbortRequest))
     return AbortRequest(r.integer("protocol_version"), r.text("request_id"), r.text("instance_id"))
 
 
 def abort_ack_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> AbortAck:
     check_version(payload, "abort ack", local)
-    r = _Reader("AbortAck", payload, _keys(AbortAck))
+    r = Reader("AbortAck", payload, keys_of(AbortAck))
     return AbortAck(
         r.integer("protocol_version"),
         r.text("request_id"),
@@ -553,5 +466,5 @@ def decode_announcement_from_wire(
     payload: object, local: int = PROTOCOL_VERSION
 ) -> DecodeAnnouncement:
     check_version(payload, "decode announcement", local)
-    r = _Reader("DecodeAnnouncement", payload, _keys(DecodeAnnouncement))
+    r = Reader("DecodeAnnouncement", payload, keys_of(DecodeAnnouncement))
     return DecodeAnnouncement(r.integer("protocol_version"), _target(r.sub("target")))

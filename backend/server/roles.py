@@ -360,7 +360,7 @@ def _decode_runtime(
     drivers.append(driver)
     service.guard = monitor
     if core.read_log is not None:
-        service.read_log = core.read_log_snapshot
+        service.read_log = core.read_log.snapshot
     tasks: list[asyncio.Task[None]] = []
 
     async def start() -> None:
