@@ -31,7 +31,7 @@ log = logging.getLogger("kvguard.disagg.decode")
 
 
 @dataclass(frozen=True, slots=True)
-class Evidence:
+class HandoffFacts:
     """What one handoff brings to its checks."""
 
     request_id: str  # the client's (logs); expect.request_id is the handoff's on the wire
@@ -56,11 +56,11 @@ class ResultChecks:
         self._version, self._instance = protocol_version, instance_id
         self._metrics = metrics
 
-    def check(self, evidence: Evidence, result: PrefillResult) -> tuple[Verdict, Unsealed | None]:
+    def check(self, facts: HandoffFacts, result: PrefillResult) -> tuple[Verdict, Unsealed | None]:
         """The verdict on ``result``; on the sealed channel also the opened pages to move."""
-        expect, owner = evidence.expect, evidence.owner
+        expect, owner = facts.expect, facts.owner
         enforced = self._faults.enforced_checks
-        if evidence.landing is None:  # the open channel has no seal to check
+        if facts.landing is None:  # the open channel has no seal to check
             enforced = enforced - {Check.SEAL}
         opened: list[Unsealed] = []
 
@@ -71,7 +71,7 @@ class ResultChecks:
 
         def opening() -> Unsealed:
             if not opened:
-                opened.append(self._unseal(evidence, result, Check.SEAL in enforced))
+                opened.append(self._unseal(facts, result, Check.SEAL in enforced))
             return opened[0]
 
         def local_checksum() -> str:
@@ -80,7 +80,7 @@ class ResultChecks:
                 return "unsupported checksum algorithm"
             started = time.perf_counter()
             n, ids = expect.reserved_tokens, [g.page_id for g in expect.grants]
-            if evidence.landing is None:
+            if facts.landing is None:
                 digest = kv_digest(self._kv.k, self._kv.v, ids, n, algorithm)
             else:
                 pages = opening()
@@ -97,13 +97,13 @@ class ResultChecks:
             unsealed=lambda: opening().problem,
             local_checksum=local_checksum,
         )
-        self._observe(verdict, evidence)
+        self._observe(verdict, facts)
         return verdict, (opened[0] if opened else None)
 
-    def move(self, evidence: Evidence, opened: Unsealed) -> None:
+    def move(self, facts: HandoffFacts, opened: Unsealed) -> None:
         """Every check passed: the opened pages go into the pool's pages."""
         started = time.perf_counter()
-        opened.move_into(self._kv, [g.page_id for g in evidence.expect.grants])
+        opened.move_into(self._kv, [g.page_id for g in facts.expect.grants])
         self.phase("move", started)
 
     def phase(self, phase: str, started: float) -> None:
@@ -111,12 +111,12 @@ class ResultChecks:
         if self._metrics is not None:
             self._metrics.kv_channel_seconds.labels(phase).observe(time.perf_counter() - started)
 
-    def proof(self, evidence: Evidence, result: PrefillResult, verdict: Verdict) -> HandoffProof:
+    def proof(self, facts: HandoffFacts, result: PrefillResult, verdict: Verdict) -> HandoffProof:
         transferred = result.transferred.num_tokens if result.transferred is not None else None
         return HandoffProof(
             self._version,
             result.outcome.value,
-            evidence.expect.reserved_tokens,
+            facts.expect.reserved_tokens,
             transferred,
             verdict.accepted,
             tuple(c.value for c in verdict.ran),
@@ -126,12 +126,12 @@ class ResultChecks:
             round(result.checksum_s * 1000, 3),
         )
 
-    def _unseal(self, evidence: Evidence, result: PrefillResult, authenticate: bool) -> Unsealed:
+    def _unseal(self, facts: HandoffFacts, result: PrefillResult, authenticate: bool) -> Unsealed:
         """Open the chunks of the pages prefill reports written (the granted pages it names, from
         the first on), from a private copy of the slots. The binding names the tokens prefill
         says it transferred (the range check is what holds that to the reservation)."""
-        assert evidence.landing is not None and evidence.seal is not None
-        expect = evidence.expect
+        assert facts.landing is not None and facts.seal is not None
+        expect = facts.expect
         reported, written = result.pages_written, 0
         while written < min(len(reported), len(expect.grants)):
             if reported[written] != expect.grants[written]:
@@ -139,18 +139,18 @@ class ResultChecks:
             written += 1
         n_tokens = result.transferred.end if result.transferred else expect.reserved_tokens
         binding = Binding(self._version, self._instance, expect.request_id, n_tokens)
-        opening = Opening(evidence.seal, binding, expect.grants, written, authenticate)
-        opened = unseal(evidence.landing, opening, self._kv)
+        opening = Opening(facts.seal, binding, expect.grants, written, authenticate)
+        opened = unseal(facts.landing, opening, self._kv)
         if self._metrics is not None:
             self._metrics.kv_channel_seconds.labels("copy").observe(opened.copy_s)
             self._metrics.kv_channel_seconds.labels("unseal").observe(opened.open_s)
         return opened
 
-    def _observe(self, verdict: Verdict, evidence: Evidence) -> None:
-        rid = evidence.request_id
+    def _observe(self, verdict: Verdict, facts: HandoffFacts) -> None:
+        rid = facts.request_id
         refused = verdict.failed is not None and verdict.failed is not Check.OUTCOME
         if verdict.transfer_mismatch:
-            reserved = evidence.expect.reserved_tokens
+            reserved = facts.expect.reserved_tokens
             log.error("handoff %s: transferred range != reserved %d tokens", rid, reserved)
         if refused:
             log.error("handoff %s refused by the %s check: %s", rid, verdict.failed, verdict.detail)

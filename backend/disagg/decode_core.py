@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from backend.core.errors import KvguardError
 from backend.core.request import Request, RequestState
 from backend.disagg.channel import Landing, LandingSlots
-from backend.disagg.decode_checks import Evidence, ResultChecks
+from backend.disagg.decode_checks import HandoffFacts, ResultChecks
 from backend.disagg.decode_scheduler import DecodeScheduler, Release
 from backend.disagg.errors import (
     HandoffFailed,
@@ -222,13 +222,13 @@ class DecodeEngineCore(EngineCore):
         handoff.machine.advance(_S.VERIFYING)
         if self._metrics is not None:
             self._metrics.handoff_seconds.observe(self._clock() - handoff.sent_at)
-        evidence = self._evidence(handoff)
-        verdict, opened = self.checks.check(evidence, result)
-        outcome = StepOutcome(proofs={request_id: self.checks.proof(evidence, result, verdict)})
+        facts = self._facts(handoff)
+        verdict, opened = self.checks.check(facts, result)
+        outcome = StepOutcome(proofs={request_id: self.checks.proof(facts, result, verdict)})
         if verdict.accepted:
             assert result.first_token is not None  # an OK result always carries it
             if opened is not None:
-                self.checks.move(evidence, opened)
+                self.checks.move(facts, opened)
             try:
                 step = self.decode.accept(request_id, result.first_token)
             except KvguardError as refused:
@@ -403,10 +403,12 @@ class DecodeEngineCore(EngineCore):
         handoff.seal = Seal(key)
         return key
 
-    def _evidence(self, handoff: _Handoff) -> Evidence:
+    def _facts(self, handoff: _Handoff) -> HandoffFacts:
         request = self.decode.awaiting(handoff.request_id)
         owner = None if request is None else request.owner
-        return Evidence(handoff.request_id, handoff.expect, owner, handoff.landing, handoff.seal)
+        return HandoffFacts(
+            handoff.request_id, handoff.expect, owner, handoff.landing, handoff.seal
+        )
 
     def _start_drain(self, handoff: _Handoff) -> None:
         now = self._clock()
