@@ -27,7 +27,7 @@ def parse_form(body: bytes, content_type: str | None) -> dict[str, str]:
         raise InvalidRequest(f"a console form is sent as {FORM_TYPE}")
     try:
         text = body.decode("utf-8")
-        pairs = parse_qsl(text, keep_blank_values=True, max_num_fields=MAX_FIELDS)
+        pairs = parse_qsl(text, keep_blank_values=True, max_num_fields=MAX_FIELDS, errors="strict")
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidRequest("the form could not be read") from exc
     fields: dict[str, str] = {}

@@ -45,7 +45,7 @@ SECURITY_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # "no-referrer" would make a form's Origin "null"
     "Cross-Origin-Opener-Policy": "same-origin",
     "Cross-Origin-Resource-Policy": "same-origin",
 }
@@ -154,16 +154,27 @@ def _back(request: Request) -> str:
 
 
 def error_page(
-    request: Request, status: int, message: str, headers: dict[str, str] | None = None
+    request: Request,
+    status: int,
+    message: str,
+    headers: dict[str, str] | None = None,
+    *,
+    back: tuple[str, str] | None = None,
 ) -> Response:
+    """A refusal or failure as a page: what happened, and a link onwards (default: back to the
+    tenant or section the request was about)."""
+    link, label = back or (_back(request), "Back")
     context = {"title": "Refused" if status < 500 else "Unavailable", "message": message}
-    context["back"] = _back(request)
+    context |= {"back": link, "back_label": label}
     return render.page(request, "error.html", context, signed=None, status=status, headers=headers)
 
 
 def refusal(request: Request, exc: ConsoleRefusal) -> Response:
-    if isinstance(exc, SignInFirst) and request.method in ("GET", "HEAD"):
-        return RedirectResponse(f"{render.ROOT}/login", status_code=303)
+    sign_in = f"{render.ROOT}/login"
+    if isinstance(exc, SignInFirst):
+        if request.method in ("GET", "HEAD"):
+            return RedirectResponse(sign_in, status_code=303)
+        return error_page(request, exc.status, exc.message, back=(sign_in, "Sign in"))
     return error_page(request, exc.status, exc.message)
 
 

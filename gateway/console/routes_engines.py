@@ -15,7 +15,7 @@ from starlette.responses import RedirectResponse, Response
 
 from contracts.sql import run_in_session
 from gateway.api.schemas_admin import ClearQuarantineIn, EngineIn, MembersIn
-from gateway.config import EngineKind, MemberSpec
+from gateway.config import EngineKind
 from gateway.console import forms, render, views
 from gateway.console.guard import ActionDep, ConsoleRoute, SignedInDep
 from gateway.deps import StateDep
@@ -94,7 +94,7 @@ async def register(action: ActionDep, state: StateDep) -> Response:
 @router.post("/engines/{name}/members")
 async def set_members(name: str, action: ActionDep, state: StateDep) -> Response:
     body = forms.validated(MembersIn, {"members": _members(action.form)})
-    members = tuple(MemberSpec.model_validate(m.model_dump()) for m in body.members)
+    members = [m.model_dump(exclude_none=True) for m in body.members]
     await operator.set_members(state, channel=CONSOLE, name=name, members=members)
     return _done("members")
 

@@ -172,7 +172,7 @@ def cuts_per_hour(session: Session, *, now: datetime) -> CutChart:
     step = CHART_W / HOURS
     bars = []
     for hour, count in enumerate(counts):
-        height = 0.0 if peak == 0 else max(2.0, (CHART_H - 4) * count / peak)
+        height = 0.0 if count == 0 else max(2.0, (CHART_H - 4) * count / peak)
         bars.append(
             Bar(
                 x=round(hour * step + 1, 1),

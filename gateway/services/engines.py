@@ -8,8 +8,9 @@ admin route also applies a change to its own replica's registry at once.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 from pydantic import SecretStr, TypeAdapter, ValidationError
 from sqlalchemy import select
@@ -57,7 +58,7 @@ def _members_json(members: tuple[MemberSpec, ...]) -> str | None:
     return json.dumps([m.model_dump(exclude_none=True) for m in members]) if members else None
 
 
-def set_members(session: Session, *, name: str, members: tuple[MemberSpec, ...]) -> EngineSpec:
+def set_members(session: Session, *, name: str, members: Sequence[Mapping[str, Any]]) -> EngineSpec:
     """Replace the members of an admin-registered engine; the whole spec is validated again (a
     group kind, discovery and declared pools must still agree)."""
     row = session.get(RegisteredEngine, name)

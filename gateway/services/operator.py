@@ -12,7 +12,7 @@ take the running gateway's state, because they also reload and poll its registry
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from contracts.sql import run_in_session
-from gateway.config import EngineSpec, MemberSpec
+from gateway.config import EngineSpec
 from gateway.db.models import ApiKey, Tenant
 from gateway.domain import TenantPlan
 from gateway.engines.registry import EngineControls, EngineRecord
@@ -84,7 +84,7 @@ def update_tenant(
     changed: list[str] = []
     if status is not None:
         changed.append(f"status={status.value}")
-    changed += [f"{name}={value}" for name, value in (limits or {}).items()]
+    changed += [f"{name}={_limit(value)}" for name, value in (limits or {}).items()]
     if canary is not None:
         changed += [f"canary_sample_rate={canary[0]}"] if canary[0] is not None else []
         changed += [f"synthetic={canary[1]}"] if canary[1] is not None else []
@@ -124,8 +124,13 @@ def revoke_key(session: Session, *, channel: Channel, prefix: str) -> ApiKey:
     return row
 
 
+def _limit(value: int | None) -> str:
+    return "none" if value is None else str(value)
+
+
 def _plan_text(plan: TenantPlan) -> str:
-    return "; ".join(f"{name}={getattr(plan, name)}" for name in tenant_service.LIMIT_FIELDS)
+    limits = {name: getattr(plan, name) for name in tenant_service.LIMIT_FIELDS}
+    return "; ".join(f"{n}={v}" for n, v in limits.items() if v is not None) or "no limits"
 
 
 # -- engines ---------------------------------------------------------------------------------------
@@ -178,8 +183,10 @@ async def remove_engine(state: GatewayState, *, channel: Channel, name: str) -> 
 
 
 async def set_members(
-    state: GatewayState, *, channel: Channel, name: str, members: tuple[MemberSpec, ...]
+    state: GatewayState, *, channel: Channel, name: str, members: Sequence[Mapping[str, Any]]
 ) -> EngineRecord:
+    """Replace a registered group's members (each validated as in settings: a 400 names it)."""
+
     def replace(session: Session) -> None:
         spec = engine_service.set_members(session, name=name, members=members)
         detail = ", ".join(f"{m.name} {m.role.value} {m.url}" for m in spec.members) or "none"

@@ -32,7 +32,6 @@ from gateway.api.schemas_admin import (
 )
 from gateway.api.timestamps import Instant
 from gateway.api.usage import usage_out
-from gateway.config import MemberSpec
 from gateway.deps import AdminDep, SessionDep, StateDep
 from gateway.domain import TenantPlan
 from gateway.engines.registry import EngineRecord
@@ -149,7 +148,7 @@ async def register_engine(body: EngineIn, state: StateDep, _: AdminDep) -> Engin
 
 @router.put("/engines/{name}/members")
 async def set_members(name: str, body: MembersIn, state: StateDep, _: AdminDep) -> EngineOut:
-    members = tuple(MemberSpec.model_validate(m.model_dump()) for m in body.members)
+    members = [m.model_dump(exclude_none=True) for m in body.members]
     return _out(state, await operator.set_members(state, channel=API, name=name, members=members))
 
 
