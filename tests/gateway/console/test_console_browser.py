@@ -18,8 +18,9 @@ another site (cookie withheld: SameSite) and from another origin of the same sit
 refused by the origin check) changes nothing; no served page or asset holds a marker, A's prompt or
 A's answer. The browser reports no CSP violation on any page.
 
-Screenshots of every page are written under the module's temp dir (printed), and also into
-``$KVGUARD_CONSOLE_SHOTS`` when set (how ``docs/console-isolation.png`` is made).
+Screenshots of every page are written under the module's temp dir (printed); with
+``KVGUARD_CONSOLE_SHOT=<path>.png`` the Isolation page's is also written there (how
+``docs/console-isolation.png`` is made).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ pytestmark = pytest.mark.slow
 BUNDLED_MODEL = (
     Path(drillstack.__file__).resolve().parents[1] / "backend" / "bundled" / "kvguard-tiny"
 )
-SHOTS_ENV = "KVGUARD_CONSOLE_SHOTS"
+SHOT_ENV = "KVGUARD_CONSOLE_SHOT"
 DEADLINE_S = 30.0
 
 
@@ -157,10 +158,8 @@ def operator(drilled: Drilled, browser: Browser) -> Iterator[Operator]:
 def _shot(drilled: Drilled, page: Page, name: str) -> None:
     path = drilled.shots / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
-    if os.environ.get(SHOTS_ENV):
-        target = Path(os.environ[SHOTS_ENV])
-        target.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, target / f"console-{name}.png")
+    if name == "isolation" and os.environ.get(SHOT_ENV):
+        shutil.copy(path, os.environ[SHOT_ENV])
 
 
 def test_operator_sees_the_leak_and_clears_the_quarantine(
