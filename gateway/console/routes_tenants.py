@@ -165,7 +165,8 @@ async def issue_key(
     body = forms.validated(
         KeyCreate, {"name": forms.text(action.form, "name"), "expires_in_s": lifetime}
     )
-    expires_at = None if body.expires_in_s is None else utcnow() + timedelta(seconds=lifetime or 0)
+    expires_in_s = body.expires_in_s
+    expires_at = None if expires_in_s is None else utcnow() + timedelta(seconds=expires_in_s)
     issued = await run_in_session(
         state.sessions,
         lambda s: operator.issue_key(

@@ -2,16 +2,14 @@
 the same code and leave the same record, on a real gateway app with SQLite.
 
 Proves: each change made through the admin API records one ``admin_actions`` row (channel
-``admin_api``) naming its target and what changed, never a key; the same actions through the
-console record the same rows under ``console``; clearing a quarantine keeps the operator's reason
-and commits with its record or not at all; ``PUT /admin/engines/{name}/members`` replaces a
-registered group's members (validated like a registration) and refuses engines from settings.
+``admin_api``) naming its target and what changed, never a key (the console's actions record the
+same rows under ``console``: ``tests/gateway/console/test_console_actions.py``); clearing a
+quarantine keeps the operator's reason and commits with its record or not at all;
+``PUT /admin/engines/{name}/members`` replaces a registered group's members (validated like a
+registration) and refuses engines from settings.
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 from gateway_harness import Gateway
@@ -19,9 +17,6 @@ from sqlalchemy import select
 
 from contracts.sql import session_scope
 from gateway.db.models import AdminAction, EngineControl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "console"))
-from console_harness import async_sign_in
 
 GROUP = {
     "name": "group",
@@ -91,46 +86,6 @@ async def test_admin_api_changes_are_recorded_without_secrets(gateway: Gateway) 
         ("admin_api", "engine.clear_quarantine", "group", "was: not quarantined", None),
     ]
     assert not any(key in str(row) or issued["key"] in str(row) for row in _actions(gateway))
-
-
-async def test_the_console_runs_the_same_actions_under_its_own_channel(gateway: Gateway) -> None:
-    import httpx
-
-    transport = httpx.ASGITransport(app=gateway.app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as console:
-        csrf = await async_sign_in(console, gateway.state.settings.admin_secret())
-        r = await console.post(
-            "/console/tenants", data={"csrf": csrf, "name": "acme", "requests_per_minute": "60"}
-        )
-        assert r.status_code == 200
-        tenant_id = (await gateway.client.get("/admin/tenants/acme", headers=gateway.admin)).json()[
-            "id"
-        ]
-        r = await console.post(
-            f"/console/tenants/{tenant_id}/status", data={"csrf": csrf, "status": "disabled"}
-        )
-        assert r.status_code == 303
-        r = await console.post("/admin/engines", json=GROUP, headers=gateway.admin)
-        assert r.status_code == 201
-        r = await console.post(
-            "/console/engines/group/members",
-            data={
-                "csrf": csrf,
-                "members": "p1 prefill http://127.0.0.1:10\nd1 decode http://127.0.0.1:11",
-            },
-        )
-        assert r.status_code == 303, r.text
-    rows = [row for row in _actions(gateway) if row[0] == "console"]
-    assert [(action, target) for _, action, target, _, _ in rows] == [
-        ("tenant.create", tenant_id),
-        ("tenant.update", tenant_id),
-        ("engine.members", "group"),
-    ]
-    assert rows[1][3] == "status=disabled"
-    assert rows[2][3] == "p1 prefill http://127.0.0.1:10, d1 decode http://127.0.0.1:11"
-    r = await gateway.client.get("/admin/engines", headers=gateway.admin)
-    group = next(e for e in r.json() if e["name"] == "group")
-    assert [m["name"] for m in group["members"]] == ["p1", "d1"]
 
 
 async def test_a_clear_and_its_record_commit_together(gateway: Gateway) -> None:
