@@ -241,7 +241,8 @@ _ITEMS: dict[str, type[_Request]] = {
 }
 
 
-def _item(value: Any) -> Any:
+def read_item(value: Any) -> Any:
+    """One input item, read by its type (a stored item too)."""
     if isinstance(value, dict) and value.get("type") is None:  # a type-less message/reference
         return _validate(MessageItem if "role" in value else ItemReference, value)
     return _dispatch(_ITEMS, value, "input item")
@@ -255,7 +256,7 @@ def _input(value: Any) -> str | list[InputItem]:
     items = []
     for position, item in enumerate(value):
         try:
-            items.append(_item(item))
+            items.append(read_item(item))
         except ValueError as exc:
             raise ValueError(f"item {position}: {exc}") from None
     return items
