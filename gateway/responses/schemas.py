@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 
+from contracts.openai import lone_surrogate
 from gateway.api.schemas_openai import (
     MAX_TOKENS_CEILING,
     Json,
@@ -249,6 +250,8 @@ def read_item(value: Any) -> Any:
 
 
 def _input(value: Any) -> str | list[InputItem]:
+    if lone_surrogate(value) is not None:  # every string of every item, in one walk
+        raise ValueError("text is not valid Unicode (it holds a lone surrogate)")
     if isinstance(value, str):
         return value
     if not isinstance(value, list) or not value or len(value) > MAX_ITEMS:

@@ -71,7 +71,7 @@ def chat_body(
         fields["max_completion_tokens"] = body.max_output_tokens
     if body.tools:
         fields["tools"] = [_tool(tool.model_dump(exclude_none=True)) for tool in body.tools]
-    if body.tool_choice is not None:
+    if body.tool_choice is not None and body.tools:  # without tools, no choice asks anything
         fields["tool_choice"] = _tool_choice(body.tool_choice)
     text_format = body.text.format if body.text else None
     if text_format is not None and text_format.type != "text":
