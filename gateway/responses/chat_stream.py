@@ -19,8 +19,8 @@ Closing a part sends what its guard still held as one more delta, then its ``*.d
 the delivered text. ``finish_reason`` "length" makes the items and the response incomplete
 (``max_output_tokens``), "content_filter" the response (``content_filter``); the usage chunk that
 follows (the gateway always asks for one) becomes the response's usage. A guard's Cut, an engine
-error event, an invalid chunk or a stream without ``[DONE]`` ends it with ``failure_events``, never
-a truncated "completed".
+error event, an invalid chunk or a stream without ``[DONE]`` ends it as failed
+(``events.EventWriter.fail``), never a truncated "completed".
 
 A text delta costs one guard call and one event built from a prefix made when its part opened.
 ``whole_answer`` runs a non-streaming chat completion through the same machine (no events built),
@@ -35,15 +35,8 @@ from typing import Any
 
 from contracts.plugins import Cut
 from gateway.lifecycle import Phase
-from gateway.responses.objects import (
-    Envelope,
-    dumps,
-    error_event,
-    failure_error,
-    new_id,
-    sse,
-    usage,
-)
+from gateway.responses.events import EventWriter, Step
+from gateway.responses.objects import Envelope, dumps, new_id, usage
 from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, Streams, whole
 
 INVALID = "the engine sent an invalid event"
@@ -55,16 +48,6 @@ _DELTA_TYPES = {
     "reasoning_text": "response.reasoning_text.delta",
     "arguments": "response.function_call_arguments.delta",
 }
-
-
-@dataclass(slots=True)
-class Step:
-    """What to send for one upstream event, and how the stream ended if it did here."""
-
-    out: bytes
-    end: Phase | None = None
-    code: str | None = None
-    cut: Cut | None = None  # for the guards' owner (``on_cut``)
 
 
 @dataclass(slots=True)
@@ -86,7 +69,7 @@ class _Item:
     done: bool = False
 
 
-class ChatToResponses:
+class ChatToResponses(EventWriter):
     def __init__(
         self,
         envelope: Envelope,
@@ -95,20 +78,16 @@ class ChatToResponses:
         hidden_prompt_tokens: int = 0,
         stream: bool = True,
     ) -> None:
-        self._env = envelope
+        super().__init__(envelope, stream=stream)
         self._open = open_guard
         self._streams = Streams(open_guard)
         self._hidden = hidden_prompt_tokens
-        self._stream = stream
-        self._seq = 0
-        self._mark = 0  # the sequence number this upstream event started at
         self._items: list[_Item] = []
         self._text_item: _Item | None = None  # the open message or reasoning item
         self._calls: dict[int, _Item] = {}  # chat tool-call index -> its item
         self._output: list[dict[str, Any]] = []  # finished items, in output order
         self._finish: str | None = None
         self._usage: dict[str, Any] | None = None
-        self.response: dict[str, Any] | None = None  # the final Response, once ended
         self.completion_tokens: int | None = None
         self.prompt_tokens: int | None = None  # the engine's count (hooks' additions included)
 
@@ -116,12 +95,12 @@ class ChatToResponses:
 
     def start(self) -> bytes:
         initial = self._env.response(status="in_progress", output=[])
-        return self._event("response.created", {"response": initial}) + self._event(
+        return self.emit("response.created", {"response": initial}) + self.emit(
             "response.in_progress", {"response": initial}
         )
 
     def feed(self, chunk: dict[str, Any]) -> Step:
-        self._mark = self._seq
+        self.mark()
         try:
             return self._feed(chunk)
         except InvalidAnswer:
@@ -129,13 +108,13 @@ class ChatToResponses:
 
     def done(self) -> Step:
         """``[DONE]``: close what is open, then the terminal event."""
-        self._mark = self._seq
+        self.mark()
         try:
             out = self._close_open_items()
         except InvalidAnswer:
             return self.fail("upstream_error", INVALID)
         if isinstance(out, Cut):
-            return self._cut(out)
+            return self.cut(out)
         reason = _INCOMPLETE.get(self._finish or "")
         status = "completed" if reason is None else "incomplete"
         self.response = self._env.response(
@@ -145,28 +124,17 @@ class ChatToResponses:
             incomplete_reason=reason,
             completed_at=self._env.created_at if status == "completed" else None,
         )
-        out += self._event(f"response.{status}", {"response": self.response})
+        out += self.emit(f"response.{status}", {"response": self.response})
         return Step(out, Phase.COMPLETED)
 
     def upstream_ended(self) -> Step:
         """The engine's stream ended without ``[DONE]``: the guards' Cut if finishing them finds
         one (what they held back is never delivered), else an upstream error."""
-        self._mark = self._seq
+        self.mark()
         tails = self._streams.close_all()
         if isinstance(tails, Cut):
-            return self._cut(tails)
+            return self.cut(tails)
         return self.fail("upstream_error", ENDED_EARLY)
-
-    def fail(self, code: str, message: str) -> Step:
-        """End the stream as failed; the events this upstream event built so far are dropped
-        (their sequence numbers are reused)."""
-        self._seq = self._mark
-        out = self._event("error", error_event(code, message, 0))
-        self.response = self._env.response(
-            status="failed", output=[], error=failure_error(code, message)
-        )
-        out += self._event("response.failed", {"response": self.response})
-        return Step(out, Phase.FAILED, code)
 
     def whole_answer(self, completion: dict[str, Any]) -> Step:
         """A non-streaming chat completion through the same machine: ``response`` is the
@@ -208,7 +176,7 @@ class ChatToResponses:
         delta = choice.get("delta")
         out = self._delta(delta) if isinstance(delta, dict) and delta else b""
         if isinstance(out, Cut):
-            return self._cut(out)
+            return self.cut(out)
         reason = choice.get("finish_reason")
         if reason is not None:
             if self._finish is not None or not isinstance(reason, str):
@@ -216,7 +184,7 @@ class ChatToResponses:
             self._finish = reason
             closed = self._close_open_items()
             if isinstance(closed, Cut):
-                return self._cut(closed)
+                return self.cut(closed)
             out += closed
         return Step(out)
 
@@ -372,22 +340,20 @@ class ChatToResponses:
         finished = _item_object(item, parts, status)
         self._output.append(finished)
         done = {"output_index": item.index, "item": finished}
-        return out + self._event("response.output_item.done", done)
+        return out + self.emit("response.output_item.done", done)
 
     def _tail(self, part: _Part, text: str) -> bytes:
         logprobs = ',"logprobs":[]' if part.kind == "output_text" else ""
-        payload = f'{part.prefix}{dumps(text)}{logprobs},"sequence_number":{self._seq}}}'
-        self._seq += 1
-        return sse(_DELTA_TYPES[part.kind], payload)
+        return self.emit_raw(_DELTA_TYPES[part.kind], f"{part.prefix}{dumps(text)}{logprobs}")
 
     def _added(self, item: _Item) -> bytes:
-        return self._event(
+        return self.emit(
             "response.output_item.added",
             {"output_index": item.index, "item": _item_object(item, [], "in_progress")},
         )
 
     def _part_added(self, item: _Item, part: _Part) -> bytes:
-        return self._event(
+        return self.emit(
             "response.content_part.added",
             {
                 "item_id": item.id,
@@ -401,15 +367,15 @@ class ChatToResponses:
         where = {"item_id": item.id, "output_index": item.index}
         if part.kind == "arguments":
             done = {**where, "name": item.name, "arguments": text}
-            return self._event("response.function_call_arguments.done", done)
+            return self.emit("response.function_call_arguments.done", done)
         where["content_index"] = part.index
         field_name = "refusal" if part.kind == "refusal" else "text"
         done = {**where, field_name: text}
         if part.kind == "output_text":
             done["logprobs"] = []
         kind = "reasoning_text" if part.kind == "reasoning_text" else part.kind
-        out = self._event(f"response.{kind}.done", done)
-        return out + self._event("response.content_part.done", {**where, "part": obj})
+        out = self.emit(f"response.{kind}.done", done)
+        return out + self.emit("response.content_part.done", {**where, "part": obj})
 
     # -- endings and encoding -----------------------------------------------------------------
 
@@ -428,20 +394,9 @@ class ChatToResponses:
             value = error.get(name)
             screened = whole(self._open(), value) if isinstance(value, str) and value else default
             if isinstance(screened, Cut):
-                return self._cut(screened)
+                return self.cut(screened)
             found.append(screened)
         return self.fail(found[0], found[1])
-
-    def _cut(self, cut: Cut) -> Step:
-        step = self.fail(cut.code, cut.message)
-        return Step(step.out, Phase.CUT, cut.code, cut)
-
-    def _event(self, event_type: str, fields: dict[str, Any]) -> bytes:
-        if not self._stream:
-            return b""
-        fields = {"type": event_type, **fields, "sequence_number": self._seq}
-        self._seq += 1
-        return sse(event_type, dumps(fields))
 
 
 def _finish(choice: dict[str, Any]) -> dict[str, Any]:

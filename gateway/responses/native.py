@@ -22,8 +22,9 @@ Every event is rebuilt from the fields of its published schema, never passed on 
 - sequence numbers are the gateway's (events it drops or adds never leave gaps).
 
 A guard's Cut, an event type or item the gateway cannot screen, an engine failure or a stream
-that ends without its terminal event ends the stream with ``failure_events`` (never a truncated
-"completed"). ``whole_answer`` screens a non-streaming Response the same way. Pure: no I/O.
+that ends without its terminal event ends the stream as failed (``EventWriter.fail``: never a
+truncated "completed"). ``whole_answer`` screens a non-streaming Response the same way.
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from typing import Any
 from contracts.plugins import Cut
 from contracts.sse import parse_event
 from gateway.lifecycle import Phase
-from gateway.responses.chat_stream import Step
-from gateway.responses.objects import Envelope, dumps, error_event, failure_error, sse, usage
+from gateway.responses.events import EventWriter, Step
+from gateway.responses.objects import Envelope, usage
 from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, SideStrings, Streams, whole
 
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -70,7 +71,7 @@ def _str(value: Any) -> str:
     return value
 
 
-class NativeStream:
+class NativeStream(EventWriter):
     def __init__(
         self,
         envelope: Envelope,
@@ -79,17 +80,13 @@ class NativeStream:
         hidden_prompt_tokens: int = 0,
         stream: bool = True,
     ) -> None:
-        self._env = envelope
+        super().__init__(envelope, stream=stream)
         self._open = open_guard
         self._streams = Streams(open_guard)
         self._side = SideStrings(open_guard)
         self._hidden = hidden_prompt_tokens
-        self._stream = stream
-        self._seq = 0
-        self._mark = 0
         self._started: set[str] = set()
         self._opened: dict[Key, tuple[str, dict[str, Any]]] = {}  # text stream -> its delta event
-        self.response: dict[str, Any] | None = None
         self.completion_tokens: int | None = None
         self.prompt_tokens: int | None = None
 
@@ -108,7 +105,7 @@ class NativeStream:
 
     def on_object(self, event: Any) -> Step:
         """One parsed event."""
-        self._mark = self._seq
+        self.mark()
         try:
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise InvalidAnswer("an event without a type")
@@ -118,18 +115,18 @@ class NativeStream:
         if isinstance(out, Step):
             return out
         if isinstance(out, Cut):
-            return self._cut(out)
+            return self.cut(out)
         return Step(out)
 
     def upstream_ended(self) -> Step:
         """The stream ended without a terminal event: the guards' Cut if finishing them finds one
         (held-back text is never delivered), else an upstream error."""
-        self._mark = self._seq
+        self.mark()
         tails = self._streams.close_all()
         if isinstance(tails, Cut):
-            return self._cut(tails)
+            return self.cut(tails)
         side = self._side.finish()
-        return self._cut(side) if side is not None else self.fail("upstream_error", ENDED_EARLY)
+        return self.cut(side) if side is not None else self.fail("upstream_error", ENDED_EARLY)
 
     def whole_answer(self, body: Any) -> Step:
         """A non-streaming Response from the engine, screened: ``response`` is the client's."""
@@ -140,15 +137,6 @@ class NativeStream:
         if status == "failed":
             kind = "response.failed"
         return self.on_object({"type": kind, "response": body})
-
-    def fail(self, code: str, message: str) -> Step:
-        self._seq = self._mark
-        out = self._emit("error", error_event(code, message, 0))
-        self.response = self._env.response(
-            status="failed", output=[], error=failure_error(code, message)
-        )
-        out += self._emit("response.failed", {"response": self.response})
-        return Step(out, Phase.FAILED, code)
 
     # -- events -------------------------------------------------------------------------------
 
@@ -174,7 +162,7 @@ class NativeStream:
             return b""
         self._started.add(kind)
         initial = self._env.response(status="in_progress", output=[])
-        return self._emit(kind, {"response": initial})
+        return self.emit(kind, {"response": initial})
 
     def _where(
         self, event: dict[str, Any], index_field: str
@@ -200,7 +188,7 @@ class NativeStream:
             sent = self._streams.feed(key, _str(event.get("delta")))
             if isinstance(sent, Cut) or not sent:
                 return sent if isinstance(sent, Cut) else b""
-            return self._emit(f"{base}.delta", {**where, "delta": sent, **extra})
+            return self.emit(f"{base}.delta", {**where, "delta": sent, **extra})
         full = self._streams.full(key, _str(event.get(text_field)))
         if isinstance(full, Cut):
             return full
@@ -213,7 +201,7 @@ class NativeStream:
             if isinstance(name, Cut):
                 return name
             done["name"] = name
-        return out + self._emit(f"{base}.done", done)
+        return out + self.emit(f"{base}.done", done)
 
     def _close(
         self, key: Key, where: dict[str, Any], base: str, extra: dict[str, Any]
@@ -222,7 +210,7 @@ class NativeStream:
         tail = self._streams.close(key)
         if isinstance(tail, Cut) or not tail:
             return tail if isinstance(tail, Cut) else b""
-        return self._emit(f"{base}.delta", {**where, "delta": tail, **extra})
+        return self.emit(f"{base}.delta", {**where, "delta": tail, **extra})
 
     def _part_event(self, kind: str, event: dict[str, Any]) -> bytes | Cut:
         summary = kind in _SUMMARY_PART_EVENTS
@@ -238,7 +226,7 @@ class NativeStream:
         rebuilt = self._part(part, output_index, sub, summary=summary)
         if isinstance(rebuilt, Cut):
             return rebuilt
-        return self._emit(kind, {**where, "part": rebuilt})
+        return self.emit(kind, {**where, "part": rebuilt})
 
     def _item_event(self, kind: str, event: dict[str, Any]) -> bytes | Cut:
         output_index = _index(event.get("output_index"))
@@ -246,7 +234,7 @@ class NativeStream:
         rebuilt = self._item(item, output_index)
         if isinstance(rebuilt, Cut):
             return rebuilt
-        return self._emit(kind, {"output_index": output_index, "item": rebuilt})
+        return self.emit(kind, {"output_index": output_index, "item": rebuilt})
 
     def _terminal(self, response: Any) -> Step | Cut:
         if not isinstance(response, dict) or not isinstance(response.get("output", []), list):
@@ -258,7 +246,7 @@ class NativeStream:
         for key, tail in tails:  # streams whose done event never came
             base, where = self._opened[key]
             extra: dict[str, Any] = {"logprobs": []} if key[0] == "output_text" else {}
-            out += self._emit(f"{base}.delta", {**where, "delta": tail, **extra})
+            out += self.emit(f"{base}.delta", {**where, "delta": tail, **extra})
         output = []
         for output_index, item in enumerate(response.get("output", [])):
             rebuilt = self._item(item, output_index)
@@ -283,7 +271,7 @@ class NativeStream:
             completed_at=self._env.created_at if not incomplete else None,
         )
         return Step(
-            out + self._emit(f"response.{status}", {"response": self.response}), Phase.COMPLETED
+            out + self.emit(f"response.{status}", {"response": self.response}), Phase.COMPLETED
         )
 
     def _engine_failure(self, event: dict[str, Any]) -> Step | Cut:
@@ -394,17 +382,6 @@ class NativeStream:
         self.completion_tokens = converted["output_tokens"]
         self.prompt_tokens = converted["input_tokens"] + self._hidden
         return converted
-
-    def _cut(self, cut: Cut) -> Step:
-        step = self.fail(cut.code, cut.message)
-        return Step(step.out, Phase.CUT, cut.code, cut)
-
-    def _emit(self, event_type: str, fields: dict[str, Any]) -> bytes:
-        if not self._stream:
-            return b""
-        fields = {"type": event_type, **fields, "sequence_number": self._seq}
-        self._seq += 1
-        return sse(event_type, dumps(fields))
 
 
 def _list(item: dict[str, Any], name: str) -> list[Any]:

@@ -10,10 +10,11 @@
 - ``usage``: a chat completion's ``usage`` as a Response's (input/output token details filled);
 - ``sse``: one event as OpenAI and vLLM frame it (``event: <type>`` then ``data: <json>``; no
   ``[DONE]`` ends a Responses stream);
-- ``failure_events``: how a stream that must stop ends: an ``error`` event naming the code (with an
-  ``error`` object too, so OpenAI's SDKs raise it as an APIError instead of ending the iteration
-  quietly) and a ``response.failed`` whose ``error`` (``server_error``, the one code of the
-  published enum that fits) names the same code in its message. Never a truncated "completed".
+- ``failure_error``, ``error_event``: how a stream that must stop ends
+  (``events.EventWriter.fail``): an ``error`` event naming the code (with an ``error`` object
+  too, so OpenAI's SDKs raise it as an APIError instead of ending the iteration quietly) and a
+  ``response.failed`` whose ``error`` (``server_error``, the one code of the published enum that
+  fits) names the same code in its message. Never a truncated "completed".
 """
 
 from __future__ import annotations
