@@ -36,7 +36,7 @@ from contracts.plugins import Cut
 from contracts.sse import parse_event
 from gateway.lifecycle import Phase
 from gateway.responses.events import EventWriter, Step
-from gateway.responses.objects import Envelope, usage
+from gateway.responses.objects import Envelope, dumps, usage
 from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, SideStrings, Streams, whole
 
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -87,6 +87,7 @@ class NativeStream(EventWriter):
         self._hidden = hidden_prompt_tokens
         self._started: set[str] = set()
         self._opened: dict[Key, tuple[str, dict[str, Any]]] = {}  # text stream -> its delta event
+        self._heads: dict[tuple[Key, str], str] = {}
         self.completion_tokens: int | None = None
         self.prompt_tokens: int | None = None
 
@@ -178,7 +179,7 @@ class NativeStream(EventWriter):
     def _text_event(self, base: str, phase: str, event: dict[str, Any]) -> bytes | Cut:
         stream_kind, text_field, index_field = _TEXT_EVENTS[base]
         where, (output_index, sub) = self._where(event, index_field)
-        cut = self._side.feed([("item_id", where["item_id"])])
+        cut = self._side.feed_one("item_id", where["item_id"])
         if cut is not None:
             return cut
         key: Key = (stream_kind, output_index, sub)
@@ -188,7 +189,12 @@ class NativeStream(EventWriter):
             sent = self._streams.feed(key, _str(event.get("delta")))
             if isinstance(sent, Cut) or not sent:
                 return sent if isinstance(sent, Cut) else b""
-            return self.emit(f"{base}.delta", {**where, "delta": sent, **extra})
+            head = self._heads.get((key, where["item_id"]))
+            if head is None:  # the event's JSON up to its delta, made once per stream and item
+                head = dumps({"type": f"{base}.delta", **where})[:-1] + ',"delta":'
+                self._heads[(key, where["item_id"])] = head
+            tail = ',"logprobs":[]' if extra else ""
+            return self.emit_raw(f"{base}.delta", f"{head}{dumps(sent)}{tail}")
         full = self._streams.full(key, _str(event.get(text_field)))
         if isinstance(full, Cut):
             return full

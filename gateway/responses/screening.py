@@ -169,6 +169,14 @@ class SideStrings:
                 return cut
         return None
 
+    def feed_one(self, key: str, value: str) -> Cut | None:
+        """One value (the usual event's one identifier): skippable while no guard holds text."""
+        if not self._holding:
+            guard = self._guards.get(key)
+            if guard is not None and guard.skippable(value):
+                return None
+        return self.feed(((key, value),))
+
     def finish(self) -> Cut | None:
         """The end of the answer: a guard's Cut for what it held back, or None."""
         guards, self._guards, self._holding = self._guards, {}, set()
