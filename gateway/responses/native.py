@@ -245,20 +245,23 @@ class NativeStream(EventWriter):
     def _terminal(self, response: Any) -> Step | Cut:
         if not isinstance(response, dict) or not isinstance(response.get("output", []), list):
             raise InvalidAnswer("a final response without output")
+        items = response.get("output", [])
+        output = self._output(items)  # feeds a text no delta carried (a whole answer's)
+        if isinstance(output, Cut):
+            return output
         out = b""
         tails = self._streams.close_all()
         if isinstance(tails, Cut):
             return tails
         for key, tail in tails:  # streams whose done event never came
-            base, where = self._opened[key]
-            extra: dict[str, Any] = {"logprobs": []} if key[0] == "output_text" else {}
-            out += self.emit(f"{base}.delta", {**where, "delta": tail, **extra})
-        output = []
-        for output_index, item in enumerate(response.get("output", [])):
-            rebuilt = self._item(item, output_index)
-            if isinstance(rebuilt, Cut):
-                return rebuilt
-            output.append(rebuilt)
+            if key in self._opened:
+                base, where = self._opened[key]
+                extra: dict[str, Any] = {"logprobs": []} if key[0] == "output_text" else {}
+                out += self.emit(f"{base}.delta", {**where, "delta": tail, **extra})
+        if tails:
+            output = self._output(items)  # again, now with what the guards held back
+            if isinstance(output, Cut):
+                return output
         side = self._side.finish()
         if side is not None:
             return side
@@ -279,6 +282,15 @@ class NativeStream(EventWriter):
         return Step(
             out + self.emit(f"response.{status}", {"response": self.response}), Phase.COMPLETED
         )
+
+    def _output(self, items: list[Any]) -> list[dict[str, Any]] | Cut:
+        output = []
+        for output_index, item in enumerate(items):
+            rebuilt = self._item(item, output_index)
+            if isinstance(rebuilt, Cut):
+                return rebuilt
+            output.append(rebuilt)
+        return output
 
     def _engine_failure(self, event: dict[str, Any]) -> Step | Cut:
         """An engine's ``error`` event or ``response.failed``: its code and message, screened,

@@ -272,3 +272,18 @@ async def test_a_whole_answer_from_the_standin_is_screened_and_valid() -> None:
     assert step.end is Phase.COMPLETED and step.out == b""
     final = check("Response", stream.response)
     assert final["output"][0]["content"][0]["text"] == "plain  text "
+
+
+def test_text_held_back_to_the_end_is_in_the_final_output() -> None:
+    """A text that only the final response carries (a whole answer) ends with a "C" the
+    firewall holds back until the end: it is delivered, not lost."""
+    engine = VLLMResponses(script=Script(text="ends with ABC"))
+    final = _engine_events(engine)[-1]["response"]
+    final["output"][0]["content"][0]["text"] = "ends with ABC"
+    stream = NativeStream(env(), firewall(), stream=False)
+    assert stream.whole_answer(final).end is Phase.COMPLETED
+    assert stream.response is not None
+    assert stream.response["output"][0]["content"][0]["text"] == "ends with ABC"
+    cut = NativeStream(env(), firewall(), stream=False)
+    final["output"][0]["content"][0]["text"] = "ends with " + FOREIGN.text[:20]
+    assert cut.whole_answer(final).end is Phase.CUT
