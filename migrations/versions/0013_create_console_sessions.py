@@ -1,7 +1,7 @@
 """Create console sessions: the operator console's sign-ins, shared by every gateway replica.
 
-Revision ID: 0012_create_console_sessions
-Revises: 0011_quarantine_cleared_at
+Revision ID: 0013_create_console_sessions
+Revises: 0012_stored_responses
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0012_create_console_sessions"
-down_revision = "0011_quarantine_cleared_at"
+revision = "0013_create_console_sessions"
+down_revision = "0012_stored_responses"
 branch_labels = None
 depends_on = None
 

@@ -1,7 +1,7 @@
 """Create admin actions: every operator action of the admin API and the console, with its reason.
 
-Revision ID: 0013_create_admin_actions
-Revises: 0012_create_console_sessions
+Revision ID: 0014_create_admin_actions
+Revises: 0013_create_console_sessions
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0013_create_admin_actions"
-down_revision = "0012_create_console_sessions"
+revision = "0014_create_admin_actions"
+down_revision = "0013_create_console_sessions"
 branch_labels = None
 depends_on = None
 
