@@ -12,11 +12,13 @@ take the running gateway's state, because they also reload and poll its registry
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from contracts.sql import run_in_session
@@ -32,6 +34,8 @@ from gateway.services import keys as key_service
 from gateway.services import tenants as tenant_service
 from gateway.services.actions import ActionKind, Channel
 from gateway.state import GatewayState
+
+log = logging.getLogger("kvguard.gateway.operator")
 
 # -- tenants and keys ------------------------------------------------------------------------------
 
@@ -203,14 +207,22 @@ async def set_members(
 async def quarantine(
     state: GatewayState, *, channel: Channel, name: str, reason: str
 ) -> EngineRecord:
+    """Take an engine out of routing everywhere (``Quarantines.impose``: it never waits on the
+    database), then record it. Tightening isolation must not fail for want of its record: when the
+    database cannot take it, the quarantine stands and the missing record is logged."""
     known(state, name)
     await state.quarantine(name, reason=reason)
-    await run_in_session(
-        state.sessions,
-        lambda s: actions.record(
-            s, channel=channel, action=ActionKind.ENGINE_QUARANTINE, target=name, reason=reason
-        ),
-    )
+    try:
+        await run_in_session(
+            state.sessions,
+            lambda s: actions.record(
+                s, channel=channel, action=ActionKind.ENGINE_QUARANTINE, target=name, reason=reason
+            ),
+        )
+    except SQLAlchemyError as exc:
+        log.error(
+            "quarantine of %s imposed; its admin action not recorded (%s)", name, type(exc).__name__
+        )
     return known(state, name)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from gateway_harness import Gateway
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from contracts.sql import session_scope
 from gateway.db.models import AdminAction, EngineControl
@@ -124,3 +124,24 @@ async def test_members_of_a_registered_group_are_replaced_and_validated(
     assert r.status_code == 400 and r.json()["error"]["param"] == "members", r.text
     r = await client.put("/admin/engines/standin/members", json={"members": []}, headers=admin)
     assert r.status_code == 404 and "configured engines change in settings" in r.text
+
+
+async def test_a_quarantine_stands_when_its_record_cannot_be_written(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tightening isolation never waits on the audit: the database refuses the record (its table
+    is gone), the quarantine holds on this replica and in the database, and the log says so."""
+    with session_scope(gateway.state.sessions) as session:
+        session.execute(text("DROP TABLE admin_actions"))
+    r = await gateway.client.post(
+        "/admin/engines/standin/quarantine", json={"reason": "suspicious"}, headers=gateway.admin
+    )
+    assert r.status_code == 200 and r.json()["quarantine_reason"] == "suspicious", r.text
+    with session_scope(gateway.state.sessions) as session:
+        row = session.get(EngineControl, "standin")
+        assert row is not None and row.quarantine_reason == "suspicious"
+    assert "quarantine of standin imposed; its admin action not recorded" in caplog.text
+    # clearing, which relaxes isolation, is refused without its record: nothing is lifted
+    r = await gateway.client.delete("/admin/engines/standin/quarantine", headers=gateway.admin)
+    assert r.status_code == 503, r.text
+    assert gateway.state.registry.get("standin").controls.quarantine_reason == "suspicious"
