@@ -1,5 +1,6 @@
-"""SQLAlchemy 2 tables of the gateway: tenants, API keys, request audit, registered engines, and
-the responses tenants asked the gateway to keep (the Responses API's ``store``).
+"""SQLAlchemy 2 tables of the gateway: tenants, API keys, request audit, registered engines, engine
+controls, the responses tenants asked the gateway to keep (the Responses API's ``store``), console
+sessions and admin actions.
 
 Tables only (the HTTP schemas live in ``gateway.api.schemas``). Every change here needs an Alembic
 revision in ``migrations/versions`` (one logical change each); a test compares this metadata with
@@ -159,3 +160,34 @@ class StoredResponse(Base):
 
     def __repr__(self) -> str:  # content stays out of logs
         return f"StoredResponse(tenant_id={self.tenant_id!r}, id={self.id!r})"
+
+
+class ConsoleSession(Base):
+    """A signed-in operator console session (``gateway.console.sessions``): the SHA-256 of the
+    cookie's token finds the row; ``binding`` ties it to the admin token it was opened with."""
+
+    __tablename__ = "console_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    binding: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+
+    def __repr__(self) -> str:  # the hash stays out of logs
+        return f"ConsoleSession(expires_at={self.expires_at!r})"
+
+
+class AdminAction(Base):
+    """One operator action (``gateway.services.actions``): what, on what, through which channel,
+    what changed, and the operator's reason where one is asked for. Ids, names and numbers only."""
+
+    __tablename__ = "admin_actions"
+    __table_args__ = (Index("ix_admin_actions_at", "at"),)
+
+    id: Mapped[int] = mapped_column(AUDIT_ID, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    channel: Mapped[str] = mapped_column(String(16))
+    action: Mapped[str] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(String(128))
+    detail: Mapped[str | None] = mapped_column(String(256))
+    reason: Mapped[str | None] = mapped_column(String(256))

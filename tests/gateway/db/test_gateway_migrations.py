@@ -21,6 +21,7 @@ GATEWAY_TABLES = {
     "engine_controls",
     "stored_responses",
 }
+GATEWAY_TABLES |= {"console_sessions", "admin_actions"}
 CANARY_TABLES = {"canary_findings", "canary_probe_runs"}
 ALL_TABLES = GATEWAY_TABLES | CANARY_TABLES
 
@@ -39,7 +40,7 @@ def _tables(engine) -> set[str]:
 def test_upgrade_downgrade_upgrade(db_engine) -> None:
     upgrade_database(db_engine)
     assert _tables(db_engine) == ALL_TABLES
-    assert current_revision(db_engine) == "0012_stored_responses"
+    assert current_revision(db_engine) == "0014_create_admin_actions"
 
     downgrade_database(db_engine, "base")
     assert _tables(db_engine) == set()
