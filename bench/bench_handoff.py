@@ -39,6 +39,7 @@ LENGTHS = (64, 512, 2048)
 PHASES = {"prefill": ("seal",), "decode": ("register", "copy", "unseal", "move")}
 CHANNEL = "kvguard_engine_kv_channel_seconds"
 HANDOFF = "kvguard_engine_handoff_seconds"
+CHECKSUM = "kvguard_engine_kv_checksum_seconds"
 ENV = {"KVGUARD_SERVED_MODEL_NAME": "tiny", "GLOG_minloglevel": "2"}
 POOL = {"pool_tokens": 8192, "page_size": 16}
 
@@ -70,7 +71,7 @@ class Pair:
 
     def series(self) -> list[tuple[str, str, dict[str, str]]]:
         out = [(role, CHANNEL, {"phase": p}) for role, ps in PHASES.items() for p in ps]
-        return [*out, ("decode", HANDOFF, {})]
+        return [*out, ("decode", HANDOFF, {}), ("decode", CHECKSUM, {})]
 
     def mark(self) -> None:
         for role, name, labels in self.series():
@@ -93,8 +94,8 @@ def per_request(sealed: Pair, opened: Pair, decode_urls: dict[str, str], repeats
     print("1. per request: sealed vs open channel (1 client, max_tokens=8, ms, medians)")
     head = (
         f"{'prompt':>6} {'sealed':>8} {'open':>8} {'ratio':>6} {'handoff S':>9} {'handoff O':>9} "
-        f"{'seal':>6} {'register':>8} {'copy':>6} {'unseal':>6} {'move':>6} {'channel':>7} "
-        f"{'share':>6}"
+        f"{'cksum S':>7} {'cksum O':>7} {'seal':>6} {'register':>8} {'copy':>6} {'unseal':>6} "
+        f"{'move':>6} {'channel':>7} {'share':>6}"
     )
     print(head)
     ok = True
@@ -118,9 +119,9 @@ def per_request(sealed: Pair, opened: Pair, decode_urls: dict[str, str], repeats
             ok &= share < GOAL
             print(
                 f"{n:6d} {s:8.1f} {o:8.1f} {s / o:6.2f} {costs[HANDOFF]:9.2f} "
-                f"{open_costs[HANDOFF]:9.2f} {costs['seal']:6.2f} {costs['register']:8.3f} "
-                f"{costs['copy']:6.3f} {costs['unseal']:6.3f} {costs['move']:6.3f} "
-                f"{channel:7.2f} {share:6.2%}"
+                f"{open_costs[HANDOFF]:9.2f} {costs[CHECKSUM]:7.3f} {open_costs[CHECKSUM]:7.3f} "
+                f"{costs['seal']:6.2f} {costs['register']:8.3f} {costs['copy']:6.3f} "
+                f"{costs['unseal']:6.3f} {costs['move']:6.3f} {channel:7.2f} {share:6.2%}"
             )
             emit(
                 "handoff",
@@ -134,7 +135,8 @@ def per_request(sealed: Pair, opened: Pair, decode_urls: dict[str, str], repeats
             )
     print(
         "   sealed/open: medians of each pair's requests; handoff: decode's request sent -> "
-        "result;\n   seal (prefill), register, copy, unseal, move (decode): the sealed channel's "
+        "result;\n   cksum: decode's checksum (over the opened pages, or over the pool's);\n"
+        "   seal (prefill), register, copy, unseal, move (decode): the sealed channel's "
         "work per handoff;\n   channel: their sum; share: channel / sealed request time"
     )
     return ok
