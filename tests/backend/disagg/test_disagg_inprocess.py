@@ -112,11 +112,11 @@ class Pair:
 
 @pytest.fixture
 async def pair(request: pytest.FixtureRequest, tiny_checkpoint: str) -> AsyncIterator[Pair]:
-    """``request.param``: the (wrapped) transport prefill sends with, or it and a channel."""
+    """``request.param``: the (wrapped) transport prefill sends with, or a tuple of it, the
+    channel and decode's fault drills."""
     transport: KvTransport
-    transport, kv_channel = (
-        request.param if isinstance(request.param, tuple) else (request.param, "sealed")
-    )
+    param = request.param if isinstance(request.param, tuple) else (request.param,)
+    transport, kv_channel, decode_faults = (*param, *("sealed", ())[len(param) - 1 :])
     common: dict[str, Any] = {
         "model": tiny_checkpoint,
         "pool_tokens": 256,
@@ -128,7 +128,8 @@ async def pair(request: pytest.FixtureRequest, tiny_checkpoint: str) -> AsyncIte
     prefill = build_prefill(BackendSettings(**common), transport=transport)
     # Decode receives over the same kind of transport the (wrapped) prefill side sends with.
     kind = "loopback" if isinstance(transport, LoopbackTransport) else "inprocess"
-    settings = BackendSettings(**{**common, "transport": kind}, transfer_batch_pages=2)
+    drills = {"allow_fault_drills": True, "faults": list(decode_faults)} if decode_faults else {}
+    settings = BackendSettings(**{**common, "transport": kind, **drills}, transfer_batch_pages=2)
     link = LocalChannel(prefill)
     decode = build_decode(settings, channel=link)
     runtimes = (prefill, decode)
@@ -218,3 +219,28 @@ async def test_a_broken_transfer_fails_the_request_and_frees_both_sides(pair: Pa
     assert _metric(pair.prefill, "kvguard_engine_handoffs_total", outcome="failed") == 1
     assert pair.prefill.prefill is not None
     assert _metric(pair.prefill, "kvguard_engine_staging_pages", state="free") == 256 // 16
+
+
+@pytest.mark.parametrize(
+    ("pair", "outcome"),
+    [
+        ((Corrupting(batch=1), "sealed", ("skip_checksum",)), "refused by the seal"),
+        ((Corrupting(batch=1), "sealed", ("skip_seal_check", "skip_checksum")), "accepted"),
+    ],
+    indirect=["pair"],
+    ids=["seal-alone", "no-seal-no-checksum"],
+)
+async def test_the_seal_alone_refuses_a_changed_byte_and_its_drill_lets_it_through(
+    pair: Pair, outcome: str
+) -> None:
+    """The seal is a defence of its own (the checksum drilled away, it still refuses), and the
+    skip_seal_check drill removes exactly it: the changed byte reaches the pages."""
+    events = await pair.run(70)
+    proof = events[0].proof
+    assert proof is not None and "checksum" in proof.skipped_checks
+    if outcome == "accepted":
+        assert proof.accepted and "seal" in proof.skipped_checks
+        assert events[-1].state is RequestState.FINISHED
+    else:
+        assert not proof.accepted and proof.failed_check == "seal"
+        assert events[0].error is not None and events[0].error.code == "kv_handoff_refused"
