@@ -6,6 +6,8 @@ Each section is text of a committed results file, between two HTML comment marke
   per-benchmark outputs: the command, machine and load, and the table of headline ratios;
 - ``engine-report``: ``bench/results/engine.md`` whole (a full ``bench_engine`` run);
 - ``kvcache-report``: ``bench/results/kvcache.md`` up to its per-benchmark output;
+- ``handoff-report``: ``bench/results/handoff.md`` whole (a full ``bench_handoff`` run: the
+  sealed KV channel's cost per handoff beside the open channel's);
 - ``relay-report``: ``bench.relay_report``'s (``bench/results/relay.md`` and its profile).
 
 ``python -m bench.report_page`` rewrites the sections (``--check``: exit 1 if any is stale);
@@ -58,6 +60,7 @@ SOURCES = (
     Source("bench-report", RESULTS / "latest.md", whole=False),
     Source("engine-report", RESULTS / "engine.md", whole=True),
     Source("kvcache-report", RESULTS / "kvcache.md", whole=False),
+    Source("handoff-report", RESULTS / "handoff.md", whole=True),
 )
 
 
