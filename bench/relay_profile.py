@@ -35,6 +35,11 @@ CLIENTS = {False: 16, True: 128}
 AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("uvicorn HTTP protocol (httptools)", ("uvicorn/protocols/http",)),
     (
+        "data plane door, server, replies (proxy/door.py, server.py, reply.py)",
+        ("proxy/door.py", "proxy/server.py", "proxy/reply.py"),
+    ),
+    ("data plane pump (proxy/stream.py)", ("proxy/stream.py",)),
+    (
         "the request's flight (gateway/proxy/service.py: its life, the per-event loop)",
         ("proxy/service.py",),
     ),
@@ -45,12 +50,13 @@ AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("admission (route, count, fit)", ("proxy/admission.py", "bundled/chat.py")),
     ("limiter (Redis)", ("gateway/limits/", "redis/")),
     ("canary injection", ("canary/injection.py", "canary/markers.py")),
-    ("SSE split (upstream/sse.py)", ("upstream/sse.py",)),
+    ("SSE split (contracts/sse.py)", ("contracts/sse.py",)),
+    ("JSON (orjson)", ("orjson",)),
     ("JSON (stdlib json)", ("json/",)),
     ("relay: StreamRelay/relay_body", ("proxy/relay.py",)),
     ("relay: side-field screening", ("proxy/side.py",)),
     ("leak firewall + scanner", ("canary/firewall.py", "canary/scanner.py")),
-    ("upstream client (aiohttp)", ("aiohttp/", "upstream/direct.py")),
+    ("engine client (upstream/wire.py, direct.py)", ("upstream/wire.py", "upstream/direct.py")),
     ("finish + audit record", ("proxy/finish.py", "services/audit.py")),
     ("audit flush / DB (SQLAlchemy, psycopg)", ("sqlalchemy/", "psycopg")),
     (

@@ -27,6 +27,7 @@ from bench.bench_proxy import PROXY_KEY, PROXY_MODEL, ensure_litellm_venv, start
 from bench.relay_standin import MODEL
 from kvguard.localservices import free_port, postgres_server, redis_server
 
+PUMP_NO_CHECKS = "kvguard pump, checks off"
 RELAY_CPU = 0
 LOAD_CPU = 1
 TENANT_PLAN = {"requests_per_minute": 1_000_000, "tokens_per_minute": 100_000_000}
@@ -132,6 +133,16 @@ class Systems:
         _wait_http(f"http://127.0.0.1:{port}/", proc, log)
         name = "aiohttp pass-through" if kind == "aiohttp" else "lean asyncio relay"
         return Relay(name, port, MODEL, proc.pid)
+
+    def pump_without_checks(self, upstream: str) -> Relay:
+        """The gateway's data plane with every check off (``bench.relay_candidates``'s
+        ``pump-no-checks``): the floor its checks come on top of."""
+        port = free_port()
+        argv = [sys.executable, "-m", "bench.relay_candidates", "serve", "pump-no-checks"]
+        argv += ["--port", str(port), "--upstream", upstream]
+        proc, log = self._spawn("pump-no-checks", _on_relay_cpu(argv))
+        _wait_http(f"http://127.0.0.1:{port}/", proc, log)
+        return Relay(PUMP_NO_CHECKS, port, MODEL, proc.pid)
 
     def services(self) -> tuple[str, str]:
         """Private Redis and PostgreSQL (URLs)."""

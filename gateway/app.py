@@ -1,5 +1,8 @@
 """The gateway's FastAPI app: ``create_app(settings)``; all state is built in the lifespan.
 
+Served by uvicorn with the data plane's protocol (``server_config``): the completion routes run
+below FastAPI (``gateway.proxy.door``), the rest of the API on it.
+
 Lifespan, in order: database (upgrade to head when ``migrate_on_start``) -> limiter (Redis when
 ``KVGUARD_REDIS_URL`` is set, else in-process) -> one shared HTTP client -> engine registry
 (configured + admin-registered engines) and a first capacity poll -> background tasks (poller,
@@ -13,14 +16,17 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import anyio
 import httpx
+import uvicorn
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from contracts.http_edge import BodyGuardMiddleware
+from contracts.http_edge import server_config as edge_config
 from contracts.plugins import GatewayHooks
 from contracts.spool import Spool
 from contracts.sql import make_session_factory
@@ -37,6 +43,9 @@ from gateway.limits.base import Limiter
 from gateway.limits.memory_limiter import MemoryLimiter
 from gateway.limits.redis_limiter import RedisLimiter
 from gateway.metrics import GatewayMetrics
+from gateway.proxy.deps import ProxySettings
+from gateway.proxy.door import ROUTES, CompletionRoutes
+from gateway.proxy.server import DataPlaneProtocol, data_plane_protocol
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
 from gateway.services.quarantine import Quarantines
@@ -128,6 +137,7 @@ async def build_state(
             retry_s=min(settings.poll_interval_s, 5.0),
             write_timeout_s=settings.database_timeout_s,
         ),
+        proxy_settings=ProxySettings.of(settings),
     )
     poller.reload = state.reload_engines
     return state
@@ -166,11 +176,48 @@ async def stop(state: GatewayState, tasks: list[asyncio.Task[None]]) -> None:
 
 
 class GatewayApp(FastAPI):
-    """The FastAPI app with ``RequestIds`` outermost: Starlette puts its error middleware (which
-    answers a gateway bug's 500) outside every ``add_middleware`` layer."""
+    """The gateway's ASGI app: the completion routes go to the data plane's own ASGI app
+    (``gateway.proxy.door``, below FastAPI's routing, dependencies and middleware); every other
+    route is FastAPI's, with ``RequestIds`` outermost (Starlette puts its error middleware, which
+    answers a gateway bug's 500, outside every ``add_middleware`` layer)."""
+
+    completions: CompletionRoutes | None = None
+    header_timeout_s: float = 15.0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.completions is not None and scope["type"] == "http" and scope["path"] in ROUTES:
+            await self.completions(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
     def build_middleware_stack(self) -> ASGIApp:
         return RequestIds(super().build_middleware_stack())
+
+    @property
+    def http_protocol(self) -> type[DataPlaneProtocol]:
+        """The uvicorn protocol to serve this app with (``gateway.proxy.server``)."""
+        return data_plane_protocol(header_timeout_s=self.header_timeout_s)
+
+
+def server_config(
+    app: GatewayApp,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    lifespan: Literal["auto", "on", "off"] = "auto",
+) -> uvicorn.Config:
+    """uvicorn with the data plane's protocol (the edge's guarded one, with the way below ASGI)."""
+    config = edge_config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        header_timeout_s=app.header_timeout_s,
+        lifespan=lifespan,
+    )
+    config.http = app.http_protocol
+    return config
 
 
 def create_app(
@@ -178,7 +225,7 @@ def create_app(
     *,
     hooks: GatewayHooks | None = None,
     span_exporter: SpanExporter | None = None,
-) -> FastAPI:
+) -> GatewayApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await build_state(
@@ -198,6 +245,10 @@ def create_app(
             await stop(state, tasks)
 
     app = GatewayApp(title="kvguard gateway", version="0.1.0", lifespan=lifespan)
+    app.header_timeout_s = settings.header_timeout_s
+    app.completions = CompletionRoutes(
+        app, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s
+    )
     install_error_handlers(app)
     app.add_middleware(
         BodyGuardMiddleware,

@@ -49,7 +49,11 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def bearer_token(request: Request) -> str:
-    header = request.headers.get("authorization")
+    return bearer_of(request.headers.get("authorization"))
+
+
+def bearer_of(header: str | None) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header (401 when there is none)."""
     if not header:
         raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'.")
     scheme, _, token = header.partition(" ")
@@ -59,7 +63,11 @@ def bearer_token(request: Request) -> str:
 
 
 async def current_principal(request: Request, state: StateDep) -> Principal:
-    token = bearer_token(request)
+    return await principal_of(state, bearer_token(request))
+
+
+async def principal_of(state: GatewayState, token: str) -> Principal:
+    """The tenant whose key ``token`` is (cached for ``auth_cache_ttl_s``), or a 401/403."""
     now = state.clock()
     cached = state.auth_cache.get(token, now=now)
     if cached is not None:

@@ -6,7 +6,12 @@ alert rules are checked against the names listed in ``METRIC_NAMES``.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 REQUESTS_TOTAL = "kvguard_gateway_requests_total"
 REQUEST_SECONDS = "kvguard_gateway_request_duration_seconds"
@@ -56,8 +61,49 @@ METRIC_NAMES = (
     TOKEN_COUNTS_TOTAL,
 )
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class GapHistogram(Collector):
+    """A per-tenant histogram recorded a whole stream at a time: ``record`` adds the bucket counts
+    and the sum of one request's gaps (``gateway.proxy.stream.TokenClock``) at its exit, instead
+    of one observation per streamed event. Exposed like any ``Histogram`` (``_bucket``,
+    ``_count``, ``_sum`` with the ``tenant`` label)."""
+
+    def __init__(self, name: str, documentation: str, bounds: Sequence[float]) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = tuple(bounds)
+        self._series: dict[str, tuple[list[int], list[float]]] = {}
+        self._lock = threading.Lock()  # a scrape may run in another thread
+
+    def record(self, tenant: str, counts: Sequence[int], total: float) -> None:
+        """``counts[i]``: gaps of at most ``bounds[i]`` (and above the one before); the last: above
+        every bound."""
+        with self._lock:
+            series = self._series.get(tenant)
+            if series is None:
+                series = self._series[tenant] = ([0] * (len(self.bounds) + 1), [0.0])
+            buckets, sums = series
+            for i, count in enumerate(counts):
+                buckets[i] += count
+            sums[0] += total
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["tenant"])
+        with self._lock:
+            series = [(t, list(b), s[0]) for t, (b, s) in self._series.items()]
+        for tenant, buckets, total in series:
+            cumulative, rows = 0, []
+            for bound, count in zip((*self.bounds, float("inf")), buckets, strict=True):
+                cumulative += count
+                rows.append((_bound(bound), float(cumulative)))
+            family.add_metric([tenant], rows, total)
+        yield family
+
+
+def _bound(value: float) -> str:
+    return "+Inf" if value == float("inf") else repr(float(value))
 
 
 def _name(full: str) -> str:
@@ -79,30 +125,29 @@ class GatewayMetrics:
             REQUEST_SECONDS,
             "Whole request duration",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft_seconds = Histogram(
             TTFT_SECONDS,
             "Time to the first streamed byte",
             ["engine"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.tenant_ttft_seconds = Histogram(
             TENANT_TTFT_SECONDS,
             "Request arrival -> the first answer text, per tenant (stream=false: the whole answer)",
             ["tenant", "stream"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.inter_token_seconds = Histogram(
+        self.inter_token_seconds = GapHistogram(
             INTER_TOKEN_SECONDS,
             "Gap between consecutive streamed engine events carrying text, per tenant",
-            ["tenant"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
+        r.register(self.inter_token_seconds)
         self.overhead_seconds = Histogram(
             OVERHEAD_SECONDS,
             "Gateway work before the engine is called (auth, count, limits)",

@@ -13,19 +13,20 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.plugins import GatewayHooks, ServiceContext
 from contracts.sql import run_in_session, utcnow
-from gateway.config import EngineSpec, GatewaySettings, UpstreamPath
+from gateway.config import GatewaySettings
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
+from gateway.engines.spec import EngineSpec
 from gateway.limits.auth_throttle import FailedCredentialThrottle
 from gateway.limits.base import Limiter
 from gateway.metrics import GatewayMetrics
+from gateway.proxy.deps import ProxyDeps, ProxySettings
 from gateway.services import tenants as tenant_service
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
 from gateway.services.engines import reload_registry
 from gateway.services.quarantine import Quarantines
 from gateway.tracing import Tracing
-from gateway.upstream.base import Upstream
 from gateway.upstream.direct import DirectUpstream
 from gateway.upstream.litellm_client import LiteLLMUpstream
 
@@ -49,7 +50,25 @@ class GatewayState:
     auth_cache: AuthCache
     credential_throttle: FailedCredentialThrottle
     quarantines: Quarantines
+    proxy_settings: ProxySettings
     clock: Callable[[], datetime] = utcnow  # wall time of key expiry and the auth cache's TTL
+
+    @property
+    def proxy(self) -> ProxyDeps:
+        """The few parts the request path takes (``gateway.proxy.deps``), read at each request so
+        a test that swaps an upstream path sees it used."""
+        return ProxyDeps(
+            settings=self.proxy_settings,
+            limiter=self.limiter,
+            registry=self.registry,
+            direct=self.direct,
+            litellm=self.litellm,
+            client=self.client,
+            hooks=self.hooks,
+            metrics=self.metrics,
+            tracing=self.tracing,
+            audit=self.audit,
+        )
 
     async def reload_engines(self) -> None:
         await reload_registry(
@@ -75,6 +94,3 @@ class GatewayState:
             spool_dir=self.settings.spool_dir(),
             database_timeout_s=self.settings.database_timeout_s,
         )
-
-    def upstream_for(self, spec: EngineSpec) -> Upstream:
-        return self.litellm if spec.upstream_path is UpstreamPath.LITELLM else self.direct

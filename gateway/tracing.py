@@ -18,6 +18,10 @@ prompt or a completion.
 
 Each app owns its tracer provider (never the global one, so several apps can live in one test
 process). Spans are exported when an OTLP endpoint is configured (or a test passes an exporter).
+When nothing exports them, the spans are non-recording (attributes, links and ends cost nothing)
+but keep real, sampled ids: the engine still gets the gateway's own ``traceparent`` (its spans
+join a trace with the gateway's request id on it) and a client's context is still never the
+parent.
 """
 
 from __future__ import annotations
@@ -33,7 +37,17 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
-from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 # The GenAI operation of each OpenAI endpoint the gateway serves (by its path).
@@ -61,10 +75,24 @@ class Tracing:
             self.provider.add_span_processor(SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("kvguard.gateway")
         self._propagator = TraceContextTextMapPropagator()
+        self.exporting = bool(otlp_endpoint) or exporter is not None
+        self._ids = RandomIdGenerator()
+
+    def _unexported(self, trace_id: int | None = None) -> Span:
+        """A span nothing records (nothing would export it), with real ids to propagate."""
+        context = SpanContext(
+            trace_id=trace_id if trace_id is not None else self._ids.generate_trace_id(),
+            span_id=self._ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+        )
+        return NonRecordingSpan(context)
 
     def start_request(self, route: str, model: str, incoming: Mapping[str, str]) -> Span:
         """The SERVER span of a tenant request to ``route``: a new trace, linked to the
         client's (if it sent a valid ``traceparent``)."""
+        if not self.exporting:
+            return self._unexported()
         operation = OPERATIONS.get(route, route)
         attributes = {
             "http.request.method": "POST",
@@ -103,6 +131,11 @@ class Tracing:
     ) -> Span:
         """The CLIENT span of the engine call (child of ``request_span``); its ``traceparent``
         goes into ``headers``, the only trace context the engine receives."""
+        if not request_span.is_recording():
+            child = self._unexported(request_span.get_span_context().trace_id)
+            headers.pop("tracestate", None)
+            self._propagator.inject(headers, context=trace.set_span_in_context(child))
+            return child
         url = urlsplit(base_url.rstrip("/") + route)
         operation = OPERATIONS.get(route, route)
         attributes: dict[str, str | int] = {
@@ -139,6 +172,8 @@ class Tracing:
     ) -> None:
         """Close the engine call's span (if any), then the request's, with the usage (input,
         output tokens), finish reasons and the outcome."""
+        if not span.is_recording():
+            return
         answered = {
             "gen_ai.usage.input_tokens": usage[0],
             "gen_ai.usage.output_tokens": usage[1],

@@ -40,7 +40,14 @@ def _without_annotated(text: str) -> str:
 def _type_name(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
     text = _without_annotated(text or str(annotation))
-    noises = ("typing.", "pathlib.", "pydantic.types.", "gateway.config.", "contracts.settings.")
+    noises = (
+        "typing.",
+        "pathlib.",
+        "pydantic.types.",
+        "gateway.config.",
+        "gateway.engines.spec.",
+        "contracts.settings.",
+    )
     for noise in noises:
         text = text.replace(noise, "")
     return text.replace("|", "\\|")
@@ -77,7 +84,7 @@ def render(level: int = 2) -> str:
     """The reference, its title a Markdown heading of ``level`` (docs/configuration.md: 2)."""
     import importlib
 
-    from gateway.config import EngineSpec
+    from gateway.engines.spec import EngineSpec
 
     title, section = "#" * level, "#" * (level + 1)
     parts = [

@@ -40,7 +40,8 @@ def register(subparsers: Any) -> None:
 def run_gateway(args: argparse.Namespace) -> int:
     from canary.config import CanarySettings
     from contracts.settings import CONFIG_ERRORS, settings_error
-    from gateway.config import GatewaySettings, parse_engine_arg
+    from gateway.config import GatewaySettings
+    from gateway.engines.spec import parse_engine_arg
 
     try:  # settings first: a refusal is one line, before the heavy imports below
         env = GatewaySettings()
@@ -61,8 +62,7 @@ def _serve_gateway(settings: Any, canary: Any, *, log_level: str) -> int:
     import uvicorn
 
     from canary.runtime import build_hooks
-    from contracts.http_edge import server_config
-    from gateway.app import create_app
+    from gateway.app import create_app, server_config
 
     hooks = build_hooks(canary)  # the leak firewall: on unless KVGUARD_CANARY_ENABLED=0
     config = server_config(
@@ -70,7 +70,6 @@ def _serve_gateway(settings: Any, canary: Any, *, log_level: str) -> int:
         host=settings.host,
         port=settings.port,
         log_level=log_level,
-        header_timeout_s=settings.header_timeout_s,
     )
     uvicorn.Server(config).run()
     return 0

@@ -6,7 +6,9 @@ Lifecycle of a request through this module:
    fit fails here with ``ContextLengthExceeded`` before anything is queued or reserved.
 2. The request goes into the inbox; the engine thread drains the inbox between steps and calls
    ``EngineCore.add`` (admission again: the second line) or ``abort``.
-3. Each step's results are posted back to the request's ``Generation`` on the event loop.
+3. Each step's results are posted back to the requests' ``Generation``s on the event loop in one
+   batch: one wake-up of the loop per engine step for all of its requests (``_flush``), not one
+   per request per step.
 4. The request ends with exactly one terminal event (FINISHED, ABORTED, FAILED or REJECTED,
    with its error). A consumer that goes away (client disconnect, cancellation) aborts the
    request, which releases its pages.
@@ -102,6 +104,7 @@ class AsyncEngine:
         self._inbox = _Inbox()
         self._wake = threading.Condition()
         self._generations: dict[str, Generation] = {}
+        self._outbox: list[tuple[Generation, EngineEvent]] = []  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -170,9 +173,12 @@ class AsyncEngine:
             for call in calls:
                 self._deliver_outcome(self._run_call(call))
             self._deliver_outcome(self.core.tick())
+            self._flush()  # refusals and handoff results before the step's work
             if self.core.has_work():
                 self._step()
+                self._flush()
         self._abort_everything()
+        self._flush()
 
     def _wait_for_work(self) -> None:
         """Sleep (holding the condition) until there is input, work, a due timer or a stop."""
@@ -238,11 +244,18 @@ class AsyncEngine:
             self._deliver(generation, event)
 
     def _deliver(self, generation: Generation, event: EngineEvent) -> None:
+        self._outbox.append((generation, event))
+
+    def _flush(self) -> None:
+        """Hand the events gathered since the last flush to the event loop: one wake-up."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(generation._post, event)
+            self._loop.call_soon_threadsafe(_post_all, batch)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
-            log.debug("dropped an event for a closed loop")
+            log.debug("dropped %d events for a closed loop", len(batch))
 
     def _abort_everything(self) -> None:
         with self._wake:
@@ -255,6 +268,12 @@ class AsyncEngine:
             aborted = self.core.abort(request_id)
             if aborted is not None:
                 self._finish(aborted)
+
+
+def _post_all(batch: list[tuple[Generation, EngineEvent]]) -> None:
+    """On the event loop: each request's events of one step, in order."""
+    for generation, event in batch:
+        generation._post(event)
 
 
 class EngineStopping(KvguardError):

@@ -9,13 +9,13 @@ Logprobs come in two shapes: chat's ``{"content": [{token, logprob, bytes, top_l
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from backend.core.messages import TokenLogprobs
+from backend.server.encoding import dumps
 
 Kind = Literal["text", "chat"]
 ID_PREFIX: dict[Kind, str] = {"chat": "chatcmpl-", "text": "cmpl-"}
@@ -159,5 +159,5 @@ def usage_chunk(meta: ResponseMeta, usage_: dict[str, int]) -> dict[str, Any]:
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    data = payload.encode() if isinstance(payload, str) else dumps(payload)
+    return b"data: " + data + b"\n\n"

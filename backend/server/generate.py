@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from backend.core.errors import InvalidRequest, KvguardError
 from backend.core.request import FinishReason, RequestState, SamplingParams
 from backend.engine.async_engine import EngineEvent, Generation
 from backend.server import formatting as fmt
+from backend.server.encoding import JsonAnswer
 from backend.server.errors import InternalEngineError, error_body
 from backend.server.openai_schema import _SamplingFields
 from backend.server.service import EngineService
@@ -320,13 +321,13 @@ async def _collect(
         error = failed.error
         type_ = "invalid_request_error" if error.http_status < 500 else "server_error"
         body = {**error_body(str(error), code=error.code, type_=type_), **extension}
-        return JSONResponse(body, status_code=error.http_status)
+        return JsonAnswer(body, status_code=error.http_status)
     results = [
         fmt.ChoiceResult(c.index, "".join(c.tally.text), c.tally.finish_reason, c.tally.tokens)
         for c in choices
     ]
     usage = fmt.usage(prompt_tokens, sum(t.completion_tokens for t in tallies))
-    return JSONResponse({**fmt.full_response(meta, results, usage), **extension})
+    return JsonAnswer({**fmt.full_response(meta, results, usage), **extension})
 
 
 def _extension(service: EngineService, tallies: Sequence[_Tally]) -> dict[str, Any]:

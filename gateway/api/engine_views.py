@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from gateway.api.schemas_admin import EngineOut, IsolationOut, MemberOut, RoleOut
-from gateway.config import EngineKind
 from gateway.engines.capacity import CapacitySnapshot
 from gateway.engines.registry import EngineRecord, EngineRegistry, model_of
+from gateway.engines.spec import EngineKind
 
 
 def engine_out(registry: EngineRegistry, record: EngineRecord) -> EngineOut:

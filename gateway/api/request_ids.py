@@ -10,7 +10,7 @@ A route reads the id with ``request_id_of`` (a completion uses it as its audit a
 
 from __future__ import annotations
 
-import uuid
+import os
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,7 +32,7 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = uuid.uuid4().hex
+        request_id = os.urandom(16).hex()  # 128 random bits, as uuid4's hex without the object
         scope.setdefault("state", {})[_STATE_KEY] = request_id
         value = request_id.encode()
 

@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.config import EngineKind, MemberRole, UpstreamPath
 from gateway.db.models import ApiKey, Tenant
 from gateway.db.text import StoredText
+from gateway.engines.spec import EngineKind, MemberRole, UpstreamPath
 from gateway.lifecycle import TenantStatus
 
 PositiveLimit = Annotated[int, Field(gt=0, le=1 << 40)] | None

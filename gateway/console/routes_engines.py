@@ -15,10 +15,10 @@ from starlette.responses import RedirectResponse, Response
 
 from contracts.sql import run_in_session
 from gateway.api.schemas_admin import ClearQuarantineIn, EngineIn, MembersIn
-from gateway.config import EngineKind
 from gateway.console import forms, render, views
 from gateway.console.guard import ActionDep, ConsoleRoute, SignedInDep
 from gateway.deps import StateDep
+from gateway.engines.spec import EngineKind
 from gateway.errors import InvalidRequest
 from gateway.services import operator
 from gateway.services.actions import Channel

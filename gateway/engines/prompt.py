@@ -30,7 +30,7 @@ checked against the released sources:
   (502 ``token_count_unavailable``), never admitted on a guess.
 - **bundled**: the messages or the prompt. Its chat template writes nothing else, and the gateway
   refuses ``tools``, ``tool_choice``, ``response_format`` and ``reasoning_effort`` for it at the
-  door (``gateway.api.surface``; a test holds the two together).
+  door (``gateway.openai.surface``; a test holds the two together).
 - **declared** (OpenAI-compatible servers, litellm providers): counted in the gateway, an upper
   bound over the messages and ``DEFINITIONS`` (``gateway.engines.provider_count``).
 """

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from gateway.config import EngineSpec
 from gateway.engines.capacity import CapacitySnapshot
+from gateway.engines.spec import EngineSpec
 
 
 class EngineBlock(StrEnum):

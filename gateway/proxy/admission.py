@@ -4,7 +4,7 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
 
 1. route: engines that serve the model and may serve now (404 unknown model, 503 if all blocked);
 2. surface: of those, the engines whose kind takes every field the request uses
-   (``gateway.api.surface``); none: 400 ``unsupported_parameter`` naming the field and engine;
+   (``gateway.openai.surface``); none: 400 ``unsupported_parameter`` naming the field and engine;
 3. hooks: request hooks may rewrite the upstream body (canary markers are counted like text);
 4. count: exact prompt tokens of what the engine renders (tool definitions included) -- applied
    here when the engine reports a tokenizer this release can apply itself (the bundled byte
@@ -34,8 +34,6 @@ from typing import Any
 
 from contracts.chat_format import TOKENIZER_ID, count_tokens
 from contracts.plugins import RequestRefused
-from gateway.api import surface
-from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.engines.adapters import AdapterError, adapter_for
 from gateway.engines.capacity import RequestSize, fits, max_request_tokens_for
 from gateway.engines.isolation import isolate
@@ -51,8 +49,10 @@ from gateway.errors import (
 )
 from gateway.lifecycle import Phase
 from gateway.limits.base import Lease, LimiterUnavailable, Refusal
+from gateway.openai import surface
+from gateway.openai.schemas import ChatCompletionBody, CompletionBody
 from gateway.proxy.context import RequestContext
-from gateway.state import GatewayState
+from gateway.proxy.deps import ProxyDeps
 
 log = logging.getLogger("kvguard.gateway.admission")
 
@@ -66,8 +66,8 @@ class Admitted:
     body: dict[str, Any] = field(repr=False)
 
 
-async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitted:
-    routable = route(state, ctx.model)
+async def admit(deps: ProxyDeps, ctx: RequestContext, body: Body) -> Admitted:
+    routable = route(deps, ctx.model)
     ctx.advance(Phase.ROUTED)
     routable, unsupported = surface.serving(routable, surface.requested(body))
     if not routable:
@@ -75,7 +75,7 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
         raise unsupported
     plain_body = body.upstream_body(max_tokens=body.requested_max_tokens() or 1)
     upstream_body = plain_body
-    for hook in state.hooks.request_hooks:
+    for hook in deps.hooks.request_hooks:
         try:
             upstream_body = await hook.prepare(ctx.info(), upstream_body)
         except RequestRefused as refusal:
@@ -83,13 +83,13 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
     plan_cap = ctx.principal.plan.max_context_tokens
     own: int | None = None  # the client's own prompt tokens, when a hook added to them
     if upstream_body is not plain_body:
-        own = await count_prompt(state, routable, plain_body, ctx)
-    size, fitting = await _measure(state, routable, upstream_body, ctx, body, plan_cap, own)
+        own = await count_prompt(deps, routable, plain_body, ctx)
+    size, fitting = await _measure(deps, routable, upstream_body, ctx, body, plan_cap, own)
     if not fitting and upstream_body is not plain_body:
         # What a hook added (a canary marker) must never be the reason a request is refused:
         # send it as the client wrote it, or refuse it with the client's own size.
         upstream_body, own = plain_body, None
-        size, fitting = await _measure(state, routable, plain_body, ctx, body, plan_cap, own)
+        size, fitting = await _measure(deps, routable, plain_body, ctx, body, plan_cap, own)
     upstream_body["max_tokens"] = size.max_tokens
     # Capacity counts what the engine reads (``size``); the tenant is billed and limited for what
     # it sent: the hooks' tokens (a canary marker) are hidden from its count and its usage.
@@ -100,24 +100,24 @@ async def admit(state: GatewayState, ctx: RequestContext, body: Body) -> Admitte
         # Counting awaited the engine: an engine that became unavailable meanwhile now reports
         # a limit of 0. That is a 503 (route again), never a "too long" 400 the client would
         # not retry.
-        routable = route(state, ctx.model)
+        routable = route(deps, ctx.model)
         fitting = _fitting(routable, size, plan_cap)
     if not fitting:
         raise too_long(routable, size, plan_cap, param=_param(body))
-    ctx.lease = await take_lease(state, ctx, size, choices=body.choices, hidden=hidden)
+    ctx.lease = await take_lease(deps, ctx, size, choices=body.choices, hidden=hidden)
     ctx.advance(Phase.ADMITTED)
-    engine = state.registry.choose(fitting)
+    engine = deps.registry.choose(fitting)
     upstream_body = isolate(
         surface.for_engine(upstream_body, engine),
         engine.snapshot,
-        key=state.settings.cache_salt_secret(),
+        key=deps.settings.cache_salt,
         tenant_id=ctx.principal.tenant_id,
     )
     return Admitted(engine=engine, size=size, body=upstream_body)
 
 
 async def _measure(
-    state: GatewayState,
+    deps: ProxyDeps,
     routable: list[EngineRecord],
     upstream_body: dict[str, Any],
     ctx: RequestContext,
@@ -125,17 +125,17 @@ async def _measure(
     plan_cap: int | None,
     own: int | None,
 ) -> tuple[RequestSize, list[EngineRecord]]:
-    prompt_tokens = await count_prompt(state, routable, upstream_body, ctx)
+    prompt_tokens = await count_prompt(deps, routable, upstream_body, ctx)
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
         billed = prompt_tokens if own is None else own
-        max_tokens = _as_much_as_fits(state, ctx, routable, prompt_tokens, billed, body.choices)
+        max_tokens = _as_much_as_fits(deps, ctx, routable, prompt_tokens, billed, body.choices)
     size = RequestSize(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
     return size, _fitting(routable, size, plan_cap)
 
 
 def _as_much_as_fits(
-    state: GatewayState,
+    deps: ProxyDeps,
     ctx: RequestContext,
     routable: list[EngineRecord],
     prompt_tokens: int,
@@ -151,7 +151,7 @@ def _as_much_as_fits(
         max_request_tokens_for(r.snapshot, plan.max_context_tokens) for r in routable if r.snapshot
     ]
     room = max(limits, default=0) - prompt_tokens
-    cap = state.settings.default_max_tokens_cap
+    cap = deps.settings.default_max_tokens_cap
     if cap is not None:
         room = min(room, cap)
     if plan.rate_limited and plan.tokens_per_minute is not None:
@@ -165,20 +165,20 @@ def _fitting(
     return [r for r in routable if r.snapshot is not None and fits(r.snapshot, size, plan_cap)]
 
 
-def route(state: GatewayState, model: str) -> list[EngineRecord]:
-    routable, blocked = state.registry.serving(model)
+def route(deps: ProxyDeps, model: str) -> list[EngineRecord]:
+    routable, blocked = deps.registry.serving(model)
     if routable:
         return routable
     if not blocked:
         raise ModelNotFound(f"model '{model}' is not served here", param="model")
-    reasons = sorted({str(state.registry.block(record)) for record in blocked})
+    reasons = sorted({str(deps.registry.block(record)) for record in blocked})
     raise NoHealthyEngine(
         f"no healthy engine for model '{model}' (engines blocked: {', '.join(reasons)})"
     )
 
 
 async def count_prompt(
-    state: GatewayState, routable: list[EngineRecord], body: dict[str, Any], ctx: RequestContext
+    deps: ProxyDeps, routable: list[EngineRecord], body: dict[str, Any], ctx: RequestContext
 ) -> int:
     """Exact count of what the engine will render (the messages, and the tools and other fields
     its chat template writes: ``gateway.engines.prompt``): here, when an engine reports the
@@ -189,16 +189,16 @@ async def count_prompt(
     if any(r.snapshot is not None and r.snapshot.tokenizer == TOKENIZER_ID for r in routable):
         local = count_tokens(prompt, messages)
         if local is not None:
-            state.metrics.token_counts.labels(method="local").inc()
+            deps.metrics.token_counts.labels(method="local").inc()
             return local
-    state.metrics.token_counts.labels(method="engine").inc()
+    deps.metrics.token_counts.labels(method="engine").inc()
     for record in routable:
         try:
             return await adapter_for(record.spec).count_tokens(
-                state.client,
+                deps.client,
                 model=ctx.model,
                 body=body,
-                timeout=state.settings.engine_timeout_s,
+                timeout=deps.settings.engine_timeout_s,
                 snapshot=record.snapshot,
             )
         except AdapterError as exc:
@@ -236,7 +236,7 @@ def too_long(
 
 
 async def take_lease(
-    state: GatewayState,
+    deps: ProxyDeps,
     ctx: RequestContext,
     size: RequestSize,
     *,
@@ -250,29 +250,27 @@ async def take_lease(
         return None
     tokens = size.prompt_tokens - hidden + size.max_tokens * choices
     try:
-        result = await state.limiter.admit(
+        result = await deps.limiter.admit(
             tenant_id=ctx.principal.tenant_id, plan=plan, tokens=tokens
         )
     except LimiterUnavailable as exc:
-        state.metrics.limiter_up.set(0)
-        if state.settings.limiter_fail_open:
-            state.metrics.limiter_fail_open.inc()
+        deps.metrics.limiter_up.set(0)
+        if deps.settings.limiter_fail_open:
+            deps.metrics.limiter_fail_open.inc()
             log.warning(
                 "limiter down (%s); letting tenant %s through", exc, ctx.principal.tenant_id
             )
             return None
         raise LimiterDown("rate limiter unavailable; request refused") from exc
     if isinstance(result, Refusal):
-        raise refused(state, ctx, result, tokens)
+        raise refused(deps, ctx, result, tokens)
     return result
 
 
 def refused(
-    state: GatewayState, ctx: RequestContext, refusal: Refusal, tokens: int
+    deps: ProxyDeps, ctx: RequestContext, refusal: Refusal, tokens: int
 ) -> InvalidRequest | RateLimited:
-    state.metrics.rate_limited.labels(
-        tenant=ctx.principal.tenant_id, limit=refusal.kind.value
-    ).inc()
+    deps.metrics.rate_limited.labels(tenant=ctx.principal.tenant_id, limit=refusal.kind.value).inc()
     if refusal.retry_after_s is None:
         return InvalidRequest(
             f"This request needs {tokens} tokens, more than your plan's "

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from opentelemetry.trace import Span
-from prometheus_client import Histogram
 
 from contracts.engine import HandoffProof
 from contracts.plugins import RequestInfo, RequestReport
@@ -20,6 +19,7 @@ from gateway.domain import Principal
 from gateway.engines.registry import EngineRecord
 from gateway.lifecycle import Phase, check_transition
 from gateway.limits.base import Lease
+from gateway.proxy.stream import TokenClock
 from gateway.upstream.base import Endpoint
 
 
@@ -47,9 +47,7 @@ class RequestContext:
     forwarded_s: float | None = None
     engine_prompt_tokens: int | None = None  # the engine's own usage.prompt_tokens
     first_token_s: float | None = None  # forwarding -> first streamed text
-    text_events: int = 0  # streamed engine events with text seen so far (gateway.proxy.latency)
-    last_text_s: float | None = None  # arrival -> the latest of them
-    inter_token: Histogram | None = None  # the tenant's inter-token histogram, once it streams
+    clock: TokenClock | None = None  # a relayed stream's text events (gateway.proxy.latency)
     finish_reasons: tuple[str, ...] = ()  # each choice's, as the engine ended it
 
     def advance(self, phase: Phase) -> None:

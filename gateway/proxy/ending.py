@@ -21,8 +21,9 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from starlette.responses import Response
 
@@ -66,10 +67,18 @@ def stream_ended(phase: Phase, code: str | None, verdict: Cut | None) -> Ending:
     return Ending(phase, verdict.status if verdict is not None else 502, code)
 
 
-Reply = Response | bytes | None
-"""What is still to be sent once the request has finished: a whole response (nothing was sent
-yet), the last bytes of a stream that is already open (then the body ends), or nothing (the
-client is gone)."""
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole completion to send as JSON (200), with the gateway's own headers."""
+
+    body: dict[str, Any] = field(repr=False)
+    headers: dict[str, str]
+
+
+Reply = Response | Answer | bytes | None
+"""What is still to be sent once the request has finished: a whole response or answer (nothing
+was sent yet), the last bytes of a stream that is already open (then the body ends), or nothing
+(the client is gone)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,11 @@ import logging
 import anyio
 
 from gateway.lifecycle import TERMINAL, InvalidTransition, Phase
+from gateway.proxy import latency
 from gateway.proxy.context import RequestContext
+from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.ending import INTERNAL, Ending, Refund
 from gateway.services.audit import AuditRecord
-from gateway.state import GatewayState
 from gateway.tracing import Tracing
 
 log = logging.getLogger("kvguard.gateway.proxy")
@@ -33,7 +34,7 @@ def _refund(ctx: RequestContext, refund: Refund) -> int:
     return 0  # unknown use (client gone mid-stream): keep the charge
 
 
-async def finish(state: GatewayState, ctx: RequestContext, ending: Ending) -> None:
+async def finish(deps: ProxyDeps, ctx: RequestContext, ending: Ending) -> None:
     if ctx.phase in TERMINAL:
         return
     try:
@@ -45,21 +46,21 @@ async def finish(state: GatewayState, ctx: RequestContext, ending: Ending) -> No
     status, code = ending.status, ending.code
     with anyio.CancelScope(shield=True):
         if ctx.lease is not None:
-            await state.limiter.release(ctx.lease, unused_tokens=_refund(ctx, ending.refund))
+            await deps.limiter.release(ctx.lease, unused_tokens=_refund(ctx, ending.refund))
         if ctx.engine is not None:
             ctx.engine.in_flight -= 1
-            state.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).dec()
-        _record(state, ctx, status=status, code=code)
-        if state.hooks.on_finish is not None:
+            deps.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).dec()
+        _record(deps, ctx, status=status, code=code)
+        if deps.hooks.on_finish is not None:
             try:
-                await state.hooks.on_finish(ctx.report(status=status))
+                await deps.hooks.on_finish(ctx.report(status=status))
             except Exception:
                 log.exception("on_finish hook failed for request %s", ctx.request_id)
 
 
-def _record(state: GatewayState, ctx: RequestContext, *, status: int, code: str | None) -> None:
+def _record(deps: ProxyDeps, ctx: RequestContext, *, status: int, code: str | None) -> None:
     tenant = ctx.principal.tenant_id
-    m = state.metrics
+    m = deps.metrics
     duration = ctx.elapsed_s()
     m.requests.labels(
         tenant=tenant, endpoint=ctx.endpoint.value, outcome=ctx.phase.value, code=code or ""
@@ -72,8 +73,9 @@ def _record(state: GatewayState, ctx: RequestContext, *, status: int, code: str 
             m.tokens.labels(tenant=tenant, kind="prompt").inc(ctx.prompt_tokens)
         if ctx.completion_tokens is not None:
             m.tokens.labels(tenant=tenant, kind="completion").inc(ctx.completion_tokens)
+    latency.record(deps, ctx)
     handoff = ctx.handoff
-    state.audit.record(
+    deps.audit.record(
         AuditRecord(
             request_id=ctx.request_id,
             tenant_id=tenant,

@@ -42,7 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.engine import HandoffProof, handoff_of
+import orjson
+
+from contracts.engine import EXTENSION, HandoffProof, handoff_of
 from contracts.plugins import Cut, Emit, Prefilter, StreamGuard
 from contracts.sse import DONE, encode_event, parse_event
 from gateway.errors import HandoffMismatch, error_body
@@ -78,6 +80,10 @@ class Step:
 
 @dataclass(slots=True)
 class StreamRelay:
+    """One stream's relay: ``relay_event`` appends what the client gets for an upstream event to
+    the caller's list (no object per event) and says whether the stream ends there; ``end`` and
+    ``end_code`` then say how."""
+
     endpoint: Endpoint
     open_guard: OpenGuard
     wants_usage: bool
@@ -89,6 +95,8 @@ class StreamRelay:
     prompt_tokens: int | None = None  # the engine's count (hooks' additions included)
     handoff: HandoffProof | None = None
     cut: Cut | None = None
+    end: Phase | None = None  # set when the stream ends (COMPLETED, CUT, FAILED)
+    end_code: str | None = None
     saw_text: bool = False
     text_events: int = 0  # events carrying any choice text (the token clock's ticks)
     finish_reasons: list[str] = field(default_factory=list)  # per choice, as the engine ended it
@@ -96,63 +104,133 @@ class StreamRelay:
     _finished: set[int] = field(default_factory=set)
     _side: SideScreen | None = field(default=None, repr=False)
     _template: dict[str, Any] | None = field(default=None, repr=False)
+    _chat: bool = False
 
     def __post_init__(self) -> None:
+        self._chat = self.endpoint is Endpoint.CHAT
         if self.screen_side:
             self._side = SideScreen(self.open_guard, prefilter=self.side_prefilter)
 
     def on_event(self, raw: bytes) -> Step:
-        data, canonical = parse_event(raw)
+        """One event's ``Step`` (a list and a step per event: for tests and benchmarks; the pump
+        calls ``relay_event``)."""
+        out: list[bytes] = []
+        ended = self.relay_event(raw, out)
+        return Step(out, self.end if ended else None, self.end_code if ended else None)
+
+    def on_upstream_end(self) -> Step:
+        out: list[bytes] = []
+        self.relay_end(out)
+        return Step(out, self.end, self.end_code)
+
+    def relay_event(self, raw: bytes, out: list[bytes]) -> bool:
+        """Relay one upstream event (its bytes with the blank line that ends it): append what the
+        client gets to ``out``; True when the stream ends here (``end``, ``end_code``)."""
+        if raw[:6] == b"data: " and raw.find(b"\n", 6) == len(raw) - 2 and b"\r" not in raw:
+            data: str | None = raw[6:-2].decode("utf-8", errors="replace")  # the usual event
+            canonical = True
+        else:
+            data, canonical = parse_event(raw)
         if data is None:
-            return Step([KEEP_ALIVE])
-        if data.strip() == DONE:
-            return self._on_done(raw if canonical else encode_event(DONE))
+            out.append(KEEP_ALIVE)
+            return False
+        if data == DONE or data.strip() == DONE:
+            return self._on_done(raw if canonical else encode_event(DONE), out)
         try:
             obj = parse_json(data)
         except ValueError:
             obj = None
         if not isinstance(obj, dict):
-            return self._invalid()
-        rewritten = False
+            return self.invalid(out)
         side = self._side
-        if side is not None and not side.cleared(obj, data):  # most events: cleared
+        # most events: no guard holds text back and the prefilter clears them: not walked
+        if side is not None and (side.holding or not side.prefilter or side.prefilter(data, obj)):
             try:
                 verdict = side.feed(obj, raw=data)
             except InvalidSide:
-                return self._invalid()
+                return self.invalid(out)
             if isinstance(verdict, Cut):
-                return self._cut(verdict)
-            if verdict is not None:
-                obj, canonical, rewritten = verdict.obj, False, True
+                return self._cut(verdict, out)
+            if verdict is not None:  # a rewritten side field: the general path re-serialises
+                return self._general(None, verdict.obj, out, rewritten=True)
+        if "usage" in obj or "error" in obj or "handoff" in obj or EXTENSION in obj:
+            return self._general(raw if canonical else None, obj, out)
+        choices = obj.get("choices")
+        if type(choices) is not list or len(choices) != 1:
+            return self._general(raw if canonical else None, obj, out)
+        choice = choices[0]
+        if type(choice) is not dict or choice.get("finish_reason") is not None:
+            return self._general(raw if canonical else None, obj, out)
+        if self._chat:
+            delta = choice.get("delta")
+            text = delta.get("content") if type(delta) is dict else None
+        else:
+            text = choice.get("text")
+        index = choice.get("index", 0)
+        mismatch = self.handoff is not None and not self.handoff.consistent
+        if (
+            type(text) is not str
+            or not text
+            or choice.get("logprobs") is not None
+            or type(index) is not int
+            or index in self._finished
+            or not 0 <= index < MAX_CHOICES
+            or mismatch
+        ):
+            return self._general(raw if canonical else None, obj, out)
+        # The common chunk: one choice's text, nothing else to note (the same checks as the
+        # general path, without its loops and lists).
+        guard = self._guards.get(index) or self._guard(index)
+        self.saw_text = True
+        released = guard.feed(text)
+        if isinstance(released, Cut):
+            return self._cut(released, out)
+        self.text_events += 1
+        self._template = obj
+        if released.text == text and canonical:
+            out.append(raw)
+        elif released.text:
+            out.append(encode_event(_with_texts(self.endpoint, obj, [released.text])))
+        return False
+
+    def _general(
+        self, raw: bytes | None, obj: dict[str, Any], out: list[bytes], *, rewritten: bool = False
+    ) -> bool:
+        """Every event the common-chunk path does not take: errors, usage, the handoff proof,
+        several choices, finishes, logprobs, role and tool-call deltas."""
         if "error" in obj:
-            return Step([raw if canonical else encode_event(obj)], Phase.FAILED, _error_code(obj))
+            out.append(raw if raw is not None else encode_event(obj))
+            return self._ended(Phase.FAILED, _error_code(obj))
         self._note(obj)
         if self.hidden_prompt_tokens and isinstance(obj.get("usage"), dict):
-            obj, canonical = own_usage(obj, self.hidden_prompt_tokens), False
+            obj, raw = own_usage(obj, self.hidden_prompt_tokens), None
         mismatch = self.handoff is not None and not self.handoff.consistent
         if mismatch and self.refuse_handoff_mismatch:
-            mismatch_event = error_event(HandoffMismatch.MESSAGE, HandoffMismatch.code)
-            return Step([mismatch_event], Phase.FAILED, HandoffMismatch.code)
+            out.append(error_event(HandoffMismatch.MESSAGE, HandoffMismatch.code))
+            return self._ended(Phase.FAILED, HandoffMismatch.code)
         choices = obj.get("choices")
         if not choices:
-            keep = self.wants_usage or "usage" not in obj
-            return Step([raw if canonical else encode_event(obj)] if keep else [])
+            if self.wants_usage or "usage" not in obj:
+                out.append(raw if raw is not None else encode_event(obj))
+            return False
         try:
-            return self._on_chunk(raw if canonical else None, obj, choices, rewritten=rewritten)
+            return self._on_chunk(raw, obj, choices, out, rewritten=rewritten)
         except InvalidUpstream:
-            return self._invalid()
+            return self.invalid(out)
 
-    def on_upstream_end(self) -> Step:
+    def relay_end(self, out: list[bytes]) -> None:
         """The engine's stream ended without ``[DONE]``: an upstream error, or the guards' Cut
         when finishing them finds one (what they held back is never delivered)."""
         cut = self._finish_guards()
         if cut is not None:
-            return self._cut(cut)
-        return Step(
-            [error_event("the engine ended the stream early", "upstream_error")],
-            Phase.FAILED,
-            "upstream_error",
-        )
+            self._cut(cut, out)
+            return
+        out.append(error_event("the engine ended the stream early", "upstream_error"))
+        self._ended(Phase.FAILED, "upstream_error")
+
+    def _ended(self, phase: Phase, code: str | None) -> bool:
+        self.end, self.end_code = phase, code
+        return True
 
     def _finish_guards(self) -> Cut | None:
         if self.cut is not None:
@@ -165,16 +243,14 @@ class StreamRelay:
         verdict_side = side.finish() if side is not None else None
         return verdict_side if isinstance(verdict_side, Cut) else None
 
-    def _invalid(self) -> Step:
-        return Step(
-            [error_event("the engine sent an invalid event", "upstream_error")],
-            Phase.FAILED,
-            "upstream_error",
-        )
+    def invalid(self, out: list[bytes]) -> bool:
+        out.append(error_event("the engine sent an invalid event", "upstream_error"))
+        return self._ended(Phase.FAILED, "upstream_error")
 
-    def _cut(self, cut: Cut) -> Step:
+    def _cut(self, cut: Cut, out: list[bytes]) -> bool:
         self.cut = cut
-        return Step([cut_event(cut)], Phase.CUT, cut.code)
+        out.append(cut_event(cut))
+        return self._ended(Phase.CUT, cut.code)
 
     def _note(self, obj: dict[str, Any]) -> None:
         usage = obj.get("usage")
@@ -194,8 +270,14 @@ class StreamRelay:
         return guard
 
     def _on_chunk(
-        self, raw: bytes | None, obj: dict[str, Any], choices: Any, *, rewritten: bool = False
-    ) -> Step:
+        self,
+        raw: bytes | None,
+        obj: dict[str, Any],
+        choices: Any,
+        out: list[bytes],
+        *,
+        rewritten: bool = False,
+    ) -> bool:
         if not isinstance(choices, list) or len(choices) > MAX_CHOICES:
             raise InvalidUpstream("choices is not a short list")
         texts: list[str] = []
@@ -211,7 +293,7 @@ class StreamRelay:
                 self.finish_reasons.append(reason[:64])
             verdict = self._feed_choice(index, text, ends=ends)
             if isinstance(verdict, Cut):
-                return self._cut(verdict)
+                return self._cut(verdict, out)
             texts.append(text)
             released.append(verdict.text)
             finishing = finishing or ends
@@ -219,10 +301,10 @@ class StreamRelay:
             self.text_events += 1
         self._template = obj
         if raw is not None and released == texts and not filled:
-            return Step([raw])
-        if not any(released) and not (finishing or rewritten or filled) and "usage" not in obj:
-            return Step([])  # everything held back: nothing to send yet
-        return Step([encode_event(_with_texts(self.endpoint, obj, released))])
+            out.append(raw)
+        elif any(released) or finishing or rewritten or filled or "usage" in obj:
+            out.append(encode_event(_with_texts(self.endpoint, obj, released)))
+        return False  # else everything was held back: nothing to send yet
 
     def _feed_choice(self, index: int, text: str, *, ends: bool) -> Emit | Cut:
         if index in self._finished:
@@ -242,22 +324,23 @@ class StreamRelay:
         guard = self._guards.get(index)
         return Emit("") if guard is None else guard.finish()
 
-    def _on_done(self, done: bytes) -> Step:
-        out = []
+    def _on_done(self, done: bytes, out: list[bytes]) -> bool:
+        tails = []
         for index in sorted(set(self._guards) - self._finished):
             tail = self._finish_choice(index)
             if isinstance(tail, Cut):
-                return self._cut(tail)
+                return self._cut(tail, out)
             if tail.text and self._template is not None:
-                out.append(encode_event(_tail_chunk(self.endpoint, self._template, index, tail)))
+                tails.append(encode_event(_tail_chunk(self.endpoint, self._template, index, tail)))
         if self._side is not None:
             side = self._side.finish()
             if isinstance(side, Cut):
-                return self._cut(side)
+                return self._cut(side, out)
             if side and self._template is not None:
-                chat = self.endpoint is Endpoint.CHAT
-                out.append(encode_event(tail_chunk(self._template, side, chat=chat)))
-        return Step([*out, done], Phase.COMPLETED)
+                tails.append(encode_event(tail_chunk(self._template, side, chat=self._chat)))
+        out += tails
+        out.append(done)
+        return self._ended(Phase.COMPLETED, None)
 
 
 def own_usage(obj: dict[str, Any], hidden: int) -> dict[str, Any]:
@@ -351,7 +434,13 @@ def _fill_logprobs(endpoint: Endpoint, choice: dict[str, Any]) -> bool:
 # -- event parsing ---------------------------------------------------------------------------
 
 
-def parse_json(data: str) -> Any:
+def parse_json(data: str | bytes) -> Any:
+    """orjson first (several times faster on an event); what it refuses and Python's parser reads
+    (NaN and Infinity, lone surrogates, integers past 64 bits) is read as before."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        pass
     try:
         return json.loads(data)
     except RecursionError as exc:

@@ -1,15 +1,16 @@
 """The tenant request path end to end, owned by one ``Flight``: admit -> forward -> relay -> finish.
 
-``serve_completion`` returns a ``FlightResponse``; sending it runs the request's whole life in
-``Flight.run``, inside one ``try/finally``:
+``serve_completion`` runs the request's whole life in ``Flight.run``, answering through a
+``Reply`` (``gateway.proxy.reply``: ASGI, or direct to the socket), inside one ``try/finally``:
 
 1. admit (``gateway.proxy.admission``): route, count, fit, take the tenant's concurrency lease;
 2. forward: take the engine's in-flight slot and call the engine -- for a whole answer
    (``_answer``), or for a stream relayed event by event as it arrives (``_stream``);
 3. whatever happens becomes one ``Outcome`` (``gateway.proxy.ending``): an answer delivered, a
    refusal raised by any phase (a ``GatewayError``), a response guard's cut, a bug (logged; a 500,
-   or an error event once a stream is open), or the client going away -- a watcher reads
-   ``http.disconnect`` and cancels the flight, whether it waits for the engine or streams;
+   or an error event once a stream is open), or the client going away -- the reply's watch
+   cancels the flight, whether it waits for the engine or streams (a stream is pumped from the
+   engine's reads to the client by ``gateway.proxy.stream.StreamPump``);
 4. the ``finally`` applies the ending (``gateway.proxy.finish``: the lease released with its
    refund, the in-flight slot freed, the audit row, metrics, span, ``on_finish``), shielded from
    cancellation so it runs however the flight ends; only then is the rest of the reply sent, so
@@ -18,18 +19,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import anyio
-from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER, HandoffProof, handoff_of
 from contracts.plugins import ENGINE_HEADER, Cut, StreamGuard
-from contracts.sse import SseSplitter
 from gateway.domain import Principal
 from gateway.errors import (
     GatewayError,
@@ -43,10 +41,12 @@ from gateway.lifecycle import Phase
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
 from gateway.proxy.context import RequestContext
+from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.ending import (
     CLIENT_GONE,
     COMPLETED,
     INTERNAL,
+    Answer,
     Outcome,
     cut,
     refused,
@@ -62,7 +62,8 @@ from gateway.proxy.relay import (
     relay_body,
     screen,
 )
-from gateway.state import GatewayState
+from gateway.proxy.reply import AsgiReply, ClientGone, DirectReply
+from gateway.proxy.stream import StreamPump, TokenClock
 from gateway.upstream.base import (
     Endpoint,
     UpstreamCall,
@@ -75,15 +76,16 @@ log = logging.getLogger("kvguard.gateway.proxy")
 
 
 async def serve_completion(
-    state: GatewayState,
+    deps: ProxyDeps,
     *,
+    reply: AsgiReply,
     principal: Principal,
     body: Body,
     endpoint: Endpoint,
     request_id: str,
     incoming_headers: Mapping[str, str],
-) -> Response:
-    span = state.tracing.start_request(endpoint.path, body.model, incoming_headers)
+) -> None:
+    span = deps.tracing.start_request(endpoint.path, body.model, incoming_headers)
     span.set_attribute("kvguard.tenant_id", principal.tenant_id)
     span.set_attribute("kvguard.request_id", request_id)
     ctx = RequestContext(
@@ -94,59 +96,45 @@ async def serve_completion(
         stream=body.stream,
         span=span,
     )
-    return FlightResponse(Flight(state, ctx, body))
-
-
-class FlightResponse(Response):
-    """The response of a tenant request: sending it runs the request (``Flight.run``)."""
-
-    def __init__(self, flight: Flight) -> None:
-        super().__init__()
-        self.flight = flight
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.flight.run(scope, receive, send)
-
-
-class ClientGone(Exception):
-    """Sending to the client failed: it went away."""
+    await Flight(deps, ctx, body, reply).run()
 
 
 class Flight:
     """One tenant request's context, lease and in-flight slot, from admission to the end."""
 
-    def __init__(self, state: GatewayState, ctx: RequestContext, body: Body) -> None:
-        self.state = state
+    def __init__(self, deps: ProxyDeps, ctx: RequestContext, body: Body, reply: AsgiReply) -> None:
+        self.deps = deps
         self.ctx = ctx
         self.body = body
-        self._send: Send | None = None
+        self.reply = reply
         self._streaming = False  # the stream's head went out: errors become error events
 
-    async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._send = send
+    async def run(self) -> None:
         outcome = Outcome(CLIENT_GONE)  # what a cancelled flight leaves
         try:
-            outcome = await self._watched(receive)
+            outcome = await self._watched()
         finally:
-            await finish(self.state, self.ctx, outcome.ending)
-        reply = outcome.reply
-        if isinstance(reply, Response):
-            await reply(scope, receive, send)
-        elif reply is not None:
-            await send({"type": "http.response.body", "body": reply, "more_body": False})
+            await finish(self.deps, self.ctx, outcome.ending)
+        reply, out = outcome.reply, self.reply
+        try:
+            if isinstance(reply, Answer):
+                await out.json(200, reply.body, reply.headers)
+            elif isinstance(reply, Response):
+                await out.respond(reply)
+            elif reply is not None:
+                await out.end_stream(reply)
+        except ClientGone:
+            pass  # audited already; nothing is left to send to anyone
 
-    async def _watched(self, receive: Receive) -> Outcome:
-        """The outcome, or ``CLIENT_GONE`` when the client disconnects first.
-
-        A plain task watches (an anyio task group costs about 130 us more per request here);
-        cancelling the scope still honours the shielded parts (``on_cut``, closing the stream).
-        """
+    async def _watched(self) -> Outcome:
+        """The outcome, or ``CLIENT_GONE`` when the client disconnects first; cancelling the scope
+        still honours the shielded parts (``on_cut``, closing the stream)."""
         with anyio.CancelScope() as scope:
-            watcher = asyncio.create_task(_cancel_on_disconnect(receive, scope))
+            self.reply.watch(scope)
             try:
                 return await self._outcome()
             finally:
-                watcher.cancel()
+                self.reply.unwatch()
         return Outcome(CLIENT_GONE)
 
     async def _outcome(self) -> Outcome:
@@ -162,26 +150,26 @@ class Flight:
             return Outcome(INTERNAL, self._error(GatewayError("internal gateway error")))
 
     async def _serve(self) -> Outcome:
-        admitted = await admit(self.state, self.ctx, self.body)
+        admitted = await admit(self.deps, self.ctx, self.body)
         call = self._forward(admitted)
         if self.body.stream:
             return await self._stream(call, wants_usage=self.body.wants_usage_chunk())
         return await self._answer(call)
 
     def _forward(self, admitted: Admitted) -> UpstreamCall:
-        ctx, state = self.ctx, self.state
+        ctx, deps = self.ctx, self.deps
         ctx.engine = admitted.engine
         ctx.engine.in_flight += 1
-        state.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).inc()
+        deps.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).inc()
         ctx.advance(Phase.FORWARDED)
         ctx.forwarded_s = ctx.elapsed_s()
-        state.metrics.overhead_seconds.labels(endpoint=ctx.endpoint.value).observe(ctx.forwarded_s)
+        deps.metrics.overhead_seconds.labels(endpoint=ctx.endpoint.value).observe(ctx.forwarded_s)
         ctx.span.set_attribute("kvguard.engine", admitted.engine.name)
         ctx.span.set_attribute("kvguard.prompt_tokens", admitted.size.prompt_tokens)
         ctx.span.set_attribute("gen_ai.request.max_tokens", admitted.size.max_tokens)
         headers = {TENANT_HEADER: ctx.principal.tenant_id, REQUEST_ID_HEADER: ctx.request_id}
         spec = admitted.engine.spec
-        ctx.upstream_span = state.tracing.start_upstream(
+        ctx.upstream_span = deps.tracing.start_upstream(
             ctx.span,
             base_url=spec.base_url,
             route=ctx.endpoint.path,
@@ -208,20 +196,6 @@ class Flight:
             return error_event(err.message, err.code, err.type_)
         return err.response(headers=self._headers())
 
-    async def _emit_ready(self, ready: list[bytes]) -> None:
-        if not ready:
-            return
-        if self.ctx.first_byte_s is None:
-            self.ctx.first_byte_s = self.ctx.elapsed_s()
-        await self._emit(ready[0] if len(ready) == 1 else b"".join(ready))
-
-    async def _emit(self, data: bytes) -> None:
-        assert self._send is not None
-        try:
-            await self._send({"type": "http.response.body", "body": data, "more_body": True})
-        except OSError as exc:  # an ASGI server that raises once the client is gone
-            raise ClientGone from exc
-
     # -- a whole answer --------------------------------------------------------------------------
 
     async def _answer(self, call: UpstreamCall) -> Outcome:
@@ -238,7 +212,7 @@ class Flight:
             ctx.engine_prompt_tokens = _count(usage.get("prompt_tokens"))
         ctx.finish_reasons = _finish_reasons(body)
         self._check_handoff(handoff_of(body))
-        capabilities = self.state.hooks.guards.capabilities
+        capabilities = self.deps.hooks.guards.capabilities
         try:
             result = relay_body(
                 ctx.endpoint,
@@ -255,12 +229,12 @@ class Flight:
         if ctx.hidden_prompt_tokens and isinstance(result.get("usage"), dict):
             result = own_usage(result, ctx.hidden_prompt_tokens)  # the tenant's own usage
         ctx.first_byte_s = ctx.elapsed_s()
-        latency.answered(self.state, ctx)
-        return Outcome(COMPLETED, JSONResponse(result, headers=self._headers()))
+        latency.answered(self.deps, ctx)
+        return Outcome(COMPLETED, Answer(result, self._headers()))
 
     async def _call_engine(self, call: UpstreamCall) -> UpstreamReply:
         try:
-            return await self.state.upstream_for(call.spec).complete(call)
+            return await self.deps.upstream_for(call.spec).complete(call)
         except UpstreamUnreachable as exc:
             log.warning("engine %s unreachable: %s", call.spec.name, exc)
             raise UpstreamFailed("the engine could not be reached") from exc
@@ -285,18 +259,18 @@ class Flight:
         raise UpstreamFailed(f"the engine answered HTTP {reply.status}")
 
     def _check_handoff(self, proof: HandoffProof | None) -> None:
-        if not note_handoff(self.state, self.ctx, proof):
+        if not note_handoff(self.deps, self.ctx, proof):
             raise HandoffMismatch()
 
     def _open_guard(self) -> StreamGuard:
-        return self.state.hooks.guards.open(self.ctx.info())
+        return self.deps.hooks.guards.open(self.ctx.info())
 
     async def _cut(self, verdict: Cut) -> Outcome:
         await self._report_cut(verdict)
         return Outcome(cut(verdict), self._error(Stopped(verdict)))
 
     async def _report_cut(self, verdict: Cut) -> None:
-        on_cut = self.state.hooks.on_cut
+        on_cut = self.deps.hooks.on_cut
         if on_cut is not None:
             with anyio.CancelScope(shield=True):
                 try:
@@ -308,89 +282,78 @@ class Flight:
 
     async def _stream(self, call: UpstreamCall, *, wants_usage: bool) -> Outcome:
         try:
-            opened = await self.state.upstream_for(call.spec).stream(call)
+            opened = await self.deps.upstream_for(call.spec).stream(call)
         except UpstreamUnreachable as exc:
             log.warning("engine %s unreachable: %s", call.spec.name, exc)
             raise UpstreamFailed("the engine could not be reached") from exc
         if isinstance(opened, UpstreamReply):
             return await self._engine_refused(opened)
         self.ctx.answered = True
+        relay: StreamRelay | None = None
         try:
             self.ctx.advance(Phase.STREAMING)
-            capabilities = self.state.hooks.guards.capabilities
+            capabilities = self.deps.hooks.guards.capabilities
             relay = StreamRelay(
                 endpoint=self.ctx.endpoint,
                 open_guard=self._open_guard,
                 wants_usage=wants_usage,
-                refuse_handoff_mismatch=self.state.settings.refuse_on_handoff_mismatch,
+                refuse_handoff_mismatch=self.deps.settings.refuse_on_handoff_mismatch,
                 screen_side=capabilities.screens_side,
                 side_prefilter=capabilities.side_prefilter,
                 hidden_prompt_tokens=self.ctx.hidden_prompt_tokens,
             )
-            await self._start_stream()
+            self._streaming = True
+            await self.reply.start_stream(self._headers())
             return await self._relay(opened, relay)
         finally:
+            if relay is not None and relay.end is Phase.COMPLETED:
+                opened.done_reading()  # read to its end: the connection may be kept
             with anyio.CancelScope(shield=True):
                 await opened.aclose()
 
-    async def _start_stream(self) -> None:
-        assert self._send is not None
-        headers = {**self._headers(), "cache-control": "no-cache"}
-        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        raw.append((b"content-type", b"text/event-stream; charset=utf-8"))
-        self._streaming = True
-        try:
-            await self._send({"type": "http.response.start", "status": 200, "headers": raw})
-        except OSError as exc:
-            raise ClientGone from exc
-
     async def _relay(self, opened: UpstreamStream, relay: StreamRelay) -> Outcome:
-        """Each upstream read's events through the relay; what they give the client goes out in
-        one write per read (the bytes an upstream read brings are all there at once: joining them
-        delays none, and a busy gateway, whose reads carry several events, writes less often)."""
-        ctx, splitter = self.ctx, SseSplitter()
-        try:
-            async for chunk in opened.chunks():
-                ready: list[bytes] = []
-                for raw in splitter.feed(chunk):
-                    step = relay.on_event(raw)
-                    latency.tick(self.state, ctx, relay.text_events)
-                    if relay.saw_text and ctx.first_token_s is None:
-                        ctx.first_token_s = ctx.elapsed_s() - (ctx.forwarded_s or 0.0)
-                    ready += step.out
-                    if step.end is not None:
-                        await self._emit_ready(ready)
-                        return await self._stream_ended(relay, step.end, step.code, b"")
-                await self._emit_ready(ready)
-            step = relay.on_upstream_end()
-        except UpstreamUnreachable:
-            step = relay.on_upstream_end()
-        return await self._stream_ended(relay, step.end or Phase.FAILED, step.code, *step.out)
+        """The stream through the relay to the client: pushed from the engine connection's reads
+        when both ends allow it (``DirectReply`` and a ``PushSource``), else pulled read by read.
+        The bytes of one read leave in one write; the last ones wait for the single exit."""
+        clock = TokenClock(self.deps.metrics.inter_token_seconds.bounds)
+        pump = StreamPump(relay, self.reply, clock)
+        direct = self.reply if isinstance(self.reply, DirectReply) else None
+        source = opened.push() if direct is not None else None
+        if direct is not None and source is not None:
+            direct.throttle(source.pause, source.resume)
+            source.attach(pump)
+            await pump.done
+        else:
+            try:
+                async for chunk in opened.chunks():
+                    pump.data(chunk)
+                    await self.reply.drain()
+                    if pump.done.done():
+                        break
+                else:
+                    pump.end()
+            except UpstreamUnreachable as exc:
+                pump.lost(exc)
+        return await self._stream_ended(relay, pump)
 
-    async def _stream_ended(
-        self, relay: StreamRelay, end: Phase, code: str | None, *last: bytes
-    ) -> Outcome:
-        self.ctx.completion_tokens = relay.completion_tokens
-        self.ctx.engine_prompt_tokens = relay.prompt_tokens
-        self.ctx.finish_reasons = tuple(relay.finish_reasons)
-        note_handoff(self.state, self.ctx, relay.handoff)
+    async def _stream_ended(self, relay: StreamRelay, pump: StreamPump) -> Outcome:
+        ctx, clock = self.ctx, pump.clock
+        ctx.clock = clock
+        if clock.first_s is not None:
+            ctx.first_token_s = clock.first_s - ctx.started_mono - (ctx.forwarded_s or 0.0)
+        if pump.first_write_s is not None:
+            ctx.first_byte_s = pump.first_write_s - ctx.started_mono
+        ctx.completion_tokens = relay.completion_tokens
+        ctx.engine_prompt_tokens = relay.prompt_tokens
+        ctx.finish_reasons = tuple(relay.finish_reasons)
+        note_handoff(self.deps, ctx, relay.handoff)
+        end = relay.end or Phase.FAILED
         if end is Phase.CUT and relay.cut is not None:
             await self._report_cut(relay.cut)
-        return Outcome(stream_ended(end, code, relay.cut), b"".join(last))
+        return Outcome(stream_ended(end, relay.end_code, relay.cut), pump.last)
 
 
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    """Cancel the flight when the client disconnects (its body has been read by then)."""
-    try:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-    except Exception:  # the server cannot tell us: stop watching, the flight goes on
-        log.exception("watching for the client's disconnect failed")
-        return
-    scope.cancel()
-
-
-def note_handoff(state: GatewayState, ctx: RequestContext, proof: HandoffProof | None) -> bool:
+def note_handoff(deps: ProxyDeps, ctx: RequestContext, proof: HandoffProof | None) -> bool:
     """Record the engine's handoff proof; False when it shows a mismatch and the gateway refuses
     such answers (``refuse_on_handoff_mismatch``, on by default: never trust that KV)."""
     if proof is None:
@@ -399,7 +362,7 @@ def note_handoff(state: GatewayState, ctx: RequestContext, proof: HandoffProof |
     if proof.consistent:
         return True
     engine = ctx.engine.name if ctx.engine is not None else "unknown"
-    state.metrics.handoff_mismatch.labels(engine=engine).inc()
+    deps.metrics.handoff_mismatch.labels(engine=engine).inc()
     log.error(
         "handoff mismatch on engine %s for request %s: outcome=%s reserved=%s transferred=%s",
         engine,
@@ -408,7 +371,7 @@ def note_handoff(state: GatewayState, ctx: RequestContext, proof: HandoffProof |
         proof.reserved_tokens,
         proof.transferred_tokens,
     )
-    return not state.settings.refuse_on_handoff_mismatch
+    return not deps.settings.refuse_on_handoff_mismatch
 
 
 def _engine_message(error: dict[str, Any]) -> str:

@@ -317,10 +317,10 @@ class SideScreen:
         max_paths: int = MAX_PATHS,
     ):
         self._open = open_guard
-        self._prefilter = prefilter
+        self.prefilter = prefilter  # read by the relay's common-chunk path too
         self._max = max_paths
         self._guards: dict[str, StreamGuard] = {}
-        self._holding: set[str] = set()  # keys whose guard may hold text back
+        self.holding: set[str] = set()  # keys whose guard may hold text back
         self._rewritten: set[str] = set()  # keys of rewritable fields
         self._last: dict[str, tuple[Location, tuple[int | None, ...]]] = {}  # rewrite keys
 
@@ -328,18 +328,11 @@ class SideScreen:
         """A Cut, the event rewritten (only when a rewritable field changed), or None."""
         return self._screen(obj, raw, streamed=True)
 
-    def cleared(self, obj: dict[str, Any], raw: str) -> bool:
-        """True when ``feed(obj, raw=raw)`` would do nothing and return None: no guard holds text
-        back and the prefilter clears the event. The relay asks this first, so the usual streamed
-        event costs one call here instead of a walk (or three calls)."""
-        prefilter = self._prefilter
-        return not self._holding and prefilter is not None and not prefilter(raw, obj)
-
     def _screen(
         self, obj: dict[str, Any], raw: str | None, *, streamed: bool
     ) -> Cut | Rewritten | None:
-        idle = not self._holding
-        prefilter = self._prefilter
+        idle = not self.holding
+        prefilter = self.prefilter
         if idle and raw is not None and prefilter is not None and not prefilter(raw, obj):
             return None
         for key, values in side_fields(obj).items():
@@ -347,7 +340,7 @@ class SideScreen:
                 verdict = self._feed(key, value)
                 if isinstance(verdict, Cut):
                     return verdict
-        if streamed and self._holding and (cut := self._exposed()) is not None:
+        if streamed and self.holding and (cut := self._exposed()) is not None:
             return cut
         if raw is not None and "\\u" not in raw and not any(k in raw for k in _REWRITE_KEYS):
             return None
@@ -369,7 +362,7 @@ class SideScreen:
 
     def _exposed(self) -> Cut | None:
         """The Cut of a cut-only field's guard whose held-back text must not go out, or None."""
-        for key in sorted(self._holding - self._rewritten):
+        for key in sorted(self.holding - self._rewritten):
             if (cut := self._guards[key].exposed()) is not None:
                 return cut
         return None
@@ -384,9 +377,9 @@ class SideScreen:
         verdict = guard.feed(value)
         if isinstance(verdict, Emit):
             if not guard.skippable(""):
-                self._holding.add(key)
+                self.holding.add(key)
             else:
-                self._holding.discard(key)
+                self.holding.discard(key)
         return verdict
 
     def _guard(self, key: str) -> StreamGuard:
@@ -400,7 +393,7 @@ class SideScreen:
     def finish(self) -> Cut | list[SideTail]:
         """A Cut, or the rewritable fields' held-back tails (cut-only fields deliver nothing)."""
         guards, self._guards = self._guards, {}
-        self._holding = set()
+        self.holding = set()
         tails: list[SideTail] = []
         for key, guard in guards.items():
             verdict = guard.finish()

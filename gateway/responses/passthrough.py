@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.api.surface import Profile
+from gateway.openai.surface import Profile
 from gateway.responses.schemas import CreateResponseBody
 from gateway.responses.surface import RULES, forwarded
 

@@ -4,7 +4,7 @@
 Every field of ``CreateResponse`` is declared, so a request any OpenAI client may send is read,
 not refused as unknown; what each engine kind does with each field is decided in one place,
 ``gateway.responses.surface``. Unknown fields, wrong JSON types and out-of-range numbers are 400s
-naming the field (the same base and text types as chat: ``gateway.api.schemas_openai``).
+naming the field (the same base and text types as chat: ``gateway.openai.schemas``).
 
 ``input`` is a string or a list of items, each read by its ``type`` (a message may leave it out):
 messages (``input_text``, ``input_image``, ``input_file`` parts; an assistant's ``output_text``
@@ -21,7 +21,8 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 
 from contracts.openai import lone_surrogate
-from gateway.api.schemas_openai import (
+from gateway.db.text import StoredText
+from gateway.openai.schemas import (
     MAX_TOKENS_CEILING,
     Json,
     JsonObject,
@@ -29,7 +30,6 @@ from gateway.api.schemas_openai import (
     Text,
     _Request,
 )
-from gateway.db.text import StoredText
 
 MAX_ITEMS = 1024  # input items (as chat's messages)
 MAX_PARTS = 256  # content parts of one message

@@ -1,5 +1,5 @@
 """Which Responses request fields each engine kind serves: the Responses API's one place of
-decision, beside chat's (``gateway.api.surface``, whose profiles, decisions and 400 it shares).
+decision, beside chat's (``gateway.openai.surface``, whose profiles, decisions and 400 it shares).
 
 Two ways an engine serves ``POST /v1/responses``:
 
@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api.surface import (
+from gateway.engines.registry import EngineRecord
+from gateway.openai.surface import (
     _CELL,
     PROFILES,
     Decision,
@@ -34,8 +35,7 @@ from gateway.api.surface import (
     UnsupportedParameter,
     profile_of,
 )
-from gateway.api.surface import RULES as CHAT_RULES
-from gateway.engines.registry import EngineRecord
+from gateway.openai.surface import RULES as CHAT_RULES
 from gateway.responses.schemas import (
     AllowedTools,
     CreateResponseBody,

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.api.schemas_openai import ChatCompletionBody
+from gateway.openai.schemas import ChatCompletionBody
 from gateway.responses.schemas import (
     CreateResponseBody,
     FunctionCallItem,

@@ -19,15 +19,15 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.sql import run_in_session, utcnow
-from gateway.config import (
+from gateway.db.models import EngineControl, RegisteredEngine
+from gateway.engines.registry import EngineControls, EngineRegistry, EngineSource
+from gateway.engines.spec import (
     EngineKind,
     EngineSpec,
     MemberSpec,
     UpstreamPath,
     with_engine_credential,
 )
-from gateway.db.models import EngineControl, RegisteredEngine
-from gateway.engines.registry import EngineControls, EngineRegistry, EngineSource
 from gateway.errors import Conflict, InvalidRequest, NotFound
 
 

@@ -22,10 +22,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from contracts.sql import run_in_session
-from gateway.config import EngineSpec
 from gateway.db.models import ApiKey, Tenant
 from gateway.domain import TenantPlan
 from gateway.engines.registry import EngineControls, EngineRecord
+from gateway.engines.spec import EngineSpec
 from gateway.errors import InvalidRequest, NotFound
 from gateway.lifecycle import TenantStatus
 from gateway.services import actions

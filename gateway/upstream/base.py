@@ -12,9 +12,9 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
-from gateway.config import EngineSpec
+from gateway.engines.spec import EngineSpec
 
 MAX_ERROR_BODY_BYTES = 64 << 10
 
@@ -62,10 +62,40 @@ class UpstreamUnreachable(RuntimeError):
     """No answer from the engine (the message names the failure class, never content)."""
 
 
+class BodySink(Protocol):
+    """Where a pushed stream's bytes go, from the connection's own reads (``gateway.proxy.stream``
+    is one)."""
+
+    def data(self, chunk: bytes) -> None: ...
+
+    def end(self) -> None: ...
+
+    def lost(self, error: Exception) -> None: ...
+
+
+class PushSource(Protocol):
+    """A stream that pushes its bytes to a sink as they arrive (no task wakes up per read)."""
+
+    def attach(self, sink: BodySink) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
 class UpstreamStream(ABC):
     @abstractmethod
     def chunks(self) -> AsyncIterator[bytes]:
         """Raw SSE bytes as they arrive; raises ``UpstreamUnreachable`` if the engine drops."""
+
+    def push(self) -> PushSource | None:
+        """The same bytes pushed to a sink instead, when this stream can (default: it cannot;
+        then the relay pulls ``chunks``)."""
+        return None
+
+    def done_reading(self) -> None:  # noqa: B027 (optional hook)
+        """The relay read the stream to its end: ``aclose`` may keep the connection for another
+        request once the engine has finished the response (default: nothing to keep)."""
 
     @abstractmethod
     async def aclose(self) -> None:

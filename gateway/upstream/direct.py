@@ -1,12 +1,13 @@
-"""Direct path: aiohttp to an OpenAI-compatible engine; streamed bytes pass through untouched.
+"""Direct path: HTTP/1.1 straight to an OpenAI-compatible engine; streamed bytes pass through
+untouched.
 
-One shared ``aiohttp.ClientSession`` (opened on first use, in the running loop; closed with the
-app) keeps connections to every engine alive. aiohttp rather than httpx because this is the hot
-path: `python -m bench.bench_http_client` measures a request here at under a quarter of httpx's
-CPU (httpx stays for the capacity poller and token counting, which are not per-request).
-A stream is opened, its status checked before the client sees anything (so an engine 400 becomes
-a proper 400, not a broken 200 stream), then relayed chunk by chunk as the engine writes; closing
-it early closes the connection, so the engine sees the client go away.
+The connections are the gateway's own (``gateway.upstream.wire``: kept alive per engine,
+httptools parsing, opened in the running loop, closed with the app), so a streamed answer's
+reads are pushed to the relay from the connection itself (``DirectStream.push``) instead of
+waking a task per read through a client library's stream classes. A stream is opened, its status
+checked before the client sees anything (so an engine 400 becomes a proper 400, not a broken 200
+stream), then relayed as the engine writes; closing it early closes the connection, so the engine
+sees the client go away. Request bodies are encoded with orjson (the same compact JSON, UTF-8).
 
 A router may answer 200 with a worker's error: vLLM's PD proxy demo
 (``disagg_proxy_demo.py`` ``forward_request``) relays a worker's 4xx body as it is, under
@@ -21,10 +22,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
+import orjson
 
 from gateway.upstream.base import (
     MAX_ERROR_BODY_BYTES,
+    PushSource,
     Upstream,
     UpstreamCall,
     UpstreamReply,
@@ -32,97 +34,108 @@ from gateway.upstream.base import (
     UpstreamUnreachable,
     engine_error_body,
 )
-
-_FAILURES = (aiohttp.ClientError, TimeoutError)
+from gateway.upstream.wire import Exchange, Origin, WireError, WirePool, request_head
 
 
 class DirectStream(UpstreamStream):
-    def __init__(self, response: aiohttp.ClientResponse, first: bytes) -> None:
-        self._response = response
-        self._first = first  # read already, to tell a stream from a relayed error
+    def __init__(self, exchange: Exchange) -> None:
+        self._exchange = exchange
+        self._linger = False
+
+    def push(self) -> PushSource:
+        return self._exchange
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        if self._first:
-            yield self._first
         try:
-            async for chunk in self._response.content.iter_any():
+            while chunk := await self._exchange.next_chunk():
                 yield chunk
-        except _FAILURES as exc:
-            raise UpstreamUnreachable(f"stream broke: {exc.__class__.__name__}") from exc
+        except WireError as exc:
+            raise UpstreamUnreachable(f"stream broke: {exc}") from exc
+
+    def done_reading(self) -> None:
+        self._linger = True
 
     async def aclose(self) -> None:
-        if self._response.content.at_eof():
-            self._response.release()  # read to the end: the connection goes back to the pool
-        else:
-            self._response.close()  # stopped early: drop the connection, the engine stops too
+        # read to the end: back to the pool (once the engine's last bytes came); else closed
+        self._exchange.release(linger=self._linger)
 
 
 class DirectUpstream(Upstream):
     def __init__(self, *, connect_timeout_s: float, read_timeout_s: float) -> None:
-        # connect bounds the TCP connect only (not a wait for a pooled connection); sock_read
-        # bounds each wait for the engine's next bytes, so a slow but live stream is not cut
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
-        )
-        self._session: aiohttp.ClientSession | None = None
+        # connect bounds the TCP connect only; read bounds each wait for the engine's next
+        # bytes, so a slow but live stream is not cut
+        self._pool = WirePool(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+        self._origins: dict[str, Origin] = {}
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:  # opened in the running loop, on first use
-            connector = aiohttp.TCPConnector(limit=1000, limit_per_host=0, ttl_dns_cache=300)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, raise_for_status=False
-            )
-        return self._session
-
-    async def _send(self, call: UpstreamCall) -> aiohttp.ClientResponse:
-        headers = {**call.outgoing_headers(), "Content-Type": "application/json"}
+    async def _send(self, call: UpstreamCall) -> Exchange:
+        headers = call.outgoing_headers()
         key = call.spec.key()
         if key is not None:
-            headers["Authorization"] = f"Bearer {key}"
-        data = json.dumps(call.body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        url = f"{call.spec.base_url}{call.endpoint.path}"
+            headers["authorization"] = f"Bearer {key}"
+        body = _dumps(call.body)
+        origin = self._origins.get(call.spec.base_url)
+        if origin is None:
+            origin = self._origins[call.spec.base_url] = Origin.of(call.spec.base_url)
+        path = _base_path(call.spec.base_url) + call.endpoint.path
         try:
-            return await self._client().post(
-                url, data=data.encode(), headers=headers, allow_redirects=False
-            )
-        except _FAILURES as exc:
-            raise UpstreamUnreachable(exc.__class__.__name__) from exc
+            head = request_head(origin, path, headers, len(body))
+            return await self._pool.exchange(origin, head, body)
+        except (WireError, ValueError) as exc:
+            raise UpstreamUnreachable(str(exc)) from exc
 
     async def complete(self, call: UpstreamCall) -> UpstreamReply:
-        response = await self._send(call)
+        exchange = await self._send(call)
         try:
-            content = await response.read()
-        except _FAILURES as exc:
-            raise UpstreamUnreachable(exc.__class__.__name__) from exc
+            content = await exchange.read_all()
+        except WireError as exc:
+            raise UpstreamUnreachable(str(exc)) from exc
         finally:
-            response.release()
+            exchange.release()
+        assert content is not None
         body = _json_or_none(content)
-        if response.status != 200:
+        if exchange.status != 200:
             body = engine_error_body(body)
         elif (relayed := _relayed_error(body)) is not None:
             return relayed
-        return UpstreamReply(status=response.status, body=body, raw=_utf8_or_none(content))
+        return UpstreamReply(status=exchange.status, body=body, raw=_utf8_or_none(content))
 
     async def stream(self, call: UpstreamCall) -> UpstreamStream | UpstreamReply:
-        response = await self._send(call)
-        if response.status == 200:
-            first = await _first_chunk(response)
-            if not first.lstrip().startswith(b"{"):  # SSE: "data: ..."
-                return DirectStream(response, first)
-        else:
-            first = b""
+        exchange = await self._send(call)
         try:
-            body = _json_or_none(first + await _read_bounded(response))
+            first = await exchange.next_chunk() if exchange.status == 200 else b""
+        except WireError as exc:
+            exchange.release()
+            raise UpstreamUnreachable(f"stream broke: {exc}") from exc
+        if exchange.status == 200 and not first.lstrip().startswith(b"{"):  # SSE: "data: ..."
+            exchange._pending.insert(0, first)  # the relay reads it first
+            return DirectStream(exchange)
+        try:
+            rest = await exchange.read_all(MAX_ERROR_BODY_BYTES)
+        except WireError:
+            rest = None
         finally:
-            response.close()
-        if response.status != 200:
-            return UpstreamReply(status=response.status, body=engine_error_body(body))
+            exchange.release()
+        body = _json_or_none(first + rest) if rest is not None else None
+        if exchange.status != 200:
+            return UpstreamReply(status=exchange.status, body=engine_error_body(body))
         return _relayed_error(body) or UpstreamReply(status=502, body=None)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._pool.close()
+
+
+def _base_path(base_url: str) -> str:
+    """The path part of an engine's base URL (a router mounted below a prefix)."""
+    rest = base_url.split("://", 1)[-1]
+    slash = rest.find("/")
+    return rest[slash:].rstrip("/") if slash >= 0 else ""
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # an integer past 64 bits: the standard encoder takes it
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _relayed_error(body: dict[str, Any] | None) -> UpstreamReply | None:
@@ -137,28 +150,6 @@ def _relayed_error(body: dict[str, Any] | None) -> UpstreamReply | None:
     return UpstreamReply(status=code, body=body)
 
 
-async def _first_chunk(response: aiohttp.ClientResponse) -> bytes:
-    try:
-        async for chunk in response.content.iter_any():
-            return chunk
-    except _FAILURES as exc:
-        response.close()
-        raise UpstreamUnreachable(f"stream broke: {exc.__class__.__name__}") from exc
-    return b""
-
-
-async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:
-    data = b""
-    try:
-        async for chunk in response.content.iter_any():
-            data += chunk
-            if len(data) > MAX_ERROR_BODY_BYTES:
-                return b""
-    except _FAILURES:
-        return b""
-    return data
-
-
 def _utf8_or_none(content: bytes) -> str | None:
     """The JSON text as sent (the side-field prefilter reads it); None unless strict UTF-8."""
     try:
@@ -169,7 +160,10 @@ def _utf8_or_none(content: bytes) -> str | None:
 
 def _json_or_none(content: bytes) -> dict[str, Any] | None:
     try:
-        data = json.loads(content)
-    except ValueError:
-        return None
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        try:  # what orjson refuses and Python reads (NaN, lone surrogates, huge integers)
+            data = json.loads(content)
+        except (ValueError, RecursionError):
+            return None
     return data if isinstance(data, dict) else None

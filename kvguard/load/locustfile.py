@@ -38,7 +38,7 @@ from locust import User, constant, events, task
 from locust.exception import StopUser
 
 from canary.config import CanarySettings
-from canary.markers import MarkerCodec
+from canary.markers import MarkerCodec, MarkerKeyring
 from canary.probes import filler_text, reference_chat
 from kvguard.load.content import (
     Expected,
@@ -90,8 +90,9 @@ class LoadContext:
     samples: list[Sample] = field(default_factory=list)
 
     @classmethod
-    def from_plan(cls, plan: LoadPlan) -> LoadContext:
-        codec = MarkerCodec(CanarySettings().keyring())
+    def from_plan(cls, plan: LoadPlan, *, keyring: MarkerKeyring | None = None) -> LoadContext:
+        """``keyring``: the one the plan was calibrated with (default: this environment's)."""
+        codec = MarkerCodec(keyring or CanarySettings().keyring())
         return cls(plan=plan, codec=codec, budget=Budget(plan.max_requests))
 
     def marker_owner(self, index: int, size: SizeClass) -> LoadTenant:

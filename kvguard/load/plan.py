@@ -4,6 +4,12 @@ The parent builds it (tenants and their keys, the model, the calibrated size cla
 writes it as JSON to a file only its user can read in a private temporary directory, and starts
 the worker with that path; the worker reads it back with ``LoadPlan.load``. Keys never appear in a
 repr, a log line or the output directory.
+
+The markers' keyring is not in the plan: the parent hands the worker the very keyring it calibrated
+with on the worker's standard input (``keyring_text`` / ``read_keyring``), so the canary's key is
+never written to disk and the worker cannot mint markers under another key than its caller's (its
+own environment may name none, or another: the gateway then sees markers it cannot verify, and
+strips them from every answer).
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from canary.markers import MarkerKeyring
 
 SIZE_NAMES = ("short", "mid", "near", "over", "over_prompt")
 # Opt-in: a short request that carries another load tenant's marker; the gateway must refuse it.
@@ -82,3 +90,15 @@ class LoadPlan:
     @classmethod
     def load(cls, path: Path) -> LoadPlan:
         return cls.from_json(json.loads(path.read_text()))
+
+
+def keyring_text(keyring: MarkerKeyring) -> str:
+    """The keyring as JSON (secrets in hex), for the worker's standard input only."""
+    keys = {str(key_id): (keyring.get(key_id) or b"").hex() for key_id in keyring.key_ids}
+    return json.dumps({"current": keyring.current_id, "keys": keys})
+
+
+def read_keyring(text: str) -> MarkerKeyring:
+    data = json.loads(text)
+    keys = {int(key_id): bytes.fromhex(secret) for key_id, secret in data["keys"].items()}
+    return MarkerKeyring(keys, current=int(data["current"]))

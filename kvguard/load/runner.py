@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from canary.markers import MarkerCodec
-from kvguard.load.plan import ALL_SIZE_NAMES, SIZE_NAMES, LoadPlan
+from kvguard.load.plan import ALL_SIZE_NAMES, SIZE_NAMES, LoadPlan, keyring_text
 from kvguard.load.report import Slo, read_samples, summarize
 from kvguard.load.setup import GatewaySetup, LoadSetupError, calibrate, describe
 
@@ -101,19 +101,22 @@ def prepare_plan(options: LoadOptions, *, codec: MarkerCodec, admin_token: str) 
     )
 
 
-def run_worker(plan: LoadPlan) -> dict[str, Any]:
-    """Run the Locust worker on ``plan``; its ``run.json`` (wall time, requests issued)."""
+def run_worker(plan: LoadPlan, *, codec: MarkerCodec) -> dict[str, Any]:
+    """Run the Locust worker on ``plan``, minting markers with ``codec``'s keyring (the one the
+    plan was calibrated with, handed over on the worker's stdin); its ``run.json`` (wall time,
+    requests issued)."""
     out = Path(plan.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "worker.log"
     with tempfile.TemporaryDirectory(prefix="kvguard-load-") as private:
         plan_path = Path(private) / "plan.json"
         plan.save(plan_path)
-        argv = [sys.executable, "-m", "kvguard.load.worker", str(plan_path)]
+        argv = [sys.executable, "-m", "kvguard.load.worker", str(plan_path), "--keyring-stdin"]
         limit = plan.duration_s + plan.stop_timeout_s + WORKER_GRACE_S
         with log.open("wb") as sink:
             try:  # Locust's log to worker.log; the progress lines (stderr) to our terminal
-                done = subprocess.run(argv, stdout=sink, timeout=limit)
+                keyring = keyring_text(codec.keyring).encode()
+                done = subprocess.run(argv, stdout=sink, input=keyring, timeout=limit)
             except subprocess.TimeoutExpired as exc:
                 raise LoadSetupError(f"the Locust worker ran past {limit:.0f} s") from exc
     if done.returncode != 0:
@@ -126,7 +129,7 @@ def run_worker(plan: LoadPlan) -> dict[str, Any]:
 def run_load(options: LoadOptions, *, codec: MarkerCodec, admin_token: str) -> dict[str, Any]:
     """Set up, run and summarize one load run; the summary is also in ``summary.json``."""
     plan = prepare_plan(options, codec=codec, admin_token=admin_token)
-    run = run_worker(plan)
+    run = run_worker(plan, codec=codec)
     samples = read_samples(Path(plan.out_dir) / "samples.jsonl")
     sizes = describe(plan.sizes, plan.limit)
     summary = {

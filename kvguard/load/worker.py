@@ -1,4 +1,6 @@
-"""The Locust worker process of ``kvguard load``: ``python -m kvguard.load.worker PLAN.json``.
+"""The Locust worker process of ``kvguard load``: ``python -m kvguard.load.worker PLAN.json
+[--keyring-stdin]`` (the markers' keyring as JSON on stdin, ``kvguard.load.plan.read_keyring``;
+without it, the canary settings of the worker's own environment).
 
 A separate process because Locust monkey-patches the standard library with gevent on import;
 ``kvguard load`` (the parent) stays gevent-free. Lifecycle: read the plan -> import the locustfile
@@ -31,9 +33,12 @@ PROGRESS_INTERVAL_S = 2.0
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    from_stdin = "--keyring-stdin" in args
+    args = [arg for arg in args if arg != "--keyring-stdin"]
     if len(args) != 1:
-        print("usage: python -m kvguard.load.worker PLAN.json", file=sys.stderr)
+        print("usage: python -m kvguard.load.worker PLAN.json [--keyring-stdin]", file=sys.stderr)
         return 2
+    keyring_json = sys.stdin.read() if from_stdin else None
     logging.basicConfig(stream=sys.stdout, level=logging.INFO)
     import gevent
     from locust.env import Environment
@@ -41,13 +46,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
 
     from kvguard.load import locustfile
-    from kvguard.load.plan import LoadPlan
+    from kvguard.load.plan import LoadPlan, read_keyring
     from kvguard.load.report import progress_line, write_samples
 
     plan = LoadPlan.load(Path(args[0]))
     out = Path(plan.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ctx = locustfile.LoadContext.from_plan(plan)
+    keyring = None if keyring_json is None else read_keyring(keyring_json)
+    ctx = locustfile.LoadContext.from_plan(plan, keyring=keyring)
     locustfile.ChatUser.ctx = ctx
     env = Environment(
         user_classes=[locustfile.ChatUser],

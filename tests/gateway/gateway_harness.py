@@ -1,4 +1,6 @@
-"""Helpers to run gateway apps in tests: lifespan, an in-process client, tenant creation."""
+"""Helpers to run gateway apps in tests: the app served over real HTTP on 127.0.0.1 by uvicorn
+with the gateway's own protocol (so the completion routes run below ASGI, as in production), a
+client, tenant creation."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from contracts.settings import DEV_ADMIN_TOKEN
 from gateway.app import create_app
 from gateway.config import GatewaySettings
 from gateway.state import GatewayState
+from kvguard.testing import serve
 
 
 @dataclass
@@ -45,10 +48,12 @@ async def running_gateway(
     settings: GatewaySettings, *, hooks: GatewayHooks | None = None, span_exporter: Any = None
 ) -> AsyncIterator[Gateway]:
     app = create_app(settings, hooks=hooks, span_exporter=span_exporter)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+    server = await serve(app, lifespan="on")
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             yield Gateway(app=app, state=app.state.gateway, client=client)
+    finally:
+        await server.stop()
 
 
 __all__ = ["DEV_ADMIN_TOKEN", "Gateway", "bearer", "running_gateway"]

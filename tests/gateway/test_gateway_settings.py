@@ -8,13 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from contracts.settings import DEV_ADMIN_TOKEN
-from gateway.config import (
-    EngineKind,
-    EngineSpec,
-    GatewaySettings,
-    UpstreamPath,
-    parse_engine_arg,
-)
+from gateway.config import GatewaySettings
+from gateway.engines.spec import EngineKind, EngineSpec, parse_engine_arg
 
 ADMIN = "Zq3-admin-token-7Hx0pLw9-vK2mR5tN8s"  # strong enough for production
 SCRAPE = "Yb6-scrape-token-4Jd1qAe8-uT3nC7wF2k"
@@ -72,23 +67,3 @@ def test_engine_args_and_env(monkeypatch, tmp_path) -> None:
         ("b", EngineKind.VLLM),
         ("a", EngineKind.SGLANG),
     ]
-
-
-def test_engine_spec_rules() -> None:
-    with pytest.raises(ValidationError, match="declared_max_model_len"):
-        EngineSpec(name="x", kind="openai", base_url="http://x")
-    with pytest.raises(ValidationError, match="litellm_model"):
-        EngineSpec(
-            name="x", kind="litellm", base_url="http://x", model="m", declared_max_model_len=9
-        )
-    with pytest.raises(ValidationError, match="http"):
-        EngineSpec(name="x", base_url="ftp://x")
-    spec = EngineSpec(
-        name="x",
-        kind="litellm",
-        base_url="http://x/",
-        model="m",
-        declared_max_model_len=9,
-        litellm_model="openai/m",
-    )
-    assert (spec.base_url, spec.upstream_path) == ("http://x", UpstreamPath.LITELLM)

@@ -1,8 +1,9 @@
 """Helpers for the hostile-input tests: real servers on 127.0.0.1 and a raw-socket client.
 
 ``ServedGateway`` runs the gateway app under uvicorn in a background thread, configured by
-``contracts.http_edge.server_config`` exactly as ``kvguard gateway`` runs it (guarded protocol,
-body guard), so raw sockets can talk to it like any hostile client. The engine is a real
+``gateway.app.server_config`` exactly as ``kvguard gateway`` runs it (the data plane's protocol:
+the edge's guarded one, the completion routes below ASGI; body guard), so raw sockets can talk to
+it like any hostile client. The engine is a real
 ``kvguard backend unified`` process (``kvguard.testing.launch_engine``).
 
 ``raw_request`` speaks HTTP/1.1 by hand: it can send what no well-behaved client library would
@@ -32,8 +33,7 @@ from fastapi.responses import JSONResponse
 
 from canary.config import CanarySettings
 from canary.runtime import CanaryRuntime
-from contracts.http_edge import server_config
-from gateway.app import create_app
+from gateway.app import create_app, server_config
 from gateway.config import GatewaySettings
 
 TEST_CANARY_KEY = "hostile-test-canary-key-0123456789abcdef"
@@ -111,9 +111,7 @@ def served_gateway(
     canary_settings = CanarySettings(canary_key=TEST_CANARY_KEY, **canary_options)
     hooks = CanaryRuntime(canary_settings).hooks() if canary else None
     app = create_app(settings, hooks=hooks)
-    config = server_config(
-        app, host="127.0.0.1", port=0, header_timeout_s=settings.header_timeout_s, lifespan="on"
-    )
+    config = server_config(app, host="127.0.0.1", port=0, lifespan="on")
     with serve_in_thread(config) as url:
         yield ServedGateway(url=url, app=app, settings=settings)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from backend.config import BackendSettings
 from canary.config import CanarySettings
-from gateway.config import EngineSpec, GatewaySettings
+from gateway.config import GatewaySettings
+from gateway.engines.spec import EngineSpec
 from kvguard.configdoc import render
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

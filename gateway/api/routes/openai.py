@@ -1,51 +1,35 @@
-"""OpenAI-compatible routes: chat completions, completions, models."""
+"""OpenAI-compatible routes: the models on FastAPI; chat completions and completions are the data
+plane's (``gateway.proxy.door``), declared here for the OpenAPI document."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
-from starlette.responses import Response
+from fastapi import APIRouter
 
-from gateway.api.request_ids import request_id_of
-from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.deps import CurrentTenant, StateDep
 from gateway.domain import Principal
 from gateway.engines.capacity import max_request_tokens_for
-from gateway.errors import ModelNotFound
-from gateway.proxy.service import serve_completion
+from gateway.errors import GatewayError, ModelNotFound
+from gateway.openai.schemas import ChatCompletionBody, CompletionBody
 from gateway.state import GatewayState
-from gateway.upstream.base import Endpoint
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
+# The completion routes are served below FastAPI (``gateway.proxy.door``: ``GatewayApp`` sends
+# these paths there before routing). They are declared here for the OpenAPI document only (its
+# schemas, the tenant's bearer key), which clients, the SDK contract tests and the fuzzer read.
+
+
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(
-    body: ChatCompletionBody, principal: CurrentTenant, state: StateDep, request: Request
-) -> Response:
-    return await serve_completion(
-        state,
-        principal=principal,
-        body=body,
-        endpoint=Endpoint.CHAT,
-        request_id=request_id_of(request),
-        incoming_headers=request.headers,
-    )
+async def chat_completions(body: ChatCompletionBody, principal: CurrentTenant) -> None:
+    raise GatewayError("served by the data plane (gateway.proxy.door), not by this route")
 
 
 @router.post("/completions", response_model=None)
-async def completions(
-    body: CompletionBody, principal: CurrentTenant, state: StateDep, request: Request
-) -> Response:
-    return await serve_completion(
-        state,
-        principal=principal,
-        body=body,
-        endpoint=Endpoint.COMPLETIONS,
-        request_id=request_id_of(request),
-        incoming_headers=request.headers,
-    )
+async def completions(body: CompletionBody, principal: CurrentTenant) -> None:
+    raise GatewayError("served by the data plane (gateway.proxy.door), not by this route")
 
 
 @router.get("/models")

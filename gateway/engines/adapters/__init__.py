@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from gateway.config import EngineKind, EngineSpec
 from gateway.engines.adapters.base import AdapterError, EngineAdapter
 from gateway.engines.adapters.bundled import BundledAdapter
 from gateway.engines.adapters.openai_generic import DeclaredAdapter
 from gateway.engines.adapters.sglang import SGLangAdapter
 from gateway.engines.adapters.vllm import VLLMAdapter
+from gateway.engines.spec import EngineKind, EngineSpec
 
 _ADAPTERS: dict[EngineKind, type[EngineAdapter]] = {
     EngineKind.BUNDLED: BundledAdapter,

@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 
-from gateway.config import EngineSpec
 from gateway.engines import prompt
 from gateway.engines.capacity import CapacitySnapshot, TokenizeTarget
+from gateway.engines.spec import EngineSpec
 
 MAX_INTROSPECTION_BYTES = 4 << 20
 DEFAULT_TOKENIZE_PATH = "/tokenize"

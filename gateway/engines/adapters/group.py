@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 
 import httpx
 
-from gateway.config import MemberRole, MemberSpec
 from gateway.engines.adapters.base import AdapterError, EngineAdapter, probe_tokenize
 from gateway.engines.capacity import (
     CacheIsolation,
@@ -38,6 +37,7 @@ from gateway.engines.capacity import (
     TokenizeTarget,
     group_snapshot,
 )
+from gateway.engines.spec import MemberRole, MemberSpec
 
 # What the probe asks to count: a chat, as admission sends one (or a prompt, where chats cannot be
 # counted); each kind's tokenize_request turns it into that kind's body.

@@ -19,11 +19,11 @@ from typing import Any
 
 import httpx
 
-from gateway.config import EngineKind
 from gateway.engines.adapters.base import EngineAdapter, get_json
 from gateway.engines.capacity import CapacitySnapshot, RoleView
 from gateway.engines.prompt import DEFINITIONS
 from gateway.engines.provider_count import upper_bound_tokens
+from gateway.engines.spec import EngineKind
 
 
 class DeclaredAdapter(EngineAdapter):

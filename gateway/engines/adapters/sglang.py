@@ -33,7 +33,6 @@ from typing import Any
 
 import httpx
 
-from gateway.config import MemberRole
 from gateway.engines import prompt
 from gateway.engines.adapters.base import (
     AdapterError,
@@ -44,6 +43,7 @@ from gateway.engines.adapters.base import (
 )
 from gateway.engines.adapters.group import GroupAdapter, Worker
 from gateway.engines.capacity import CacheIsolation, CapacitySnapshot, RoleView
+from gateway.engines.spec import MemberRole
 
 SERVER_INFO = "/server_info"
 LEGACY_SERVER_INFO = "/get_server_info"

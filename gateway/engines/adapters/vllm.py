@@ -34,7 +34,6 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import MemberRole
 from gateway.engines import prompt
 from gateway.engines.adapters.base import (
     AdapterError,
@@ -45,6 +44,7 @@ from gateway.engines.adapters.base import (
 )
 from gateway.engines.adapters.group import GroupAdapter, Worker
 from gateway.engines.capacity import CacheIsolation, CapacitySnapshot, RoleView
+from gateway.engines.spec import MemberRole
 
 CACHE_INFO = "vllm:cache_config_info"
 SALT_FROM = (0, 9, 0)

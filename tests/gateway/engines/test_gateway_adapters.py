@@ -14,7 +14,6 @@ from standin_sglang import worker_app as sglang_app
 from standin_vllm import VLLMWorker
 from standin_vllm import worker_app as vllm_app
 
-from gateway.config import EngineSpec
 from gateway.engines.adapters import AdapterError, adapter_for
 from gateway.engines.adapters.sglang import snapshot_from_sglang
 from gateway.engines.adapters.vllm import NO_STATS, pool_from_metrics, snapshot_from_vllm
@@ -25,6 +24,7 @@ from gateway.engines.provider_count import (
     BYTES_PER_TOOLS,
     upper_bound_tokens,
 )
+from gateway.engines.spec import EngineSpec
 from kvguard.testing import serve
 
 JSON = "application/json"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from gateway.config import EngineSpec
 from gateway.engines.capacity import (
     CapacitySnapshot,
     RequestSize,
@@ -17,6 +16,7 @@ from gateway.engines.registry import (
     EngineSource,
     assess,
 )
+from gateway.engines.spec import EngineSpec
 
 
 def snap(window: int, *pools: int | None, **kw) -> CapacitySnapshot:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.config import EngineSpec
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineBlock, EngineRegistry, EngineSource
+from gateway.engines.spec import EngineSpec
 from gateway.metrics import GatewayMetrics
 
 

@@ -17,8 +17,8 @@ from standin_sglang import worker_app as sglang_app
 from standin_vllm import VLLMWorker
 from standin_vllm import worker_app as vllm_app
 
-from gateway.api import surface
 from gateway.engines import prompt
+from gateway.openai import surface
 from kvguard.testing import serve
 
 CHAT = "/v1/chat/completions"

@@ -1,19 +1,20 @@
 """A stream's events leave the gateway in one write per upstream read: the bytes one read brings
 are all there at once, so joining them delays none of them, and a busy gateway (whose reads carry
-several events) writes less often. Every byte is still relayed as the engine sent it."""
+several events) writes less often. Every byte is still relayed as the engine sent it. Served over
+real HTTP by the gateway's own protocol, so the writes are the socket writes below ASGI
+(``DirectReply.write``); the end of the stream leaves after the request's exit."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
 
-import httpx
-from gateway_harness import bearer
+import pytest
+from gateway_harness import bearer, running_gateway
 from gateway_standin import StandInEngine
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.app import create_app
 from gateway.config import GatewaySettings
+from gateway.proxy.reply import DirectReply
 from gateway.upstream.base import Upstream, UpstreamCall, UpstreamReply, UpstreamStream
 
 
@@ -51,42 +52,32 @@ class _Engine(Upstream):
         return None
 
 
-def _recording(app: ASGIApp, writes: list[bytes]) -> ASGIApp:
-    async def recorder(scope: Scope, receive: Receive, send: Send) -> None:
-        async def recording_send(message: Message) -> None:
-            if message["type"] == "http.response.body" and message.get("body"):
-                writes.append(message["body"])
-            await send(message)
-
-        await app(scope, receive, recording_send)
-
-    return recorder
-
-
 async def test_events_of_one_upstream_read_leave_in_one_write_byte_for_byte(
-    make_settings: Callable[..., GatewaySettings], standin: StandInEngine
+    make_settings: Callable[..., GatewaySettings],
+    standin: StandInEngine,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = make_settings(
         engines=[{"name": "standin", "kind": "bundled", "base_url": standin.url}]
     )
-    app = create_app(settings)
     writes: list[bytes] = []
-    async with app.router.lifespan_context(app):
-        app.state.gateway.direct = _Engine()
-        transport = httpx.ASGITransport(app=_recording(app, writes))
-        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
-            created = await client.post(
-                "/admin/tenants", json={"name": "acme"}, headers=bearer(settings.admin_secret())
-            )
-            key = created.json()["key"]["key"]
-            writes.clear()
-            r = await client.post(
-                "/v1/completions",
-                json={"model": "standin-model", "prompt": "alpha", "max_tokens": 3, "stream": True},
-                headers=bearer(key),
-            )
+    direct_write = DirectReply.write
+
+    def recording(reply: DirectReply, data: bytes) -> None:
+        writes.append(data)
+        direct_write(reply, data)
+
+    monkeypatch.setattr(DirectReply, "write", recording)
+    async with running_gateway(settings) as gw:
+        gw.state.direct = _Engine()
+        _, key = await gw.create_tenant("acme")
+        r = await gw.client.post(
+            "/v1/completions",
+            json={"model": "standin-model", "prompt": "alpha", "max_tokens": 3, "stream": True},
+            headers=bearer(key),
+        )
     assert r.status_code == 200, r.text
-    # the three events of the first read in one write, as the engine sent them; the usage chunk
-    # (the client did not ask for it) is dropped and [DONE] follows in the second read's write
-    assert writes == [FIRST_READ, b"data: [DONE]\n\n"]
+    # the three events of the first read in one socket write, as the engine sent them; the
+    # usage chunk (the client did not ask for it) is dropped and [DONE] leaves after the exit
+    assert writes == [FIRST_READ]
     assert r.content == FIRST_READ + b"data: [DONE]\n\n"

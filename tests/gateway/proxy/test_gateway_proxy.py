@@ -122,8 +122,12 @@ async def test_headers_to_the_engine_and_no_tenant_key(gateway, standin) -> None
     seen = standin.controls.seen_headers[-1]
     assert seen["x-kvguard-tenant"] == tenant_id
     assert seen["x-kvguard-request-id"] == r.headers["x-kvguard-request-id"]
-    # The gateway's own trace reaches the engine, never the client's (gateway.tracing).
-    assert seen["traceparent"].split("-")[1] not in ("0af7651916cd43dd8448eb211c80319c", "0" * 32)
+    # The gateway's own trace reaches the engine, never the client's (gateway.tracing), sampled
+    # with real ids even though this gateway exports no spans (they are non-recording here).
+    assert gateway.state.tracing.exporting is False
+    version, trace_id, span_id, flags = seen["traceparent"].split("-")
+    assert trace_id not in ("0af7651916cd43dd8448eb211c80319c", "0" * 32)
+    assert (version, flags, len(span_id)) == ("00", "01", 16) and span_id != "0" * 16
     assert "authorization" not in seen and key not in json.dumps(seen)
     body = standin.controls.seen_bodies[-1]
     assert body == {"model": MODEL, "prompt": WORDS, "max_tokens": 3}

@@ -19,8 +19,8 @@ from standin_openai import Script, ToolCall
 from standin_vllm_responses import VLLMResponses, events, responses_app
 
 from contracts.sse import SseSplitter
-from gateway.api.surface import Profile
 from gateway.lifecycle import Phase
+from gateway.openai.surface import Profile
 from gateway.responses.native import NativeStream
 from gateway.responses.passthrough import native_body
 from kvguard.testing import serve

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from openai_contract import request_fields
 
-from gateway.api import surface as chat_surface
-from gateway.api.surface import PROFILES, Decision, Profile
+from gateway.openai import surface as chat_surface
+from gateway.openai.surface import PROFILES, Decision, Profile
 from gateway.responses import surface
 from gateway.responses.passthrough import NEVER_SENT, native_body
 from gateway.responses.schemas import CreateResponseBody
@@ -108,7 +108,7 @@ def test_inert_values_pass_everywhere() -> None:
 
 
 def _chat_refusal(chat: Any, profile: Profile) -> str | None:
-    """Chat's own decision (``gateway.api.surface.refusal``, by profile)."""
+    """Chat's own decision (``gateway.openai.surface.refusal``, by profile)."""
     for name, value in chat_surface.requested(chat).items():
         rule = chat_surface.RULES[name]
         if rule.decision(profile) is Decision.REFUSE and not rule.inert(value):

@@ -10,7 +10,7 @@ from typing import Any
 from openai_contract import check
 from responses_helpers import env, passthrough
 
-from gateway.api.schemas_openai import ChatCompletionBody
+from gateway.openai.schemas import ChatCompletionBody
 from gateway.responses.chat_stream import ChatToResponses
 from gateway.responses.items import page, stored_input
 from gateway.responses.schemas import CreateResponseBody

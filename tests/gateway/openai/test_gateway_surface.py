@@ -1,7 +1,7 @@
-"""The OpenAI request surface at the door: every published field is read and decided by one table
-(``gateway.api.surface``), rendered into gateway/README.md; what an engine kind does not take is a
-400 naming the field and the engine before the request touches the tenant's limits; what asks for
-nothing is accepted and left out; a request goes only to engines that take all of it."""
+"""The OpenAI request surface at the door: every published field is read and decided by one
+table (``gateway.openai.surface``), rendered into gateway/README.md; what an engine kind does not
+take is a 400 naming the field and the engine before the request touches the tenant's limits; what
+asks for nothing is accepted and left out; a request goes only to engines that take all of it."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from openai_contract import check, request_fields
 from pydantic import ValidationError
 
 from backend.server.openai_schema import ChatCompletionRequest, CompletionRequest
-from gateway.api import surface
-from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
-from gateway.config import EngineSpec
 from gateway.engines.registry import EngineRecord, EngineSource
+from gateway.engines.spec import EngineSpec
+from gateway.openai import surface
+from gateway.openai.schemas import ChatCompletionBody, CompletionBody
 
 MODEL = "standin-model"
 CHAT = "/v1/chat/completions"
@@ -52,7 +52,7 @@ def test_the_readme_table_is_rendered_from_the_deciding_code() -> None:
     text = README.read_text(encoding="utf-8")
     found = re.search(r"<!-- surface-table:start -->\n(.*?)<!-- surface-table:end -->", text, re.S)
     assert found is not None, "gateway/README.md lost its surface table markers"
-    assert found.group(1) == surface.render_markdown(), "run: python -m gateway.api.surface"
+    assert found.group(1) == surface.render_markdown(), "run: python -m gateway.openai.surface"
 
 
 async def test_a_refused_field_is_a_400_naming_field_and_engine_before_any_limit(

@@ -3,7 +3,8 @@
 Every field of OpenAI's published request schemas for chat completions and completions is
 declared here, so a request any OpenAI client may send is read, not refused as unknown; what each
 engine kind does with each field (forward, refuse at the door) is decided in one place,
-``gateway.api.surface``. Unknown fields, wrong JSON types and out-of-range numbers are 400s naming
+``gateway.openai.surface``.
+Unknown fields, wrong JSON types and out-of-range numbers are 400s naming
 the field, before any engine is asked anything. The fields the gateway itself interprets (model,
 messages, prompt, token limits, n, stream) are typed exactly; the objects it only passes on
 (tools, response_format, metadata, ...) are checked for their outer shape, and every string in
@@ -178,7 +179,7 @@ class _Sampling(_Request):
 
     def upstream_body(self, *, max_tokens: int) -> dict[str, Any]:
         """What the engine receives: the client's fields, the enforced max_tokens, usage on
-        (``gateway.api.surface.for_engine`` then drops what the chosen engine does not take)."""
+        (``gateway.openai.surface.for_engine`` then drops what the chosen engine does not take)."""
         body = self.model_dump(exclude_unset=True, exclude={"max_completion_tokens", "cache_salt"})
         body["max_tokens"] = max_tokens
         if self.stream:

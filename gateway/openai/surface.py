@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
-from gateway.config import EngineKind
 from gateway.engines.registry import EngineRecord
+from gateway.engines.spec import EngineKind
 from gateway.errors import InvalidRequest
+from gateway.openai.schemas import ChatCompletionBody, CompletionBody
 
 
 class Profile(StrEnum):
@@ -295,5 +295,5 @@ def render_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # python -m gateway.api.surface: the README's table
+if __name__ == "__main__":  # python -m gateway.openai.surface: the README's table
     print(render_markdown(), end="")

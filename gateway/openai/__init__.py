@@ -1,0 +1,1 @@
+"""The OpenAI surface: the request schemas and what each engine kind takes."""

@@ -1,0 +1,140 @@
+"""The completion routes below FastAPI: ``/v1/chat/completions`` and ``/v1/completions``.
+
+``CompletionRoutes`` is a raw ASGI app that the gateway's app (``gateway.app.GatewayApp``) calls
+for these two paths instead of FastAPI's router; per request, in order:
+
+1. ``RequestIds``: an id on every answer (the same middleware as every other route's);
+2. ``BodyGuardMiddleware``: the body within its size (413) and time (408) bounds, UTF-8 (400);
+3. a method other than POST: 405 ``method_not_allowed``;
+4. the body read as JSON (orjson; what it refuses, Python's parser), a 400 if it is not;
+5. the tenant's key (``gateway.deps.principal_of``: 401/403; 503 when the database is down);
+6. the body validated by the OpenAI schema (``gateway.openai.schemas``), 400 naming the field --
+   the same order and the same bodies as FastAPI's dependency and validation handlers;
+7. ``serve_completion`` with the reply for the server this runs under (``gateway.proxy.reply``):
+   under the gateway's own protocol a stream's chunks go straight to the socket.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import orjson
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.types import Receive, Scope, Send
+
+from contracts.http_edge import BodyGuardMiddleware, error_body, validation_message
+from gateway.api.request_ids import RequestIds
+from gateway.deps import bearer_of, principal_of
+from gateway.errors import DatabaseDown, GatewayError, ServiceUnavailable
+from gateway.openai.schemas import ChatCompletionBody, CompletionBody
+from gateway.proxy.reply import AsgiReply, reply_for
+from gateway.proxy.service import serve_completion
+from gateway.upstream.base import Endpoint
+
+log = logging.getLogger("kvguard.gateway.proxy")
+
+ROUTES: dict[str, tuple[Endpoint, type[ChatCompletionBody] | type[CompletionBody]]] = {
+    Endpoint.CHAT.path: (Endpoint.CHAT, ChatCompletionBody),
+    Endpoint.COMPLETIONS.path: (Endpoint.COMPLETIONS, CompletionBody),
+}
+
+
+class NotJson(Exception):
+    """The body is no JSON document."""
+
+
+class CompletionRoutes:
+    def __init__(self, app: Any, *, max_body_bytes: int, body_timeout_s: float) -> None:
+        self._app = app  # the FastAPI app: its state holds the gateway once the lifespan ran
+        guarded = BodyGuardMiddleware(
+            self._serve, max_bytes=max_body_bytes, body_timeout_s=body_timeout_s
+        )
+        self._asgi = RequestIds(guarded)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._asgi(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        reply = reply_for(scope, receive, send)
+        if scope["method"] != "POST":
+            refusal = error_body("Method Not Allowed", code="method_not_allowed")
+            await reply.json(405, refusal, {"allow": "POST"})
+            return
+        state = getattr(self._app.state, "gateway", None)
+        if state is None:
+            await _error(reply, ServiceUnavailable("the gateway is starting; retry shortly"))
+            return
+        endpoint, model = ROUTES[scope["path"]]
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        message = await receive()  # the whole body, read by the guard
+        try:
+            document = _json(message.get("body", b""), headers.get("content-type"))
+            principal = await principal_of(state, bearer_of(headers.get("authorization")))
+            if document is None:
+                await reply.json(400, _invalid("request body is required", None), {})
+                return
+            body = model.model_validate(document)
+        except NotJson:
+            await reply.json(400, _invalid("request body is not valid JSON", None), {})
+            return
+        except ValidationError as exc:
+            text, param = validation_message(RequestValidationError(_in_body(exc)))
+            await reply.json(400, _invalid(text, param), {})
+            return
+        except GatewayError as err:
+            await _error(reply, err)
+            return
+        except (OperationalError, PoolTimeout) as exc:
+            log.warning("database unavailable on POST %s: %s", scope["path"], type(exc).__name__)
+            await _error(reply, DatabaseDown("The gateway's database is unavailable; retry later."))
+            return
+        await serve_completion(
+            state.proxy,
+            reply=reply,
+            principal=principal,
+            body=body,
+            endpoint=endpoint,
+            request_id=scope["state"]["request_id"],
+            incoming_headers=headers,
+        )
+
+
+def _json(raw: bytes, content_type: str | None) -> Any:
+    """The body as FastAPI reads it: JSON unless a content type says otherwise (then the bytes,
+    which the schema refuses); an empty body is a missing one."""
+    if not raw:
+        return None
+    if content_type and not _is_json(content_type):
+        return raw
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    try:  # what orjson refuses and Python reads (lone surrogates: the schema refuses them)
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise NotJson from exc
+
+
+def _is_json(content_type: str) -> bool:
+    kind = content_type.split(";", 1)[0].strip().lower()
+    main, _, sub = kind.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
+
+
+def _in_body(exc: ValidationError) -> list[dict[str, Any]]:
+    """Pydantic's errors located as FastAPI locates a body's (under ``body``)."""
+    return [{**error, "loc": ("body", *error.get("loc", ()))} for error in exc.errors()]
+
+
+def _invalid(message: str, param: str | None) -> dict[str, Any]:
+    return error_body(message, code="invalid_request", param=param)
+
+
+async def _error(reply: AsgiReply, err: GatewayError) -> None:
+    await reply.json(err.status, err.body(), err.headers)
