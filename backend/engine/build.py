@@ -22,6 +22,7 @@ from backend.core.prefix_cache import CacheScopes
 from backend.core.scheduler import Scheduler
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.core import EngineCore
+from backend.engine.grammar import GrammarBackend
 from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
 from backend.model.chat import ChatFormat, load_chat_renderer
@@ -49,6 +50,7 @@ class BuiltEngine:
     kv_cache: KVCache
     metrics: EngineMetrics
     render_chat: ChatFormat
+    grammar: GrammarBackend
 
 
 def pool_pages(settings: BackendSettings, config: ModelConfig, dtype: torch.dtype) -> int:
@@ -122,7 +124,8 @@ def build_engine(
     )
     backend = None if settings.attention_backend == "auto" else settings.attention_backend
     metrics = EngineMetrics(role)
-    runner = ModelRunner(model, kv_cache, attention_backend=backend)
+    grammar = GrammarBackend.for_tokenizer(tokenizer, config.vocab_size)
+    runner = ModelRunner(model, kv_cache, attention_backend=backend, grammar=grammar)
     core = make_core(scheduler, runner, metrics) if make_core else EngineCore(scheduler, runner)
     core.on_isolation_error = lambda e: metrics.isolation_errors.labels(e.reason).inc()
     for reason in IsolationReason:  # exported at 0: "checked, none failed", not "no data"
@@ -135,7 +138,7 @@ def build_engine(
         lambda: pool.shared_pages,
     )
     return BuiltEngine(
-        engine, model, config, tokenizer, limits, pool, kv_cache, metrics, render_chat
+        engine, model, config, tokenizer, limits, pool, kv_cache, metrics, render_chat, grammar
     )
 
 

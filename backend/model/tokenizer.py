@@ -146,6 +146,15 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    @property
+    def rust(self) -> RustTokenizer:
+        """The `tokenizers` object itself (the grammar backend reads its vocabulary)."""
+        return self._tok
+
+    def textless(self, token_id: int) -> bool:
+        """A special token, or an id with no token: decode gives it no text."""
+        return self._bytes.textless(token_id)
+
     def token_id(self, text: str) -> int | None:
         token_id = self._tok.token_to_id(text)
         return None if token_id is None else int(token_id)
