@@ -36,12 +36,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from backend.core.grammar import GrammarKind, GrammarSpec
 from backend.core.messages import TokenLogprobs
 from backend.disagg.errors import MalformedMessage, ProtocolVersionMismatch
 
 # 2: SamplingSpec carries logit_bias and logprobs (prefill samples the first token with the
 # biases) and an OK PrefillResult carries the first token's logprobs when they were asked for.
-PROTOCOL_VERSION = 2
+# 3: SamplingSpec carries the request's grammar: prefill samples the first token under it, and
+# decode rebuilds the grammar's state from the same spec, replaying that token
+# (``backend.core.grammar``; a token it does not accept fails the request).
+PROTOCOL_VERSION = 3
 
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -150,6 +154,7 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...]
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), as SamplingParams
     logprobs: int | None = None  # report the first token's logprob and this many alternatives
+    grammar: GrammarSpec | None = None  # the first token is sampled under it
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,7 +408,23 @@ def _sampling(payload: object) -> SamplingSpec:
         r.integers("stop_token_ids"),
         r.pairs("logit_bias"),
         r.opt_integer("logprobs"),
+        _grammar(r.sub("grammar")),
     )
+
+
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+def _grammar(payload: object) -> GrammarSpec | None:
+    if payload is None:
+        return None
+    r = _Reader("GrammarSpec", payload, _keys(GrammarSpec))
+    kind, schema = r.sub("kind"), r.sub("schema")
+    if kind not in tuple(GrammarKind):
+        raise MalformedMessage("GrammarSpec", f"unknown kind {str(kind)[:32]!r}")
+    if schema is not None and (not isinstance(schema, str) or len(schema) > MAX_GRAMMAR_CHARS):
+        raise MalformedMessage("GrammarSpec", "schema must be a string of JSON or null")
+    return _build("GrammarSpec", lambda: GrammarSpec(GrammarKind(kind), schema, r.flag("strict")))
 
 
 def _logprobs(payload: object) -> TokenLogprobs | None:

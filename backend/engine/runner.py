@@ -133,7 +133,7 @@ class ModelRunner:
                 continue
             try:
                 rows.append((row, self.grammar.state_for(request)))
-            except GrammarViolation as error:
+            except KvguardError as error:  # a replayed token refused, a schema that cannot compile
                 failed[request.request_id] = error
         return rows
 
