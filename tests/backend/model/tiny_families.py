@@ -88,10 +88,24 @@ LLAMA3_TEMPLATE = """{{ bos_token }}{% if messages[0]['role'] == 'system' %}
 Cutting Knowledge Date: December 2023
 Today Date: {{ date_string }}
 
+{% if tools %}
+Environment: ipython
+Respond with a call as {"name": function name, "parameters": its arguments}.
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+{% endif %}
 {{ system_message }}<|eot_id|>{% for message in messages %}
+{% if message['role'] == 'assistant' and message['tool_calls'] %}
+<|start_header_id|>assistant<|end_header_id|>
+
+{% for call in message['tool_calls'] %}{"name": "{{ call.function.name }}", "parameters": {{ call.function.arguments | tojson }}}{% endfor %}<|eom_id|>{% elif message['role'] == 'tool' %}
+<|start_header_id|>ipython<|end_header_id|>
+
+{{ message['content'] | trim }}<|eot_id|>{% else %}
 <|start_header_id|>{{ message['role'] }}<|end_header_id|>
 
-{{ message['content'] | trim }}<|eot_id|>{% endfor %}
+{{ message['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}
 {% if add_generation_prompt %}
 <|start_header_id|>assistant<|end_header_id|>
 
@@ -108,7 +122,8 @@ QWEN2_TEMPLATE = """{%- if tools %}
     {% for tool in tools %}
 {{ tool | tojson }}
     {% endfor %}
-</tools><|im_end|>
+</tools>
+For each call, return <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
 {% else %}
     {% if messages[0]['role'] == 'system' %}
 <|im_start|>system
@@ -119,9 +134,23 @@ You are a helpful assistant.<|im_end|>
     {% endif %}
 {% endif %}
 {% for message in messages %}
-    {% if message.role == 'user' or (message.role == 'system' and not loop.first) or message.role == 'assistant' %}
+    {% if message.role == 'user' or (message.role == 'system' and not loop.first) or (message.role == 'assistant' and not message.tool_calls) %}
 <|im_start|>{{ message.role }}
 {{ message.content }}<|im_end|>
+    {% elif message.role == 'assistant' %}
+<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+        {% for tool_call in message.tool_calls %}
+<tool_call>
+{"name": "{{ tool_call.function.name }}", "arguments": {{ tool_call.function.arguments | tojson }}}
+</tool_call>
+        {% endfor %}
+<|im_end|>
+    {% elif message.role == 'tool' %}
+<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
     {% endif %}
 {% endfor %}
 {% if add_generation_prompt %}
@@ -142,7 +171,16 @@ MISTRAL_TEMPLATE = (
 MISTRAL_TOOL_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
-    + MISTRAL_TEMPLATE.removeprefix("{{ bos_token }}")
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}[TOOL_CALLS] ["
+    "{% for call in message['tool_calls'] %}"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% elif message['role'] == 'tool' %}[TOOL_RESULTS]{{ message['content'] }}[/TOOL_RESULTS]"
+    "{% else %}{{ raise_exception('Only user, assistant and tool roles are supported!') }}"
+    "{% endif %}{% endfor %}"
 )
 
 SMOLLM_TEMPLATE = (
@@ -204,7 +242,10 @@ def llama2_tokenizer() -> Any:
 
 
 def mistral_tokenizer() -> Any:
-    tok = _byte_fallback_bpe(["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], 140)
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]"]
+    tok = _byte_fallback_bpe(
+        [*specials, "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], 150
+    )
     tok.post_processor = _bos_template("<s>", 1)
     return tok
 
@@ -239,7 +280,9 @@ LLAMA3_SPECIALS = [
     "<|reserved_special_token_0|>",
     "<|start_header_id|>",
     "<|end_header_id|>",
+    "<|eom_id|>",
     "<|eot_id|>",
+    "<|python_tag|>",
 ]
 
 
@@ -281,8 +324,15 @@ def qwen2_tokenizer() -> Any:
     )
     tok = _byte_level_bpe(pre, [], 320, normalizer=normalizers.NFC())
     _special(tok, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    # as in Qwen2.5: the tool-call tags are tokens of their own, not special (decode keeps them)
+    from tokenizers import AddedToken
+
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_TOOL_TAGS])
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
+
+
+QWEN_TOOL_TAGS = ["<tool_call>", "</tool_call>"]
 
 
 def smollm_tokenizer() -> Any:
@@ -381,10 +431,10 @@ FAMILIES: dict[str, Family] = {
             ),
             generation=dict(
                 bos_token_id="<id:<|begin_of_text|>>",
-                eos_token_id=["<id:<|end_of_text|>>", "<id:<|eot_id|>>"],
+                eos_token_id=["<id:<|end_of_text|>>", "<id:<|eom_id|>>", "<id:<|eot_id|>>"],
             ),
             files={"chat_template.jinja": LLAMA3_TEMPLATE},
-            stop_tokens=("<|end_of_text|>", "<|eot_id|>"),
+            stop_tokens=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
         ),
         Family(
             name="qwen2",
