@@ -33,13 +33,15 @@ from backend.core.request import Request
 from backend.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 _CACHE_SIZE = 256  # compiled grammars kept (a compiled JSON schema is tens of KB)
-# xgrammar (0.2.9) writes the characters of a length-bounded string (``maxLength``) as the class
-# _LOOSE_CHARACTER, which lets through control characters JSON forbids in a string (its plain
-# string rule excludes them): a random-weight model wrote U+000B there and the answer did not
-# parse. Every such class is tightened to the plain strings' one before compiling.
+# JSON's string characters. xgrammar (0.2.9) writes a length-bounded string's (``maxLength``) as
+# _LOOSE_CHARACTER, which lets through control characters JSON forbids in a string, and every
+# string's classes let through UTF-8-encoded surrogates (U+D800-DFFF), which are not UTF-8 (a text
+# holding one decodes to U+FFFD, three characters that break ``maxLength``). A random-weight
+# model wrote both. Each class is replaced by _JSON_CHARACTER before compiling.
 _LOOSE_CHARACTER = r'[^\"\\\r\n]'
-_JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
-
+_PLAIN_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
+_JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+ANY_OBJECT = '{"type": "object"}'
 
 
 class Matcher:
@@ -130,14 +132,17 @@ class GrammarBackend:
         return compiled
 
     def _compile(self, spec: GrammarSpec) -> Any:
+        schema, strict = spec.schema, spec.strict
+        if spec.kind is GrammarKind.JSON_OBJECT:  # any object: any members, any values
+            schema, strict = ANY_OBJECT, False
+        assert schema is not None
         try:
-            if spec.kind is GrammarKind.JSON_OBJECT:
-                return self._compiler.compile_builtin_json_grammar()
-            assert spec.schema is not None
             grammar = self._xgr.Grammar.from_json_schema(
-                spec.schema, any_whitespace=False, strict_mode=spec.strict
+                schema, any_whitespace=False, strict_mode=strict
             )
-            text = str(grammar).replace(_LOOSE_CHARACTER, _JSON_CHARACTER)
+            text = str(grammar)
+            for loose in (_LOOSE_CHARACTER, _PLAIN_CHARACTER):
+                text = text.replace(loose, _JSON_CHARACTER)
             return self._compiler.compile_grammar(self._xgr.Grammar.from_ebnf(text))
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its reason
             problem = " ".join(str(exc).split())[:300] or type(exc).__name__
