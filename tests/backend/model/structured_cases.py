@@ -141,6 +141,17 @@ def answers(url: str, model: str, body: dict[str, Any], count: int) -> list[dict
     return asyncio.run(_answers(url + "/v1/chat/completions", {"model": model, **body}, count))
 
 
+def both_ways(url: str, model: str, body: dict[str, Any], count: int) -> list[list[dict[str, Any]]]:
+    """``count`` answers streamed and ``count`` not, all in flight together."""
+
+    async def run() -> list[list[dict[str, Any]]]:
+        chat = url + "/v1/chat/completions"
+        asks = (_answers(chat, {"model": model, **body, "stream": s}, count) for s in (False, True))
+        return list(await asyncio.gather(*asks))
+
+    return asyncio.run(run())
+
+
 def check_schema_answers(messages: list[dict[str, Any]], count: int) -> None:
     """Every answer ended "stop" and its content validates against SCHEMA."""
     assert len(messages) == count

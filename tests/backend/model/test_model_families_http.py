@@ -61,7 +61,8 @@ def family(request, family_checkpoint, hf_family) -> Iterator[dict[str, Any]]:
     tok, hf = hf_family(name)
     engine = launch_engine(
         str(family_checkpoint(name)),
-        pool_tokens=2048,
+        env={"KVGUARD_MAX_RUNNING": "128"},
+        pool_tokens=4096,
         page_size=16,
         served_model_name=f"tiny/{name}",
     )
@@ -271,9 +272,7 @@ def test_byte_fallback_stream_ends_honestly(family, prompt, piece, max_tokens):
 @families
 def test_json_schema(family):
     f = family
-    for stream in (False, True):
-        body = {**cases.schema_body(), "stream": stream}
-        answers = cases.answers(f["engine"].url, f"tiny/{f['name']}", body, 100)
+    for answers in cases.both_ways(f["engine"].url, f"tiny/{f['name']}", cases.schema_body(), 100):
         cases.check_schema_answers(answers, 100)
 
 
@@ -331,7 +330,6 @@ def test_tools_template(family):
 @families
 def test_required_tool_call(family):
     f = family
-    for stream in (False, True):
-        body = {**cases.required_body(), "stream": stream}
-        answers = cases.answers(f["engine"].url, f"tiny/{f['name']}", body, 50)
+    url, model = f["engine"].url, f"tiny/{f['name']}"
+    for answers in cases.both_ways(url, model, cases.required_body(), 50):
         cases.check_required_answers(answers, 50)
