@@ -38,10 +38,10 @@ class GrammarKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
-    """A constraint on the whole completion. ``schema`` is compact JSON text (keys in the
-    client's order: properties are generated in it) for JSON_SCHEMA, None for JSON_OBJECT; ``strict``: properties a schema does not name
-    are refused (OpenAI's ``strict: true``), else JSON Schema's own default (allowed unless the
-    schema says ``additionalProperties: false``)."""
+    """A constraint on the whole completion. ``schema`` is compact JSON text for JSON_SCHEMA
+    (keys in the client's order: properties are generated in it), None for JSON_OBJECT;
+    ``strict``: properties a schema does not name are refused (OpenAI's ``strict: true``), else
+    JSON Schema's own default (allowed unless the schema says ``additionalProperties: false``)."""
 
     kind: GrammarKind
     schema: str | None = None

@@ -420,7 +420,7 @@ def _grammar(payload: object) -> GrammarSpec | None:
         return None
     r = _Reader("GrammarSpec", payload, _keys(GrammarSpec))
     kind, schema = r.sub("kind"), r.sub("schema")
-    if kind not in tuple(GrammarKind):
+    if not isinstance(kind, str) or kind not in tuple(GrammarKind):
         raise MalformedMessage("GrammarSpec", f"unknown kind {str(kind)[:32]!r}")
     if schema is not None and (not isinstance(schema, str) or len(schema) > MAX_GRAMMAR_CHARS):
         raise MalformedMessage("GrammarSpec", "schema must be a string of JSON or null")

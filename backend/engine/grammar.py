@@ -38,9 +38,9 @@ _CACHE_SIZE = 256  # compiled grammars kept (a compiled JSON schema is tens of K
 # string's classes let through UTF-8-encoded surrogates (U+D800-DFFF), which are not UTF-8 (a text
 # holding one decodes to U+FFFD, three characters that break ``maxLength``). A random-weight
 # model wrote both. Each class is replaced by _JSON_CHARACTER before compiling.
-_LOOSE_CHARACTER = r'[^\"\\\r\n]'
-_PLAIN_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
-_JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+_LOOSE_CHARACTER = r"[^\"\\\r\n]"
+_PLAIN_CHARACTER = r"[^\0-\x1f\"\\\r\n]"
+_JSON_CHARACTER = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
 ANY_OBJECT = '{"type": "object"}'
 
 
@@ -85,10 +85,10 @@ class GrammarBackend:
 
         stops = sorted(t for t in tokenizer.stop_ids if t < model_vocab_size)
         if isinstance(tokenizer, ByteTokenizer):
-            vocab: list[str | bytes] = [bytes([b]) for b in range(256)]
-            vocab += [""] * (model_vocab_size - 256)  # BOS, EOS, PAD and unused rows: no text
+            raw = [bytes([b]) for b in range(256)]
+            raw += [b""] * (model_vocab_size - 256)  # BOS, EOS, PAD and unused rows: no text
             info = xgrammar.TokenizerInfo(
-                vocab,
+                raw,
                 vocab_type=xgrammar.VocabType.RAW,
                 vocab_size=model_vocab_size,
                 stop_token_ids=stops,
@@ -102,7 +102,7 @@ class GrammarBackend:
         detected = xgrammar.TokenizerInfo.from_huggingface(
             fast, vocab_size=model_vocab_size, stop_token_ids=stops
         )
-        vocab = [""] * model_vocab_size
+        vocab: list[str] = [""] * model_vocab_size
         for token_id in range(min(model_vocab_size, tokenizer.vocab_size)):
             if not tokenizer.textless(token_id):
                 vocab[token_id] = tokenizer.rust.id_to_token(token_id) or ""

@@ -120,7 +120,7 @@ def full_response(
     out = []
     for c in choices:
         if meta.kind == "chat":
-            message = {"role": "assistant", "content": c.text, "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
             if c.tool_calls:
                 message["tool_calls"] = c.tool_calls
             choice: dict[str, Any] = {"index": c.index, "message": message}

@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 from backend.core.admission import CapacityLimits
 from backend.core.errors import InvalidRequest
-from backend.core.pages import PagePool
 from backend.core.grammar import GrammarSpec
+from backend.core.pages import PagePool
 from backend.core.request import SamplingParams
 from backend.disagg.protocol import PROTOCOL_VERSION
 from backend.engine.async_engine import AsyncEngine, Generation

@@ -2,13 +2,13 @@
 
 ``plan(body, fmt)`` reads the request once:
 
-| request | mode | grammar | the answer |
-|---|---|---|---|
-| nothing, or ``tool_choice: "none"`` | TEXT | none | content |
-| ``response_format`` ``json_object`` / ``json_schema`` | JSON | any object / the schema | content (JSON) |
-| ``tools``, ``tool_choice`` ``auto`` (the default) | AUTO | none | content, or calls read from the text by the checkpoint's format (``backend.model.tool_calls``) |
-| ``tool_choice: "required"`` | REQUIRED | ``[{"name": <a tool>, "arguments": <its parameters>}, ...]``, one item unless ``parallel_tool_calls`` | calls |
-| ``tool_choice`` naming a function | NAMED | that tool's parameters | one call |
+- nothing, or ``tool_choice: "none"``: TEXT, no grammar; the answer is content;
+- ``response_format`` ``json_object`` / ``json_schema``: JSON, any object / the schema; content;
+- ``tools`` with ``tool_choice`` ``auto`` (the default): AUTO, no grammar; content, or calls read
+  from the text in the checkpoint's format (``backend.model.tool_calls``);
+- ``tool_choice: "required"``: REQUIRED, the grammar of ``[{"name": <a tool>, "arguments": <its
+  parameters>}, ...]`` (one item when ``parallel_tool_calls`` is false); calls;
+- ``tool_choice`` naming a function: NAMED, that tool's parameters; one call.
 
 (REQUIRED and NAMED are forced by the grammar in one JSON layout, as vLLM does, whatever the
 family's own format: the calls are read back from that layout.) A tool without ``parameters``
@@ -98,11 +98,11 @@ def plan(body: ChatCompletionRequest, fmt: ToolCallFormat) -> OutputPlan:
         }
         for t in tools
     ]
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+    calls: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
     if body.parallel_tool_calls is False:
-        schema["maxItems"] = 1
+        calls["maxItems"] = 1
     strict = all(t.function.strict is not False for t in tools)
-    return OutputPlan(Mode.REQUIRED, GrammarSpec.json_schema(schema, strict=strict), rendered)
+    return OutputPlan(Mode.REQUIRED, GrammarSpec.json_schema(calls, strict=strict), rendered)
 
 
 def _format_grammar(body: ChatCompletionRequest) -> GrammarSpec:
@@ -242,4 +242,3 @@ class Shaper:
             json.loads(text)
         except json.JSONDecodeError as exc:
             raise GrammarViolation(self.request_id, len(text)) from exc
-

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from contracts.engine import STRUCTURED_OUTPUT
+from contracts.engine import TOOLS as TOOLS_FEATURE
 from gateway.api.schemas_openai import ChatCompletionBody, CompletionBody
 from gateway.config import EngineKind
 from gateway.engines.registry import EngineRecord
-from contracts.engine import STRUCTURED_OUTPUT
-from contracts.engine import TOOLS as TOOLS_FEATURE
 from gateway.errors import InvalidRequest
 
 

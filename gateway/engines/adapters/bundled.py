@@ -1,9 +1,10 @@
 """kvguard's bundled backend: ``GET /engine/capacity`` (``contracts.engine.CapacityReport``).
 
 The report already carries every role on the serving path (decode reports prefill too), the
-enabled fault drills, the engine's own drift statement and the request features it serves
-(tools, structured output: ``gateway.api.surface`` forwards those fields only where reported). A report with another schema version
-is refused: the contract changed and this adapter must be updated with it.
+enabled fault drills, the engine's own drift statement and the request features it serves (tools,
+structured output: ``gateway.api.surface`` forwards those fields only where reported). A report
+with another schema version is refused: the contract changed and this adapter must be updated
+with it.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.core.messages import TokenLogprobs
 from backend.core.grammar import GrammarSpec
+from backend.core.messages import TokenLogprobs
 from backend.disagg.protocol import (
     PROTOCOL_VERSION,
     HandoffOutcome,
@@ -25,7 +25,9 @@ TARGET = TransferTarget("127.0.0.1:1234", "inst-1", 4096, 8192, LAYOUT, 8)
 GRANTS = (PageGrant(3, 1), PageGrant(7, 4))
 
 
-GRAMMAR = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"enum": [1]}}}, strict=True)
+GRAMMAR = GrammarSpec.json_schema(
+    {"type": "object", "properties": {"a": {"enum": [1]}}}, strict=True
+)
 
 
 def request(**changes: Any) -> PrefillRequest:
@@ -34,9 +36,7 @@ def request(**changes: Any) -> PrefillRequest:
         "request_id": "req-1",
         "tenant": "tenant-a",
         "prompt_ids": tuple(range(20)),
-        "sampling": SamplingSpec(
-            8, 0.0, 1.0, 42, (257,), ((65, 2.5), (66, -100.0)), 3, GRAMMAR
-        ),
+        "sampling": SamplingSpec(8, 0.0, 1.0, 42, (257,), ((65, 2.5), (66, -100.0)), 3, GRAMMAR),
         "reserved_tokens": 20,
         "pages": GRANTS,
         "target": TARGET,

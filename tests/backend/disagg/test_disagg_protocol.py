@@ -7,10 +7,9 @@ import json
 from typing import Any
 
 import pytest
-
-from backend.core.grammar import GrammarSpec
 from disagg_messages import LAYOUT, ok_result, request
 
+from backend.core.grammar import GrammarSpec
 from backend.disagg.errors import MalformedMessage, ProtocolVersionMismatch
 from backend.disagg.protocol import (
     PROTOCOL_VERSION,
@@ -50,7 +49,9 @@ def test_every_message_round_trips_exactly() -> None:
     assert prefill_result_from_wire(wire(rejected)) == rejected
     plain = request(sampling=SamplingSpec(8, 0.0, 1.0, None, ()))  # no biases, no logprobs
     assert prefill_request_from_wire(wire(plain)) == plain
-    any_object = request(sampling=SamplingSpec(8, 0.0, 1.0, None, (), grammar=GrammarSpec.json_object()))
+    any_object = request(
+        sampling=SamplingSpec(8, 0.0, 1.0, None, (), grammar=GrammarSpec.json_object())
+    )
     assert prefill_request_from_wire(wire(any_object)) == any_object
     assert prefill_result_from_wire(wire(ok_result(first_token_logprobs=None))).first_token == 65
     abort = AbortRequest(PROTOCOL_VERSION, "req-1", "inst-1")

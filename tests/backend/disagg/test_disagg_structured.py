@@ -17,8 +17,8 @@ import pytest
 from disagg_harness import MODEL, decode, prefill, running
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
-import structured_cases as cases  # noqa: E402
-from tiny_families import FAMILIES, write_family  # noqa: E402
+import structured_cases as cases
+from tiny_families import FAMILIES, write_family
 
 pytestmark = pytest.mark.slow
 # the bundled model (raw bytes) and a byte-level BPE family: what crosses the pair (the spec,

@@ -1,11 +1,12 @@
 """Structured-output and tool-call cases, and their checks, shared by the engine's tests.
 
 The schemas are made for random-weight models: every string is an enum and every number bounded,
-so the grammar's language is finite (the tools' parameters leave out ``additionalProperties``:
-``strict`` refuses properties they do not name, and the prompt stays short) and its longest answer has ``LONGEST_*`` characters. Each
-token of a constrained answer adds at least one byte, so ``max_tokens`` = that length + 1 (for the
-stop token) lets every answer end "stop" however the model samples: an answer that ends "length"
-or does not validate is a defect, never bad luck.
+so the grammar's language is finite and its longest answer has ``LONGEST_*`` characters (the
+tools' parameters leave out ``additionalProperties``: ``strict`` refuses properties they do not
+name, and the prompt stays short). Each token of a constrained answer adds at least one byte,
+so ``max_tokens`` = that length + 1 (for the stop token) lets every answer end "stop" however
+the model samples: an answer that ends "length" or does not validate is a defect, never bad
+luck.
 
 ``answers(url, model, body, count)`` asks for ``count`` answers at once (requests of ``n``
 choices, sent concurrently, so the engine batches them) and returns each choice's message,

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structured_cases as cases
 from tiny_families import (
     CONVERSATIONS,
     CORPUS,
@@ -44,8 +45,6 @@ from tiny_families import (
     completion_text,
     hf_greedy,
 )
-
-import structured_cases as cases
 
 from kvguard.testing import launch_engine
 
@@ -301,7 +300,13 @@ def _hf_messages(messages):
         m = {**m, "content": m["content"] or ""}
         if m.get("tool_calls"):
             m["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
                 for c in m["tool_calls"]
             ]
         out.append(m)

@@ -110,7 +110,7 @@ Respond with a call as {"name": function name, "parameters": its arguments}.
 <|start_header_id|>assistant<|end_header_id|>
 
 {% endif %}
-"""
+"""  # noqa: E501
 
 # Indented block tags: without lstrip_blocks their indentation is output.
 QWEN2_TEMPLATE = """{%- if tools %}

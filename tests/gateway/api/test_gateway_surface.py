@@ -310,7 +310,9 @@ async def test_a_text_part_with_keys_the_schema_lacks_is_refused_at_the_door(
 def _bundled_reporting(*features: str) -> EngineRecord:
     from gateway.engines.capacity import CapacitySnapshot, RoleView
 
-    record = EngineRecord(EngineSpec(name="tiny", base_url="http://127.0.0.1:1"), EngineSource.CONFIG)
+    record = EngineRecord(
+        EngineSpec(name="tiny", base_url="http://127.0.0.1:1"), EngineSource.CONFIG
+    )
     roles = (RoleView("unified", 4096),)
     record.snapshot = CapacitySnapshot(MODEL, 4096, roles, True, features=frozenset(features))
     return record

@@ -215,7 +215,10 @@ def test_the_bundled_count_renders_what_its_template_renders() -> None:
     }
     want = {"model": "m", "messages": MESSAGES, "tools": body["tools"]}
     assert prompt.for_bundled("m", body) == want
-    assert prompt.for_bundled("m", {"prompt": "a b", "tools": []}) == {"model": "m", "prompt": "a b"}
+    assert prompt.for_bundled("m", {"prompt": "a b", "tools": []}) == {
+        "model": "m",
+        "prompt": "a b",
+    }
     for profile in (surface.Profile.BUNDLED, surface.Profile.BUNDLED_PD):
         for field in ("reasoning_effort", "functions"):
             assert surface.RULES[field].decision(profile) is surface.Decision.REFUSE, field
