@@ -23,10 +23,9 @@ Pure: no torch, no xgrammar (``backend.engine.grammar`` implements the state).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 from backend.core.errors import InvalidRequest, KvguardError
 
@@ -52,11 +51,11 @@ class GrammarSpec:
             raise ValueError("a json_schema grammar needs its schema, a json_object one has none")
 
     @classmethod
-    def json_schema(cls, schema: Any, *, strict: bool) -> GrammarSpec:
-        if not isinstance(schema, dict):
+    def json_schema(cls, schema: str, *, strict: bool) -> GrammarSpec:
+        """``schema``: the JSON text of a schema object (serialized by the caller, compactly)."""
+        if not schema.startswith("{"):
             raise InvalidRequest("response_format", "the schema must be a JSON object")
-        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-        return cls(GrammarKind.JSON_SCHEMA, text, strict)
+        return cls(GrammarKind.JSON_SCHEMA, schema, strict)
 
     @classmethod
     def json_object(cls) -> GrammarSpec:

@@ -84,7 +84,7 @@ def plan(body: ChatCompletionRequest, fmt: ToolCallFormat) -> OutputPlan:
     if isinstance(choice, NamedToolChoice):
         tool = next(t for t in tools if t.function.name == choice.function.name)
         schema = tool.function.parameters or ANY_OBJECT
-        grammar = GrammarSpec.json_schema(schema, strict=tool.function.strict is not False)
+        grammar = schema_spec(schema, strict=tool.function.strict is not False)
         return OutputPlan(Mode.NAMED, grammar, rendered, tool.function.name, fmt)
     items = [
         {
@@ -102,7 +102,14 @@ def plan(body: ChatCompletionRequest, fmt: ToolCallFormat) -> OutputPlan:
     if body.parallel_tool_calls is False:
         calls["maxItems"] = 1
     strict = all(t.function.strict is not False for t in tools)
-    return OutputPlan(Mode.REQUIRED, GrammarSpec.json_schema(calls, strict=strict), rendered)
+    return OutputPlan(Mode.REQUIRED, schema_spec(calls, strict=strict), rendered)
+
+
+def schema_spec(schema: dict[str, Any], *, strict: bool) -> GrammarSpec:
+    """The grammar of a JSON schema (compact text, the client's key order kept: properties are
+    generated in it)."""
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    return GrammarSpec.json_schema(text, strict=strict)
 
 
 def _format_grammar(body: ChatCompletionRequest) -> GrammarSpec:
@@ -112,7 +119,7 @@ def _format_grammar(body: ChatCompletionRequest) -> GrammarSpec:
         return GrammarSpec.json_object()
     if spec.schema_ is None:
         return GrammarSpec.json_object()
-    return GrammarSpec.json_schema(spec.schema_, strict=spec.strict is True)
+    return schema_spec(spec.schema_, strict=spec.strict is True)
 
 
 @dataclass(slots=True)

@@ -25,9 +25,7 @@ TARGET = TransferTarget("127.0.0.1:1234", "inst-1", 4096, 8192, LAYOUT, 8)
 GRANTS = (PageGrant(3, 1), PageGrant(7, 4))
 
 
-GRAMMAR = GrammarSpec.json_schema(
-    {"type": "object", "properties": {"a": {"enum": [1]}}}, strict=True
-)
+GRAMMAR = GrammarSpec.json_schema('{"type":"object","properties":{"a":{"enum":[1]}}}', strict=True)
 
 
 def request(**changes: Any) -> PrefillRequest:

@@ -25,6 +25,7 @@ from backend.core.grammar import GrammarSpec
 from backend.core.request import FinishReason, Request, RequestState, SamplingParams
 from backend.engine.build import build_engine
 from backend.model.tokenizer import BYTE_EOS, ByteTokenizer
+from backend.server.structured import schema_spec
 
 SCHEMA = {
     "type": "object",
@@ -36,7 +37,7 @@ SCHEMA = {
     "required": ["kind", "tags", "name"],
     "additionalProperties": False,
 }
-SPEC = GrammarSpec.json_schema(SCHEMA, strict=True)
+SPEC = schema_spec(SCHEMA, strict=True)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def test_state_is_rebuilt_by_replay_and_a_refused_output_fails_the_request(built
 
 
 def test_a_schema_that_cannot_compile_is_a_400(built) -> None:  # type: ignore[no-untyped-def]
-    bad = GrammarSpec.json_schema({"type": "object", "$ref": "#/nowhere"}, strict=True)
+    bad = schema_spec({"type": "object", "$ref": "#/nowhere"}, strict=True)
     with pytest.raises(InvalidRequest) as caught:
         built.grammar.compile(bad)
     assert caught.value.param == "response_format" and caught.value.http_status == 400
