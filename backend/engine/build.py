@@ -74,7 +74,7 @@ def decide_limits(settings: BackendSettings, config: ModelConfig, pages: int) ->
     pool_tokens = pages * settings.page_size
     window = settings.context_window
     if window is None:
-        window = min(config.max_position_embeddings, pool_tokens)
+        window = min(config.max_positions, pool_tokens)
     limits = CapacityLimits(page_size=settings.page_size, pool_pages=pages, context_window=window)
     if limits.drift is not None and not settings.allow_capacity_drift:
         raise CapacityDriftRefused(
