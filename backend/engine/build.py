@@ -120,7 +120,8 @@ def build_engine(
         max_batch_tokens=settings.max_batch_tokens,
         max_running=settings.max_running,
         allocation=Allocation(settings.kv_allocation),
-        cache_scopes=_cache_scopes(settings, role, per_tenant_cache),
+        cache_scopes=_cache_scopes(settings, role, per_tenant_cache, config),
+        recompute_past=_recompute_past(config),
     )
     backend = None if settings.attention_backend == "auto" else settings.attention_backend
     metrics = EngineMetrics(role)
@@ -142,11 +143,27 @@ def build_engine(
     )
 
 
-def _cache_scopes(settings: BackendSettings, role: str, per_tenant: bool) -> CacheScopes | None:
-    if not settings.prefix_cache or role == "decode":
+def _cache_scopes(
+    settings: BackendSettings, role: str, per_tenant: bool, config: ModelConfig
+) -> CacheScopes | None:
+    if not settings.prefix_cache or role == "decode" or _rope_by_length(config):
+        # a RoPE that follows a sequence's length (dynamic, longrope) rotates the same prefix
+        # differently in sequences of different lengths: a cached page would be another's KV
         return None
     groups = settings.prefix_cache_groups
     return CacheScopes.from_groups(secrets.token_bytes(32), groups, per_tenant=per_tenant)
+
+
+def _rope_by_length(config: ModelConfig) -> bool:
+    scaling = config.rope_scaling
+    return scaling is not None and scaling.rope_type in ("dynamic", "longrope")
+
+
+def _recompute_past(config: ModelConfig) -> int | None:
+    scaling = config.rope_scaling
+    if scaling is None or scaling.rope_type != "longrope":
+        return None
+    return scaling.original_max_position_embeddings
 
 
 def _observe_step(metrics: EngineMetrics, outcome: object) -> None:

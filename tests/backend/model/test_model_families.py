@@ -122,3 +122,26 @@ def test_greedy_tokens(family, family_checkpoint, hf_family):
     for request, prompt in zip(requests, PROMPTS, strict=True):
         want = hf_greedy(hf, list(request.prompt_ids), 12, stops)
         assert request.output_ids == want, prompt
+
+
+def test_longrope_recomputes_a_sequence_that_crosses_its_original_window(
+    family_checkpoint, hf_family
+):
+    """Phi-3's longrope switches to its long factors once a sequence is longer than
+    original_max_position_embeddings (32 here), and transformers then recomputes the whole
+    sequence's KV with them (Phi3ForCausalLM.prepare_inputs_for_generation drops its cache). The
+    engine preempts the request at that step, so it is recomputed whole: 28 prompt tokens and 12
+    greedy ones equal transformers', where keeping the short-factor KV diverged at token 6."""
+    tok, hf = hf_family("phi3")
+    built = build_engine(
+        BackendSettings(model=family_checkpoint("phi3"), pool_tokens=1024, page_size=16)
+    )
+    stops = set(built.tokenizer.stop_ids)
+    gen = random.Random(3)
+    prompt = [gen.randrange(10, 300) for _ in range(28)]
+    request = Request("crossing", "tenant", prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    built.engine.core.add(request)
+    while built.engine.core.has_work():
+        built.engine.core.step()
+    assert built.engine.core.scheduler.num_preemptions == 1  # once, at 32 computed tokens
+    assert request.output_ids == hf_greedy(hf, prompt, 12, stops)

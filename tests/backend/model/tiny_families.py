@@ -270,9 +270,18 @@ def llama2_tokenizer() -> Any:
 
 
 def gemma3_tokenizer() -> Any:
-    """Gemma's ids: <pad> 0, <eos> 1, <bos> 2, <unk> 3, then the turn markers; byte fallback."""
+    """Gemma's pipeline (the one transformers' GemmaTokenizer builds): spaces normalized to ``▁``
+    with no prefix space, a split on spaces, byte-fallback BPE, a decoder that keeps a leading
+    space; ids <pad> 0, <eos> 1, <bos> 2, <unk> 3, then the turn markers and the byte pieces."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     tok = _byte_fallback_bpe(specials, 150)
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     tok.post_processor = _bos_template("<bos>", 2)
     return tok
 
