@@ -157,10 +157,9 @@ def _longrope(
     factors = {}
     for name in ("short_factor", "long_factor"):
         value = params.get(name)
-        ok = isinstance(value, list) and all(
-            isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in value
-        )
-        if not ok or len(value) != head_dim // 2:
+        if not isinstance(value, list) or len(value) != head_dim // 2:
+            raise fields.fail(f"{key}.{name}", f"expected {head_dim // 2} positive numbers")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in value):
             raise fields.fail(f"{key}.{name}", f"expected {head_dim // 2} positive numbers")
         factors[name] = tuple(float(v) for v in value)
     factor = params.get("factor")
