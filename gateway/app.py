@@ -27,6 +27,7 @@ from contracts.sql import make_session_factory
 from gateway.api.request_ids import RequestIds
 from gateway.api.routes import admin, health, openai, tenant
 from gateway.config import GatewaySettings
+from gateway.console import mount_console
 from gateway.db.session import make_engine, upgrade_database
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
@@ -207,4 +208,5 @@ def create_app(
         app.include_router(router)
     for extra in hooks.routers if hooks is not None else []:
         app.include_router(extra)
+    mount_console(app)  # the operator console, /console (gateway/console)
     return app

@@ -430,6 +430,18 @@ class GatewaySettings(KvguardSettings):
         description="key of the per-tenant prefix-cache salt sent to vLLM/SGLang (cache_salt); "
         "unset: a random key per process (isolation holds; replicas do not share cache hits)",
     )
+    console_session_ttl_s: float = Field(
+        default=8 * 3600.0,
+        gt=0,
+        le=30 * 24 * 3600.0,
+        description="how long an operator console sign-in lasts (sessions live in the database, "
+        "so every replica honours them; signing out or changing the admin token ends them)",
+    )
+    console_cookie_secure: bool = Field(
+        default=False,
+        description="mark the console's cookies Secure even on plain HTTP (TLS ends at a proxy "
+        "whose forwarded scheme the gateway does not see); over HTTPS they always are",
+    )
     _process_salt_key: bytes = PrivateAttr(default_factory=lambda: secrets.token_bytes(32))
 
     @model_validator(mode="after")

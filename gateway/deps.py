@@ -88,10 +88,16 @@ def _client_address(request: Request) -> str:
 
 
 def _check_operator_token(
-    request: Request, state: GatewayState, accepted: tuple[str, ...], *, what: str
+    request: Request,
+    state: GatewayState,
+    accepted: tuple[str, ...],
+    *,
+    what: str,
+    presented: str | None = None,
 ) -> None:
-    """Compare an operator credential with every accepted one (no shortcut), throttling an
-    address after repeated failures (``FailedCredentialThrottle``)."""
+    """Compare an operator credential (the bearer token, or ``presented``) with every accepted
+    one (no shortcut), throttling an address after repeated failures
+    (``FailedCredentialThrottle``)."""
     address = _client_address(request)
     retry = state.credential_throttle.retry_after_s(address)
     if retry is not None:
@@ -100,7 +106,7 @@ def _check_operator_token(
             retry_after_s=retry,
             code="too_many_failed_credentials",
         )
-    token = bearer_token(request).encode()
+    token = (bearer_token(request) if presented is None else presented).encode()
     matches = [hmac.compare_digest(token, secret.encode()) for secret in accepted]
     if not any(matches):
         state.credential_throttle.failed(address)
@@ -117,6 +123,15 @@ def require_admin(request: Request, state: StateDep) -> None:
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
+
+
+def check_admin_login(request: Request, state: GatewayState, token: str) -> None:
+    """The admin token typed into the console's sign-in form: refused like a wrong bearer token on
+    the admin API, and counted against the same per-address throttle."""
+    if looks_like_tenant_key(token):
+        raise AuthenticationFailed("Tenant API keys cannot sign in to the console.")
+    secret = state.settings.admin_secret()
+    _check_operator_token(request, state, (secret,), what="admin", presented=token)
 
 
 def require_scraper(request: Request, state: StateDep) -> None:

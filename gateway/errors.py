@@ -64,6 +64,53 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+def context_length_message(
+    *,
+    limit: int,
+    prompt_tokens: int,
+    completion_tokens: int | None,
+    prompt_name: str = "messages",
+    completion_param: str | None = None,
+    reason: str = "",
+) -> str:
+    """A context-length refusal in OpenAI's own words, which the ecosystem's libraries read:
+    litellm maps a message containing "This model's maximum context length is" to its
+    ``ContextWindowExceededError`` (``litellm_core_utils/exception_mapping_utils.py``
+    ``is_error_str_context_window_exceeded``; it reads the error's text, where the JSON code of
+    the body is quoted as Python shows it, so only the words match), and so to its context-window
+    fallbacks; LangChain's OpenAI integration raises its ``ContextOverflowError`` when the error's
+    text holds ``context_length_exceeded`` (``langchain_openai/chat_models/base.py``
+    ``_handle_openai_bad_request``), and the openai SDK 3.x puts only the body's message in that
+    text, so the message ends with the code (``CODE_NOTE``). Between the two, the gateway's own
+    words: which request parameter set the completion's size (``completion_param``; None: the
+    gateway's default) and why the limit is what it is (``reason``, a sentence).
+
+    ``completion_tokens`` None: the prompt alone is over the limit."""
+    if completion_tokens is None:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, your "
+            f"{prompt_name} resulted in {prompt_tokens} tokens. Please reduce the length of the "
+            f"{prompt_name}."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {prompt_name}, "
+            f"{completion_tokens} in the completion). Please reduce the length of the "
+            f"{prompt_name} or completion."
+        )
+        if completion_param is not None:
+            message += f" The completion is the request's {completion_param}."
+        else:
+            message += " The completion is the gateway's default max_tokens (the request set none)."
+    if reason:
+        message += f" {reason}"
+    return f"{message} {CODE_NOTE}"
+
+
+CODE_NOTE = "(context_length_exceeded)"
+
+
 class AuthenticationFailed(GatewayError):
     status, code, type_ = 401, "invalid_api_key", "authentication_error"
 

@@ -19,6 +19,8 @@ NEEDED=(
   "libibverbs.so.1:libibverbs1"
   "libnuma.so.1:libnuma1"
   "libcurl.so.4:libcurl4"
+  # the operator console's browser tests drive this chromium (Playwright never downloads one)
+  "/usr/bin/chromium:chromium"
 )
 
 have() {

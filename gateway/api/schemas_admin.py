@@ -152,6 +152,18 @@ class QuarantineIn(_Closed):
     reason: StoredText = Field(min_length=1, max_length=256)
 
 
+class ClearQuarantineIn(_Closed):
+    """Why the quarantine may be lifted (recorded in the admin actions)."""
+
+    reason: StoredText | None = Field(default=None, min_length=1, max_length=256)
+
+
+class MembersIn(_Closed):
+    """The whole new member list of an admin-registered engine group."""
+
+    members: list[MemberIn] = Field(max_length=256)
+
+
 class OverrideIn(_Closed):
     allow_unsafe: bool
 

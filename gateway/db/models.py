@@ -1,17 +1,23 @@
-"""SQLAlchemy 2 tables of the gateway: tenants, API keys, request audit, registered engines.
+"""SQLAlchemy 2 tables of the gateway: tenants, API keys, request audit, registered engines, engine
+controls, the responses tenants asked the gateway to keep (the Responses API's ``store``), console
+sessions and admin actions.
 
 Tables only (the HTTP schemas live in ``gateway.api.schemas``). Every change here needs an Alembic
 revision in ``migrations/versions`` (one logical change each); a test compares this metadata with
 the migrated schema so the two cannot drift apart.
 
 Audit rows hold metadata only: counts, ids, outcomes and timings, never prompt or completion text.
+Stored responses are the one table with content, kept only because the tenant asked (``store``),
+keyed by (tenant, id) and deleted with their tenant.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
+    JSON,
     Boolean,
     Float,
     ForeignKey,
@@ -126,3 +132,62 @@ class EngineControl(Base):
     quarantine_cleared_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     allow_unsafe: Mapped[bool] = mapped_column(Boolean, default=False)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class StoredResponse(Base):
+    """A response a tenant asked the gateway to keep (``store``), with the conversation before it.
+
+    The primary key leads with the tenant: a lookup is always by (tenant, id), and another tenant's
+    id finds nothing under this tenant's part of the index, exactly like an id that never existed
+    (``gateway.services.responses``). ``conversation`` is every input item of the chain up to and
+    including this turn's (this turn's from ``input_start``), so a response is whole on its own:
+    continuing it never depends on an earlier one that has since been deleted or expired.
+    """
+
+    __tablename__ = "stored_responses"
+    __table_args__ = (Index("ix_stored_responses_expires_at", "expires_at"),)
+
+    tenant_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    status: Mapped[str] = mapped_column(String(16))
+    response: Mapped[dict[str, Any]] = mapped_column(JSON)  # the Response the client got
+    conversation: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    input_start: Mapped[int] = mapped_column(Integer)
+
+    def __repr__(self) -> str:  # content stays out of logs
+        return f"StoredResponse(tenant_id={self.tenant_id!r}, id={self.id!r})"
+
+
+class ConsoleSession(Base):
+    """A signed-in operator console session (``gateway.console.sessions``): the SHA-256 of the
+    cookie's token finds the row; ``binding`` ties it to the admin token it was opened with."""
+
+    __tablename__ = "console_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    binding: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+
+    def __repr__(self) -> str:  # the hash stays out of logs
+        return f"ConsoleSession(expires_at={self.expires_at!r})"
+
+
+class AdminAction(Base):
+    """One operator action (``gateway.services.actions``): what, on what, through which channel,
+    what changed, and the operator's reason where one is asked for. Ids, names and numbers only."""
+
+    __tablename__ = "admin_actions"
+    __table_args__ = (Index("ix_admin_actions_at", "at"),)
+
+    id: Mapped[int] = mapped_column(AUDIT_ID, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    channel: Mapped[str] = mapped_column(String(16))
+    action: Mapped[str] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(String(128))
+    detail: Mapped[str | None] = mapped_column(String(256))
+    reason: Mapped[str | None] = mapped_column(String(256))

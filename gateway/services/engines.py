@@ -1,4 +1,5 @@
-"""Engines registered through the admin API, and admin controls (quarantine, allow-unsafe).
+"""Engines registered through the admin API (or the console), and admin controls (quarantine,
+allow-unsafe).
 
 Both live in SQL so every replica converges on them (the poller reloads them each cycle); the
 admin route also applies a change to its own replica's registry at once.
@@ -7,10 +8,11 @@ admin route also applies a change to its own replica's registry at once.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
-from pydantic import SecretStr, TypeAdapter
+from pydantic import SecretStr, TypeAdapter, ValidationError
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -26,7 +28,7 @@ from gateway.config import (
 )
 from gateway.db.models import EngineControl, RegisteredEngine
 from gateway.engines.registry import EngineControls, EngineRegistry, EngineSource
-from gateway.errors import Conflict, NotFound
+from gateway.errors import Conflict, InvalidRequest, NotFound
 
 
 def register_engine(session: Session, *, spec: EngineSpec, taken: set[str]) -> RegisteredEngine:
@@ -41,9 +43,7 @@ def register_engine(session: Session, *, spec: EngineSpec, taken: set[str]) -> R
         declared_max_model_len=spec.declared_max_model_len,
         allow_unverified=spec.allow_unverified,
         upstream=spec.upstream.value if spec.upstream else None,
-        members=json.dumps([m.model_dump(exclude_none=True) for m in spec.members])
-        if spec.members
-        else None,
+        members=_members_json(spec.members),
         api_key_env=spec.api_key_env,
         declared_pool_tokens=spec.declared_pool_tokens,
         send_kvguard_headers=spec.send_kvguard_headers,
@@ -52,6 +52,27 @@ def register_engine(session: Session, *, spec: EngineSpec, taken: set[str]) -> R
     )
     session.add(row)
     return row
+
+
+def _members_json(members: tuple[MemberSpec, ...]) -> str | None:
+    return json.dumps([m.model_dump(exclude_none=True) for m in members]) if members else None
+
+
+def set_members(session: Session, *, name: str, members: Sequence[Mapping[str, Any]]) -> EngineSpec:
+    """Replace the members of an admin-registered engine; the whole spec is validated again (a
+    group kind, discovery and declared pools must still agree)."""
+    row = session.get(RegisteredEngine, name)
+    if row is None:
+        raise NotFound(
+            f"no admin-registered engine '{name}' (configured engines change in settings)",
+            code="engine_not_found",
+        )
+    try:
+        spec = EngineSpec.model_validate({**_spec_of(row).model_dump(), "members": members})
+    except ValidationError as exc:
+        raise InvalidRequest(f"invalid members: {exc.errors()[0]['msg']}", param="members") from exc
+    row.members = _members_json(spec.members)
+    return spec
 
 
 def remove_engine(session: Session, *, name: str) -> None:
@@ -63,25 +84,26 @@ def remove_engine(session: Session, *, name: str) -> None:
 
 def registered_specs(session: Session) -> list[EngineSpec]:
     rows = session.scalars(select(RegisteredEngine).order_by(RegisteredEngine.name))
-    return [
-        EngineSpec(
-            name=row.name,
-            kind=EngineKind(row.kind),
-            base_url=row.base_url,
-            model=row.model,
-            litellm_model=row.litellm_model,
-            declared_max_model_len=row.declared_max_model_len,
-            allow_unverified=row.allow_unverified,
-            upstream=UpstreamPath(row.upstream) if row.upstream else None,
-            members=_MEMBERS.validate_json(row.members) if row.members else (),
-            api_key_env=row.api_key_env,
-            declared_pool_tokens=row.declared_pool_tokens,
-            send_kvguard_headers=row.send_kvguard_headers,
-            api_base=True if row.api_base is None else row.api_base,
-            discover_members=bool(row.discover_members),
-        )
-        for row in rows
-    ]
+    return [_spec_of(row) for row in rows]
+
+
+def _spec_of(row: RegisteredEngine) -> EngineSpec:
+    return EngineSpec(
+        name=row.name,
+        kind=EngineKind(row.kind),
+        base_url=row.base_url,
+        model=row.model,
+        litellm_model=row.litellm_model,
+        declared_max_model_len=row.declared_max_model_len,
+        allow_unverified=row.allow_unverified,
+        upstream=UpstreamPath(row.upstream) if row.upstream else None,
+        members=_MEMBERS.validate_json(row.members) if row.members else (),
+        api_key_env=row.api_key_env,
+        declared_pool_tokens=row.declared_pool_tokens,
+        send_kvguard_headers=row.send_kvguard_headers,
+        api_base=True if row.api_base is None else row.api_base,
+        discover_members=bool(row.discover_members),
+    )
 
 
 _MEMBERS = TypeAdapter(tuple[MemberSpec, ...])

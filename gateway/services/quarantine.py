@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -114,8 +114,11 @@ class Quarantines:
         await self._broadcast(engine, reason)
         return await self._writer.settled(path, self._write_timeout_s)
 
-    async def clear(self, engine: str) -> EngineControls:
-        """Lift a quarantine everywhere (an admin), or raise without lifting it anywhere."""
+    async def clear(
+        self, engine: str, *, also: Callable[[Session], object] | None = None
+    ) -> EngineControls:
+        """Lift a quarantine everywhere (an admin), or raise without lifting it anywhere;
+        ``also`` runs in the unit of work that clears the row (the operator's audit record)."""
         if self._redis is not None:
             try:
                 await self._redis.delete(KEY_PREFIX + engine)
@@ -125,9 +128,14 @@ class Quarantines:
                     "Redis is unreachable: the quarantine cannot be lifted on every replica; "
                     "retry when it answers."
                 ) from exc
-        controls = await run_in_session(
-            self._sessions, lambda s: engine_service.clear_quarantine(s, name=engine)
-        )
+
+        def lift(session: Session) -> EngineControls:
+            controls = engine_service.clear_quarantine(session, name=engine)
+            if also is not None:
+                also(session)
+            return controls
+
+        controls = await run_in_session(self._sessions, lift)
         self._pending.pop(engine, None)
         self._registry.set_controls(engine, controls)
         return controls

@@ -1,22 +1,26 @@
 """Tenants: create (with a first key), find, list, enable/disable, change limits, usage.
 
+Usage is read from the request audit (``RequestAudit``): requests and tokens per outcome, and the
+refusals (every ending but ``completed``) per error code.
+
 Services take a session and keyword-only arguments; the caller owns the transaction.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from contracts.sql import utcnow
 from gateway.db.models import RequestAudit, Tenant
 from gateway.domain import TenantPlan
 from gateway.errors import Conflict, InvalidRequest, NotFound
-from gateway.lifecycle import TenantStatus, check_tenant_transition
+from gateway.lifecycle import Phase, TenantStatus, check_tenant_transition
 from gateway.services.keys import IssuedKey, issue_key
 
 
@@ -94,6 +98,33 @@ def set_canary(
     return tenant
 
 
+LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrency", "max_context_tokens")
+
+
+def update_tenant(
+    session: Session,
+    *,
+    tenant: Tenant,
+    status: TenantStatus | None = None,
+    limits: Mapping[str, int | None] | None = None,
+    canary: tuple[float | None, bool | None] | None = None,
+) -> Tenant:
+    """Change only what is given: the status, the limits named in ``limits`` (None removes that
+    limit), the canary's (sample rate, synthetic) where ``canary`` is given."""
+    if status is not None:
+        set_status(session, tenant=tenant, status=status)
+    if limits:
+        unknown = set(limits) - set(LIMIT_FIELDS)
+        if unknown:
+            raise InvalidRequest(f"unknown limit {sorted(unknown)[0]}", param=sorted(unknown)[0])
+        current = plan_of(tenant)
+        merged = {name: limits.get(name, getattr(current, name)) for name in LIMIT_FIELDS}
+        set_plan(session, tenant=tenant, plan=TenantPlan(**merged))
+    if canary is not None:
+        set_canary(session, tenant=tenant, sample_rate=canary[0], synthetic=canary[1])
+    return tenant
+
+
 def plan_of(tenant: Tenant) -> TenantPlan:
     return TenantPlan(
         requests_per_minute=tenant.requests_per_minute,
@@ -149,32 +180,78 @@ class UsageSummary:
         return sum(row.completion_tokens for row in self.by_outcome)
 
 
-def usage(
-    session: Session, *, tenant_id: str, since: datetime | None, until: datetime | None
-) -> UsageSummary:
-    """Request and token totals of one tenant (from the audit rows), per outcome."""
-    query = (
-        select(
-            RequestAudit.outcome,
-            func.count(),
-            func.coalesce(func.sum(RequestAudit.prompt_tokens), 0),
-            func.coalesce(func.sum(RequestAudit.completion_tokens), 0),
-        )
-        .where(RequestAudit.tenant_id == tenant_id)
-        .group_by(RequestAudit.outcome)
-        .order_by(RequestAudit.outcome)
-    )
+UsageQuery = Select[str, str, int, int | None, int | None]  # tenant, outcome, requests, tokens
+
+
+def _usage_query(since: datetime | None, until: datetime | None) -> UsageQuery:
+    query = select(
+        RequestAudit.tenant_id,
+        RequestAudit.outcome,
+        func.count(),
+        func.coalesce(func.sum(RequestAudit.prompt_tokens), 0),
+        func.coalesce(func.sum(RequestAudit.completion_tokens), 0),
+    ).group_by(RequestAudit.tenant_id, RequestAudit.outcome)
     if since is not None:
         query = query.where(RequestAudit.started_at >= since)
     if until is not None:
         query = query.where(RequestAudit.started_at < until)
-    rows = tuple(
-        OutcomeUsage(
-            outcome=str(o),
-            requests=int(n or 0),
-            prompt_tokens=int(p or 0),
-            completion_tokens=int(c or 0),
+    return query.order_by(RequestAudit.tenant_id, RequestAudit.outcome)
+
+
+def usage(
+    session: Session, *, tenant_id: str, since: datetime | None, until: datetime | None
+) -> UsageSummary:
+    """Request and token totals of one tenant (from the audit rows), per outcome."""
+    query = _usage_query(since, until).where(RequestAudit.tenant_id == tenant_id)
+    found = _summaries(session, query, since=since, until=until)
+    return found.get(tenant_id) or UsageSummary(tenant_id, since, until, ())
+
+
+def usage_by_tenant(
+    session: Session, *, since: datetime | None, until: datetime | None = None
+) -> dict[str, UsageSummary]:
+    """Every tenant's totals (tenants without audit rows in the window are absent)."""
+    return _summaries(session, _usage_query(since, until), since=since, until=until)
+
+
+def _summaries(
+    session: Session,
+    query: UsageQuery,
+    *,
+    since: datetime | None,
+    until: datetime | None,
+) -> dict[str, UsageSummary]:
+    rows: dict[str, list[OutcomeUsage]] = {}
+    for tenant_id, o, n, p, c in session.execute(query).all():
+        rows.setdefault(str(tenant_id), []).append(
+            OutcomeUsage(
+                outcome=str(o),
+                requests=int(n or 0),
+                prompt_tokens=int(p or 0),
+                completion_tokens=int(c or 0),
+            )
         )
-        for o, n, p, c in session.execute(query).all()
+    return {t: UsageSummary(t, since, until, tuple(found)) for t, found in rows.items()}
+
+
+def refusals_by_tenant(
+    session: Session, *, since: datetime | None, tenant_id: str | None = None
+) -> dict[str, list[tuple[str, int]]]:
+    """tenant id -> [(error code, requests)] of every request that did not complete (refused,
+    failed, cut, cancelled), most frequent first; of one tenant when ``tenant_id`` is given."""
+    code = func.coalesce(RequestAudit.error_code, RequestAudit.outcome)
+    query = (
+        select(RequestAudit.tenant_id, code, func.count())
+        .where(RequestAudit.outcome != Phase.COMPLETED.value)
+        .group_by(RequestAudit.tenant_id, code)
     )
-    return UsageSummary(tenant_id=tenant_id, since=since, until=until, by_outcome=rows)
+    if since is not None:
+        query = query.where(RequestAudit.started_at >= since)
+    if tenant_id is not None:
+        query = query.where(RequestAudit.tenant_id == tenant_id)
+    found: dict[str, list[tuple[str, int]]] = {}
+    for tenant_id, reason, n in session.execute(query).all():
+        found.setdefault(str(tenant_id), []).append((str(reason), int(n)))
+    for reasons in found.values():
+        reasons.sort(key=lambda item: (-item[1], item[0]))
+    return found

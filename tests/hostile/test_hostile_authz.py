@@ -9,14 +9,16 @@ or looks for it in ``/metrics`` and ``/health``.
 Proves, against the real gateway (with the canary's routes, as ``kvguard gateway`` serves it) on
 127.0.0.1 with PostgreSQL and Redis: tenant endpoints accept only live tenant keys (a disabled
 tenant's gets 403 ``tenant_disabled``, everything else 401 ``invalid_api_key``, the admin token
-included), admin endpoints only the admin token, ``/metrics`` (every tenant's series) only the
-metrics or the admin token, public endpoints anything; every wrong credential is refused before
-it changes anything (each rightful call afterwards still gets its expected status); a tenant
-endpoint answers about the caller's own tenant only (tenant B, asking for A's usage and
-findings, gets its own account with zero requests and an empty list; A's finding does not name
-the observer; no tenant endpoint's answer to B names A), and neither a refused ``/metrics`` nor
-``/health`` names a tenant. The
-endpoint list comes from the app's own routes: an endpoint added without a row in ``MATRIX`` fails
+included), admin endpoints only the admin token, the operator console's routes no bearer
+credential at all (its own session signs in: ``tests/gateway/console``; every caller here, the
+admin token included, is sent to its sign-in page or gets its 401), ``/metrics`` (every
+tenant's series) only the metrics or the admin token, public endpoints anything; every wrong
+credential is refused before it changes anything (each rightful call afterwards still gets its
+expected status); a tenant endpoint answers about the caller's own tenant only (tenant B, asking
+for A's usage and findings, gets its own account with zero requests and an empty list; A's
+finding does not name the observer; no tenant endpoint's answer to B names A), and neither a
+refused ``/metrics`` nor ``/health`` names a tenant. The endpoint list comes from the app's own
+routes: an endpoint added without a row in ``MATRIX`` fails
 ``test_every_endpoint_has_a_matrix_row``.
 """
 
@@ -45,6 +47,7 @@ from contracts.sql import session_scope
 from kvguard.testing import EngineProcess
 
 PUBLIC, TENANT, ADMIN, SCRAPE = "public", "tenant", "admin", "scrape"
+CONSOLE = "console"  # a console session only: every bearer credential is refused
 THROWAWAY_ENGINE = "matrix-engine"
 METRICS_TOKEN = "matrix-metrics-token-" + "m" * 32
 
@@ -104,6 +107,7 @@ MATRIX: dict[tuple[str, str], Call] = {
         },
     ),
     ("PUT", "/admin/engines/{name}/override"): Call(ADMIN, 200, json={"allow_unsafe": False}),
+    ("PUT", "/admin/engines/{name}/members"): Call(ADMIN, 200, json={"members": []}),
     ("POST", "/admin/engines/{name}/quarantine"): Call(ADMIN, 200, json={"reason": "matrix"}),
     ("DELETE", "/admin/engines/{name}/quarantine"): Call(ADMIN, 200),
     ("DELETE", "/admin/engines/{name}"): Call(ADMIN, 204),
@@ -132,6 +136,21 @@ MATRIX: dict[tuple[str, str], Call] = {
         },
     ),
     ("POST", "/admin/keys/{prefix}/revoke"): Call(ADMIN, 200),
+    ("GET", "/console/login"): Call(PUBLIC, 200),
+    ("POST", "/console/login"): Call(PUBLIC, 400),  # no form: nothing to sign in with
+    ("POST", "/console/logout"): Call(CONSOLE, 401),
+    ("GET", "/console"): Call(CONSOLE, 303),
+    ("GET", "/console/tenants"): Call(CONSOLE, 303),
+    ("POST", "/console/tenants"): Call(CONSOLE, 401),
+    ("GET", "/console/tenants/{tenant_id}"): Call(CONSOLE, 303),
+    ("POST", "/console/tenants/{tenant_id}/limits"): Call(CONSOLE, 401),
+    ("POST", "/console/tenants/{tenant_id}/status"): Call(CONSOLE, 401),
+    ("POST", "/console/tenants/{tenant_id}/keys"): Call(CONSOLE, 401),
+    ("POST", "/console/keys/{prefix}/revoke"): Call(CONSOLE, 401),
+    ("GET", "/console/engines"): Call(CONSOLE, 303),
+    ("POST", "/console/engines"): Call(CONSOLE, 401),
+    ("POST", "/console/engines/{name}/members"): Call(CONSOLE, 401),
+    ("POST", "/console/engines/{name}/clear"): Call(CONSOLE, 401),
 }
 
 
@@ -149,6 +168,7 @@ class World:
     def path(self, template: str) -> str:
         return template.format(
             ref=self.throwaway_tenant,
+            tenant_id=self.throwaway_tenant,
             name=THROWAWAY_ENGINE,
             prefix=self.throwaway_prefix,
             finding_id=1,
@@ -158,7 +178,12 @@ class World:
     def call(self, method: str, template: str, token: str | None, **kw: Any) -> httpx.Response:
         headers = {} if token is None else {"Authorization": f"Bearer {token}"}
         return httpx.request(
-            method, self.gateway.url + self.path(template), headers=headers, timeout=60, **kw
+            method,
+            self.gateway.url + self.path(template),
+            headers=headers,
+            timeout=60,
+            follow_redirects=False,
+            **kw,
         )
 
 
@@ -235,6 +260,12 @@ def _refused(response: httpx.Response, status: int, code: str, who: str, where: 
     assert openai_error(response)["code"] == code, (who, where)
 
 
+def _console_refused(response: httpx.Response, status: int, who: str, where: str) -> None:
+    assert response.status_code == status, (who, where, response.status_code, response.text)
+    if status == 303:
+        assert response.headers["location"] == "/console/login", (who, where)
+
+
 def test_the_matrix(world: World) -> None:
     """Wrong credentials first (they must change nothing), then each rightful caller."""
     for (method, template), call in MATRIX.items():
@@ -249,7 +280,9 @@ def test_the_matrix(world: World) -> None:
             ):
                 continue
             r = world.call(method, template, token, json=call.json, params=call.params)
-            if who == "disabled" and call.kind == TENANT:
+            if call.kind == CONSOLE:
+                _console_refused(r, call.status, who, where)
+            elif who == "disabled" and call.kind == TENANT:
                 _refused(r, 403, "tenant_disabled", who, where)
             else:
                 _refused(r, 401, "invalid_api_key", who, where)
@@ -258,6 +291,7 @@ def test_the_matrix(world: World) -> None:
             PUBLIC: list(world.credentials),
             TENANT: ["own", "other tenant"],
             SCRAPE: ["metrics", "admin"],
+            CONSOLE: [],  # its rightful caller holds a session, not a credential
         }
         for who in callers.get(call.kind, ["admin"]):
             r = world.call(method, template, world.credentials[who], json=call.json)

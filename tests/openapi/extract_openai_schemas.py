@@ -2,7 +2,8 @@
 
     .venv/bin/python tests/openapi/extract_openai_schemas.py /path/to/openai-openapi.yaml
 
-Keeps the component schemas the tests validate against (``ROOTS``) and every schema they reach
+Keeps the component schemas the tests validate against (``ROOTS``; the Responses API's in a
+second file, ``RESPONSES_ROOTS`` -> ``openai_responses_schemas.json``) and every schema they reach
 through ``$ref``, drops prose (descriptions, examples, titles), and rewrites the OpenAPI 3.0
 ``nullable: true`` the document mixes into its 3.1 schemas as JSON Schema's "or null", so a plain
 Draft 2020-12 validator reads them as OpenAI means them. One schema is derived, not copied
@@ -37,10 +38,18 @@ ROOTS = (
     "Model",
     "ErrorResponse",
 )
+RESPONSES_ROOTS = (
+    "CreateResponse",
+    "Response",
+    "ResponseStreamEvent",
+    "ResponseItemList",
+    "ErrorResponse",
+)
 DERIVED = "CreateCompletionChunk"  # see completion_chunk
 PROSE = frozenset({"description", "example", "examples", "title", "x-oaiMeta", "x-oaiExpandable"})
 PREFIX = "#/components/schemas/"
 OUT = Path(__file__).with_name("openai_schemas.json")
+RESPONSES_OUT = Path(__file__).with_name("openai_responses_schemas.json")
 
 
 def _refs(node: Any) -> set[str]:
@@ -104,22 +113,23 @@ def completion_chunk(response: dict[str, Any]) -> dict[str, Any]:
 
 def main(source: Path) -> None:
     document = yaml.safe_load(source.read_text(encoding="utf-8"))
-    schemas = {
-        name: clean(schema)
-        for name, schema in closure(document["components"]["schemas"], ROOTS).items()
-    }
+    all_schemas = document["components"]["schemas"]
+    schemas = {name: clean(schema) for name, schema in closure(all_schemas, ROOTS).items()}
     schemas[DERIVED] = completion_chunk(schemas["CreateCompletionResponse"])
+    _write(OUT, schemas, {"roots": list(ROOTS), "derived": [DERIVED]})
+    responses = {
+        name: clean(schema) for name, schema in closure(all_schemas, RESPONSES_ROOTS).items()
+    }
+    _write(RESPONSES_OUT, responses, {"roots": list(RESPONSES_ROOTS), "derived": []})
+
+
+def _write(out: Path, schemas: dict[str, Any], provenance: dict[str, Any]) -> None:
     fixture = {
-        "x-provenance": {
-            **SOURCE,
-            "roots": list(ROOTS),
-            "derived": [DERIVED],
-            "tool": Path(__file__).name,
-        },
+        "x-provenance": {**SOURCE, **provenance, "tool": Path(__file__).name},
         "components": {"schemas": schemas},
     }
-    OUT.write_text(json.dumps(fixture, indent=1, sort_keys=False) + "\n", encoding="utf-8")
-    print(f"{len(schemas)} schemas -> {OUT}")
+    out.write_text(json.dumps(fixture, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    print(f"{len(schemas)} schemas -> {out}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Admin API (``/admin``): tenants, keys, limits, usage, engines. Admin token only.
 
+Every change goes through ``gateway.services.operator`` -- the console's actions call the same
+functions -- and is recorded in the admin actions under the channel ``admin_api``.
+
 Plain ``def`` routes: FastAPI runs them in its threadpool, next to the synchronous DB session.
 """
 
@@ -8,16 +11,17 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from fastapi import APIRouter, status
-from pydantic import ValidationError
 
-from contracts.sql import run_in_session, utcnow
+from contracts.sql import utcnow
 from gateway.api.engine_views import engine_out
 from gateway.api.schemas_admin import (
+    ClearQuarantineIn,
     EngineIn,
     EngineOut,
     IssuedKeyOut,
     KeyCreate,
     KeyOut,
+    MembersIn,
     OverrideIn,
     QuarantineIn,
     TenantCreate,
@@ -28,17 +32,17 @@ from gateway.api.schemas_admin import (
 )
 from gateway.api.timestamps import Instant
 from gateway.api.usage import usage_out
-from gateway.config import EngineSpec
 from gateway.deps import AdminDep, SessionDep, StateDep
 from gateway.domain import TenantPlan
 from gateway.engines.registry import EngineRecord
-from gateway.errors import InvalidRequest, NotFound
-from gateway.services import engines as engine_service
 from gateway.services import keys as key_service
+from gateway.services import operator
 from gateway.services import tenants as tenant_service
+from gateway.services.actions import Channel
 from gateway.state import GatewayState
 
 router = APIRouter(prefix="/admin", tags=["admin"])
+API = Channel.ADMIN_API
 
 
 def _issued(key: key_service.IssuedKey) -> IssuedKeyOut:
@@ -59,8 +63,9 @@ def create_tenant(body: TenantCreate, session: SessionDep, _: AdminDep) -> Tenan
         max_concurrency=body.max_concurrency,
         max_context_tokens=body.max_context_tokens,
     )
-    created = tenant_service.create_tenant(
+    created = operator.create_tenant(
         session,
+        channel=API,
         name=body.name,
         plan=plan,
         synthetic=body.synthetic,
@@ -84,28 +89,25 @@ def get_tenant(ref: str, session: SessionDep, _: AdminDep) -> TenantOut:
 
 @router.patch("/tenants/{ref}")
 def update_tenant(ref: str, body: TenantUpdate, session: SessionDep, _: AdminDep) -> TenantOut:
-    tenant = tenant_service.get_tenant(session, ref=ref)
     changes = body.model_dump(exclude_unset=True)
-    if body.status is not None:
-        tenant_service.set_status(session, tenant=tenant, status=body.status)
-    limit_names = ("requests_per_minute", "tokens_per_minute", "max_concurrency")
-    if any(name in changes for name in (*limit_names, "max_context_tokens")):
-        current = tenant_service.plan_of(tenant)
-        merged = {name: changes.get(name, getattr(current, name)) for name in current.__slots__}
-        tenant_service.set_plan(session, tenant=tenant, plan=TenantPlan(**merged))
-    if "canary_sample_rate" in changes or "synthetic" in changes:
-        tenant_service.set_canary(
-            session, tenant=tenant, sample_rate=body.canary_sample_rate, synthetic=body.synthetic
-        )
+    limits = {name: changes[name] for name in tenant_service.LIMIT_FIELDS if name in changes}
+    canary_changed = "canary_sample_rate" in changes or "synthetic" in changes
+    tenant = operator.update_tenant(
+        session,
+        channel=API,
+        ref=ref,
+        status=body.status,
+        limits=limits,
+        canary=(body.canary_sample_rate, body.synthetic) if canary_changed else None,
+    )
     session.flush()
     return TenantOut.of(tenant)
 
 
 @router.post("/tenants/{ref}/keys", status_code=status.HTTP_201_CREATED)
 def create_key(ref: str, body: KeyCreate, session: SessionDep, _: AdminDep) -> IssuedKeyOut:
-    tenant = tenant_service.get_tenant(session, ref=ref)
-    issued = key_service.issue_key(
-        session, tenant_id=tenant.id, name=body.name, expires_at=_expiry(body.expires_in_s)
+    issued = operator.issue_key(
+        session, channel=API, ref=ref, name=body.name, expires_at=_expiry(body.expires_in_s)
     )
     return _issued(issued)
 
@@ -118,7 +120,7 @@ def list_keys(ref: str, session: SessionDep, _: AdminDep) -> list[KeyOut]:
 
 @router.post("/keys/{prefix}/revoke")
 def revoke_key(prefix: str, session: SessionDep, _: AdminDep) -> KeyOut:
-    return KeyOut.of(key_service.revoke_key(session, prefix=prefix))
+    return KeyOut.of(operator.revoke_key(session, channel=API, prefix=prefix))
 
 
 @router.get("/tenants/{ref}/usage")
@@ -140,54 +142,43 @@ def list_engines(state: StateDep, _: AdminDep) -> list[EngineOut]:
 
 @router.post("/engines", status_code=status.HTTP_201_CREATED)
 async def register_engine(body: EngineIn, state: StateDep, _: AdminDep) -> EngineOut:
-    try:
-        spec = EngineSpec.model_validate(body.model_dump())
-    except ValidationError as exc:
-        raise InvalidRequest(f"invalid engine: {exc.errors()[0]['msg']}") from exc
-    taken = {record.name for record in state.registry.records()}
-    await run_in_session(
-        state.sessions, lambda s: engine_service.register_engine(s, spec=spec, taken=taken)
-    )
-    await state.reload_engines()
-    await state.poller.poll_once()
-    record = state.registry.get(spec.name)
-    assert record is not None
-    return engine_out(state.registry, record)
+    spec = operator.engine_spec(body.model_dump())
+    return _out(state, await operator.register_engine(state, channel=API, spec=spec))
+
+
+@router.put("/engines/{name}/members")
+async def set_members(name: str, body: MembersIn, state: StateDep, _: AdminDep) -> EngineOut:
+    members = [m.model_dump(exclude_none=True) for m in body.members]
+    return _out(state, await operator.set_members(state, channel=API, name=name, members=members))
 
 
 @router.delete("/engines/{name}", status_code=status.HTTP_204_NO_CONTENT)
 async def remove_engine(name: str, state: StateDep, _: AdminDep) -> None:
-    await run_in_session(state.sessions, lambda s: engine_service.remove_engine(s, name=name))
-    await state.reload_engines()
+    await operator.remove_engine(state, channel=API, name=name)
 
 
 @router.post("/engines/{name}/quarantine")
 async def quarantine(name: str, body: QuarantineIn, state: StateDep, _: AdminDep) -> EngineOut:
-    _known(state, name)
-    await state.quarantine(name, reason=body.reason)
-    return engine_out(state.registry, _known(state, name))
+    record = await operator.quarantine(state, channel=API, name=name, reason=body.reason)
+    return _out(state, record)
 
 
 @router.delete("/engines/{name}/quarantine")
-async def clear_quarantine(name: str, state: StateDep, _: AdminDep) -> EngineOut:
-    _known(state, name)
-    await state.quarantines.clear(name)
-    return engine_out(state.registry, _known(state, name))
+async def clear_quarantine(
+    name: str, state: StateDep, _: AdminDep, body: ClearQuarantineIn | None = None
+) -> EngineOut:
+    reason = None if body is None else body.reason
+    record = await operator.clear_quarantine(state, channel=API, name=name, reason=reason)
+    return _out(state, record)
 
 
 @router.put("/engines/{name}/override")
 async def set_override(name: str, body: OverrideIn, state: StateDep, _: AdminDep) -> EngineOut:
-    _known(state, name)
-    controls = await run_in_session(
-        state.sessions,
-        lambda s: engine_service.set_allow_unsafe(s, name=name, allow=body.allow_unsafe),
+    record = await operator.set_override(
+        state, channel=API, name=name, allow_unsafe=body.allow_unsafe
     )
-    state.registry.set_controls(name, controls)
-    return engine_out(state.registry, _known(state, name))
+    return _out(state, record)
 
 
-def _known(state: GatewayState, name: str) -> EngineRecord:
-    record = state.registry.get(name)
-    if record is None:
-        raise NotFound(f"no engine '{name}'", code="engine_not_found")
-    return record
+def _out(state: GatewayState, record: EngineRecord) -> EngineOut:
+    return engine_out(state.registry, record)

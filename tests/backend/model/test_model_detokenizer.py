@@ -10,6 +10,7 @@ character cut by the end of generation is left out instead of sent as U+FFFD.
 from __future__ import annotations
 
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -185,10 +186,19 @@ def test_token_text_is_the_text_of_the_token_bytes(family_checkpoint, name):
 
 
 def test_a_metaspace_token_keeps_its_leading_space(family_checkpoint):
-    """Llama 2's ``▁w``: decoding it alone strips the space the piece stands for."""
+    """Llama 2's ``▁w``-like pieces: decoding one alone strips the space the piece stands for.
+
+    The tiny tokenizer is trained at test time and BPE training breaks ties between equally
+    frequent pairs differently from run to run (about 1 run in 10 has no ``▁w``), so the piece is
+    taken from the vocabulary the checkpoint was actually written with: a space followed by
+    letters."""
     tok, hf = engine_and_hf(family_checkpoint("llama2"))
-    ids = hf("Hello world", add_special_tokens=False)["input_ids"]
-    [word] = [i for i in ids if hf.convert_ids_to_tokens(i) == "▁w"]  # the tiny vocabulary's
-    assert tok.decode([word]) == "w"
-    assert logprobs_token(tok, word) == (" w", b" w")
+    pieces = sorted(
+        (piece, i) for piece, i in hf.get_vocab().items() if re.fullmatch("▁[a-z]+", piece)
+    )
+    assert pieces, "the tiny vocabulary has no space-prefixed word piece"
+    piece, word = pieces[0]
+    letters = piece[1:]
+    assert tok.decode([word]) == letters
+    assert logprobs_token(tok, word) == (" " + letters, b" " + letters.encode())
     assert logprobs_token(ByteTokenizer(), 0x41) == ("A", b"A")

@@ -13,7 +13,15 @@ import gateway.db.models  # noqa: F401  (the gateway's tables, on the shared met
 from contracts.sql import Base
 from gateway.db.session import current_revision, downgrade_database, make_engine, upgrade_database
 
-GATEWAY_TABLES = {"tenants", "api_keys", "request_audit", "engines", "engine_controls"}
+GATEWAY_TABLES = {
+    "tenants",
+    "api_keys",
+    "request_audit",
+    "engines",
+    "engine_controls",
+    "stored_responses",
+}
+GATEWAY_TABLES |= {"console_sessions", "admin_actions"}
 CANARY_TABLES = {"canary_findings", "canary_probe_runs"}
 ALL_TABLES = GATEWAY_TABLES | CANARY_TABLES
 
@@ -32,7 +40,7 @@ def _tables(engine) -> set[str]:
 def test_upgrade_downgrade_upgrade(db_engine) -> None:
     upgrade_database(db_engine)
     assert _tables(db_engine) == ALL_TABLES
-    assert current_revision(db_engine) == "0011_quarantine_cleared_at"
+    assert current_revision(db_engine) == "0014_create_admin_actions"
 
     downgrade_database(db_engine, "base")
     assert _tables(db_engine) == set()
