@@ -115,6 +115,7 @@ def count_tokens(prompt: str | None, messages: Sequence[Mapping[str, Any]] | Non
             if (
                 set(m) - {"role", "content", "name"}
                 or m.get("role") not in ENGINE_ROLES
+                or m.get("role") == "tool"  # needs its tool_call_id: the engine says what it is
                 or text is None
                 or not (name is None or (isinstance(name, str) and len(name) <= 64))
             ):

@@ -154,13 +154,27 @@ async def test_the_sdk_against_the_bundled_engine(engine: EngineProcess, served:
         schema = name.replace("StreamResponse", "Response").replace("Chunk", "Response")
         check(schema, whole.json())
 
+    # the bundled engine reports tools: a forced call comes back in OpenAI's schema, whole and
+    # streamed (a strict tool without properties: its only call is "{}")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"model": BUNDLED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    call |= {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    raw = await client.chat.completions.with_raw_response.create(**call, max_tokens=64)
+    body = check("CreateChatCompletionResponse", raw.http_response.json())
+    assert body["choices"][0]["finish_reason"] == "stop"
+    (function,) = [c["function"] for c in body["choices"][0]["message"]["tool_calls"]]
+    assert function == {"name": "f", "arguments": "{}"}
+    r = await _raw(gw.url, key, "/chat/completions", {**call, "max_tokens": 64, "stream": True})
+    check_sse(r.content, "CreateChatCompletionStreamResponse")
+
     with pytest.raises(openai.BadRequestError) as refused:
         await client.chat.completions.create(
             model=BUNDLED_MODEL,
             messages=[{"role": "user", "content": "hi"}],
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            reasoning_effort="low",
         )
-    assert refused.value.code == "unsupported_parameter" and refused.value.param == "tools"
+    assert refused.value.code == "unsupported_parameter"
+    assert refused.value.param == "reasoning_effort"
     check("ErrorResponse", refused.value.response.json())
 
 
