@@ -161,7 +161,7 @@ def measure(checkpoint: Path, clients: int, rounds: int, requests: int) -> tuple
         model=checkpoint, pool_tokens=65536, page_size=16, prefix_cache=False, max_running=64
     )
     built = build_engine(settings)
-    built.grammar.compile(schema_spec(SCHEMA, strict=True))  # as the HTTP edge does
+    built.grammar.compile(schema_spec(SCHEMA, strict=True), "bench")  # as the HTTP edge does
 
     async def all_runs() -> list[Run]:
         built.engine.start()

@@ -4,9 +4,11 @@ Lifecycle (the spec and state are ``backend.core.grammar``'s):
 1. start-up: ``GrammarBackend.for_tokenizer`` describes the vocabulary to xgrammar once (each
    token's text in the tokenizer's own encoding; special tokens blank, so a grammar can never
    emit one as text; the model's extra embedding rows blank too; the checkpoint's stop ids);
-2. HTTP edge: ``compile(spec)`` turns a request's spec into a compiled grammar before anything
-   is reserved (a schema xgrammar cannot compile is a 400 naming ``response_format``); compiled
-   grammars are cached by spec, so the runner's compile for the same spec is a lookup;
+2. HTTP edge: ``compile(spec, tenant)`` turns a request's spec into a compiled grammar before
+   anything is reserved (a schema xgrammar cannot compile is a 400 naming ``response_format``);
+   compiled grammars are cached by tenant and spec, so the runner's compile for the same request
+   is a lookup. Per tenant, as the prefix cache is: a shared cache would answer one tenant's
+   schema faster once another tenant had used it, an oracle of what others ask for;
 3. every sampling step (``ModelRunner``): ``state_for(request)`` builds the request's matcher
    the first time (replaying the outputs it already has), ``mask`` sets every token the matcher
    refuses to -inf in that row's logits, and after sampling ``accept`` advances it.
@@ -74,7 +76,7 @@ class GrammarBackend:
         self._info = info
         self.vocab_size = model_vocab_size
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, GrammarSpec], Any] = OrderedDict()
         self._lock = threading.Lock()
         self.mask_seconds = 0.0
         self.masked_rows = 0
@@ -117,16 +119,18 @@ class GrammarBackend:
 
     # -- compiling (HTTP edge and engine thread) -------------------------------------------------
 
-    def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar of ``spec`` (cached); ``InvalidRequest`` if it cannot compile."""
+    def compile(self, spec: GrammarSpec, tenant: str) -> Any:
+        """The compiled grammar of ``spec`` (cached for ``tenant``); ``InvalidRequest`` if it
+        cannot compile."""
+        key = (tenant, spec)
         with self._lock:
-            found = self._compiled.get(spec)
+            found = self._compiled.get(key)
             if found is not None:
-                self._compiled.move_to_end(spec)
+                self._compiled.move_to_end(key)
                 return found
         compiled = self._compile(spec)
         with self._lock:
-            self._compiled[spec] = compiled
+            self._compiled[key] = compiled
             while len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
         return compiled
@@ -159,7 +163,7 @@ class GrammarBackend:
             return request.grammar
         spec = request.sampling.grammar
         assert spec is not None
-        matcher = Matcher(self._xgr.GrammarMatcher(self.compile(spec)))
+        matcher = Matcher(self._xgr.GrammarMatcher(self.compile(spec, request.tenant)))
         for position, token in enumerate(request.output_ids):
             if not matcher.accept(token):
                 raise GrammarViolation(request.request_id, position)

@@ -110,7 +110,7 @@ async def generate(
     if plan.grammar is not None:
         if body.stop_list():
             raise InvalidRequest("stop", "a constrained answer takes no stop sequences")
-        await asyncio.to_thread(service.compile_grammar, plan.grammar)
+        await asyncio.to_thread(service.compile_grammar, plan.grammar, tenant)
     prompt_ids = service.encode_prompt(prompt, chat=kind == "chat")
     sampling = _sampling(service, body, len(prompt_ids), plan)
     choices = _submit(service, body, request_id, tenant, prompt_ids, sampling, plan)

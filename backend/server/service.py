@@ -74,12 +74,12 @@ class EngineService:
                 "messages", f"the model's chat template refused them: {exc}"
             ) from exc
 
-    def compile_grammar(self, spec: GrammarSpec) -> None:
+    def compile_grammar(self, spec: GrammarSpec, tenant: str) -> None:
         """Compile (and cache) a request's grammar before anything is reserved; a schema that
         cannot be used is a 400."""
         if self.grammar is None:
             raise InvalidRequest("response_format", "this engine serves no structured output")
-        self.grammar.compile(spec)
+        self.grammar.compile(spec, tenant)
 
     def kept_specials(self, plan: OutputPlan) -> dict[int, str]:
         """Special tokens whose text the tool-call parser must see (``TextStream.kept``)."""

@@ -115,7 +115,7 @@ def test_state_is_rebuilt_by_replay_and_a_refused_output_fails_the_request(built
 def test_a_schema_that_cannot_compile_is_a_400(built) -> None:  # type: ignore[no-untyped-def]
     bad = schema_spec({"type": "object", "$ref": "#/nowhere"}, strict=True)
     with pytest.raises(InvalidRequest) as caught:
-        built.grammar.compile(bad)
+        built.grammar.compile(bad, "tenant-a")
     assert caught.value.param == "response_format" and caught.value.http_status == 400
 
 
@@ -138,3 +138,12 @@ def test_length_bounded_strings_hold_no_control_characters(built) -> None:  # ty
                 break
         assert request.output_ids[-1] == BYTE_EOS
         jsonschema.validate(json.loads(_text(request)), SCHEMA)
+
+
+def test_compiled_grammars_are_cached_per_tenant(built) -> None:  # type: ignore[no-untyped-def]
+    """A cache shared by tenants would answer a schema faster once another tenant had used it
+    (an oracle of what others ask for): each tenant's compile is its own."""
+    spec = schema_spec({"type": "object", "properties": {"x": {"enum": [7]}}}, strict=True)
+    mine = built.grammar.compile(spec, "tenant-a")
+    assert built.grammar.compile(spec, "tenant-a") is mine
+    assert built.grammar.compile(spec, "tenant-b") is not mine
