@@ -31,7 +31,11 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "kind": {"enum": ["cat", "dog"]},
-        "tags": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "tags": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "maxItems": 4,
+        },
         "name": {"type": "string", "maxLength": 6},
     },
     "required": ["kind", "tags", "name"],

@@ -59,6 +59,7 @@ class GetWeather(BaseModel):
 
 
 LONGEST_CALL = len('[{"name": "GetWeather", "arguments": {"city": "Paris", "days": 7}}]')
+LONGEST_WEATHER_CALL = len('[{"name": "get_weather", "arguments": {"city": "Paris", "days": 7}}]')
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -156,7 +157,7 @@ def test_a_two_step_tool_conversation(stack: tuple[str, str]) -> None:
         tools=[WEATHER_TOOL],
         tool_choice="required",
         parallel_tool_calls=False,
-        max_tokens=LONGEST_CALL + 1,
+        max_tokens=LONGEST_WEATHER_CALL + 1,
     )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
