@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, model_validator
 from contracts.settings import KvguardSettings, require_real_secret
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled" / "kvguard-tiny"
+WILDCARD_ADDRESSES = frozenset({"0.0.0.0", "::", "[::]", "*"})
 
 
 class BackendSettings(KvguardSettings):
@@ -108,8 +109,9 @@ class BackendSettings(KvguardSettings):
     )
     decode_peers: list[str] | None = Field(
         default=None,
-        description="prefill: the decode transfer endpoints (hosts or host:port) it may write "
-        "KV to; others are refused; unset: loopback only; required in production",
+        description="prefill: the hosts (or host:port) of the decode peers it may write KV to; "
+        "it writes only to the exact transfer targets such a decode announced (others are "
+        "refused); unset: loopback hosts only; required in production",
     )
 
     # -- disaggregation: the prefill and decode roles (backend.disagg) ------------------------
@@ -119,7 +121,25 @@ class BackendSettings(KvguardSettings):
         description="KV transport: mooncake; loopback (TCP on 127.0.0.1, single host, when "
         "Mooncake is not installed); inprocess (both roles in one process: tests)",
     )
-    transfer_host: str = Field(default="127.0.0.1", description="address peers write KV to")
+    kv_channel: Literal["sealed", "open"] = Field(
+        default="sealed",
+        description="how KV crosses the transfer port: sealed (each handoff lands in slots "
+        "registered for it alone, every page sealed with AES-256-GCM under a key only its ticket "
+        "carries, moved into the pool after every check); open (decode's KV pools registered for "
+        "the process's life, plaintext written into them: any peer of the transfer port reads "
+        "and writes live KV; development and benchmarks only, production refuses it)",
+    )
+    transfer_bind: str | None = Field(
+        default=None,
+        description="address the KV transfer port listens on; unset: the address the role "
+        "serves on (host). Mooncake listens on every interface whatever is set: production then "
+        "requires 0.0.0.0 here (asked for), development warns",
+    )
+    transfer_host: str | None = Field(
+        default=None,
+        description="address peers write KV to (the host of the announced transfer endpoint); "
+        "unset: transfer_bind, or 127.0.0.1 when that is a wildcard",
+    )
     transfer_protocol: Literal["tcp", "rdma"] = Field(
         default="tcp",
         description="Mooncake transport between prefill and decode: tcp, or rdma on clusters",
@@ -184,9 +204,11 @@ class BackendSettings(KvguardSettings):
         used = [name for name, value in drills.items() if value is not None]
         if used and not self.allow_fault_drills:
             raise ValueError(f"{', '.join(used)} need allow_fault_drills (--allow-fault-drills)")
-        if self.transport == "loopback" and self.transfer_host != "127.0.0.1":
+        bind = self.transfer_bind_address
+        if self.transport == "loopback" and self.transfer_host not in (None, bind):
             raise ValueError(
-                "the loopback transport is single-host: transfer_host must be 127.0.0.1"
+                "the loopback transport's endpoint is its bind address: leave transfer_host "
+                f"unset or equal to {bind}"
             )
         members = [t for tenants in self.prefix_cache_groups.values() for t in tenants]
         if len(members) != len(set(members)):
@@ -195,6 +217,19 @@ class BackendSettings(KvguardSettings):
             raise ValueError("prefill_capacity_stale_s must be >= prefill_capacity_refresh_s")
         require_real_secret("engine_token", self.engine_token, "", self.mode)
         return self
+
+    @property
+    def transfer_bind_address(self) -> str:
+        """Where the transfer port listens: ``transfer_bind``, else the role's own ``host``."""
+        return self.transfer_bind or self.host
+
+    @property
+    def transfer_endpoint_host(self) -> str:
+        """The host peers reach the transfer port by (the announced endpoint's)."""
+        if self.transfer_host:
+            return self.transfer_host
+        bind = self.transfer_bind_address
+        return "127.0.0.1" if bind in WILDCARD_ADDRESSES else bind
 
     def engine_headers(self) -> dict[str, str]:
         """What this engine presents to its peer role (decode -> prefill)."""

@@ -40,6 +40,9 @@ QUARANTINE_ABSORBED_WRITES = PREFIX + "quarantine_absorbed_write_pages"  # count
 HANDOFF_SECONDS = PREFIX + "handoff_seconds"  # histogram: decode, request sent -> result
 TRANSFER_SECONDS = PREFIX + "kv_transfer_seconds"  # histogram: prefill, all batches of one
 CHECKSUM_SECONDS = PREFIX + "kv_checksum_seconds"  # histogram
+# histogram {phase}: the sealed channel's work per handoff. Prefill: seal. Decode: register (the
+# landing slots), copy (of the withdrawn slots), unseal (open every page), move (into the pages).
+KV_CHANNEL_SECONDS = PREFIX + "kv_channel_seconds"
 DRAIN_SECONDS = PREFIX + "drain_seconds"  # histogram {release}: ack|result|timeout|not_sent
 DRAINED_PAGES = PREFIX + "drained_pages"  # counter {release}
 HANDOFFS_ACTIVE = PREFIX + "handoffs_active"  # gauge {state}
@@ -125,6 +128,13 @@ class EngineMetrics:
         )
         self.checksum_seconds = Histogram(
             CHECKSUM_SECONDS, "KV checksum time", buckets=_HANDOFF_BUCKETS, registry=r
+        )
+        self.kv_channel_seconds = Histogram(
+            KV_CHANNEL_SECONDS,
+            "Sealed KV channel work per handoff, by phase",
+            ["phase"],
+            buckets=_HANDOFF_BUCKETS,
+            registry=r,
         )
         self.drain_seconds = Histogram(
             DRAIN_SECONDS,

@@ -159,7 +159,7 @@ def primitives(sizes_mb: Sequence[int]) -> None:
         rates = []
         for algorithm in ("crc32", "sha256"):
             started = time.perf_counter()
-            kv_digest(kv, list(range(pages)), tokens, algorithm)
+            kv_digest(kv.k, kv.v, list(range(pages)), tokens, algorithm)
             rates.append(tokens * token_bytes / (time.perf_counter() - started) / 1e6)
         print(f"{mb:6d} {tokens:7d} {moved:17.0f} {rates[0]:10.0f} {rates[1]:11.0f}")
         sender.unregister_memory(src.data_ptr())

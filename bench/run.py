@@ -35,6 +35,7 @@ HAS_QUICK = frozenset(
     {
         "bench_engine",
         "bench_disagg",
+        "bench_handoff",
         "bench_kvcache",
         "bench_load",
         "bench_proxy",

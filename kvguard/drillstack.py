@@ -133,6 +133,9 @@ def _proof_roles(
 ) -> tuple[Role, Role]:
     proof_env = {**env, "KVGUARD_MODE": "production", "KVGUARD_SERVED_MODEL_NAME": DRILL_MODEL}
     proof_env["KVGUARD_DECODE_PEERS"] = json.dumps(["127.0.0.1"])  # decode's transfer host
+    # one host: the loopback transport, bound to 127.0.0.1 (production refuses Mooncake's
+    # every-interface listeners unless asked for them)
+    proof_env["KVGUARD_TRANSPORT"] = "loopback"
     drift = ["--context-window", str(WINDOW), "--allow-capacity-drift"]
     prefill = _engine_argv("prefill", port["proof-prefill"], model, *_faults(PROOF_FAULTS))
     prefill += ["--pool-tokens", str(PREFILL_POOL), *drift]

@@ -8,7 +8,8 @@ the first replica; healthy by its heartbeat file) -> issue a demo key -> watch -
 roles, then Prometheus, Redis and PostgreSQL (their data is discarded). Not here: Grafana, the
 OTel collector and the load balancer in front of the replicas (each replica is printed with its
 own URL). Each role's command is compose.yaml's apart from hosts and ports
-(``tests/ops/test_ops_up_production.py`` holds the two together).
+(``tests/ops/test_ops_up_production.py`` holds the two together); the KV transport differs: on
+one host the loopback transport bound to 127.0.0.1, between compose's containers Mooncake.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ def production_roles(args: argparse.Namespace, gateway_env: dict[str, str]) -> l
         **os.environ,
         "KVGUARD_MODE": "production",
         "KVGUARD_ENGINE_TOKEN": gateway_env["KVGUARD_ENGINE_TOKEN"],
-        # Prefill writes KV only to decode's transfer endpoint (its default transfer host).
+        # One host: KV moves over the loopback transport, its port bound to 127.0.0.1 whatever
+        # --host says (Mooncake would listen on every interface), every transfer sealed; prefill
+        # writes KV only to the target decode announces there.
+        "KVGUARD_TRANSPORT": "loopback",
+        "KVGUARD_TRANSFER_BIND": "127.0.0.1",
         "KVGUARD_DECODE_PEERS": json.dumps(["127.0.0.1"]),
     }
     prefill_url = f"http://{host}:{args.prefill_port}"

@@ -3,14 +3,21 @@
 Lifecycle of one request here (the handoff's states are ``DECODE_TRANSITIONS``):
 
 1. ``add``: admission (raises, REJECTED, nothing reserved) -> waiting for pages.
-2. Pages reserved (AWAITING_KV): a ``SendHandoff`` notice carries the ticket to the event loop,
-   which sends the PrefillRequest. From this moment prefill may write into the pages.
-3. ``complete(result)``: VERIFYING -> ACCEPTED (the request joins the decode batch with prefill's
-   first token) only on positive evidence (``verify_result``); otherwise the request ends with
-   the original error and its pages are freed (a result is sent only once prefill is quiescent).
+2. Pages reserved (AWAITING_KV): on the sealed channel their landing slots are registered with
+   the transport for this handoff alone and a fresh seal key is drawn; a ``SendHandoff`` notice
+   carries the ticket (with the key) to the event loop, which sends the PrefillRequest. From this
+   moment prefill may write into the slots (on the open channel: into the pages themselves).
+3. ``complete(result)``: the slots are withdrawn; VERIFYING -> ACCEPTED (the request joins the
+   decode batch with prefill's first token) only on positive evidence (``verify_result``: the
+   seals are opened from a private copy of the slots, ``backend.disagg.channel``), and only then
+   is the KV moved into the pages; otherwise the request ends with the original error and its
+   pages are freed (a result is sent only once prefill is quiescent). A seal that does not open
+   fails that request alone (``kv_handoff_refused``, check ``seal``): nothing a peer of the
+   transfer port writes quarantines anything.
 4. ``abort`` / ``lost`` (client gone, timeout, prefill unreachable, unreadable reply) while
-   AWAITING_RESULT: the request ends at once, its pages go to quarantine (DRAINING) and a
-   ``SendAbort`` notice asks prefill to stop. ``drained`` (prefill acknowledged quiescence, or its
+   AWAITING_RESULT: the slots are withdrawn, the request ends at once, its pages go to quarantine
+   (DRAINING, which keeps their slots from reuse too) and a ``SendAbort`` notice asks prefill to
+   stop. ``drained`` (prefill acknowledged quiescence, or its
    late result arrived) or the drain deadline (``tick``) releases them with bumped generations.
    Prefill's result (before or after an ack) names the pages it wrote: writes the quarantine
    absorbed are counted, and in the early-release drill, writes that landed after the release.
@@ -22,33 +29,28 @@ drills are allowed) records page fingerprints at acceptance and at the end of ea
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from backend.core.errors import KvguardError
 from backend.core.request import Request, RequestState
+from backend.disagg.channel import Landing, LandingSlots
+from backend.disagg.decode_checks import HandoffFacts, ResultChecks
 from backend.disagg.decode_scheduler import DecodeScheduler, Release
 from backend.disagg.errors import (
+    HandoffFailed,
     HandoffTimedOut,
     ProtocolVersionMismatch,
 )
 from backend.disagg.faults import FaultSet
-from backend.disagg.kvio import algorithm_of, kv_digest, page_fingerprints
 from backend.disagg.machines import (
-    Check,
     DecodeHandoffState,
     Expectation,
-    Verdict,
     refusal,
     release_deadline,
-    verify_result,
 )
 from backend.disagg.protocol import (
     PROTOCOL_VERSION,
@@ -57,9 +59,12 @@ from backend.disagg.protocol import (
     PrefillResult,
     SamplingSpec,
 )
+from backend.disagg.read_log import ReadLog
+from backend.disagg.seal import Seal, new_key
 from backend.engine.core import EngineCore, StepOutcome
 from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
+from backend.transport.base import TransferError
 from contracts.engine import HandoffProof
 from contracts.lifecycle import Machine
 
@@ -73,6 +78,7 @@ class HandoffTicket:
 
     ``handoff_id`` names this handoff on the wire: the request id plus a per-instance sequence
     number, so a client that reuses a request id never meets the old handoff's leftovers.
+    ``seal_key`` (sealed channel) is the handoff's own key: it leaves only in the PrefillRequest.
     """
 
     request_id: str
@@ -81,6 +87,7 @@ class HandoffTicket:
     prompt_ids: tuple[int, ...] = field(repr=False)
     sampling: SamplingSpec
     grants: tuple[PageGrant, ...]
+    seal_key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +121,14 @@ class _Handoff:
     machine: Machine[DecodeHandoffState]
     expect: Expectation
     sent_at: float
+    landing: Landing | None = None  # the sealed channel's registered slots, until withdrawn
+    seal: Seal | None = field(default=None, repr=False)  # dropped with the handoff
     drain_started: float | None = None
     drain_deadline: float | None = None
+
+    def withdraw(self) -> None:
+        if self.landing is not None:
+            self.landing.withdraw()
 
 
 class DecodeEngineCore(EngineCore):
@@ -126,12 +139,14 @@ class DecodeEngineCore(EngineCore):
         config: DecodeHandoffConfig,
         *,
         notify: Callable[[Notice], None],
+        landing: LandingSlots | None = None,
         metrics: EngineMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(scheduler, runner)
         self.decode = scheduler
         self.config = config
+        self.landing = landing  # None: the open channel (prefill writes into the pages)
         self._notify = notify
         self._metrics = metrics
         self._clock = clock
@@ -140,15 +155,16 @@ class DecodeEngineCore(EngineCore):
         # they left ("ack" after a drain, or "early" in the drill), the handoff id, and when.
         self._released: dict[str, tuple[str, str, float]] = {}
         self._sequence = itertools.count(1)
-        self.read_log: OrderedDict[str, dict[str, Any]] | None = (
-            OrderedDict() if config.keep_read_log else None
+        self.read_log = ReadLog(runner.kv_cache) if config.keep_read_log else None
+        self.checks = ResultChecks(
+            pool=scheduler.pool,
+            kv=runner.kv_cache,
+            faults=config.faults,
+            protocol_version=config.protocol_version,
+            instance_id=config.instance_id,
+            metrics=metrics,
         )
-        self._read_lock = threading.Lock()
-
-    def read_log_snapshot(self) -> list[dict[str, Any]]:
-        """A copy of the drill read log, safe to take from another thread."""
-        with self._read_lock:
-            return copy.deepcopy(list(self.read_log.values())) if self.read_log else []
+        self._unsent: list[Request] = []  # failed before their ticket left (delivered by tick)
 
     # -- requests in ---------------------------------------------------------------------------
 
@@ -163,6 +179,7 @@ class DecodeEngineCore(EngineCore):
         handoff = self._handoffs.get(request_id)
         if handoff is None or handoff.machine.state is not _S.AWAITING_RESULT:
             return super().abort(request_id)
+        handoff.withdraw()
         if self.config.faults.early_release:
             # The drill: pages go back to the free list while prefill may still be writing.
             handoff.machine.advance(_S.RELEASED)
@@ -201,14 +218,17 @@ class DecodeEngineCore(EngineCore):
             return None
         if handoff.machine.state is not _S.AWAITING_RESULT:
             return None
+        handoff.withdraw()  # prefill is quiescent: nothing more may land, whatever comes next
         handoff.machine.advance(_S.VERIFYING)
         if self._metrics is not None:
             self._metrics.handoff_seconds.observe(self._clock() - handoff.sent_at)
-        verdict = self._check_result(handoff, result)
-        proof = self._proof(handoff, result, verdict)
-        outcome = StepOutcome(proofs={request_id: proof})
+        facts = self._facts(handoff)
+        verdict, opened = self.checks.check(facts, result)
+        outcome = StepOutcome(proofs={request_id: self.checks.proof(facts, result, verdict)})
         if verdict.accepted:
             assert result.first_token is not None  # an OK result always carries it
+            if opened is not None:
+                self.checks.move(facts, opened)
             try:
                 step = self.decode.accept(request_id, result.first_token)
             except KvguardError as refused:
@@ -220,7 +240,8 @@ class DecodeEngineCore(EngineCore):
             outcome.results.append(step)
             if handoff.expect.logprobs and result.first_token_logprobs is not None:
                 outcome.logprobs[request_id] = result.first_token_logprobs
-            self._log_accept(request_id, handoff)
+            if self.read_log is not None:
+                self.read_log.accepted(request_id, handoff.expect)
             self._count(HandoffOutcome.OK.value)
         else:
             to, error = refusal(request_id, result, verdict)
@@ -249,6 +270,7 @@ class DecodeEngineCore(EngineCore):
         handoff = self._handoffs.get(request_id)
         if handoff is None or handoff.machine.state is not _S.AWAITING_RESULT:
             return None
+        handoff.withdraw()
         handoff.machine.advance(_S.DRAINING)
         request = self.decode.end_awaiting(
             request_id, RequestState.FAILED, error, release=Release.DRAIN
@@ -280,7 +302,8 @@ class DecodeEngineCore(EngineCore):
 
     def tick(self) -> StepOutcome:
         now = self._clock()
-        outcome = StepOutcome()
+        outcome = StepOutcome(failed=self._unsent)
+        self._unsent = []
         for request_id, handoff in list(self._handoffs.items()):
             state = handoff.machine.state
             if state is _S.DRAINING and handoff.drain_deadline is not None:
@@ -311,7 +334,7 @@ class DecodeEngineCore(EngineCore):
         if self.read_log is not None:
             for result in outcome.results:
                 if result.state in (RequestState.FINISHED,):
-                    self._log_finish(result.request_id)
+                    self.read_log.finished(result.request_id)
         self._reserve()
         return outcome
 
@@ -335,9 +358,13 @@ class DecodeEngineCore(EngineCore):
                 logprobs=s.logprobs is not None,
             )
             machine = Machine("handoff", rid, self.config.faults.decode_table, _S.RESERVED)
-            # The ticket leaves now: from here on prefill may write into these pages.
+            handoff = _Handoff(rid, machine, expect, self._clock())
+            key = self._open_landing(handoff)
+            if handoff.machine.state is _S.RELEASED:
+                continue
+            # The ticket leaves now: from here on prefill may write into the slots (or pages).
             machine.advance(_S.AWAITING_RESULT)
-            self._handoffs[rid] = _Handoff(rid, machine, expect, self._clock())
+            self._handoffs[rid] = handoff
             sampling = SamplingSpec(
                 s.max_tokens,
                 s.temperature,
@@ -349,84 +376,39 @@ class DecodeEngineCore(EngineCore):
                 s.grammar,
             )
             ticket = HandoffTicket(
-                rid, handoff_id, request.tenant, request.prompt_ids, sampling, grants
+                rid, handoff_id, request.tenant, request.prompt_ids, sampling, grants, key
             )
             self._notify(SendHandoff(ticket))
 
-    def _check_result(self, handoff: _Handoff, result: PrefillResult) -> Verdict:
-        pool, owner = self.decode.pool, self._owner_of(handoff)
-        kv = self.runner.kv_cache
-        expect = handoff.expect
-
-        def pages_current(grants: Sequence[PageGrant]) -> bool:
-            from backend.core.pages import PageRef
-
-            return owner is not None and all(
-                pool.is_current(PageRef(g.page_id, g.generation), owner) for g in grants
+    def _open_landing(self, handoff: _Handoff) -> bytes | None:
+        """Sealed channel: register the handoff's slots and draw its key. A transport that
+        refuses the registration fails the request before anything was sent (pages freed)."""
+        if self.landing is None:
+            return None
+        started = time.perf_counter()
+        try:
+            handoff.landing = self.landing.open(handoff.expect.grants)
+        except TransferError as exc:
+            log.error("handoff %s: landing slots not registered: %s", handoff.request_id, exc)
+            error = HandoffFailed(handoff.request_id, "its KV landing slots were not registered")
+            self._unsent.append(
+                self.decode.end_awaiting(
+                    handoff.request_id, RequestState.FAILED, error, release=Release.FREE
+                )
             )
+            handoff.machine.advance(_S.RELEASED)
+            self._count(HandoffOutcome.FAILED.value)
+            return None
+        self.checks.phase("register", started)
+        key = new_key()
+        handoff.seal = Seal(key)
+        return key
 
-        def local_checksum() -> str:
-            algorithm = algorithm_of(result.checksum or "")
-            if algorithm is None:  # an algorithm this node cannot recompute proves nothing
-                return "unsupported checksum algorithm"
-            started = time.perf_counter()
-            ids = [g.page_id for g in expect.grants]
-            digest = kv_digest(kv, ids, expect.reserved_tokens, algorithm)
-            if self._metrics is not None:
-                self._metrics.checksum_seconds.observe(time.perf_counter() - started)
-            return digest
-
-        verdict = verify_result(
-            expect,
-            result,
-            enforced=self.config.faults.enforced_checks,
-            pages_current=pages_current,
-            local_checksum=local_checksum,
-        )
-        self._observe(verdict, handoff)
-        return verdict
-
-    def _owner_of(self, handoff: _Handoff) -> Any:
+    def _facts(self, handoff: _Handoff) -> HandoffFacts:
         request = self.decode.awaiting(handoff.request_id)
-        return None if request is None else request.owner
-
-    def _observe(self, verdict: Verdict, handoff: _Handoff) -> None:
-        rid = handoff.request_id
-        if verdict.transfer_mismatch:
-            log.error(
-                "handoff %s: transferred range != reserved %d tokens",
-                rid,
-                handoff.expect.reserved_tokens,
-            )
-        if verdict.failed is not None and verdict.failed is not Check.OUTCOME:
-            log.error("handoff %s refused by the %s check: %s", rid, verdict.failed, verdict.detail)
-        elif verdict.accepted and verdict.skipped:
-            log.error(
-                "handoff %s ACCEPTED WITHOUT %s (fault drill)", rid, ", ".join(verdict.skipped)
-            )
-        m = self._metrics
-        if m is None:
-            return
-        if verdict.transfer_mismatch:
-            m.handoff_transfer_mismatch.inc()
-        if verdict.checksum_mismatch:
-            m.handoff_checksum_failures.inc()
-        if verdict.failed is not None and verdict.failed is not Check.OUTCOME:
-            m.handoff_refusals.labels(verdict.failed.value).inc()
-
-    def _proof(self, handoff: _Handoff, result: PrefillResult, verdict: Verdict) -> HandoffProof:
-        transferred = result.transferred.num_tokens if result.transferred is not None else None
-        return HandoffProof(
-            self.config.protocol_version,
-            result.outcome.value,
-            handoff.expect.reserved_tokens,
-            transferred,
-            verdict.accepted,
-            tuple(c.value for c in verdict.ran),
-            tuple(c.value for c in verdict.skipped),
-            verdict.failed.value if verdict.failed is not None else None,
-            round(result.transfer_s * 1000, 3),
-            round(result.checksum_s * 1000, 3),
+        owner = None if request is None else request.owner
+        return HandoffFacts(
+            handoff.request_id, handoff.expect, owner, handoff.landing, handoff.seal
         )
 
     def _start_drain(self, handoff: _Handoff) -> None:
@@ -478,37 +460,6 @@ class DecodeEngineCore(EngineCore):
     def _count(self, outcome: str) -> None:
         if self._metrics is not None:
             self._metrics.handoffs.labels(outcome).inc()
-
-    # -- the drill read log --------------------------------------------------------------------
-
-    def _log_accept(self, request_id: str, handoff: _Handoff) -> None:
-        if self.read_log is None:
-            return
-        ids = [g.page_id for g in handoff.expect.grants]
-        n = handoff.expect.reserved_tokens
-        prints = page_fingerprints(self.runner.kv_cache, ids, n)
-        entry = {
-            "request_id": request_id,
-            "reserved_tokens": handoff.expect.reserved_tokens,
-            "pages": [
-                {"page_id": g.page_id, "generation": g.generation, "at_accept": fp}
-                for g, fp in zip(handoff.expect.grants, prints, strict=True)
-            ],
-        }
-        with self._read_lock:
-            self.read_log[request_id] = entry
-            while len(self.read_log) > 256:
-                self.read_log.popitem(last=False)
-
-    def _log_finish(self, request_id: str) -> None:
-        entry = self.read_log.get(request_id) if self.read_log is not None else None
-        if entry is None:
-            return
-        ids = [page["page_id"] for page in entry["pages"]]
-        prints = page_fingerprints(self.runner.kv_cache, ids, entry["reserved_tokens"])
-        with self._read_lock:
-            for page, fp in zip(entry["pages"], prints, strict=True):
-                page["at_finish"] = fp
 
 
 def _lost_kind(error: KvguardError) -> str:

@@ -101,6 +101,7 @@ class HandoffDriver:
             ticket.grants,
             self._target,
             config.lease_s,
+            ticket.seal_key,
         )
         rid, core = ticket.request_id, self._core
         try:

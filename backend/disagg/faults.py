@@ -15,6 +15,9 @@ What each fault changes, and the safety property (issue 10 numbering) it is mean
 - ``skip_transfer_check`` (decode): no reserved == transferred token check. Breaks 1.
 - ``skip_generation_check`` (decode): no pages-and-generations check. Breaks 1 and 2.
 - ``skip_checksum`` (decode): no KV checksum check. Breaks 1.
+- ``skip_seal_check`` (decode): the pages' seals are not checked: each written page's chunk is
+  decrypted without its tag (what an unauthenticated cipher accepts), so bytes a peer of the
+  transfer port wrote into a landing slot reach the pages. Breaks 11 (with the model's adversary).
 - ``early_release_on_abort`` (decode): no quarantine on abort, pages are freed at once
   (``DECODE_TRANSITIONS_EARLY_RELEASE``). Breaks 3 and 4.
 - ``no_zero_on_free`` (every role): released pages are not zeroed, so stale KV stays in memory.
@@ -48,6 +51,7 @@ class Fault(StrEnum):
     SKIP_TRANSFER_CHECK = "skip_transfer_check"
     SKIP_GENERATION_CHECK = "skip_generation_check"
     SKIP_CHECKSUM = "skip_checksum"
+    SKIP_SEAL_CHECK = "skip_seal_check"
     EARLY_RELEASE_ON_ABORT = "early_release_on_abort"
     NO_ZERO_ON_FREE = "no_zero_on_free"
     SHARED_PREFIX_ACROSS_TENANTS = "shared_prefix_across_tenants"
@@ -60,6 +64,7 @@ FAULT_ROLES: Mapping[Fault, frozenset[str]] = MappingProxyType(
         Fault.SKIP_TRANSFER_CHECK: frozenset({"decode"}),
         Fault.SKIP_GENERATION_CHECK: frozenset({"decode"}),
         Fault.SKIP_CHECKSUM: frozenset({"decode"}),
+        Fault.SKIP_SEAL_CHECK: frozenset({"decode"}),
         Fault.EARLY_RELEASE_ON_ABORT: frozenset({"decode"}),
         Fault.NO_ZERO_ON_FREE: _ALL_ROLES,
         Fault.SHARED_PREFIX_ACROSS_TENANTS: frozenset({"unified", "prefill"}),
@@ -71,6 +76,7 @@ _CHECK_REMOVED: Mapping[Fault, Check] = MappingProxyType(
         Fault.SKIP_TRANSFER_CHECK: Check.TRANSFER_RANGE,
         Fault.SKIP_GENERATION_CHECK: Check.PAGE_GENERATIONS,
         Fault.SKIP_CHECKSUM: Check.CHECKSUM,
+        Fault.SKIP_SEAL_CHECK: Check.SEAL,
     }
 )
 

@@ -1,10 +1,11 @@
-"""KV bytes of the handoff: layouts, transfer segments, checksums, fingerprints and staging.
+"""KV bytes of the handoff: layouts, checksums, fingerprints, staging, and the open channel's
+segments (the sealed channel's are ``backend.disagg.channel``'s).
 
 Everything here touches tensors; the decisions about them live in ``machines`` and the role
 modules. The checksum is defined over the prompt's token slots only -- for every layer, K then V,
-positions ``[0, n)`` in page-table order -- so prefill (over what it sent) and decode (over what
-its reserved pages hold) hash exactly the same bytes, and a page tail beyond the prompt (which may
-hold anyone's old KV) is neither sent nor hashed.
+positions ``[0, n)`` in page-table order -- so prefill (over what it staged) and decode (over what
+it would serve: the opened pages, or on the open channel its reserved pages) hash exactly the same
+bytes, and a page tail beyond the prompt (which may hold anyone's old KV) is never hashed.
 """
 
 from __future__ import annotations
@@ -44,16 +45,16 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.contiguous().view(torch.uint8).numpy().data
 
 
-def _runs(page_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+def runs(page_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(start index, first page id, length) of each run of consecutive page ids, in order."""
-    runs: list[tuple[int, int, int]] = []
+    found: list[tuple[int, int, int]] = []
     for index, page_id in enumerate(page_ids):
-        if runs and runs[-1][1] + runs[-1][2] == page_id:
-            start, first, length = runs[-1]
-            runs[-1] = (start, first, length + 1)
+        if found and found[-1][1] + found[-1][2] == page_id:
+            start, first, length = found[-1]
+            found[-1] = (start, first, length + 1)
         else:
-            runs.append((index, page_id, 1))
-    return runs
+            found.append((index, page_id, 1))
+    return found
 
 
 class _Crc32:
@@ -80,30 +81,35 @@ def algorithm_of(checksum: str) -> str | None:
 
 
 def kv_digest(
-    kv: KVCache, page_ids: Sequence[int], n_tokens: int, algorithm: str = DEFAULT_CHECKSUM
+    k: torch.Tensor,
+    v: torch.Tensor,
+    page_ids: Sequence[int],
+    n_tokens: int,
+    algorithm: str = DEFAULT_CHECKSUM,
 ) -> str:
-    """Checksum of positions ``[0, n_tokens)`` held in ``page_ids`` (in order), all layers.
+    """Checksum of positions ``[0, n_tokens)`` held in ``page_ids`` (in order), all layers, of K
+    and V ``[layers, pages, page_size, kv_heads, head_dim]`` (a pool, staging, or opened pages).
 
-    Hashes runs of consecutive pages in place (no copy): the byte stream is K then V, layer by
-    layer, token by token, whatever the page ids are. ``crc32`` (zlib) is the default: the check
-    is against stale, partial or damaged transfers, not an adversary, and it is 2-3x faster than
-    ``sha256`` on CPU; the name travels with the value so the receiver recomputes the same one.
+    Hashes runs of consecutive pages in place (no copy of a contiguous pool): the byte stream is K
+    then V, layer by layer, token by token, whatever the page ids are. ``crc32`` (zlib) is the
+    default: the check is against stale, partial or damaged transfers, not an adversary (the seal
+    is that), and it is 2-3x faster than ``sha256`` on CPU; the name travels with the value so the
+    receiver recomputes the same one.
     """
-    if n_tokens > len(page_ids) * kv.page_size:
+    num_layers, _, page_size, heads, head_dim = k.shape
+    if n_tokens > len(page_ids) * page_size:
         raise ValueError(f"{n_tokens} tokens do not fit in {len(page_ids)} pages")
     if algorithm not in CHECKSUM_ALGORITHMS:
         raise ValueError(f"unknown checksum algorithm {algorithm!r}")
     h: _Digest = _Crc32() if algorithm == "crc32" else hashlib.sha256()
-    runs = _runs(page_ids)
-    for cache in (kv.k, kv.v):
-        for layer in range(kv.num_layers):
-            for start, first, length in runs:
-                tokens = min(length * kv.page_size, n_tokens - start * kv.page_size)
+    found = runs(page_ids)
+    for cache in (k, v):
+        for layer in range(num_layers):
+            for start, first, length in found:
+                tokens = min(length * page_size, n_tokens - start * page_size)
                 if tokens <= 0:
                     break
-                block = cache[layer, first : first + length].reshape(
-                    -1, kv.num_kv_heads, kv.head_dim
-                )
+                block = cache[layer, first : first + length].reshape(-1, heads, head_dim)
                 h.update(_bytes(block[:tokens]))
     return f"{algorithm}:{h.hexdigest()[:32]}"
 
@@ -131,7 +137,8 @@ def transfer_batches(
     grants: Sequence[PageGrant],
     n_tokens: int,
 ) -> list[list[Segment]]:
-    """Segments writing prompt positions ``[0, n_tokens)`` from ``source_pages`` into ``grants``.
+    """The open channel: segments writing prompt positions ``[0, n_tokens)`` from
+    ``source_pages`` straight into the granted pages of decode's pools (``target.bases``: K, V).
 
     Grouped into batches of at most ``target.max_batch_pages`` pages (every layer, K and V of a
     page travel in the same batch), in page order. Only the prompt's token slots are written.
@@ -162,16 +169,17 @@ def _segments(
 ) -> list[Segment]:
     src_layout, dst_layout = layout_of(source), target.layout
     page_size, token_bytes = src_layout.page_size, src_layout.token_bytes
-    runs: list[tuple[int, int, int]] = []  # (src page, dst page, pages)
+    both: list[tuple[int, int, int]] = []  # (src page, dst page, pages), consecutive on both
     for src, dst in chunk:
-        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        if both and both[-1][0] + both[-1][2] == src and both[-1][1] + both[-1][2] == dst:
+            both[-1] = (both[-1][0], both[-1][1], both[-1][2] + 1)
         else:
-            runs.append((src, dst, 1))
-    bases = ((source.k.data_ptr(), target.k_base), (source.v.data_ptr(), target.v_base))
+            both.append((src, dst, 1))
+    k_base, v_base = target.bases
+    bases = ((source.k.data_ptr(), k_base), (source.v.data_ptr(), v_base))
     segments: list[Segment] = []
     start = first
-    for src, dst, length in runs:
+    for src, dst, length in both:
         tokens = min(length * page_size, n_tokens - start * page_size)
         for layer in range(src_layout.num_layers):
             src_off, dst_off = src_layout.offset(layer, src), dst_layout.offset(layer, dst)

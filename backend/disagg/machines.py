@@ -137,12 +137,15 @@ class Check(StrEnum):
     OUTCOME = "outcome"  # prefill says OK (with the first token's logprobs, if asked)
     TRANSFER_RANGE = "transfer_range"  # transferred == [0, reserved)
     PAGE_GENERATIONS = "page_generations"  # written pages == reserved, still current and ours
-    CHECKSUM = "checksum"  # digest of the KV we hold == prefill's digest of what it sent
+    SEAL = "seal"  # every written page's chunk opens under this handoff's key, for its position
+    CHECKSUM = "checksum"  # digest of the KV we would serve == prefill's digest of what it sent
 
 
 ALL_CHECKS = frozenset(Check)
 # Checks a fault drill may switch off; identity and outcome are never optional.
-SKIPPABLE_CHECKS = frozenset({Check.TRANSFER_RANGE, Check.PAGE_GENERATIONS, Check.CHECKSUM})
+SKIPPABLE_CHECKS = frozenset(
+    {Check.TRANSFER_RANGE, Check.PAGE_GENERATIONS, Check.SEAL, Check.CHECKSUM}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,9 +176,15 @@ def verify_result(
     *,
     enforced: frozenset[Check],
     pages_current: Callable[[Sequence[PageGrant]], bool],
+    unsealed: Callable[[], str | None],
     local_checksum: Callable[[], str],
 ) -> Verdict:
-    """Run decode's checks in order; accept only if every enforced check found its evidence."""
+    """Run decode's checks in order; accept only if every enforced check found its evidence.
+
+    ``unsealed`` opens the written pages' chunks from decode's private copy and says what failed
+    (None: every one is this handoff's, for its position); ``local_checksum`` digests the KV
+    decode would move into its pages. The open channel has no seal: it runs without SEAL.
+    """
     ran: list[Check] = []
     failure: tuple[Check, str] | None = None
     expected_range = TokenRange(0, expect.reserved_tokens)
@@ -185,6 +194,7 @@ def verify_result(
         (Check.OUTCOME, lambda: _outcome(expect, result)),
         (Check.TRANSFER_RANGE, lambda: _range_problem(result.transferred, expected_range)),
         (Check.PAGE_GENERATIONS, lambda: _pages_problem(expect, result, pages_current)),
+        (Check.SEAL, unsealed),
     ]
     checksum_mismatch: bool | None = None
     for check, find in findings:

@@ -10,9 +10,12 @@ Lifecycle of one PrefillRequest (``PREFILL_TRANSITIONS``):
 3. COMPUTING: staging pages are reserved (waiting at most until the lease ends), the prompt runs
    through the engine with max_tokens=1, and the engine thread copies the prompt's KV into
    staging between forward and postprocess, while the engine pages are still owned and verified.
-4. TRANSFERRING: a worker thread writes the staged KV into decode's reserved pages, at most
-   ``max_batch_pages`` pages per batch; before each batch it checks for cancellation and for the
-   lease. An abort moves it to CANCELLING: the batch in flight completes, no other starts.
+4. TRANSFERRING: a worker thread checksums the staged KV, then per batch of at most
+   ``max_batch_pages`` pages seals each page under the handoff's key and writes the sealed chunks
+   into decode's landing slots (``backend.disagg.channel``; on the open channel: plaintext into
+   decode's pages); before each batch it checks for cancellation and for the lease. An abort moves
+   it to CANCELLING: the batch in flight completes, no other starts. The staging pages are never
+   registered with the transport.
 5. Terminal (SUCCEEDED / REJECTED / ABORTED / FAILED): staging is released and the result is sent;
    only now does an abort get ``AbortAck(quiesced=True)``.
 """
@@ -23,7 +26,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from backend.core.admission import CapacityLimits, admit
@@ -31,6 +34,7 @@ from backend.core.errors import KvguardError
 from backend.core.messages import SchedulerOutput
 from backend.core.pages import Owner, PageRef
 from backend.core.request import RequestState, SamplingParams
+from backend.disagg.channel import SealedBatches
 from backend.disagg.errors import HandoffFailed, StagingUnavailable
 from backend.disagg.faults import FaultSet
 from backend.disagg.kvio import (
@@ -55,11 +59,13 @@ from backend.disagg.protocol import (
     AbortRequest,
     ErrorInfo,
     HandoffOutcome,
+    KvChannel,
     PageGrant,
     PrefillRequest,
     PrefillResult,
     TokenRange,
 )
+from backend.disagg.seal import Binding, Seal
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.sampling import Sampled
 from backend.metrics import EngineMetrics
@@ -68,6 +74,7 @@ from backend.transport.base import KvTransport, Segment, TransferError
 from contracts.lifecycle import Machine
 
 log = logging.getLogger("kvguard.disagg.prefill")
+Batches = Iterator[list[Segment]]
 _P = PrefillHandoffState
 
 
@@ -287,39 +294,78 @@ class PrefillService:
     def _transfer_worker(
         self, handoff: _Handoff, grants: tuple[PageGrant, ...], n_tokens: int
     ) -> tuple[str, float, float, KvguardError | None]:
-        """Runs in a thread: checksum the staged KV, then write it batch by batch."""
+        """Runs in a thread: checksum the staged KV, then seal and write it batch by batch."""
         message, kv = handoff.request, self._staging.kv
         source = [ref.page_id for ref in handoff.staging[: len(grants)]]
         started = time.perf_counter()
-        checksum = kv_digest(kv, source, n_tokens, self._config.checksum_algorithm)
+        checksum = kv_digest(kv.k, kv.v, source, n_tokens, self._config.checksum_algorithm)
         checksum_s = time.perf_counter() - started
-        batches = transfer_batches(kv, source, message.target, grants, n_tokens)
         started = time.perf_counter()
+        sealed: SealedBatches | None = None
+        try:
+            if message.target.channel is KvChannel.SEALED:
+                sealed = self._sealed(message, source, grants, n_tokens)
+                batches: Batches = sealed.batches()
+            else:
+                batches = iter(transfer_batches(kv, source, message.target, grants, n_tokens))
+            error = self._write_batches(handoff, batches, len(grants))
+        except TransferError as exc:  # the sources could not be registered (RDMA)
+            error = HandoffFailed(message.request_id, f"transfer failed: {exc}")
+        finally:
+            if sealed is not None:
+                sealed.close()
+                self._metrics.kv_channel_seconds.labels("seal").observe(sealed.seal_s)
+        return checksum, checksum_s, time.perf_counter() - started, error
+
+    def _sealed(
+        self,
+        message: PrefillRequest,
+        source: list[int],
+        grants: tuple[PageGrant, ...],
+        n_tokens: int,
+    ) -> SealedBatches:
+        assert message.seal_key is not None  # the codec requires it with a sealed target
+        binding = Binding(
+            self._config.protocol_version,
+            message.target.instance_id,
+            message.request_id,
+            n_tokens,
+        )
+        return SealedBatches(
+            staging=self._staging.kv,
+            source_pages=source,
+            target=message.target,
+            grants=grants,
+            n_tokens=n_tokens,
+            seal=Seal(message.seal_key),
+            binding=binding,
+            transport=self._transport,
+        )
+
+    def _write_batches(
+        self, handoff: _Handoff, batches: Batches, pages: int
+    ) -> KvguardError | None:
+        message = handoff.request
         pages_per_batch = message.target.max_batch_pages
-        for index, batch in enumerate(batches):
+        for index in range(-(-pages // pages_per_batch)):
             lease_over = self._clock() >= handoff.lease_end
             if not may_start_batch(cancelled=handoff.cancel.is_set(), lease_over=lease_over):
                 break
+            batch = next(batches)  # sealed only now: nothing is sealed for a batch never sent
             # From here the batch is committed: like an RDMA write, it cannot be recalled.
             self._simulate_link(batch)
             try:
                 self._transport.write(message.target.endpoint, batch)
             except TransferError as exc:
+                if handoff.cancel.is_set():  # decode aborted and withdrew its slots first
+                    log.info("transfer of %s stopped by the abort: %s", message.request_id, exc)
+                    break
                 log.warning("transfer of %s failed: %s", message.request_id, exc)
-                return (
-                    checksum,
-                    checksum_s,
-                    time.perf_counter() - started,
-                    HandoffFailed(message.request_id, f"transfer failed: {exc}"),
-                )
-            handoff.written = min(len(grants), (index + 1) * pages_per_batch)
-        transfer_s = time.perf_counter() - started
-        if lease_cut_short(
-            written=handoff.written, total=len(grants), cancelled=handoff.cancel.is_set()
-        ):
-            error = HandoffFailed(message.request_id, "lease ended during the transfer")
-            return checksum, checksum_s, transfer_s, error
-        return checksum, checksum_s, transfer_s, None
+                return HandoffFailed(message.request_id, f"transfer failed: {exc}")
+            handoff.written = min(pages, (index + 1) * pages_per_batch)
+        if lease_cut_short(written=handoff.written, total=pages, cancelled=handoff.cancel.is_set()):
+            return HandoffFailed(message.request_id, "lease ended during the transfer")
+        return None
 
     def _simulate_link(self, batch: list[Segment]) -> None:
         """Drill only: the committed batch spends bytes/rate on a slow link before it lands."""

@@ -3,51 +3,82 @@
 One handoff, as messages (decode is the entry point; prefill writes KV with one-sided writes)::
 
     client ─HTTP─▶ decode                                        prefill
+                   0. DecodeAnnouncement (at start, then with ─▶ records the exact target
+                      every capacity read): its transfer target    (host allowed by its peers)
                    1. admission: min(own pool, prefill's pool)
-                   2. reserve pages (AWAITING_KV)
-                   3. PrefillRequest ──────────────────────────▶ 4. version check; own admission
-                      version, request id, tenant, prompt ids,      (REJECTED: reply at once)
-                      sampling (biases, logprobs asked),         5. compute the prompt's KV,
-                      reserved pages + generations, target          stage it, sample the first
-                      memory layout, batch limit, lease             token (with its logprobs)
-                                        ◀═══ one-sided writes ══ 6. <= batch-limit pages/batch
-                   8. verify, positive evidence only ◀───────── 7. PrefillResult, sent only when
-                      outcome OK; transferred == reserved;          no write is in flight: outcome
-                      pages + generations == reserved, still        OK|REJECTED|ABORTED|FAILED,
-                      current and ours; checksum equal;             range, pages, checksum, token
-                      the token's logprobs iff asked                (+ its logprobs if asked)
-                   9. accept -> DECODING, or end the request with the original error
+                   2. reserve pages (AWAITING_KV); register their
+                      landing slots; draw a fresh seal key
+                   3. PrefillRequest ──────────────────────────▶ 4. version check; the target is
+                      version, request id, tenant, prompt ids,      exactly an announced one (403);
+                      sampling (biases, logprobs asked),            own admission (REJECTED)
+                      reserved pages + generations, target,      5. compute the prompt's KV,
+                      batch limit, lease, the seal key              stage it, sample the first
+                                                                    token (with its logprobs)
+                                        ◀═══ one-sided writes ══ 6. sealed pages into the landing
+                                                                    slots, <= batch-limit pages
+                   8. withdraw the slots, copy them, open ◀────── 7. PrefillResult, sent only when
+                      the seals; positive evidence only:            no write is in flight: outcome
+                      outcome OK; transferred == reserved;          OK|REJECTED|ABORTED|FAILED,
+                      pages + generations == reserved, still        range, pages, checksum, token
+                      current and ours; every page sealed for       (+ its logprobs if asked)
+                      this handoff; checksum equal; the token's
+                      logprobs iff asked
+                   9. move the KV into the pages and accept -> DECODING, or end the request with
+                      the original error
 
-    Abort (client gone, timeout): decode quarantines the pages and sends AbortRequest; prefill
-    stops between batches and answers AbortAck(quiesced) once no write is in flight; decode frees
-    only then, or after a drain bound justified by the batch limit (``backend.disagg.machines``).
+    Abort (client gone, timeout): decode withdraws the slots, quarantines the pages and sends
+    AbortRequest; prefill stops between batches and answers AbortAck(quiesced) once no write is
+    in flight; decode frees only then, or after a drain bound justified by the batch limit
+    (``backend.disagg.machines``).
+
+The ``open`` channel (``KvChannel.OPEN``, development and benchmarks only: production refuses it)
+is the channel before the seal: decode's K and V pools are registered with the transport for the
+process's life, prefill writes plaintext straight into the granted pages, and no key is sent.
 
 Every message carries ``protocol_version``; ``check_version`` runs before anything else is parsed,
 so a peer on another version is refused explicitly (``ProtocolVersionMismatch``) in both
 directions. Messages are frozen dataclasses; the codec (``to_wire`` / ``*_from_wire``) turns them
-into plain JSON-able dicts and refuses unknown fields, missing fields and wrong types. Token ids
-and the first token are content: reprs leave them out. Pure: no torch, no HTTP, no environment.
+into plain JSON-able dicts and refuses unknown fields, missing fields and wrong types. Token ids,
+the first token and the seal key are content or secret: reprs leave them out. Pure: no torch, no
+HTTP, no environment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar
+from types import MappingProxyType
+from typing import Any
 
 from backend.core.grammar import GrammarKind, GrammarSpec
 from backend.core.messages import TokenLogprobs
 from backend.disagg.errors import MalformedMessage, ProtocolVersionMismatch
+from backend.disagg.wire import Reader, build, keys_of
 
 # 2: SamplingSpec carries logit_bias and logprobs (prefill samples the first token with the
 # biases) and an OK PrefillResult carries the first token's logprobs when they were asked for.
-# 3: SamplingSpec carries the request's grammar: prefill samples the first token under it, and
+# 3: the sealed channel: TransferTarget names its channel and bases (landing slots, or the open
+# channel's K and V pools), PrefillRequest carries the handoff's seal key, DecodeAnnouncement.
+# 4: SamplingSpec carries the request's grammar: prefill samples the first token under it, and
 # decode rebuilds the grammar's state from the same spec, replaying that token
 # (``backend.core.grammar``; a token it does not accept fails the request).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+SEAL_KEY_BYTES = 32  # AES-256 (backend.disagg.seal)
 
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class KvChannel(StrEnum):
+    """How KV reaches decode's pages (see the module docstring)."""
+
+    SEALED = "sealed"  # per-handoff landing slots, every page sealed under the handoff's key
+    OPEN = "open"  # decode's pools registered, plaintext written into them (never production)
+
+
+BASES: Mapping[KvChannel, tuple[str, ...]] = MappingProxyType(
+    {KvChannel.SEALED: ("landing slots",), KvChannel.OPEN: ("K pool", "V pool")}
+)
 
 
 class HandoffOutcome(StrEnum):
@@ -127,19 +158,28 @@ class KvLayout:
 
 @dataclass(frozen=True, slots=True)
 class TransferTarget:
-    """Where prefill may write: decode's transfer endpoint and its registered K and V pools.
+    """Where prefill may write: decode's transfer endpoint and the memory it announced.
 
+    ``channel`` SEALED: ``bases`` is the landing slots' base; page ``p``'s sealed chunk goes to
+    the slot at ``base + p * slot size`` (``backend.disagg.channel``), registered only while the
+    handoff that holds page ``p`` runs. OPEN: ``bases`` are the K and V pools' base addresses.
     ``instance_id`` names one decode process lifetime: messages for another instance (a decode
     that restarted) are refused. ``max_batch_pages`` is the transfer-batch limit decode's drain
-    bound is derived from; prefill must never have more pages than that in flight.
+    bound is derived from; prefill must never have more pages than that in flight. Prefill writes
+    only to a target exactly as decode announced it (``DecodeAnnouncement``).
     """
 
     endpoint: str
     instance_id: str
-    k_base: int
-    v_base: int
+    channel: KvChannel
+    bases: tuple[int, ...]
     layout: KvLayout
     max_batch_pages: int
+
+    def __post_init__(self) -> None:
+        names = BASES[self.channel]
+        if len(self.bases) != len(names) or any(base < 1 for base in self.bases):
+            raise ValueError(f"the {self.channel.value} channel has bases: {', '.join(names)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +208,14 @@ class PrefillRequest:
     pages: tuple[PageGrant, ...]
     target: TransferTarget
     lease_s: float
+    seal_key: bytes | None = field(default=None, repr=False)  # SEALED: this handoff's key
 
     def __post_init__(self) -> None:
+        sealed = self.target.channel is KvChannel.SEALED
+        if sealed != (self.seal_key is not None):
+            raise ValueError("a seal key comes with a sealed target, and only with one")
+        if self.seal_key is not None and len(self.seal_key) != SEAL_KEY_BYTES:
+            raise ValueError(f"the seal key is {SEAL_KEY_BYTES} bytes")
         if self.reserved_tokens != len(self.prompt_ids) or self.reserved_tokens < 1:
             raise ValueError("reserved_tokens must equal the prompt length (>= 1)")
         needed = -(-self.reserved_tokens // self.target.layout.page_size)
@@ -233,7 +279,15 @@ class AbortAck:
     state: str
 
 
-Message = PrefillRequest | PrefillResult | AbortRequest | AbortAck
+@dataclass(frozen=True, slots=True)
+class DecodeAnnouncement:
+    """Decode tells prefill where it may write: its exact transfer target (prefill echoes it)."""
+
+    protocol_version: int
+    target: TransferTarget
+
+
+Message = PrefillRequest | PrefillResult | AbortRequest | AbortAck | DecodeAnnouncement
 
 
 # -- codec --------------------------------------------------------------------------------------
@@ -257,6 +311,8 @@ def to_wire(message: Message | PageGrant | TokenRange | ErrorInfo) -> dict[str, 
 def _plain(value: object) -> object:
     if isinstance(value, StrEnum):
         return value.value
+    if isinstance(value, bytes):
+        return value.hex()
     if hasattr(value, "__dataclass_fields__"):
         return {n: _plain(getattr(value, n)) for n in value.__dataclass_fields__}
     if isinstance(value, tuple):
@@ -264,115 +320,27 @@ def _plain(value: object) -> object:
     return value
 
 
-class _Reader:
-    """Strict field access over one dict: exact key set, exact types."""
-
-    def __init__(self, kind: str, payload: object, keys: frozenset[str]) -> None:
-        if not isinstance(payload, dict):
-            raise MalformedMessage(kind, "not an object")
-        if set(payload) != keys:
-            extra, missing = sorted(set(payload) - keys), sorted(keys - set(payload))
-            raise MalformedMessage(kind, f"unknown fields {extra}, missing fields {missing}")
-        self.kind, self.payload = kind, payload
-
-    def integer(self, key: str, minimum: int = 0) -> int:
-        value = self.payload[key]
-        if type(value) is not int or value < minimum:
-            raise MalformedMessage(self.kind, f"{key} must be an integer >= {minimum}")
-        return value
-
-    def opt_integer(self, key: str) -> int | None:
-        return None if self.payload[key] is None else self.integer(key)
-
-    def number(self, key: str) -> float:
-        value = self.payload[key]
-        if type(value) not in (int, float):
-            raise MalformedMessage(self.kind, f"{key} must be a number")
-        return float(value)
-
-    def text(self, key: str) -> str:
-        value = self.payload[key]
-        if not isinstance(value, str) or not value or len(value) > 256:
-            raise MalformedMessage(self.kind, f"{key} must be a non-empty string")
-        return value
-
-    def opt_text(self, key: str) -> str | None:
-        return None if self.payload[key] is None else self.text(key)
-
-    def flag(self, key: str) -> bool:
-        value = self.payload[key]
-        if type(value) is not bool:
-            raise MalformedMessage(self.kind, f"{key} must be a boolean")
-        return value
-
-    def pairs(self, key: str) -> tuple[tuple[int, float], ...]:
-        """A list of ``[token id, number]`` pairs (biases, alternatives' logprobs)."""
-        value = self.payload[key]
-        if not isinstance(value, list) or not all(_is_pair(item) for item in value):
-            raise MalformedMessage(self.kind, f"{key} must be a list of [token id, number] pairs")
-        return tuple((item[0], float(item[1])) for item in value)
-
-    def integers(self, key: str) -> tuple[int, ...]:
-        value = self.payload[key]
-        if not isinstance(value, list) or any(type(v) is not int or v < 0 for v in value):
-            raise MalformedMessage(self.kind, f"{key} must be a list of non-negative integers")
-        return tuple(value)
-
-    def each(self, key: str, parse: Callable[[object], _T]) -> tuple[_T, ...]:
-        value = self.payload[key]
-        if not isinstance(value, list):
-            raise MalformedMessage(self.kind, f"{key} must be a list")
-        return tuple(parse(item) for item in value)
-
-    def sub(self, key: str) -> object:
-        return self.payload[key]
-
-
-_T = TypeVar("_T")
-
-
-def _is_pair(item: object) -> bool:
-    return (
-        isinstance(item, list)
-        and len(item) == 2
-        and type(item[0]) is int
-        and item[0] >= 0
-        and type(item[1]) in (int, float)
-    )
-
-
-def _keys(cls: type) -> frozenset[str]:
-    return frozenset(cls.__dataclass_fields__)  # type: ignore[attr-defined]
-
-
-def _build(kind: str, make: Callable[[], _T]) -> _T:
-    try:
-        return make()
-    except (ValueError, KeyError) as exc:
-        raise MalformedMessage(kind, str(exc)) from exc
-
-
 def _grant(payload: object) -> PageGrant:
-    r = _Reader("PageGrant", payload, _keys(PageGrant))
-    return _build("PageGrant", lambda: PageGrant(r.integer("page_id"), r.integer("generation", 1)))
+    r = Reader("PageGrant", payload, keys_of(PageGrant))
+    return build("PageGrant", lambda: PageGrant(r.integer("page_id"), r.integer("generation", 1)))
 
 
 def _range(payload: object) -> TokenRange | None:
     if payload is None:
         return None
-    r = _Reader("TokenRange", payload, _keys(TokenRange))
-    return _build("TokenRange", lambda: TokenRange(r.integer("start"), r.integer("end")))
+    r = Reader("TokenRange", payload, keys_of(TokenRange))
+    return build("TokenRange", lambda: TokenRange(r.integer("start"), r.integer("end")))
 
 
 def _error(payload: object) -> ErrorInfo | None:
     if payload is None:
         return None
-    r = _Reader("ErrorInfo", payload, _keys(ErrorInfo))
+    r = Reader("ErrorInfo", payload, keys_of(ErrorInfo))
     return ErrorInfo(r.text("code"), r.integer("http_status", 100), r.text("message"))
 
 
 def _layout(payload: object) -> KvLayout:
-    r = _Reader("KvLayout", payload, _keys(KvLayout))
+    r = Reader("KvLayout", payload, keys_of(KvLayout))
     dtype = r.text("dtype")
     if dtype not in DTYPE_BYTES:
         raise MalformedMessage("KvLayout", f"unknown dtype {dtype!r}")
@@ -387,19 +355,37 @@ def _layout(payload: object) -> KvLayout:
 
 
 def _target(payload: object) -> TransferTarget:
-    r = _Reader("TransferTarget", payload, _keys(TransferTarget))
-    return TransferTarget(
-        r.text("endpoint"),
-        r.text("instance_id"),
-        r.integer("k_base", 1),
-        r.integer("v_base", 1),
-        _layout(r.sub("layout")),
-        r.integer("max_batch_pages", 1),
+    r = Reader("TransferTarget", payload, keys_of(TransferTarget))
+    channel = r.text("channel")
+    if channel not in KvChannel._value2member_map_:
+        raise MalformedMessage("TransferTarget", f"unknown channel {channel!r}")
+    return build(
+        "TransferTarget",
+        lambda: TransferTarget(
+            r.text("endpoint"),
+            r.text("instance_id"),
+            KvChannel(channel),
+            r.integers("bases"),
+            _layout(r.sub("layout")),
+            r.integer("max_batch_pages", 1),
+        ),
     )
 
 
+def _seal_key(text: str | None) -> bytes | None:
+    if text is None:
+        return None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError as exc:
+        raise MalformedMessage("PrefillRequest", "seal_key must be hex") from exc
+    if len(key) != SEAL_KEY_BYTES:
+        raise MalformedMessage("PrefillRequest", f"seal_key must be {SEAL_KEY_BYTES} bytes")
+    return key
+
+
 def _sampling(payload: object) -> SamplingSpec:
-    r = _Reader("SamplingSpec", payload, _keys(SamplingSpec))
+    r = Reader("SamplingSpec", payload, keys_of(SamplingSpec))
     return SamplingSpec(
         r.integer("max_tokens", 1),
         r.number("temperature"),
@@ -418,26 +404,26 @@ MAX_GRAMMAR_CHARS = 1 << 20
 def _grammar(payload: object) -> GrammarSpec | None:
     if payload is None:
         return None
-    r = _Reader("GrammarSpec", payload, _keys(GrammarSpec))
+    r = Reader("GrammarSpec", payload, keys_of(GrammarSpec))
     kind, schema = r.sub("kind"), r.sub("schema")
     if not isinstance(kind, str) or kind not in tuple(GrammarKind):
         raise MalformedMessage("GrammarSpec", f"unknown kind {str(kind)[:32]!r}")
     if schema is not None and (not isinstance(schema, str) or len(schema) > MAX_GRAMMAR_CHARS):
         raise MalformedMessage("GrammarSpec", "schema must be a string of JSON or null")
-    return _build("GrammarSpec", lambda: GrammarSpec(GrammarKind(kind), schema, r.flag("strict")))
+    return build("GrammarSpec", lambda: GrammarSpec(GrammarKind(kind), schema, r.flag("strict")))
 
 
 def _logprobs(payload: object) -> TokenLogprobs | None:
     if payload is None:
         return None
-    r = _Reader("TokenLogprobs", payload, _keys(TokenLogprobs))
+    r = Reader("TokenLogprobs", payload, keys_of(TokenLogprobs))
     return TokenLogprobs(r.number("logprob"), r.pairs("top"))
 
 
 def prefill_request_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> PrefillRequest:
     check_version(payload, "prefill request", local)
-    r = _Reader("PrefillRequest", payload, _keys(PrefillRequest))
-    return _build(
+    r = Reader("PrefillRequest", payload, keys_of(PrefillRequest))
+    return build(
         "PrefillRequest",
         lambda: PrefillRequest(
             r.integer("protocol_version"),
@@ -449,17 +435,18 @@ def prefill_request_from_wire(payload: object, local: int = PROTOCOL_VERSION) ->
             r.each("pages", _grant),
             _target(r.sub("target")),
             r.number("lease_s"),
+            _seal_key(r.opt_text("seal_key")),
         ),
     )
 
 
 def prefill_result_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> PrefillResult:
     check_version(payload, "prefill result", local)
-    r = _Reader("PrefillResult", payload, _keys(PrefillResult))
+    r = Reader("PrefillResult", payload, keys_of(PrefillResult))
     outcome = r.text("outcome")
     if outcome not in HandoffOutcome._value2member_map_:
         raise MalformedMessage("PrefillResult", f"unknown outcome {outcome!r}")
-    return _build(
+    return build(
         "PrefillResult",
         lambda: PrefillResult(
             r.integer("protocol_version"),
@@ -480,13 +467,13 @@ def prefill_result_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> 
 
 def abort_request_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> AbortRequest:
     check_version(payload, "abort request", local)
-    r = _Reader("AbortRequest", payload, _keys(AbortRequest))
+    r = Reader("AbortRequest", payload, keys_of(AbortRequest))
     return AbortRequest(r.integer("protocol_version"), r.text("request_id"), r.text("instance_id"))
 
 
 def abort_ack_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> AbortAck:
     check_version(payload, "abort ack", local)
-    r = _Reader("AbortAck", payload, _keys(AbortAck))
+    r = Reader("AbortAck", payload, keys_of(AbortAck))
     return AbortAck(
         r.integer("protocol_version"),
         r.text("request_id"),
@@ -494,3 +481,11 @@ def abort_ack_from_wire(payload: object, local: int = PROTOCOL_VERSION) -> Abort
         r.flag("quiesced"),
         r.text("state"),
     )
+
+
+def decode_announcement_from_wire(
+    payload: object, local: int = PROTOCOL_VERSION
+) -> DecodeAnnouncement:
+    check_version(payload, "decode announcement", local)
+    r = Reader("DecodeAnnouncement", payload, keys_of(DecodeAnnouncement))
+    return DecodeAnnouncement(r.integer("protocol_version"), _target(r.sub("target")))

@@ -20,9 +20,15 @@ from fastapi import FastAPI
 
 from backend.config import BackendSettings
 from backend.server import routes_drill, routes_handoff, routes_openai, routes_ops
-from backend.server.auth import EngineAuthMiddleware
+from backend.server.auth import DecodePeers, EngineAuthMiddleware
 from backend.server.errors import install_error_handlers
-from backend.server.roles import RoleRuntime, build_decode, build_prefill, build_unified
+from backend.server.roles import (
+    RoleRuntime,
+    build_decode,
+    build_prefill,
+    build_unified,
+    refuse_open_channel,
+)
 from backend.server.tracing import install_tracing
 from contracts.engine import Role
 from contracts.http_edge import BodyGuardMiddleware
@@ -34,6 +40,8 @@ _BUILDERS = {Role.UNIFIED: build_unified, Role.PREFILL: build_prefill, Role.DECO
 def create_app(settings: BackendSettings, role: Role = Role.UNIFIED) -> FastAPI:
     if role is Role.PREFILL and settings.mode is RunMode.PRODUCTION and not settings.decode_peers:
         raise ValueError("KVGUARD_DECODE_PEERS is required for a production prefill role")
+    if role is not Role.UNIFIED:
+        refuse_open_channel(settings)
     runtime = _BUILDERS[role](settings)
     service = runtime.service
 
@@ -52,7 +60,9 @@ def create_app(settings: BackendSettings, role: Role = Role.UNIFIED) -> FastAPI:
     app = FastAPI(title=f"kvguard backend ({role.value})", lifespan=lifespan)
     app.state.service = service
     app.state.prefill = runtime.prefill
-    app.state.decode_peers = settings.decode_peers
+    app.state.decode_peers = DecodePeers(
+        settings.decode_peers, accept_open=settings.kv_channel == "open"
+    )
     app.add_middleware(
         BodyGuardMiddleware,
         max_bytes=settings.max_body_bytes,

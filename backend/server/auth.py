@@ -9,11 +9,15 @@ and ``/metrics`` (Prometheus scrapes it; engine series carry no tenant and no co
 development engine without a token configured is open (``kvguard up``, the demo and the drill
 stack configure one anyway); production refuses to start without a strong one.
 
-Prefill writes into whatever target a handoff names, so it also checks the target against the
-decode peers it knows (``KVGUARD_DECODE_PEERS``: hosts, or ``host:port`` transfer endpoints): a
-handoff aimed anywhere else is refused (403 ``target_not_allowed``) before anything is computed,
-even with the credential. Unset, only loopback targets are accepted (one host: the embedded and
-drill stacks); production requires the list.
+Prefill writes only where a decode peer said it may: each decode announces its exact transfer
+target -- endpoint (host and port), instance, channel and memory -- through the handoff API
+(``POST /kv/v1/decode``, with the credential, at start and with every capacity read), and prefill
+keeps it (``DecodePeers``) only if the endpoint's host is one of its decode peers
+(``KVGUARD_DECODE_PEERS``: hosts, or ``host:port``; unset: loopback hosts only; production
+requires the list). A handoff whose target is not exactly an announced one -- another port of a
+peer host, another memory range, an instance that has not announced itself or was replaced -- is
+refused (403 ``target_not_allowed``) before anything is computed, even with the credential. A
+prefill that is not itself on the open channel refuses open targets: it never sends plaintext KV.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from backend.disagg.protocol import KvChannel, TransferTarget
 from contracts.http_edge import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -68,10 +73,42 @@ async def _refuse(send: Send) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def target_allowed(endpoint: str, peers: list[str] | None) -> bool:
-    """Whether prefill may write to the transfer ``endpoint`` (``host:port``) given the known
-    decode ``peers`` (hosts or ``host:port``; None: loopback only)."""
+def host_allowed(endpoint: str, peers: list[str] | None) -> bool:
+    """Whether a decode may announce the transfer ``endpoint`` (``host:port``) given prefill's
+    configured ``peers`` (hosts or ``host:port``; None: loopback only)."""
     host = endpoint.rpartition(":")[0] if ":" in endpoint else endpoint
     if peers is None:
         return host in LOOPBACK_HOSTS or host.startswith("127.")
     return endpoint in peers or host in peers
+
+
+class DecodePeers:
+    """Prefill's record of the exact targets its decode peers announced: one per decode
+    instance, the newest per endpoint (a decode that restarted replaces its old instance), at
+    most ``LIMIT`` (the oldest goes first)."""
+
+    LIMIT = 64
+
+    def __init__(self, peers: list[str] | None, *, accept_open: bool) -> None:
+        self._peers = peers
+        self._accept_open = accept_open
+        self._by_instance: dict[str, TransferTarget] = {}
+
+    def announce(self, target: TransferTarget) -> str | None:
+        """Record ``target``; or say why it is refused."""
+        if not host_allowed(target.endpoint, self._peers):
+            return f"the transfer endpoint {target.endpoint} is not on a decode peer's host"
+        if target.channel is KvChannel.OPEN and not self._accept_open:
+            return "this prefill sends KV only over the sealed channel"
+        for instance, known in list(self._by_instance.items()):
+            if known.endpoint == target.endpoint and instance != target.instance_id:
+                del self._by_instance[instance]
+        self._by_instance.pop(target.instance_id, None)
+        self._by_instance[target.instance_id] = target
+        while len(self._by_instance) > self.LIMIT:
+            del self._by_instance[next(iter(self._by_instance))]
+        return None
+
+    def allows(self, target: TransferTarget) -> bool:
+        """Whether ``target`` is exactly what its decode instance announced."""
+        return self._by_instance.get(target.instance_id) == target

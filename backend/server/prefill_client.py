@@ -4,8 +4,11 @@
 ``/kv/v1/abort``); every call has a timeout, and a reply from another protocol version is refused
 (``ProtocolVersionMismatch``) before anything else in it is read.
 
-``PrefillMonitor`` polls prefill's ``/engine/capacity`` every ``refresh_s`` and is decode's
-``PathGuard``: it fails closed (503 ``prefill_unavailable``) when prefill's capacity is unknown,
+``PrefillMonitor`` polls prefill's ``/engine/capacity`` every ``refresh_s``, announcing decode's
+exact transfer target with each read (``/kv/v1/decode``: prefill writes nowhere else, and a
+prefill that restarted learns it again within one refresh), and is decode's ``PathGuard``: it
+fails closed (503 ``prefill_unavailable``) when prefill's capacity is unknown or it refuses the
+announcement, when the capacity is
 older than ``stale_s`` or incompatible (page size), refuses a prefill on another protocol version
 (503 ``handoff_protocol_mismatch``), and admits a request against the smaller of decode's own
 limits and prefill's real ones -- unless the ``legacy_reject_handoff`` drill is on.
@@ -30,9 +33,11 @@ from backend.disagg.errors import PrefillUnavailable, ProtocolVersionMismatch
 from backend.disagg.protocol import (
     AbortAck,
     AbortRequest,
+    DecodeAnnouncement,
     PrefillRequest,
     PrefillResult,
     abort_ack_from_wire,
+    decode_announcement_from_wire,
     prefill_result_from_wire,
     to_wire,
 )
@@ -44,13 +49,17 @@ log = logging.getLogger("kvguard.disagg.decode")
 
 
 class PrefillLink(PrefillChannel, Protocol):
-    """Everything decode asks the prefill role: the two handoff messages and its capacity."""
+    """Everything decode asks the prefill role: the handoff messages, its capacity, and to
+    record where decode may be written to."""
 
     async def capacity(self, timeout_s: float) -> CapacityReport: ...
+
+    async def announce(self, message: DecodeAnnouncement, timeout_s: float) -> None: ...
 
 
 PREFILL_PATH = "/kv/v1/prefill"
 ABORT_PATH = "/kv/v1/abort"
+ANNOUNCE_PATH = "/kv/v1/decode"
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -67,6 +76,14 @@ class HttpPrefillChannel:
     async def abort(self, message: AbortRequest, timeout_s: float) -> AbortAck:
         payload = await self._post(ABORT_PATH, to_wire(message), timeout_s)
         return abort_ack_from_wire(payload, self._version)
+
+    async def announce(self, message: DecodeAnnouncement, timeout_s: float) -> None:
+        try:
+            payload = await self._post(ANNOUNCE_PATH, to_wire(message), timeout_s)
+        except TimeoutError as exc:
+            raise PrefillUnavailable(f"{ANNOUNCE_PATH} took longer than {timeout_s:.1f} s") from exc
+        if decode_announcement_from_wire(payload, self._version) != message:
+            raise PrefillUnavailable("prefill recorded another transfer target than announced")
 
     async def capacity(self, timeout_s: float) -> CapacityReport:
         try:
@@ -91,11 +108,20 @@ class HttpPrefillChannel:
             raise TimeoutError(f"{path} took longer than {timeout_s:.1f} s") from exc
         # 409 carries the peer's protocol version: the codec turns it into a clear refusal.
         if response.status_code not in (200, 409):
-            raise PrefillUnavailable(f"{path} answered HTTP {response.status_code}")
+            raise PrefillUnavailable(f"{path} answered HTTP {response.status_code}{_why(response)}")
         try:
             return response.json()
         except ValueError as exc:
             raise PrefillUnavailable(f"{path} answered something that is not JSON") from exc
+
+
+def _why(response: httpx.Response) -> str:
+    """``: <the error's message>`` of an OpenAI-style error body, if there is one."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return f": {message}" if isinstance(message, str) else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +137,7 @@ class PrefillMonitor:
         self,
         channel: PrefillLink,
         *,
+        announcement: DecodeAnnouncement,
         own_limits: CapacityLimits,
         local_version: int,
         refresh_s: float,
@@ -120,6 +147,7 @@ class PrefillMonitor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._channel = channel
+        self._announcement = announcement
         self._own = own_limits
         self._version = local_version
         self._refresh_s = refresh_s
@@ -129,6 +157,7 @@ class PrefillMonitor:
         self._clock = clock
         self._seen: _Seen | None = None
         self._last_error = "prefill capacity not read yet"
+        self._unannounced: str | None = "decode's transfer target is not announced yet"
 
     async def run(self) -> None:
         while True:
@@ -136,16 +165,31 @@ class PrefillMonitor:
             await asyncio.sleep(self._refresh_s)
 
     async def refresh(self) -> bool:
+        timeout_s = min(self._refresh_s * 2, self._stale_s)
         try:
-            report = await self._channel.capacity(min(self._refresh_s * 2, self._stale_s))
+            report = await self._channel.capacity(timeout_s)
         except PrefillUnavailable as exc:
-            if self._last_error != exc.problem:
-                log.warning("prefill capacity: %s", exc.problem)
-            self._last_error = exc.problem
-            return False
+            return self._failed(exc.problem)
         self._seen = _Seen(report, self._clock())
         self._metrics.prefill_capacity_age.set(0)
+        if report.protocol_version != self._version:
+            return True  # nothing to announce to it: ``_require`` refuses the version
+        try:
+            await self._channel.announce(self._announcement, timeout_s)
+        except PrefillUnavailable as exc:
+            self._unannounced = f"it does not take decode's transfer target: {exc.problem}"
+            return self._failed(self._unannounced)
+        except ProtocolVersionMismatch as exc:
+            self._unannounced = str(exc)
+            return self._failed(self._unannounced)
+        self._unannounced = None
         return True
+
+    def _failed(self, problem: str) -> bool:
+        if self._last_error != problem:
+            log.warning("prefill capacity or announcement: %s", problem)
+        self._last_error = problem
+        return False
 
     # -- PathGuard -------------------------------------------------------------------------------
 
@@ -192,6 +236,8 @@ class PrefillMonitor:
                 f"the peer is a {report.role.value} role with {report.page_size}-token pages; "
                 f"decode needs a prefill role with {self._own.page_size}-token pages"
             )
+        if self._unannounced is not None:
+            raise PrefillUnavailable(self._unannounced)
         return report
 
 

@@ -1,11 +1,17 @@
 """Assembling each role from settings: engine, faults, transport, handoff, and its lifespan hooks.
 
 - unified: the engine alone.
-- prefill: the engine with a ``Stager`` after each forward, a staging area registered with the
-  transport, and the ``PrefillService`` behind ``/kv/v1/*``.
-- decode: the engine with a ``DecodeScheduler`` and ``DecodeEngineCore``, its KV pools registered
-  with the transport, a ``HandoffDriver`` and the ``PrefillMonitor`` (prefill's capacity, polled,
-  and the cross-role admission). The drain bound is derived from the transfer-batch limit.
+- prefill: the engine with a ``Stager`` after each forward, a staging area (registered with the
+  transport on the open channel only), and the ``PrefillService`` behind ``/kv/v1/*``.
+- decode: the engine with a ``DecodeScheduler`` and ``DecodeEngineCore``, its landing slots (the
+  sealed channel: registered per handoff; the open channel registers the KV pools instead), a
+  ``HandoffDriver`` and the ``PrefillMonitor`` (prefill's capacity, polled, the announcement of
+  decode's transfer target, and the cross-role admission). The drain bound is derived from the
+  transfer-batch limit.
+
+The transfer port listens where the deployment says (``transfer_bind``, by default the role's own
+address); Mooncake cannot be told (it listens on every interface), so production refuses it unless
+``transfer_bind`` says so too, and development says so in a warning.
 
 Enabled fault drills are refused without ``allow_fault_drills`` and announced loudly (ERROR log,
 ``kvguard_engine_fault_drill_enabled{fault}``, ``/engine/capacity`` ``faults``).
@@ -21,8 +27,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from backend.config import BackendSettings
+from backend.config import WILDCARD_ADDRESSES, BackendSettings
 from backend.core.scheduler import Scheduler
+from backend.disagg.channel import LandingSlots
 from backend.disagg.decode_core import DecodeEngineCore, DecodeHandoffConfig, Notice
 from backend.disagg.decode_driver import HandoffDriver
 from backend.disagg.decode_scheduler import DecodeScheduler
@@ -30,7 +37,12 @@ from backend.disagg.faults import FaultSet
 from backend.disagg.kvio import StagingArea, layout_of
 from backend.disagg.machines import drain_bound_s
 from backend.disagg.prefill import PrefillConfig, PrefillService, Stager
-from backend.disagg.protocol import PROTOCOL_VERSION, TransferTarget
+from backend.disagg.protocol import (
+    PROTOCOL_VERSION,
+    DecodeAnnouncement,
+    KvChannel,
+    TransferTarget,
+)
 from backend.engine.build import BuiltEngine, build_engine
 from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
@@ -40,8 +52,9 @@ from backend.model.snapshot import default_served_name
 from backend.server.prefill_client import HttpPrefillChannel, PrefillLink, PrefillMonitor
 from backend.server.service import EngineService
 from backend.server.tracing import HANDOFF_HOOKS
-from backend.transport.base import KvTransport
+from backend.transport.base import KvTransport, TransportUnavailable
 from contracts.engine import Role
+from contracts.settings import RunMode
 
 log = logging.getLogger("kvguard.backend")
 
@@ -128,6 +141,7 @@ def build_unified(settings: BackendSettings) -> RoleRuntime:
 
 
 def make_transport(settings: BackendSettings) -> KvTransport:
+    bind = settings.transfer_bind_address
     if settings.transport == "inprocess":
         from backend.transport.inprocess import InProcessTransport
 
@@ -136,13 +150,36 @@ def make_transport(settings: BackendSettings) -> KvTransport:
     if settings.transport == "loopback":
         from backend.transport.loopback import LoopbackTransport
 
-        log.warning("loopback KV transport (TCP on 127.0.0.1): single-host use only")
-        return LoopbackTransport()
+        log.info("loopback KV transport on %s (TCP, single host)", bind)
+        return LoopbackTransport(host=bind)
+    if bind not in WILDCARD_ADDRESSES:
+        everywhere = (
+            f"the Mooncake transfer engine listens on every interface (0.0.0.0 and ::), not on "
+            f"{bind} as KVGUARD_TRANSFER_BIND (or the role's host) asks"
+        )
+        if settings.mode is RunMode.PRODUCTION:
+            raise TransportUnavailable(
+                f"{everywhere}: set KVGUARD_TRANSFER_BIND=0.0.0.0 to accept that (every "
+                "transfer is sealed), or KVGUARD_TRANSPORT=loopback when both roles share a host"
+            )
+        log.warning("%s; production refuses this unless KVGUARD_TRANSFER_BIND=0.0.0.0", everywhere)
     from backend.transport.mooncake import MooncakeTransport
 
     return MooncakeTransport(
-        settings.transfer_host, protocol=settings.transfer_protocol, device=settings.transfer_device
+        settings.transfer_endpoint_host,
+        protocol=settings.transfer_protocol,
+        device=settings.transfer_device,
     )
+
+
+def refuse_open_channel(settings: BackendSettings) -> None:
+    """Production never runs the open channel (decode's pools readable and writable by any peer
+    of the transfer port)."""
+    if settings.kv_channel == "open" and settings.mode is RunMode.PRODUCTION:
+        raise ValueError(
+            "KVGUARD_KV_CHANNEL=open registers decode's KV pool with the transport unsealed "
+            "(every peer of the transfer port reads and writes live KV); production refuses it"
+        )
 
 
 def _register(transport: KvTransport, kv: KVCache) -> None:
@@ -155,6 +192,7 @@ def build_prefill(
 ) -> RoleRuntime:
     faults = FaultSet.parse(settings.faults, role="prefill", allowed=settings.allow_fault_drills)
     zero = faults.zero_on_free(settings.zero_on_free)
+    transport = transport or make_transport(settings)  # refusals first, before the model loads
     built = build_engine(
         settings,
         role="prefill",
@@ -167,8 +205,9 @@ def build_prefill(
     staging = StagingArea(built.model.new_kv_cache(pages, settings.page_size), zero_on_free=zero)
     stager = Stager(built.kv_cache, staging)
     built.engine.core.after_forward = stager
-    transport = transport or make_transport(settings)
-    _register(transport, staging.kv)
+    if settings.kv_channel == "open":  # the unsealed channel sends from registered staging
+        _register(transport, staging.kv)
+        log.warning("prefill: staging registered with the transport (open channel)")
     prefill = PrefillService(
         engine=built.engine,
         limits=built.limits,
@@ -195,6 +234,7 @@ def build_decode(settings: BackendSettings, *, channel: PrefillLink | None = Non
     transport = make_transport(settings)
     drivers: list[HandoffDriver] = []
     config_box: list[DecodeHandoffConfig] = []
+    landings: list[LandingSlots] = []
 
     def make_core(
         scheduler: Scheduler, runner: ModelRunner, metrics: EngineMetrics
@@ -202,11 +242,19 @@ def build_decode(settings: BackendSettings, *, channel: PrefillLink | None = Non
         assert isinstance(scheduler, DecodeScheduler)
         config = _decode_config(settings, faults, runner.kv_cache)
         config_box.append(config)
+        if settings.kv_channel == "sealed":
+            slots = LandingSlots(
+                layout_of(runner.kv_cache), transport, settings.transfer_batch_pages
+            )
+            landings.append(slots)
 
         def notify(notice: Notice) -> None:
             drivers[0].notify_from_engine(notice)
 
-        return DecodeEngineCore(scheduler, runner, config, notify=notify, metrics=metrics)
+        landing = landings[0] if landings else None
+        return DecodeEngineCore(
+            scheduler, runner, config, notify=notify, landing=landing, metrics=metrics
+        )
 
     built = build_engine(
         settings,
@@ -219,25 +267,48 @@ def build_decode(settings: BackendSettings, *, channel: PrefillLink | None = Non
     assert isinstance(core, DecodeEngineCore)
     service = make_service(built, settings, Role.DECODE)
     announce_faults(service, faults, settings)
-    _register(transport, built.kv_cache)
-    target = TransferTarget(
-        transport.endpoint,
-        config_box[0].instance_id,
-        built.kv_cache.k.data_ptr(),
-        built.kv_cache.v.data_ptr(),
-        layout_of(built.kv_cache),
-        settings.transfer_batch_pages,
-    )
-    log.info(
-        "decode instance %s: transfer endpoint %s, batch limit %d pages, drain bound %.2f s",
-        target.instance_id,
-        target.endpoint,
-        target.max_batch_pages,
-        config_box[0].drain_s,
-    )
+    target = _target(transport, built.kv_cache, config_box[0], landings, settings)
     runtime = _decode_runtime(settings, service, core, target, faults, drivers, channel)
     runtime.closers.append(transport.close)
     return runtime
+
+
+def _target(
+    transport: KvTransport,
+    kv: KVCache,
+    config: DecodeHandoffConfig,
+    landings: list[LandingSlots],
+    settings: BackendSettings,
+) -> TransferTarget:
+    """Decode's transfer target: its landing slots (sealed), or its pools, registered now for
+    the process's life (open)."""
+    bases: tuple[int, ...]
+    if landings:
+        channel, bases = KvChannel.SEALED, (landings[0].base,)
+        memory = f"{kv.num_pages} landing slots of {landings[0].slot_bytes} bytes at {bases[0]:#x}"
+    else:
+        _register(transport, kv)
+        channel, bases = KvChannel.OPEN, (kv.k.data_ptr(), kv.v.data_ptr())
+        memory = "the KV pools, registered unsealed (open channel: development only)"
+    target = TransferTarget(
+        transport.endpoint,
+        config.instance_id,
+        channel,
+        bases,
+        layout_of(kv),
+        settings.transfer_batch_pages,
+    )
+    log.info(
+        "decode instance %s: transfer endpoint %s, %s channel, %s, batch limit %d pages, "
+        "drain bound %.2f s",
+        target.instance_id,
+        target.endpoint,
+        channel.value,
+        memory,
+        target.max_batch_pages,
+        config.drain_s,
+    )
+    return target
 
 
 def _decode_config(settings: BackendSettings, faults: FaultSet, kv: KVCache) -> DecodeHandoffConfig:
@@ -273,6 +344,7 @@ def _decode_runtime(
         )
     monitor = PrefillMonitor(
         channel,
+        announcement=DecodeAnnouncement(service.protocol_version, target),
         own_limits=service.limits,
         local_version=service.protocol_version,
         refresh_s=settings.prefill_capacity_refresh_s,
@@ -290,7 +362,7 @@ def _decode_runtime(
     drivers.append(driver)
     service.guard = monitor
     if core.read_log is not None:
-        service.read_log = core.read_log_snapshot
+        service.read_log = core.read_log.snapshot
     tasks: list[asyncio.Task[None]] = []
 
     async def start() -> None:

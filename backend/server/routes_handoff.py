@@ -1,12 +1,12 @@
-"""The prefill role's handoff endpoints: ``POST /kv/v1/prefill`` and ``POST /kv/v1/abort``.
+"""The prefill role's handoff endpoints: ``POST /kv/v1/decode``, ``/prefill`` and ``/abort``.
 
-Internal endpoints (decode calls them, with the engine credential; tenants never do). A handoff
-whose transfer target is not a known decode peer is refused (403, ``backend.server.auth``) before
-anything is computed. A body from another protocol version is
-answered 409 with this node's version and a typed error, before anything else in it is read, so
-both sides of a mixed-version pair fail closed with a clear message. A body that does not parse
-as this version's schema is a 400; the reply to a well-formed request is always 200 with an
-explicit outcome (OK, REJECTED, ABORTED or FAILED).
+Internal endpoints (decode calls them, with the engine credential; tenants never do). A decode
+announces its exact transfer target at ``/kv/v1/decode``; a handoff whose target is not exactly an
+announced one is refused (403, ``backend.server.auth.DecodePeers``) before anything is computed. A
+body from another protocol version is answered 409 with this node's version and a typed error,
+before anything else in it is read, so both sides of a mixed-version pair fail closed with a clear
+message. A body that does not parse as this version's schema is a 400; the reply to a well-formed
+request is always 200 with an explicit outcome (OK, REJECTED, ABORTED or FAILED).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from backend.disagg.prefill import PrefillService
 from backend.disagg.protocol import (
     abort_request_from_wire,
     check_version,
+    decode_announcement_from_wire,
     prefill_request_from_wire,
     to_wire,
 )
-from backend.server.auth import TARGET_CODE, target_allowed
+from backend.server.auth import TARGET_CODE, DecodePeers
 from backend.server.errors import error_body
 from backend.server.routes_openai import ServiceDep
 
@@ -35,7 +36,13 @@ def get_prefill(request: Request) -> PrefillService:
     return prefill
 
 
+def get_peers(request: Request) -> DecodePeers:
+    peers: DecodePeers = request.app.state.decode_peers
+    return peers
+
+
 PrefillDep = Annotated[PrefillService, Depends(get_prefill)]
+PeersDep = Annotated[DecodePeers, Depends(get_peers)]
 router = APIRouter(prefix="/kv/v1")
 log = logging.getLogger("kvguard.disagg.prefill")
 
@@ -58,8 +65,31 @@ def _refusal(version: int, exc: ProtocolVersionMismatch | MalformedMessage) -> J
     return JSONResponse(body, status_code=status)
 
 
+def _forbidden(version: int, problem: str) -> JSONResponse:
+    body = {"protocol_version": version, **error_body(problem, code=TARGET_CODE)}
+    return JSONResponse(body, status_code=403)
+
+
+@router.post("/decode")
+async def announce(http: Request, service: ServiceDep, peers: PeersDep) -> JSONResponse:
+    version = service.protocol_version
+    try:
+        message = decode_announcement_from_wire(
+            await _payload(http, version, "decode announcement"), version
+        )
+    except (ProtocolVersionMismatch, MalformedMessage) as exc:
+        return _refusal(version, exc)
+    problem = peers.announce(message.target)
+    if problem is not None:
+        log.error("decode announcement of %s refused: %s", message.target.endpoint, problem)
+        return _forbidden(version, problem)
+    return JSONResponse(to_wire(message))
+
+
 @router.post("/prefill")
-async def prefill(http: Request, service: ServiceDep, handoff: PrefillDep) -> JSONResponse:
+async def prefill(
+    http: Request, service: ServiceDep, handoff: PrefillDep, peers: PeersDep
+) -> JSONResponse:
     version = service.protocol_version
     try:
         message = prefill_request_from_wire(
@@ -67,15 +97,15 @@ async def prefill(http: Request, service: ServiceDep, handoff: PrefillDep) -> JS
         )
     except (ProtocolVersionMismatch, MalformedMessage) as exc:
         return _refusal(version, exc)
-    if not target_allowed(message.target.endpoint, http.app.state.decode_peers):
+    if not peers.allows(message.target):
         log.error(
-            "prefill request %s names transfer target %s, not a known decode peer: refused",
+            "prefill request %s names transfer target %s (instance %s), not one a decode peer "
+            "announced: refused",
             message.request_id,
             message.target.endpoint,
+            message.target.instance_id,
         )
-        problem = "the transfer target is not a decode peer this prefill knows"
-        body = {"protocol_version": version, **error_body(problem, code=TARGET_CODE)}
-        return JSONResponse(body, status_code=403)
+        return _forbidden(version, "the transfer target is not one a decode peer announced")
     result = await handoff.handle(message)
     return JSONResponse(to_wire(result))
 

@@ -1,24 +1,28 @@
-"""A single-host fallback transport over TCP on 127.0.0.1, for when Mooncake is not installed.
+"""A single-host fallback transport over TCP on a loopback address, for when Mooncake is not
+installed or prefill and decode share one host.
 
-Lifecycle: the receiving process (decode) listens on a loopback port from its first
-``register``; a sender connects per batch and sends ``count`` then, per segment, ``(dst, length,
-bytes)``; the receiver checks every destination against its registered memory (as Mooncake's
-server does), copies, and acknowledges the batch with one status byte only after every byte
-landed. ``write`` returns on that acknowledgement, so it has the same meaning as Mooncake's
-synchronous write. It binds to 127.0.0.1 only: it is for single-host deployments and tests, with
-no authentication -- never a network transport.
+Lifecycle: the receiving process (decode) listens on ``host`` (a loopback address, the one the
+deployment names: ``KVGUARD_TRANSFER_BIND``, by default the address the role serves on) from its
+first ``register``; a sender connects per batch and sends ``count`` then, per segment, ``(dst,
+length, bytes)``; the receiver checks every destination against its registered memory (as
+Mooncake's server does), copies under the same lock ``unregister`` takes (so once a region is
+withdrawn nothing more lands in it), and acknowledges the batch with one status byte only after
+every byte landed. ``write`` returns on that acknowledgement, so it has the same meaning as
+Mooncake's synchronous write. The protocol has no read, and no authentication: every local user
+can write into registered memory, which is why only a handoff's sealed landing region ever is.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import logging
 import socket
 import struct
 import threading
 from collections.abc import Sequence
 
-from backend.transport.base import KvTransport, Segment, TransferError
+from backend.transport.base import KvTransport, Segment, TransferError, TransportUnavailable
 
 log = logging.getLogger("kvguard.transport")
 
@@ -26,6 +30,13 @@ _HEADER = struct.Struct("!I")
 _SEGMENT = struct.Struct("!QQ")
 _OK, _REFUSED = b"\x00", b"\x01"
 _MAX_SEGMENTS = 1 << 20
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _read_exactly(conn: socket.socket, n: int) -> bytes:
@@ -42,8 +53,15 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
 class LoopbackTransport(KvTransport):
     name = "loopback"
 
-    def __init__(self, *, timeout_s: float = 30.0) -> None:
-        self._regions: list[tuple[int, int]] = []
+    def __init__(self, *, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
+        if not is_loopback(host):
+            raise TransportUnavailable(
+                f"the loopback transport is single-host: it listens on a loopback address, not "
+                f"{host!r} (set KVGUARD_TRANSFER_BIND=127.0.0.1, or use KVGUARD_TRANSPORT=mooncake "
+                "between hosts)"
+            )
+        self._host = host.strip("[]")
+        self._regions: dict[int, int] = {}  # address -> length
         self._lock = threading.Lock()
         self._timeout_s = timeout_s
         self._server: socket.socket | None = None
@@ -56,15 +74,19 @@ class LoopbackTransport(KvTransport):
 
     def register(self, address: int, length: int) -> None:
         with self._lock:
-            self._regions.append((address, length))
+            self._regions[address] = length
         self._listen()
+
+    def unregister(self, address: int) -> None:
+        with self._lock:
+            self._regions.pop(address, None)
 
     def write(self, endpoint: str, segments: Sequence[Segment]) -> None:
         host, _, port = endpoint.rpartition(":")
-        if host != "127.0.0.1":
-            raise TransferError(f"the loopback transport only writes to 127.0.0.1, not {host}")
+        if not is_loopback(host):
+            raise TransferError(f"the loopback transport only writes to this host, not {host}")
         try:
-            with socket.create_connection((host, int(port)), timeout=self._timeout_s) as conn:
+            with socket.create_connection((host.strip("[]"), int(port)), self._timeout_s) as conn:
                 conn.sendall(_HEADER.pack(len(segments)))
                 for segment in segments:
                     conn.sendall(_SEGMENT.pack(segment.dst, segment.length))
@@ -86,9 +108,11 @@ class LoopbackTransport(KvTransport):
         with self._lock:
             if self._server is not None:
                 return
-            server = socket.create_server(("127.0.0.1", 0))
+            family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+            server = socket.create_server((self._host, 0), family=family)
             self._server = server
-            self._endpoint = f"127.0.0.1:{server.getsockname()[1]}"
+            self._endpoint = f"{self._host}:{server.getsockname()[1]}"
+        log.info("loopback transfer port listening at %s", self._endpoint)
         threading.Thread(target=self._accept, args=(server,), daemon=True).start()
 
     def _accept(self, server: socket.socket) -> None:
@@ -108,15 +132,18 @@ class LoopbackTransport(KvTransport):
                 for _ in range(count if ok else 0):
                     dst, length = _SEGMENT.unpack(_read_exactly(conn, _SEGMENT.size))
                     data = _read_exactly(conn, length)
-                    ok = ok and self._registered(dst, length)
-                    if ok:  # after one refused segment, nothing else of the batch is written
-                        ctypes.memmove(dst, data, length)
+                    # after one refused segment, nothing else of the batch is written
+                    ok = ok and self._land(dst, data)
                 conn.sendall(_OK if ok else _REFUSED)
             except (OSError, ConnectionError) as exc:
                 log.warning("loopback transfer broke off: %s", exc)
 
-    def _registered(self, address: int, length: int) -> bool:
+    def _land(self, address: int, data: bytes) -> bool:
         with self._lock:
-            return any(
-                base <= address and address + length <= base + size for base, size in self._regions
-            )
+            if not any(
+                base <= address and address + len(data) <= base + size
+                for base, size in self._regions.items()
+            ):
+                return False
+            ctypes.memmove(address, data, len(data))
+            return True

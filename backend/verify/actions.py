@@ -2,7 +2,8 @@
 
 ``successors`` yields ``(label, world)`` for each enabled action, the world already cloned and
 moved. Labels are what a counterexample trace prints. Environment moves are budgeted by the
-``Bound``: client aborts, result timeouts, role crashes and stale capacity views.
+``Bound``: client aborts, result timeouts, role crashes, stale capacity views and the writes of
+an adversary on the transfer port (into any registered memory, landing whenever it likes).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable, Iterator
 from backend.core.request import RequestState
 from backend.disagg.machines import DecodeHandoffState, PrefillHandoffState, may_start_batch
 from backend.disagg.protocol import AbortAck, AbortRequest, PrefillRequest, PrefillResult
-from backend.verify import decode_side, prefill_side
+from backend.verify import adversary, decode_side, prefill_side
 from backend.verify.world import ChannelError, World, Write
 
 _D = DecodeHandoffState
@@ -28,14 +29,20 @@ def successors(world: World) -> Iterator[tuple[str, World]]:
 
 
 def enabled(world: World) -> list[tuple[str, Move]]:
-    return [*_decode_moves(world), *_prefill_moves(world), *_wire_moves(world), *_env_moves(world)]
+    return [
+        *_decode_moves(world),
+        *_prefill_moves(world),
+        *_wire_moves(world),
+        *_env_moves(world),
+        *_adversary_moves(world),
+    ]
 
 
 def _spend(slot: int, move: Move) -> Move:
     def spent(world: World) -> None:
         budget = list(world.budget)
         budget[slot] -= 1
-        world.budget = (budget[0], budget[1], budget[2], budget[3], budget[4])
+        world.budget = (budget[0], budget[1], budget[2], budget[3], budget[4], budget[5])
         move(world)
 
     return spent
@@ -142,7 +149,7 @@ def _deliver(message: object) -> Move:
 
 def _env_moves(world: World) -> list[tuple[str, Move]]:
     moves: list[tuple[str, Move]] = []
-    aborts, timeouts, p_crashes, d_crashes, _ = world.budget
+    aborts, timeouts, p_crashes, d_crashes, _, _ = world.budget
     for i, request in enumerate(world.requests):
         name = world.owners[i].request_id
         live = request.state in (
@@ -159,6 +166,30 @@ def _env_moves(world: World) -> list[tuple[str, Move]]:
     if d_crashes > 0:
         moves.append(("decode crashes and restarts", _spend(3, decode_side.decode_crash)))
     return moves
+
+
+def _adversary_moves(world: World) -> list[tuple[str, Move]]:
+    """A peer of the transfer port: it starts a write into any memory registered now (the
+    sealed channel: a handoff's slots; the open channel: the pages of any request), and each
+    lands whenever it likes -- after the memory was withdrawn too."""
+    moves: list[tuple[str, Move]] = []
+    where = "slot" if world.sealed else "page"
+    if world.budget[5] > 0:
+        for target in sorted(adversary.reachable(world) - world.adversary):
+            moves.append(
+                (f"adversary starts a write into {where} {target}", _spend(5, _aim(target)))
+            )
+    for target in sorted(world.adversary):
+        moves.append((f"adversary write lands in {where} {target}", _hit(target)))
+    return moves
+
+
+def _aim(target: int) -> Move:
+    return lambda world: adversary.start_write(world, target)
+
+
+def _hit(target: int) -> Move:
+    return lambda world: adversary.land_write(world, target)
 
 
 def _abort(index: int) -> Move:

@@ -7,6 +7,11 @@
 - ``reuse``: two requests that both fit but not together, so the second reuses the first's pages
   (late writes, quarantine, zeroing); one client abort, one timeout.
 - ``mixed``: prefill speaks the previous protocol version, decode the current one.
+- ``adversary``: ``reuse`` with a peer of the transfer port that writes once into any memory
+  registered at any moment (its write landing whenever it likes) and a result timeout;
+  ``large-adversary`` adds a client abort.
+- ``open_channel(bound)``: the same instance on the open channel (decode's pages registered,
+  no seal): what the model shows with the new defences off.
 - ``large``: ``large-incident`` adds a third request to ``incident`` (without the crash);
   ``large-reuse`` gives ``reuse`` two client aborts, a prefill crash and a decode crash.
 - ``prefix`` and ``preempt`` (``large-preempt`` has two client aborts): the engine model, shared
@@ -19,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
-from backend.disagg.protocol import PROTOCOL_VERSION
+from backend.disagg.protocol import PROTOCOL_VERSION, KvChannel
 from backend.verify.engine_world import EngineBound, EngineRequestSpec
 from backend.verify.world import Bound, RequestSpec
 
@@ -62,6 +67,8 @@ MIXED = Bound(
     timeouts=1,
     prefill_version=PROTOCOL_VERSION - 1,
 )
+ADVERSARY = replace(REUSE, name="adversary", client_aborts=0, adversary_writes=1)
+LARGE_ADVERSARY = replace(ADVERSARY, name="large-adversary", client_aborts=1)
 LARGE_INCIDENT = Bound(
     "large-incident",
     (_A, _B, RequestSpec("D", 1)),
@@ -121,7 +128,26 @@ LARGE_PREEMPT = replace(PREEMPT, name="large-preempt", client_aborts=2)
 
 BOUNDS: Mapping[str, tuple[Bound | EngineBound, ...]] = MappingProxyType(
     {
-        "small": (INCIDENT, REUSE, MIXED, PREFIX, PREEMPT),
-        "large": (LARGE_INCIDENT, LARGE_REUSE, MIXED, PREFIX, LARGE_PREEMPT),
+        "small": (INCIDENT, REUSE, MIXED, ADVERSARY, PREFIX, PREEMPT),
+        "large": (LARGE_INCIDENT, LARGE_REUSE, MIXED, LARGE_ADVERSARY, PREFIX, LARGE_PREEMPT),
     }
 )
+
+
+def open_channel(bound: Bound) -> Bound:
+    """``bound`` on the open channel: the sealed channel's defences (no registered pool, the
+    per-handoff slots, the seal) all off."""
+    return replace(bound, name=f"{bound.name}-open", channel=KvChannel.OPEN)
+
+
+def named(name: str) -> Bound | EngineBound:
+    """A small bound by name; ``<name>-open`` is that handoff bound on the open channel."""
+    by_name = {bound.name: bound for bound in BOUNDS["small"]}
+    base, _, suffix = name.rpartition("-open")
+    bound = by_name.get(base if suffix == "" and base else name)
+    if bound is None:
+        raise KeyError(f"no small bound {name!r}")
+    if name.endswith("-open"):
+        assert isinstance(bound, Bound), "only handoff bounds have a channel"
+        return open_channel(bound)
+    return bound

@@ -2,7 +2,11 @@
 
 Each function takes a cloned ``World`` and applies one decode decision with the code's own pieces:
 ``admit`` for admission, ``PagePool`` for every page move, ``Machine`` over the ``FaultSet``'s
-decode table, ``verify_result`` and ``refusal`` for a result. Page memory is what the model adds.
+decode table, ``verify_result`` and ``refusal`` for a result. Page memory and the landing slots
+are what the model adds: on the sealed channel a handoff's slots are registered at its ticket and
+withdrawn at its end, whatever the outcome; a result opens the written pages' chunks from the
+slots (a chunk opens only if this handoff sealed it for that position and generation) and only an
+accepted result moves them into the pages.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from backend.core.pages import PageRef
 from backend.core.request import TERMINAL, TRANSITIONS, RequestState
 from backend.disagg.errors import HandoffTimedOut, PrefillUnavailable, ProtocolVersionMismatch
 from backend.disagg.machines import (
+    Check,
     DecodeHandoffState,
     Expectation,
     refusal,
@@ -32,11 +37,21 @@ from backend.disagg.protocol import (
     prefill_result_from_wire,
     to_wire,
 )
-from backend.verify.world import MAX_TOKENS, ZERO_CELL, Cause, Cell, ChannelError, World
+from backend.verify.world import (
+    ADVERSARY,
+    MAX_TOKENS,
+    WRONG_KEY,
+    ZERO_CELL,
+    Cause,
+    Cell,
+    ChannelError,
+    World,
+)
 from contracts.lifecycle import Machine, check_move
 
 _D = DecodeHandoffState
 LEASE_S = 1.0
+SEAL_KEY = bytes(32)  # the model seals nothing: a chunk's writer stands for its key
 
 
 def digest(cells: Sequence[tuple[int, int] | None]) -> str:
@@ -103,6 +118,8 @@ def reserve(world: World) -> None:
         handoff_id=handoff_id,
         refs=refs,
     )
+    if world.sealed:  # the ticket's slots, for this handoff alone
+        world.registered = world.registered | {g.page_id for g in grants}
     _advance(world, index, _D.AWAITING_RESULT)
     world.send(
         PrefillRequest(
@@ -115,6 +132,7 @@ def reserve(world: World) -> None:
             grants,
             world.target(),
             LEASE_S,
+            SEAL_KEY if world.sealed else None,
         )
     )
 
@@ -122,6 +140,11 @@ def reserve(world: World) -> None:
 def _grants(world: World, index: int) -> tuple[PageGrant, ...]:
     request, spec = world.requests[index], world.bound.requests[index]
     return tuple(PageGrant(r.page_id, r.generation) for r in request.refs[: spec.prompt_tokens])
+
+
+def withdraw(world: World, index: int) -> None:
+    """The handoff's slots leave the transport (``Landing.withdraw``)."""
+    world.registered = world.registered - {g.page_id for g in _grants(world, index)}
 
 
 def _free(world: World, refs: tuple[PageRef, ...], index: int) -> None:
@@ -189,25 +212,45 @@ def _lost_by_id(world: World, handoff_id: str, instance_id: str, kind: str) -> N
 
 def _complete(world: World, index: int, result: PrefillResult) -> None:
     request, spec, owner = world.requests[index], world.bound.requests[index], world.owners[index]
+    withdraw(world, index)
     _advance(world, index, _D.VERIFYING)
     grants = _grants(world, index)
     expect = Expectation(request.handoff_id, f"d{world.instance}", spec.prompt_tokens, grants)
     pool, memory = world.pool, world.memory
+    enforced = world.faults.enforced_checks
+    if not world.sealed:
+        enforced = enforced - {Check.SEAL}
+    written = _written(grants, result) if world.sealed else ()
+    opened = {k: _open(world.landing[grants[k].page_id], request.handoff_id, k) for k in written}
 
     def pages_current(asked: Sequence[PageGrant]) -> bool:
         return all(pool.is_current(PageRef(g.page_id, g.generation), owner) for g in asked)
 
+    def unsealed() -> str | None:
+        refused = [k for k in written if not opened[k][1]]
+        return None if not refused else f"page {refused[0]} of the prompt is not sealed for it"
+
     def local_checksum() -> str:
-        return digest([memory[g.page_id].content for g in grants])
+        if not world.sealed:
+            return digest([memory[g.page_id].content for g in grants])
+        return digest(
+            [
+                opened[k][0].content if k in opened else memory[g.page_id].content
+                for k, g in enumerate(grants)
+            ]
+        )
 
     verdict = verify_result(
         expect,
         result,
-        enforced=world.faults.enforced_checks,
+        enforced=enforced,
         pages_current=pages_current,
+        unsealed=unsealed,
         local_checksum=local_checksum,
     )
     if verdict.accepted:
+        for k, (cell, _) in opened.items():  # every check passed: the move into the pages
+            land(world, cell, grants[k].page_id)
         _advance(world, index, _D.ACCEPTED)
         world.set_request(index, state=RequestState.DECODING)
         world.events.accepted.append(index)
@@ -216,6 +259,27 @@ def _complete(world: World, index: int, result: PrefillResult) -> None:
     _end(world, index, to, Cause.PREFILL_REPLY, None if error is None else error.code)
     _free(world, request.refs, index)
     _advance(world, index, _D.RELEASED)
+
+
+def _written(grants: tuple[PageGrant, ...], result: PrefillResult) -> tuple[int, ...]:
+    """The positions prefill reports written: the granted pages it names, from the first on
+    (``DecodeEngineCore._unseal``). The model seals page by page: a real chunk covers a run of
+    pages, and a byte changed in any of them fails the run, which refuses the same handoff."""
+    reported, written = result.pages_written, 0
+    while written < min(len(reported), len(grants)) and reported[written] == grants[written]:
+        written += 1
+    return tuple(range(written))
+
+
+def _open(slot: Cell, handoff_id: str, position: int) -> tuple[Cell, bool]:
+    """What opening a slot yields, and whether its seal held: only this handoff's chunk for this
+    position opens; without the check (a drill) an adversary's bytes pass as they are (the
+    cipher is malleable) and another key's chunk becomes noise."""
+    if slot.writer == handoff_id and slot.position == position and slot.content is not None:
+        return slot, True
+    if slot.writer == ADVERSARY:
+        return slot, False
+    return Cell(None, 0, slot.writer + WRONG_KEY, slot.generation, slot.late), False
 
 
 def lost(world: World, index: int, kind: str) -> None:
@@ -227,6 +291,7 @@ def lost(world: World, index: int, kind: str) -> None:
         "protocol_mismatch": ProtocolVersionMismatch(PROTOCOL_VERSION, "other", "prefill"),
         "lost": PrefillUnavailable("connection lost during the handoff"),
     }
+    withdraw(world, index)
     _advance(world, index, _D.DRAINING)
     _end(world, index, RequestState.FAILED, Cause.LOST, errors[kind].code)
     _start_drain(world, index)
@@ -243,6 +308,7 @@ def client_abort(world: World, index: int) -> None:
     if request.handoff is not _D.AWAITING_RESULT:  # DECODING: the base scheduler frees at once
         _free(world, request.refs, index)
         return
+    withdraw(world, index)
     if world.faults.early_release:
         _advance(world, index, _D.RELEASED)  # only the drill's table has this move
         _free(world, request.refs, index)
@@ -287,6 +353,8 @@ def decode_crash(world: World) -> None:
     world.kv_waiting = ()
     world.pool, world.pool_shared = new_pool(world.bound, world.faults), False
     world.memory = [ZERO_CELL] * world.bound.decode_pages
+    world.landing = [ZERO_CELL] * world.bound.decode_pages
+    world.registered, world.adversary = frozenset(), frozenset()  # its memory died with it
 
 
 def land(world: World, cell: Cell, page_id: int) -> None:

@@ -11,6 +11,11 @@
    error's code (or ABORTED/FAILED by a client or a lost peer), never accepted, never FAILED by
    a refused handoff; when it ends REJECTED it holds no page.
 6. ``versions``: with mismatched protocol versions no write is committed and nothing is accepted.
+11. ``own_transfer``: every byte a decode step reads came from its own request's prefill transfer
+    (written by its own handoff): never from a peer of the transfer port, never another's.
+12. ``no_exposure``: no page of decode's pool is reachable from the transfer port while it holds
+    KV, and a landing slot is registered only while the handoff that holds its page awaits its
+    result (registered for that handoff alone, withdrawn at its end whatever the outcome).
 
 ``P0`` (``pool_books``): the real ``PagePool.check_invariants`` after every move.
 
@@ -28,7 +33,7 @@ from backend.core.admission import admit
 from backend.core.errors import InvariantViolation, KvguardError
 from backend.core.pages import PageRef, PageState
 from backend.core.request import RequestState
-from backend.disagg.machines import PrefillHandoffState
+from backend.disagg.machines import DecodeHandoffState, PrefillHandoffState
 from backend.disagg.protocol import PROTOCOL_VERSION
 from backend.verify.world import MAX_TOKENS, Cause, Cell, World
 
@@ -40,6 +45,8 @@ class Invariant(StrEnum):
     NO_LATE_READ = "4-no-late-read"
     REJECTION = "5-rejection"
     VERSIONS = "6-versions"
+    OWN_TRANSFER = "11-own-transfer"
+    NO_EXPOSURE = "12-no-exposure"
     POOL_BOOKS = "p0-pool-books"
     # the engine model (backend.verify.engine_checks)
     SHARED_ONE_SALT = "7-shared-one-salt"
@@ -149,6 +156,37 @@ def _versions(world: World) -> str | None:
     return None
 
 
+def _own_transfer(world: World) -> str | None:
+    for index, cells in world.events.read:
+        request = world.requests[index]
+        for position, cell in enumerate(cells):
+            if cell.writer != request.handoff_id:
+                writer = cell.writer or "nobody (the page's old bytes)"
+                return (
+                    f"{world.owners[index].request_id} read prompt position {position} written "
+                    f"by {writer}, not by its own transfer {request.handoff_id}"
+                )
+    return None
+
+
+def _no_exposure(world: World) -> str | None:
+    if not world.sealed:
+        for page_id, cell in enumerate(world.memory):
+            if cell.content is not None:
+                return f"page {page_id} holds {_show(cell)} and is registered with the transport"
+        return None
+    awaiting = {
+        ref.page_id
+        for index, request in enumerate(world.requests)
+        if request.handoff is DecodeHandoffState.AWAITING_RESULT
+        for ref in request.refs[: world.bound.requests[index].prompt_tokens]
+    }
+    stray = sorted(world.registered - awaiting)
+    if stray:
+        return f"landing slot {stray[0]} is registered with no handoff awaiting its page"
+    return None
+
+
 def _pool_books(world: World) -> str | None:
     try:
         world.pool.check_invariants()
@@ -165,6 +203,8 @@ CHECKS: Mapping[Invariant, Callable[[World], str | None]] = MappingProxyType(
         Invariant.NO_LATE_READ: _no_late_read,
         Invariant.REJECTION: _rejection,
         Invariant.VERSIONS: _versions,
+        Invariant.OWN_TRANSFER: _own_transfer,
+        Invariant.NO_EXPOSURE: _no_exposure,
         Invariant.POOL_BOOKS: _pool_books,
     }
 )

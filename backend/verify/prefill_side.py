@@ -4,7 +4,8 @@
 ``admit``, the legacy placeholder); ``commit_batch`` / ``transfer_done`` are the transfer worker's
 loop (``may_start_batch``, ``lease_cut_short``, ``transfer_end``); ``abort`` is ``abort``;
 ``finish`` is ``_finish``. A committed batch's writes sit in ``World.writes`` until the transport
-lands them, in any order and interleaved with every control message.
+lands them, in any order and interleaved with every control message: into decode's landing slots
+(sealed, whatever became of them meanwhile), or on the open channel into its pages.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def lease_over(world: World, key: str) -> None:
 
 
 def land_write(world: World, write: Write) -> None:
-    """The transport lands one write: into the page, whoever holds it now (owners are unseen)."""
+    """The transport lands one write: into the page's slot (open channel: into the page),
+    whoever holds the page now (owners are unseen)."""
     world.writes = world.writes - {write}
     if write.instance == world.instance:
         page = world.pool.page(write.page.page_id)
@@ -166,7 +168,10 @@ def land_write(world: World, write: Write) -> None:
             write.page.generation,
             not current,
         )
-        land(world, cell, write.page.page_id)
+        if world.sealed:
+            world.landing[write.page.page_id] = cell
+        else:
+            land(world, cell, write.page.page_id)
     for key, handoff in list(world.handoffs.items()):
         if write in handoff.batch and not (set(handoff.batch) & world.writes):
             world.handoffs[key] = replace(

@@ -24,6 +24,17 @@ def render_world(world: World) -> str:
         late = "!" if cell.late else ""
         pages.append(f"{page_id}:{snap.state.value}/g{snap.generation}/{holder}/{held}{late}")
     lines.append(f"  decode d{world.instance} pages: " + "  ".join(pages))
+    if world.sealed and (world.registered or any(c.writer for c in world.landing)):
+        slots = []
+        for page_id, cell in enumerate(world.landing):
+            mark = "R" if page_id in world.registered else "-"
+            held = "0" if not cell.writer else f"{cell.writer}[{cell.position}]"
+            slots.append(f"{page_id}:{mark}/{held}{'!' if cell.late else ''}")
+        lines.append("  landing slots (R: registered): " + "  ".join(slots))
+    for target in sorted(world.adversary):
+        lines.append(
+            f"  in flight: adversary write into {'slot' if world.sealed else 'page'} {target}"
+        )
     for key, handoff in sorted(world.handoffs.items()):
         extra = " placeholder" if handoff.placeholder else ""
         lines.append(

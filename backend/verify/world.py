@@ -8,10 +8,15 @@ admission (``admit``), decode's checks (``verify_result``), the refusal mapping 
 prefill's transfer-loop decisions (``may_start_batch`` / ``lease_cut_short`` / ``transfer_end``).
 
 What is modelled here, because it lies outside the code: page memory (what bytes each decode page
-holds, and whether a write landed after its page's generation changed), the transport's
-in-flight one-sided writes (a set that lands in any order, interleaved with control messages),
-the control channel (an unordered set of messages: delay and reordering are free), clients that
-abort or time out, role crashes, prefill's lease clock, and a peer on another protocol version.
+holds, and whether a write landed after its page's generation changed), decode's landing slots
+(one per page: what sealed chunk each holds) and which of them are registered with the transport,
+the transport's in-flight one-sided writes (a set that lands in any order, interleaved with
+control messages), the control channel (an unordered set of messages: delay and reordering are
+free), clients that abort or time out, role crashes, prefill's lease clock, a peer on another
+protocol version, and an adversary on the transfer port: it writes into any registered memory at
+any moment, its writes land whenever it likes (even after the memory was withdrawn, as a TCP
+write validated before that would), and it forges the checksum (crc32 is no MAC) but not a seal
+without the handoff's key. On the open channel decode's pages themselves are registered.
 
 A ``World`` is mutable while one action builds its successor; ``key`` is its canonical, hashable
 fingerprint (two worlds with equal keys have the same future).
@@ -32,6 +37,7 @@ from backend.disagg.protocol import (
     PROTOCOL_VERSION,
     AbortAck,
     AbortRequest,
+    KvChannel,
     KvLayout,
     PageGrant,
     PrefillRequest,
@@ -69,6 +75,8 @@ class Bound:
     prefill_version: int = PROTOCOL_VERSION
     zero_on_free: bool = True  # the deployment's setting (a fault may turn it off)
     crash_kills_writes: bool = True  # TCP transport: a dead writer's writes never land
+    channel: KvChannel = KvChannel.SEALED
+    adversary_writes: int = 0  # writes a peer of the transfer port makes
 
     @property
     def decode_limits(self) -> CapacityLimits:
@@ -84,13 +92,15 @@ class Bound:
         return CapacityLimits(1, min(self.decode_pages, self.prefill_pages), self.context_window)
 
 
-class Bytes(StrEnum):
-    ZERO = "zero"
+ADVERSARY = "adversary"  # the writer of bytes a peer of the transfer port wrote
+WRONG_KEY = " (opened without its key)"  # what an unauthenticated open makes of another's chunk
 
 
-# What a decode page physically holds: zeros, or request ``owner_index``'s KV at ``position``.
+# What a decode page (or landing slot) physically holds: zeros, or request ``request_index``'s KV
+# at ``position`` (in a slot: sealed under ``writer``'s key for that position and generation).
 # ``late`` marks a write that landed after its page's generation changed (property 4);
-# ``writer`` names the handoff that wrote it. Only (index, position) are the bytes a checksum sees.
+# ``writer`` names the handoff that wrote it, or ``ADVERSARY``. Only (index, position) are the
+# bytes a checksum sees: the adversary forges them.
 @dataclass(frozen=True, slots=True)
 class Cell:
     request_index: int | None  # None: zeros
@@ -198,8 +208,12 @@ class World:
     instance: int = 1
     prefill_epoch: int = 1
     sequence: int = 0
-    budget: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # aborts, timeouts, crashes P/D, stale
+    # aborts, timeouts, crashes P/D, stale views, adversary writes
+    budget: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
     truth: dict[str, PrefillHandoffState] = field(default_factory=dict)  # prefill's last word
+    landing: list[Cell] = field(default_factory=list)  # the sealed channel's slots, one per page
+    registered: frozenset[int] = frozenset()  # landing slots registered with the transport
+    adversary: frozenset[int] = frozenset()  # slots (open: pages) an adversary write is bound for
     events: Events = field(default_factory=Events)
     pool_shared: bool = False  # copy-on-write: a clone shares its parent's pool until it moves it
 
@@ -219,7 +233,9 @@ class World:
                 bound.prefill_crashes,
                 bound.decode_crashes,
                 bound.stale_capacity_views,
+                bound.adversary_writes,
             ),
+            landing=[ZERO_CELL] * bound.decode_pages,
         )
 
     def clone(self) -> World:
@@ -240,6 +256,9 @@ class World:
             self.sequence,
             self.budget,
             dict(self.truth),
+            landing=list(self.landing),
+            registered=self.registered,
+            adversary=self.adversary,
             pool_shared=True,
         )
 
@@ -272,14 +291,27 @@ class World:
             self.sequence,
             self.budget,
             tuple(sorted(self.truth.items())),
+            tuple(self.landing),
+            self.registered,
+            self.adversary,
         )
 
     # -- small helpers the actions share ---------------------------------------------------------
 
+    @property
+    def sealed(self) -> bool:
+        return self.bound.channel is KvChannel.SEALED
+
     def target(self) -> TransferTarget:
         layout = KvLayout(1, self.bound.decode_pages, 1, 1, 1, "float32")
+        bases = (4096,) if self.sealed else (4096, 8192)
         return TransferTarget(
-            "decode", f"d{self.instance}", 4096, 8192, layout, self.bound.max_batch_pages
+            "decode",
+            f"d{self.instance}",
+            self.bound.channel,
+            bases,
+            layout,
+            self.bound.max_batch_pages,
         )
 
     def set_request(self, index: int, **changes: object) -> None:
@@ -302,6 +334,8 @@ class World:
             and not self.wire
             and not self.writes
             and not self.handoffs
+            and not self.registered
+            and not self.adversary
             and pool.free_pages == pool.num_pages
         )
 

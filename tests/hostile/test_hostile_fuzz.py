@@ -3,7 +3,8 @@
 Attacker: a client that sends every shape an operation's schema admits and every way of breaking
 it, to each operation of the gateway (with a live tenant key, and the admin token for
 ``/admin``), of a ``kvguard backend unified`` process reached directly, and of a
-``kvguard backend prefill`` process's internal handoff API (``/kv/v1/prefill``, ``/kv/v1/abort``)
+``kvguard backend prefill`` process's internal handoff API (``/kv/v1/decode``, ``/prefill``,
+``/abort``)
 as anything on the engines' network could call it. The engines run without a credential here, so
 the generated requests reach their parsers and compute (the credential is
 ``test_hostile_engine_auth``'s).
@@ -200,11 +201,12 @@ def _wire_integers(case: Any, mode: GenerationMode) -> None:
 
 
 def _handoff_bodies(checkpoint: str, endpoint: str) -> dict[str, dict[str, Any]]:
-    """Request body schemas (and one valid example) of the prefill role's two operations, after
+    """Request body schemas (and one valid example) of the prefill role's three operations, after
     ``backend.disagg.protocol``. Its OpenAPI has none: the routes read the raw body so that the
-    protocol version is checked before anything else. The layout is the checkpoint's geometry
-    and the endpoint a closed local port, so requests that fit reach the compute and a transfer
-    that fails at once."""
+    protocol version is checked before anything else. Handoffs name one transfer target (the
+    example announcement's: the checkpoint's geometry, ``endpoint`` a closed local port), which
+    the test announces first, so requests that fit reach the compute and a transfer that fails at
+    once; generated announcements name another endpoint, so they never displace it."""
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     geometry = {
         "num_layers": config["num_hidden_layers"],
@@ -213,10 +215,7 @@ def _handoff_bodies(checkpoint: str, endpoint: str) -> dict[str, dict[str, Any]]
         "head_dim": config["head_dim"],
         "dtype": config["dtype"],
     }
-    layout = _obj(
-        **{k: {"const": v} for k, v in geometry.items()},
-        num_pages=_int(1, 64),
-    )
+    layout = _obj(**{k: {"const": v} for k, v in geometry.items()}, num_pages=_int(1, 64))
     sampling = _obj(
         max_tokens=_int(1, 8),
         temperature={"type": "number", "minimum": 0, "maximum": 2},
@@ -244,6 +243,14 @@ def _handoff_bodies(checkpoint: str, endpoint: str) -> dict[str, dict[str, Any]]
         },
     )
     name = {"type": "string", "minLength": 1, "maxLength": 12}
+    target = {
+        "endpoint": endpoint,
+        "instance_id": "i1",
+        "channel": "sealed",
+        "bases": [4096],
+        "layout": {**geometry, "num_pages": 64},
+        "max_batch_pages": 2,
+    }
     prefill = _obj(
         protocol_version={"const": PROTOCOL_VERSION},
         request_id=name,
@@ -258,17 +265,19 @@ def _handoff_bodies(checkpoint: str, endpoint: str) -> dict[str, dict[str, Any]]
             "minItems": 1,
             "maxItems": 1,
         },
-        target=_obj(
-            endpoint={"const": endpoint},
-            instance_id=name,
-            k_base=_int(1, 2**40),
-            v_base=_int(1, 2**40),
-            layout=layout,
-            max_batch_pages=_int(1, 4),
-        ),
+        target={"const": target},
         # leases long enough for the compute: a generated 1e-300 s ends the handoff at the lease,
         # before the transfer this test means to reach (most draws did; the count below was luck)
         lease_s={"type": "number", "minimum": 0.5, "maximum": 2},
+        seal_key={"type": "string", "pattern": "^[0-9a-f]{64}$"},
+    )
+    announced = _obj(
+        endpoint={"const": f"127.0.0.1:{int(endpoint.rpartition(':')[2]) + 1}"},
+        instance_id=name,
+        channel={"enum": ["sealed", "open"]},
+        bases={"type": "array", "items": _int(1, 2**40), "minItems": 1, "maxItems": 2},
+        layout=layout,
+        max_batch_pages=_int(1, 4),
     )
     example = {
         "protocol_version": PROTOCOL_VERSION,
@@ -287,20 +296,19 @@ def _handoff_bodies(checkpoint: str, endpoint: str) -> dict[str, dict[str, Any]]
         },
         "reserved_tokens": 20,
         "pages": [{"page_id": 0, "generation": 1}, {"page_id": 1, "generation": 1}],
-        "target": {
-            "endpoint": endpoint,
-            "instance_id": "i1",
-            "k_base": 4096,
-            "v_base": 8192,
-            "layout": {**geometry, "num_pages": 8},
-            "max_batch_pages": 2,
-        },
+        "target": target,
         "lease_s": 2.0,
+        "seal_key": "ab" * 32,
     }
     abort = _obj(protocol_version={"const": PROTOCOL_VERSION}, request_id=name, instance_id=name)
+    announce = _obj(protocol_version={"const": PROTOCOL_VERSION}, target=announced)
     return {
         "/kv/v1/prefill": {"schema": prefill, "example": example},
         "/kv/v1/abort": {"schema": abort},
+        "/kv/v1/decode": {
+            "schema": announce,
+            "example": {"protocol_version": PROTOCOL_VERSION, "target": target},
+        },
     }
 
 
@@ -314,7 +322,11 @@ def prefill_role(tiny_checkpoint: str) -> Iterator[EngineProcess]:
 def test_fuzz_the_prefill_role(prefill_role: EngineProcess, tiny_checkpoint: str) -> None:
     url = prefill_role.url
     spec = httpx.get(url + "/openapi.json", timeout=10).json()
-    for path, media in _handoff_bodies(tiny_checkpoint, f"127.0.0.1:{free_port()}").items():
+    bodies = _handoff_bodies(tiny_checkpoint, f"127.0.0.1:{free_port()}")
+    # The target every generated handoff names, announced as a decode would.
+    announced = httpx.post(url + "/kv/v1/decode", json=bodies["/kv/v1/decode"]["example"])
+    assert announced.status_code == 200, announced.text
+    for path, media in bodies.items():
         spec["paths"][path]["post"]["requestBody"] = {
             "required": True,
             "content": {"application/json": media},
@@ -326,6 +338,7 @@ def test_fuzz_the_prefill_role(prefill_role: EngineProcess, tiny_checkpoint: str
     )
     assert any(w.startswith("POST /kv/v1/prefill") for w in fuzzed)
     assert any(w.startswith("POST /kv/v1/abort") for w in fuzzed)
+    assert any(w.startswith("POST /kv/v1/decode") for w in fuzzed)
     # Generated requests went past the parser, through the compute, to the (refused) transfer.
     answers = [body for path, status, body in seen if path == "/kv/v1/prefill" and status == 200]
     assert sum(b"transfer failed" in body for body in answers) >= 10, answers[:3]

@@ -9,6 +9,7 @@ from backend.core.messages import TokenLogprobs
 from backend.disagg.protocol import (
     PROTOCOL_VERSION,
     HandoffOutcome,
+    KvChannel,
     KvLayout,
     PageGrant,
     PrefillRequest,
@@ -21,7 +22,9 @@ from backend.disagg.protocol import (
 LAYOUT = KvLayout(
     num_layers=2, num_pages=32, page_size=16, num_kv_heads=2, head_dim=16, dtype="float32"
 )
-TARGET = TransferTarget("127.0.0.1:1234", "inst-1", 4096, 8192, LAYOUT, 8)
+TARGET = TransferTarget("127.0.0.1:1234", "inst-1", KvChannel.SEALED, (4096,), LAYOUT, 8)
+OPEN_TARGET = TransferTarget("127.0.0.1:1234", "inst-1", KvChannel.OPEN, (4096, 8192), LAYOUT, 8)
+KEY = bytes(range(32))
 GRANTS = (PageGrant(3, 1), PageGrant(7, 4))
 
 
@@ -39,6 +42,7 @@ def request(**changes: Any) -> PrefillRequest:
         "pages": GRANTS,
         "target": TARGET,
         "lease_s": 30.0,
+        "seal_key": KEY,
     }
     return PrefillRequest(**{**fields, **changes})
 

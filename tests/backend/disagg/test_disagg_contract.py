@@ -98,6 +98,7 @@ def test_proof_in_body_and_final_stream_chunks() -> None:
         "outcome",
         "transfer_range",
         "page_generations",
+        "seal",
         "checksum",
     ]
     assert proof["skipped_checks"] == []

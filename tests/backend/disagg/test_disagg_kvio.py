@@ -15,7 +15,7 @@ from backend.disagg.kvio import (
     layout_of,
     transfer_batches,
 )
-from backend.disagg.protocol import PageGrant, TransferTarget
+from backend.disagg.protocol import KvChannel, PageGrant, TransferTarget
 from backend.model.kv_cache import KVCache
 
 
@@ -29,9 +29,8 @@ def cache(pages: int, *, fill: bool) -> KVCache:
 
 
 def target(kv: KVCache, max_batch_pages: int) -> TransferTarget:
-    return TransferTarget(
-        "x", "i", kv.k.data_ptr(), kv.v.data_ptr(), layout_of(kv), max_batch_pages
-    )
+    bases = (kv.k.data_ptr(), kv.v.data_ptr())
+    return TransferTarget("x", "i", KvChannel.OPEN, bases, layout_of(kv), max_batch_pages)
 
 
 SRC_PAGES = [0, 1, 2, 5, 6]
@@ -48,7 +47,9 @@ def test_segments_copy_exactly_the_prompt_and_checksums_agree(batch_pages: int) 
     for batch in batches:
         for segment in batch:
             ctypes.memmove(segment.dst, segment.src, segment.length)
-    assert kv_digest(src, SRC_PAGES, N_TOKENS) == kv_digest(dst, DST_PAGES, N_TOKENS)
+    assert kv_digest(src.k, src.v, SRC_PAGES, N_TOKENS) == kv_digest(
+        dst.k, dst.v, DST_PAGES, N_TOKENS
+    )
     for s, d in zip(SRC_PAGES[:4], DST_PAGES[:4], strict=True):
         assert torch.equal(src.k[:, s], dst.k[:, d]) and torch.equal(src.v[:, s], dst.v[:, d])
     # The last page: its 2 prompt slots arrive, the tail (someone else's old KV) does not.
@@ -69,14 +70,14 @@ def test_consecutive_pages_coalesce_into_one_segment_per_layer_and_kind() -> Non
 @pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
 def test_checksum_covers_the_prompt_slots_only(algorithm: str) -> None:
     kv = cache(8, fill=True)
-    before = kv_digest(kv, SRC_PAGES, N_TOKENS, algorithm)
+    before = kv_digest(kv.k, kv.v, SRC_PAGES, N_TOKENS, algorithm)
     assert before.startswith(f"{algorithm}:") and algorithm_of(before) == algorithm
     kv.k[1, 6, 3] += 1.0  # beyond the prompt: not covered
-    assert kv_digest(kv, SRC_PAGES, N_TOKENS, algorithm) == before
+    assert kv_digest(kv.k, kv.v, SRC_PAGES, N_TOKENS, algorithm) == before
     kv.v[0, 6, 1] += 1.0  # the prompt's last token
-    assert kv_digest(kv, SRC_PAGES, N_TOKENS, algorithm) != before
+    assert kv_digest(kv.k, kv.v, SRC_PAGES, N_TOKENS, algorithm) != before
     with pytest.raises(ValueError):
-        kv_digest(kv, SRC_PAGES, 21, algorithm)
+        kv_digest(kv.k, kv.v, SRC_PAGES, 21, algorithm)
     assert algorithm_of("md4:00") is None
 
 
@@ -87,8 +88,8 @@ def test_staging_area_owns_its_pages_and_zeroes_them() -> None:
     refs = staging.reserve(3, owner)
     assert refs is not None and staging.reserve(2, Owner("s", "t")) is None
     staging.stage(engine_kv, [5, 6, 7], refs)
-    assert kv_digest(staging.kv, [r.page_id for r in refs], 12) == kv_digest(
-        engine_kv, [5, 6, 7], 12
+    assert kv_digest(staging.kv.k, staging.kv.v, [r.page_id for r in refs], 12) == kv_digest(
+        engine_kv.k, engine_kv.v, [5, 6, 7], 12
     )
     staging.release(refs, owner)
     assert staging.free_pages == 4 and torch.count_nonzero(staging.kv.k) == 0

@@ -92,6 +92,7 @@ def run(
     enforced: frozenset[Check] = ALL_CHECKS,
     current: bool = True,
     local: str = "sha256:abc",
+    sealed: str | None = None,
 ) -> tuple[Any, list[str]]:
     calls: list[str] = []
 
@@ -99,12 +100,21 @@ def run(
         calls.append("pages")
         return current
 
+    def unsealed() -> str | None:
+        calls.append("seal")
+        return sealed
+
     def checksum() -> str:
         calls.append("checksum")
         return local
 
     verdict = verify_result(
-        EXPECT, result, enforced=enforced, pages_current=pages_current, local_checksum=checksum
+        EXPECT,
+        result,
+        enforced=enforced,
+        pages_current=pages_current,
+        unsealed=unsealed,
+        local_checksum=checksum,
     )
     return verdict, calls
 
@@ -118,6 +128,7 @@ def test_an_ok_result_without_the_first_tokens_asked_logprobs_is_refused() -> No
             result,
             enforced=ALL_CHECKS,
             pages_current=lambda grants: True,
+            unsealed=lambda: None,
             local_checksum=lambda: "sha256:abc",
         )
 
@@ -132,7 +143,7 @@ def test_positive_evidence_is_accepted_after_every_check() -> None:
     verdict, calls = run(ok_result())
     assert verdict.accepted and verdict.failed is None
     assert verdict.ran == tuple(Check) and verdict.skipped == ()
-    assert calls == ["pages", "checksum"]
+    assert calls == ["pages", "seal", "checksum"]
 
 
 @pytest.mark.parametrize(
@@ -177,7 +188,16 @@ def test_skipped_checks_are_reported_and_mismatches_still_observed() -> None:
     assert verdict.accepted  # the drill: nothing left that could refuse it
     assert set(verdict.skipped) == {Check.TRANSFER_RANGE, Check.PAGE_GENERATIONS, Check.CHECKSUM}
     assert verdict.transfer_mismatch is True and verdict.checksum_mismatch is None
-    assert calls == []
+    assert calls == ["seal"]  # the one page written is still opened under its seal
+
+
+def test_a_page_that_does_not_open_refuses_before_the_checksum() -> None:
+    verdict, calls = run(ok_result(), sealed="page 1 of the prompt is not sealed for this handoff")
+    assert not verdict.accepted and verdict.failed is Check.SEAL
+    assert verdict.detail.startswith("page 1") and calls == ["pages", "seal"]
+    # The open channel (or the skip_seal_check drill) runs without it.
+    verdict, calls = run(ok_result(), ALL_CHECKS - {Check.SEAL}, sealed="never asked")
+    assert verdict.accepted and verdict.skipped == (Check.SEAL,) and "seal" not in calls
 
 
 def test_drain_bound_and_release_deadline() -> None:
@@ -211,6 +231,7 @@ def test_each_fault_removes_exactly_its_defence() -> None:
         Fault.SKIP_TRANSFER_CHECK: Check.TRANSFER_RANGE,
         Fault.SKIP_GENERATION_CHECK: Check.PAGE_GENERATIONS,
         Fault.SKIP_CHECKSUM: Check.CHECKSUM,
+        Fault.SKIP_SEAL_CHECK: Check.SEAL,
     }
     for fault, check in removed.items():
         assert FaultSet(frozenset({fault})).enforced_checks == ALL_CHECKS - {check}

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from disagg_messages import LAYOUT, ok_result, request
+from disagg_messages import KEY, LAYOUT, OPEN_TARGET, TARGET, ok_result, request
 
 from backend.core.grammar import GrammarSpec
 from backend.disagg.errors import MalformedMessage, ProtocolVersionMismatch
@@ -15,6 +15,7 @@ from backend.disagg.protocol import (
     PROTOCOL_VERSION,
     AbortAck,
     AbortRequest,
+    DecodeAnnouncement,
     ErrorInfo,
     HandoffOutcome,
     KvLayout,
@@ -23,6 +24,7 @@ from backend.disagg.protocol import (
     abort_ack_from_wire,
     abort_request_from_wire,
     check_version,
+    decode_announcement_from_wire,
     prefill_request_from_wire,
     prefill_result_from_wire,
     to_wire,
@@ -58,6 +60,12 @@ def test_every_message_round_trips_exactly() -> None:
     assert abort_request_from_wire(wire(abort)) == abort
     ack = AbortAck(PROTOCOL_VERSION, "req-1", "inst-1", True, "aborted")
     assert abort_ack_from_wire(wire(ack)) == ack
+    for target in (TARGET, OPEN_TARGET):
+        announced = DecodeAnnouncement(PROTOCOL_VERSION, target)
+        assert decode_announcement_from_wire(wire(announced)) == announced
+    opened = request(target=OPEN_TARGET, seal_key=None)
+    assert prefill_request_from_wire(wire(opened)) == opened
+    assert wire(request())["seal_key"] == KEY.hex()
 
 
 OTHER_VERSIONS = [
@@ -78,6 +86,7 @@ def test_another_version_is_refused_before_anything_else_is_read(version: Any) -
         (prefill_result_from_wire, ok_result()),
         (abort_request_from_wire, AbortRequest(PROTOCOL_VERSION, "r", "i")),
         (abort_ack_from_wire, AbortAck(PROTOCOL_VERSION, "r", "i", True, "x")),
+        (decode_announcement_from_wire, DecodeAnnouncement(PROTOCOL_VERSION, TARGET)),
     ]:
         payload = {**wire(message), "protocol_version": version, "future_field": 1}
         with pytest.raises(ProtocolVersionMismatch) as info:
@@ -121,6 +130,13 @@ def test_each_side_checks_against_its_own_version() -> None:
         (lambda p: p["sampling"]["grammar"].update(schema=None), "needs its schema"),
         (lambda p: p["sampling"]["grammar"].update(schema={}), "schema must be a string"),
         (lambda p: p["sampling"]["grammar"].update(strict="yes"), "strict must be a boolean"),
+        (lambda p: p.update(seal_key=None), "a seal key comes with a sealed target"),
+        (lambda p: p.update(seal_key="ab" * 16), "seal_key must be 32 bytes"),
+        (lambda p: p.update(seal_key="zz" * 32), "seal_key must be hex"),
+        (lambda p: p["target"].update(channel="plain"), "unknown channel 'plain'"),
+        (lambda p: p["target"].update(bases=[4096, 8192]), "the sealed channel has bases: landing"),
+        (lambda p: p["target"].update(channel="open"), "the open channel has bases: K pool"),
+        (lambda p: p["target"].update(bases=[0]), "the sealed channel has bases"),
     ],
 )
 def test_malformed_requests_are_refused_not_guessed(mutate: Any, problem: str) -> None:
@@ -164,9 +180,10 @@ def test_an_unknown_outcome_is_malformed() -> None:
         prefill_result_from_wire(payload)
 
 
-def test_reprs_leave_out_prompt_and_tokens() -> None:
+def test_reprs_leave_out_prompt_tokens_and_the_key() -> None:
     text = repr(request(prompt_ids=(4242,) * 20))
     assert "4242" not in text and "prompt_ids" not in text
+    assert KEY.hex() not in text and "seal_key" not in text
     assert "98765" not in repr(ok_result(first_token=98765))
     assert "-0.25" not in repr(ok_result())  # the first token's logprobs show its alternatives
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-PURE = ["protocol", "machines", "faults", "errors", "decode_scheduler"]
+PURE = ["protocol", "wire", "machines", "faults", "errors", "decode_scheduler"]
 ALLOWED_STDLIB = {"__future__", "collections", "dataclasses", "enum", "types", "typing"}
 
 

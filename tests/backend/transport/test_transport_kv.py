@@ -1,16 +1,19 @@
-"""Every KV transport: a batch lands whole, and a destination outside registered memory is refused.
+"""Every KV transport: a batch lands whole, a destination outside registered memory is refused,
+and a region withdrawn with ``unregister`` takes no write; the loopback transport listens only
+where it is told (a loopback address).
 
 Mooncake runs for real here (two transfer engines in this process, TCP on 127.0.0.1).
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from backend.transport.base import KvTransport, Segment, TransferError
+from backend.transport.base import KvTransport, Segment, TransferError, TransportUnavailable
 from backend.transport.inprocess import InProcessTransport
 from backend.transport.loopback import LoopbackTransport
 from backend.transport.mooncake import MooncakeTransport
@@ -42,11 +45,30 @@ def test_a_batch_lands_and_unregistered_memory_is_refused(kind: str) -> None:
         with pytest.raises(TransferError):
             sender.write(receiver.endpoint, [Segment(src.data_ptr(), outside.data_ptr(), 64)])
         assert int(outside.abs().sum()) == 0
+        receiver.unregister(dst.data_ptr())
+        dst.zero_()
+        with pytest.raises(TransferError):
+            sender.write(receiver.endpoint, [Segment(src.data_ptr(), dst.data_ptr(), 400)])
+        assert int(dst.abs().sum()) == 0
     finally:
         sender.close()
         receiver.close()
 
 
 def test_loopback_never_writes_off_host() -> None:
-    with pytest.raises(TransferError, match="only writes to 127.0.0.1"):
+    with pytest.raises(TransferError, match="only writes to this host, not 10.0.0.1"):
         LoopbackTransport().write("10.0.0.1:5000", [Segment(1, 1, 1)])
+
+
+def test_loopback_listens_where_it_is_told_and_only_on_a_loopback_address() -> None:
+    transport = LoopbackTransport(host="127.0.0.2")
+    try:
+        host, _, port = transport.endpoint.rpartition(":")
+        assert host == "127.0.0.2"
+        with socket.socket() as probe:  # nothing answers on the same port elsewhere
+            assert probe.connect_ex(("127.0.0.1", int(port))) != 0
+    finally:
+        transport.close()
+    for address in ("0.0.0.0", "10.0.0.1", "decode"):
+        with pytest.raises(TransportUnavailable, match="listens on a loopback address"):
+            LoopbackTransport(host=address)

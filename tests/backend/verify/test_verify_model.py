@@ -1,4 +1,6 @@
-"""The shipped protocol holds every invariant at the small bound; the checker can fail."""
+"""The shipped protocol holds every invariant at the small bound, the adversary on the transfer
+port included; the checker can fail: every fault drill, and the open channel, yields its
+counterexample, and every handoff fault still does with the sealed channel's defences off."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from backend.disagg.faults import Fault, FaultSet
 from backend.disagg.protocol import PROTOCOL_VERSION
 from backend.verify import BOUNDS, INCIDENT_FAULTS, MUTATIONS, Invariant, Mutation, check
 from backend.verify.__main__ import main, render
-from backend.verify.bounds import INCIDENT, INCIDENT_CORE, MIXED, REUSE
+from backend.verify.bounds import INCIDENT, INCIDENT_CORE, MIXED, REUSE, named, open_channel
+from backend.verify.world import Bound
 
-_BY_NAME = {bound.name: bound for bound in BOUNDS["small"]}
 _check = functools.lru_cache(check)  # the incident trace test reuses a mutation's report
 
 
@@ -29,13 +31,55 @@ def test_verify_shipped_protocol_passes_small_bound(bound) -> None:
 )
 def test_verify_each_fault_breaks_its_invariant(mutation: Mutation) -> None:
     report = _check(
-        _BY_NAME[mutation.bound],
+        named(mutation.bound),
         FaultSet(mutation.faults),
         invariants=frozenset({mutation.breaks}),
         liveness=False,
     )
     assert report.violated == mutation.breaks.value
     assert report.trace[0].label == "initial state" and len(report.trace) > 2
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    [m for m in MUTATIONS if isinstance(named(m.bound), Bound) and not m.bound.endswith("-open")],
+    ids=lambda m: f"{'+'.join(sorted(m.faults))}-{m.breaks}",
+)
+def test_verify_each_handoff_fault_still_breaks_with_the_channel_defences_off(
+    mutation: Mutation,
+) -> None:
+    bound = named(mutation.bound)
+    assert isinstance(bound, Bound)
+    faults = FaultSet(mutation.faults - {Fault.SKIP_SEAL_CHECK})  # the open channel has no seal
+    report = _check(
+        open_channel(bound), faults, invariants=frozenset({mutation.breaks}), liveness=False
+    )
+    assert report.violated == mutation.breaks.value
+
+
+def test_verify_the_open_channel_trace_shows_the_adversarys_bytes_served() -> None:
+    """(The sealed ``adversary`` bound passes in the shipped-protocol test above.)"""
+    report = _check(
+        named("adversary-open"),
+        FaultSet(),
+        invariants=frozenset({Invariant.OWN_TRANSFER}),
+        liveness=False,
+    )
+    labels = [step.label for step in report.trace]
+    assert "adversary starts a write into page 0" in labels
+    assert "adversary write lands in page 0" in labels
+    assert report.trace[-1].label == "decode step r0 (reads KV)"
+    assert report.problem == (
+        "r0 read prompt position 0 written by adversary, not by its own transfer r0.1"
+    )
+
+
+def test_verify_the_seal_keeps_a_late_write_from_being_read() -> None:
+    """The early-release drill frees pages under a write; on the sealed channel that write lands
+    in a slot, where a new handoff's seal refuses it: property 4 holds (3 does not)."""
+    faults = FaultSet(frozenset({Fault.EARLY_RELEASE_ON_ABORT}))
+    report = check(REUSE, faults, invariants=frozenset({Invariant.NO_LATE_READ}), liveness=False)
+    assert report.passed, render(report)
 
 
 @pytest.mark.parametrize(
