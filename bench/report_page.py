@@ -6,6 +6,7 @@ Each section is text of a committed results file, between two HTML comment marke
   per-benchmark outputs: the command, machine and load, and the table of headline ratios;
 - ``engine-report``: ``bench/results/engine.md`` whole (a full ``bench_engine`` run);
 - ``kvcache-report``: ``bench/results/kvcache.md`` up to its per-benchmark output;
+- ``structured-report``: ``bench/results/structured.md`` up to its per-benchmark output;
 - ``handoff-report``: ``bench/results/handoff.md`` whole (a full ``bench_handoff`` run: the
   sealed KV channel's cost per handoff beside the open channel's);
 - ``relay-report``: ``bench.relay_report``'s (``bench/results/relay.md`` and its profile).
@@ -60,6 +61,7 @@ SOURCES = (
     Source("bench-report", RESULTS / "latest.md", whole=False),
     Source("engine-report", RESULTS / "engine.md", whole=True),
     Source("kvcache-report", RESULTS / "kvcache.md", whole=False),
+    Source("structured-report", RESULTS / "structured.md", whole=False),
     Source("handoff-report", RESULTS / "handoff.md", whole=True),
 )
 

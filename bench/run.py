@@ -41,6 +41,7 @@ HAS_QUICK = frozenset(
         "bench_proxy",
         "bench_relay",
         "bench_canary_answers",
+        "bench_structured",
     }
 )
 # benchmarks run more than once, with these arguments (full, quick); every other runs once, plain

@@ -21,7 +21,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-CAPACITY_SCHEMA_VERSION = 1
+# 2: the report names the OpenAI request features the path serves (``features``)
+CAPACITY_SCHEMA_VERSION = 2
+# Features an engine may report: grammar-constrained ``response_format`` (json_object,
+# json_schema) and tool calls (``tools``, ``tool_choice``, tool messages, assistant tool_calls).
+STRUCTURED_OUTPUT = "structured_output"
+TOOLS = "tools"
+STRUCTURED_FEATURES = frozenset({STRUCTURED_OUTPUT, TOOLS})
 TENANT_HEADER = "X-Kvguard-Tenant"
 REQUEST_ID_HEADER = "X-Kvguard-Request-Id"
 
@@ -74,6 +80,12 @@ class CapacityReport(RoleCapacity):
         default=None,
         description="an id of tokenizer + chat template a client may apply itself to count "
         "prompt tokens exactly (the bundled byte tokenizer's); null: ask /tokenize",
+    )
+    features: list[str] = Field(
+        default_factory=list,
+        description="OpenAI request features the whole path serves beyond plain chat and "
+        "completions: 'structured_output' (response_format json_object/json_schema), 'tools' "
+        "(tools, tool_choice, tool messages); a gateway forwards those fields only when named",
     )
     drift: str | None = Field(
         default=None, description="null, or why the advertised window exceeds a real pool"

@@ -44,6 +44,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from backend.core.errors import InvalidRequest, InvalidTransition, KvguardError
+from backend.core.grammar import GrammarSpec, GrammarState
 from backend.core.pages import Owner, PageRef
 from contracts.lifecycle import check_move
 
@@ -161,6 +162,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # report each token's logprob and this many top alternatives
+    grammar: GrammarSpec | None = None  # the output must match it (backend.core.grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -190,6 +192,8 @@ class SamplingParams:
         top = self.logprobs
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
             raise InvalidRequest("logprobs", f"must be a non-negative integer, got {top!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidRequest("response_format", "the grammar must be a GrammarSpec")
 
     @property
     def shapes_logits(self) -> bool:
@@ -222,6 +226,7 @@ class Request:
         "_state",
         "cache_scope",
         "cached_upto",
+        "grammar",
         "num_computed_tokens",
         "output_ids",
         "owner",
@@ -254,6 +259,9 @@ class Request:
         self.cache_scope: str | None = None
         self.page_keys: list[bytes] = []
         self.cached_upto = 0
+        # The matcher of ``sampling.grammar``, built by the runner at the first sampling step and
+        # kept across preemptions (``backend.core.grammar``); None while unbuilt or unconstrained.
+        self.grammar: GrammarState | None = None
         self._state = RequestState.WAITING
         self._error: KvguardError | None = None
         self._finish_reason: FinishReason | None = None

@@ -35,6 +35,12 @@ PREEMPTED, and when re-admitted recomputes prompt + outputs in one prefill that 
 token: its answer is the one it would have given unpreempted, never a truncation or an error. The
 oldest running request is preempted only when it alone is left, so it always makes progress.
 
+Recompute at a length (``recompute_past``: Phi-3's longrope, whose frequencies change once a
+sequence is longer than ``original_max_position_embeddings``): a request whose KV was computed for
+at most that many tokens and whose step would take it past them is preempted first, so that it is
+recomputed whole, prompt and outputs, for its new length (transformers drops its cache there and
+recomputes the same way); its answer is the model's, not a mix of two RoPE.
+
 Not thread-safe: the engine loop calls everything, and applies aborts between its calls.
 """
 
@@ -84,6 +90,7 @@ class Scheduler:
         allocation: Allocation = Allocation.ON_DEMAND,
         watermark: int | None = None,
         cache_scopes: CacheScopes | None = None,
+        recompute_past: int | None = None,
     ) -> None:
         """``watermark``: pages a new admission leaves free while other requests run, so that
         decoding can grow without preempting the newcomer at once (default: 1% of the pool,
@@ -114,6 +121,7 @@ class Scheduler:
         self._in_flight: SchedulerOutput | None = None
         self._in_flight_requests: set[Request] = set()
         self.num_preemptions = 0
+        self._recompute_past = recompute_past
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -295,6 +303,7 @@ class Scheduler:
                 f"schedule() called while step {self._in_flight.step} awaits postprocess()"
             )
         budget = self._max_batch_tokens
+        self._recompute_crossing()
         stalled = self._grow_decoders()
         decodes = self._schedule_decodes(stalled)
         budget -= len(decodes)
@@ -359,6 +368,23 @@ class Scheduler:
                 if victim is request:
                     break
         return stalled
+
+    def _recompute_crossing(self) -> None:
+        """Preempt the running requests whose next step crosses ``recompute_past`` with KV
+        computed below it (see the module docstring)."""
+        limit = self._recompute_past
+        if limit is None:
+            return
+        for request in list(self._running):
+            computed = request.num_computed_tokens
+            if 0 < computed <= limit < self._step_end(request, computed):
+                self._preempt(request)
+
+    def _step_end(self, request: Request, computed: int) -> int:
+        """Tokens with KV after the request's next step, if given the whole batch."""
+        if request.state is RequestState.DECODING:
+            return computed + 1
+        return min(request.num_tokens, computed + self._max_batch_tokens)
 
     def _preempt(self, request: Request) -> None:
         self._kv.release(request, in_flight=False, strict=True)

@@ -373,6 +373,7 @@ class DecodeEngineCore(EngineCore):
                 s.stop_token_ids,
                 s.logit_bias,
                 s.logprobs,
+                s.grammar,
             )
             ticket = HandoffTicket(
                 rid, handoff_id, request.tenant, request.prompt_ids, sampling, grants, key

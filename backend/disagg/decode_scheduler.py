@@ -64,6 +64,7 @@ class DecodeScheduler(Scheduler):
         allocation: Allocation = Allocation.ON_DEMAND,
         watermark: int | None = None,
         cache_scopes: CacheScopes | None = None,
+        recompute_past: int | None = None,
     ) -> None:
         if cache_scopes is not None:
             raise ValueError("the decode role runs without a prefix cache")
@@ -75,6 +76,7 @@ class DecodeScheduler(Scheduler):
             eos_token_id=eos_token_id,
             allocation=allocation,
             watermark=watermark,
+            recompute_past=recompute_past,
         )
         self._kv_waiting: deque[Request] = deque()
         self._awaiting: dict[str, Request] = {}

@@ -440,6 +440,7 @@ class PrefillService:
             stop_token_ids=spec.stop_token_ids,
             logit_bias=spec.logit_bias,
             logprobs=spec.logprobs,
+            grammar=spec.grammar,
         )
 
     def _expire_tombstones(self) -> None:

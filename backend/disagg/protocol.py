@@ -51,6 +51,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
+from backend.core.grammar import GrammarKind, GrammarSpec
 from backend.core.messages import TokenLogprobs
 from backend.disagg.errors import MalformedMessage, ProtocolVersionMismatch
 from backend.disagg.wire import Reader, build, keys_of
@@ -59,7 +60,10 @@ from backend.disagg.wire import Reader, build, keys_of
 # biases) and an OK PrefillResult carries the first token's logprobs when they were asked for.
 # 3: the sealed channel: TransferTarget names its channel and bases (landing slots, or the open
 # channel's K and V pools), PrefillRequest carries the handoff's seal key, DecodeAnnouncement.
-PROTOCOL_VERSION = 3
+# 4: SamplingSpec carries the request's grammar: prefill samples the first token under it, and
+# decode rebuilds the grammar's state from the same spec, replaying that token
+# (``backend.core.grammar``; a token it does not accept fails the request).
+PROTOCOL_VERSION = 4
 SEAL_KEY_BYTES = 32  # AES-256 (backend.disagg.seal)
 
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -190,6 +194,7 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...]
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), as SamplingParams
     logprobs: int | None = None  # report the first token's logprob and this many alternatives
+    grammar: GrammarSpec | None = None  # the first token is sampled under it
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,7 +394,23 @@ def _sampling(payload: object) -> SamplingSpec:
         r.integers("stop_token_ids"),
         r.pairs("logit_bias"),
         r.opt_integer("logprobs"),
+        _grammar(r.sub("grammar")),
     )
+
+
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+def _grammar(payload: object) -> GrammarSpec | None:
+    if payload is None:
+        return None
+    r = Reader("GrammarSpec", payload, keys_of(GrammarSpec))
+    kind, schema = r.sub("kind"), r.sub("schema")
+    if not isinstance(kind, str) or kind not in tuple(GrammarKind):
+        raise MalformedMessage("GrammarSpec", f"unknown kind {str(kind)[:32]!r}")
+    if schema is not None and (not isinstance(schema, str) or len(schema) > MAX_GRAMMAR_CHARS):
+        raise MalformedMessage("GrammarSpec", "schema must be a string of JSON or null")
+    return build("GrammarSpec", lambda: GrammarSpec(GrammarKind(kind), schema, r.flag("strict")))
 
 
 def _logprobs(payload: object) -> TokenLogprobs | None:

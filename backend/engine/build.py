@@ -22,6 +22,7 @@ from backend.core.prefix_cache import CacheScopes
 from backend.core.scheduler import Scheduler
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.core import EngineCore
+from backend.engine.grammar import GrammarBackend
 from backend.engine.runner import ModelRunner
 from backend.metrics import EngineMetrics
 from backend.model.chat import ChatFormat, load_chat_renderer
@@ -49,6 +50,7 @@ class BuiltEngine:
     kv_cache: KVCache
     metrics: EngineMetrics
     render_chat: ChatFormat
+    grammar: GrammarBackend
 
 
 def pool_pages(settings: BackendSettings, config: ModelConfig, dtype: torch.dtype) -> int:
@@ -72,7 +74,7 @@ def decide_limits(settings: BackendSettings, config: ModelConfig, pages: int) ->
     pool_tokens = pages * settings.page_size
     window = settings.context_window
     if window is None:
-        window = min(config.max_position_embeddings, pool_tokens)
+        window = min(config.max_positions, pool_tokens)
     limits = CapacityLimits(page_size=settings.page_size, pool_pages=pages, context_window=window)
     if limits.drift is not None and not settings.allow_capacity_drift:
         raise CapacityDriftRefused(
@@ -118,11 +120,13 @@ def build_engine(
         max_batch_tokens=settings.max_batch_tokens,
         max_running=settings.max_running,
         allocation=Allocation(settings.kv_allocation),
-        cache_scopes=_cache_scopes(settings, role, per_tenant_cache),
+        cache_scopes=_cache_scopes(settings, role, per_tenant_cache, config),
+        recompute_past=_recompute_past(config),
     )
     backend = None if settings.attention_backend == "auto" else settings.attention_backend
     metrics = EngineMetrics(role)
-    runner = ModelRunner(model, kv_cache, attention_backend=backend)
+    grammar = GrammarBackend.for_tokenizer(tokenizer, config.vocab_size)
+    runner = ModelRunner(model, kv_cache, attention_backend=backend, grammar=grammar)
     core = make_core(scheduler, runner, metrics) if make_core else EngineCore(scheduler, runner)
     core.on_isolation_error = lambda e: metrics.isolation_errors.labels(e.reason).inc()
     for reason in IsolationReason:  # exported at 0: "checked, none failed", not "no data"
@@ -135,15 +139,31 @@ def build_engine(
         lambda: pool.shared_pages,
     )
     return BuiltEngine(
-        engine, model, config, tokenizer, limits, pool, kv_cache, metrics, render_chat
+        engine, model, config, tokenizer, limits, pool, kv_cache, metrics, render_chat, grammar
     )
 
 
-def _cache_scopes(settings: BackendSettings, role: str, per_tenant: bool) -> CacheScopes | None:
-    if not settings.prefix_cache or role == "decode":
+def _cache_scopes(
+    settings: BackendSettings, role: str, per_tenant: bool, config: ModelConfig
+) -> CacheScopes | None:
+    if not settings.prefix_cache or role == "decode" or _rope_by_length(config):
+        # a RoPE that follows a sequence's length (dynamic, longrope) rotates the same prefix
+        # differently in sequences of different lengths: a cached page would be another's KV
         return None
     groups = settings.prefix_cache_groups
     return CacheScopes.from_groups(secrets.token_bytes(32), groups, per_tenant=per_tenant)
+
+
+def _rope_by_length(config: ModelConfig) -> bool:
+    scaling = config.rope_scaling
+    return scaling is not None and scaling.rope_type in ("dynamic", "longrope")
+
+
+def _recompute_past(config: ModelConfig) -> int | None:
+    scaling = config.rope_scaling
+    if scaling is None or scaling.rope_type != "longrope":
+        return None
+    return scaling.original_max_position_embeddings
 
 
 def _observe_step(metrics: EngineMetrics, outcome: object) -> None:

@@ -110,6 +110,10 @@ class EngineCore:
             log.exception("step %d failed", output.step)
             sampled = self._fail_all(output, outcome, EngineStepFailed(type(exc).__name__))
         outcome.forward_s = time.perf_counter() - started
+        for request_id, error in sampled.failed.items():  # e.g. a token its grammar refuses
+            failed = self.scheduler.fail(request_id, error)
+            if failed is not None:
+                outcome.failed.append(failed)
         if self.after_forward is not None and not output.is_empty:
             self.after_forward(output)
         outcome.results = self.scheduler.postprocess(output, sampled.tokens)

@@ -13,7 +13,7 @@ Seeded requests are reproducible: the generator for a request's n-th token is se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,15 +36,20 @@ def sample(
     params: Sequence[SamplingParams],
     steps: Sequence[int],
     histories: Sequence[Sequence[int]] | None = None,
+    constrain: Callable[[torch.Tensor], None] | None = None,
 ) -> list[Sampled]:
     """logits [B, vocab] (float32) -> one sampled token per row; ``histories``: each row's
-    generated tokens so far (needed only by rows with penalties)."""
+    generated tokens so far (needed only by rows with penalties); ``constrain``: masks the
+    shaped logits in place (grammars: ``backend.engine.grammar``), last, so nothing it refuses
+    can be sampled."""
     raw = logits
-    if any(p.shapes_logits for p in params):
+    if constrain is not None or any(p.shapes_logits for p in params):
         logits = logits.clone()
         for row, p in enumerate(params):
             if p.shapes_logits:
                 _shape_row(logits[row], p, histories[row] if histories is not None else ())
+        if constrain is not None:
+            constrain(logits)
     tokens = torch.argmax(logits, dim=-1).tolist()
     out: list[Sampled] = []
     for row, (p, step) in enumerate(zip(params, steps, strict=True)):

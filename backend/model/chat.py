@@ -10,7 +10,8 @@ Chosen per checkpoint at start-up (`load_chat_renderer`):
   every named special token (``bos_token``, ``eos_token``, ...) as a variable, messages with
   null fields dropped, ``add_generation_prompt=True``. The text carries its own special tokens,
   so it is encoded without adding any (as transformers does). With named templates, "default"
-  is used ("tool_use" when tools are given);
+  is used ("tool_use" when tools are given). The template's text also tells how the checkpoint
+  writes tool calls (``backend.model.tool_calls.detect``);
 - a checkpoint with no template gets none: a chat request is a clear 400 (transformers refuses
   too), never a made-up transcript.
 
@@ -33,6 +34,7 @@ from typing import Any
 from backend.model.config import BYTE_TOKENIZER, ModelConfig
 from backend.model.errors import CheckpointError
 from backend.model.tokenizer_config import ChatTemplateSource, TokenizerFiles
+from backend.model.tool_calls import HERMES, ToolCallFormat, detect
 
 Messages = Sequence[Mapping[str, Any]]
 PROBE: list[dict[str, Any]] = [{"role": "user", "content": "Hello"}]
@@ -49,6 +51,7 @@ class ChatFormat:
     origin: str  # where the template came from, for logs and errors
     special_tokens_in_text: bool  # encode the rendered text without adding special tokens
     _render: Callable[[Messages, Any], str] = field(repr=False)
+    tool_format: ToolCallFormat = HERMES  # how the template writes tool calls
 
     def __call__(self, messages: Messages, tools: Any = None) -> str:
         return self._render(messages, tools)
@@ -58,7 +61,7 @@ def load_chat_renderer(checkpoint_dir: Path | str, config: ModelConfig) -> ChatF
     if config.kvguard_tokenizer == BYTE_TOKENIZER:
         from backend.bundled import chat
 
-        return ChatFormat("kvguard-tiny chat format", False, lambda m, _t: chat.render(m))
+        return ChatFormat("kvguard-tiny chat format", False, chat.render)
     files = TokenizerFiles.read(checkpoint_dir)
     if not files.templates:
         return ChatFormat("none", True, _no_template)
@@ -77,7 +80,8 @@ def load_chat_renderer(checkpoint_dir: Path | str, config: ModelConfig) -> ChatF
 
     for name, source in files.templates.items():
         _probe(source, compiled[name], variables)
-    return ChatFormat(_describe(files.templates["default"]), True, render)
+    texts = " ".join(source.text for source in files.templates.values())
+    return ChatFormat(_describe(files.templates["default"]), True, render, detect(texts))
 
 
 def countable_tokenizer(config: ModelConfig) -> str | None:

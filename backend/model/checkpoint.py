@@ -37,10 +37,9 @@ class _StoredTensor:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of a HF Llama/Mistral/Qwen2 causal LM checkpoint with its shape."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_out = config.num_attention_heads * config.head_dim
-    kv_out = config.num_key_value_heads * config.head_dim
+    """Every tensor name of a HF Llama/Mistral/Qwen2/Qwen3/Gemma 3/Phi-3 causal LM checkpoint
+    with its shape."""
+    hidden = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, hidden),
         "model.norm.weight": (hidden,),
@@ -48,26 +47,45 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
+        shapes |= _layer_shapes(config, f"model.layers.{i}.")
+    return shapes
+
+
+def _layer_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_out = config.num_attention_heads * head_dim
+    kv_out = config.num_key_value_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "self_attn.o_proj.weight": (hidden, q_out),
+        p + "mlp.down_proj.weight": (hidden, inter),
+        p + "input_layernorm.weight": (hidden,),
+        p + "post_attention_layernorm.weight": (hidden,),
+    }
+    if config.fused_checkpoint:  # Phi-3
+        shapes[p + "self_attn.qkv_proj.weight"] = (q_out + 2 * kv_out, hidden)
+        shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
+    else:
         shapes |= {
             p + "self_attn.q_proj.weight": (q_out, hidden),
             p + "self_attn.k_proj.weight": (kv_out, hidden),
             p + "self_attn.v_proj.weight": (kv_out, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_out),
             p + "mlp.gate_proj.weight": (inter, hidden),
             p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
         }
-        if config.qkv_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q_out,),
-                p + "self_attn.k_proj.bias": (kv_out,),
-                p + "self_attn.v_proj.bias": (kv_out,),
-            }
-        if config.o_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+    if config.qkv_bias:
+        shapes |= {
+            p + "self_attn.q_proj.bias": (q_out,),
+            p + "self_attn.k_proj.bias": (kv_out,),
+            p + "self_attn.v_proj.bias": (kv_out,),
+        }
+    if config.o_bias:
+        shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+    if config.qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = (head_dim,)
+        shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+    if config.gemma:
+        shapes[p + "pre_feedforward_layernorm.weight"] = (hidden,)
+        shapes[p + "post_feedforward_layernorm.weight"] = (hidden,)
     return shapes
 
 

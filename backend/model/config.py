@@ -6,17 +6,25 @@ JSON, a missing or wrong-typed field, an unsupported architecture, RoPE variant 
 would change the arithmetic in a way the engine does not implement) raises `CheckpointError`
 naming the file and the field. This module imports no torch.
 
-Three Hugging Face families share one decoder here (RMSNorm, RoPE, GQA, SwiGLU); what differs is
-read from the config exactly as transformers reads it:
+Six Hugging Face families share one decoder here (RMSNorm, RoPE, GQA, a gated MLP); what differs
+is read from the config exactly as transformers reads it:
 - `LlamaForCausalLM` (model_type llama): optional `attention_bias` on q/k/v/o; no window.
 - `MistralForCausalLM` (mistral): `sliding_window` on every layer (4096 when absent, as
   transformers' default; null means none).
 - `Qwen2ForCausalLM` (qwen2): bias on q/k/v (not o); a window only with `use_sliding_window`, on
   the layers `layer_types` (or `max_window_layers`) names.
-The class defaults that differ between them (KV heads, window) are the transformers classes'.
-
-Both spellings that transformers has written are accepted: v4 (`rope_theta`, `rope_scaling`,
-`torch_dtype`) and v5 (`rope_parameters: {"rope_type": ..., "rope_theta": ...}`, `dtype`).
+- `Qwen3ForCausalLM` (qwen3): Qwen2's windows, `attention_bias` as Llama's, and an RMSNorm of
+  each query and key head before RoPE (q/k norms).
+- `Gemma3ForCausalLM` (gemma3_text): norms that scale by `1 + weight`, four per layer (around
+  attention and around the MLP), q/k norms, the embedding scaled by sqrt(hidden_size), a
+  GELU-tanh gated MLP, attention scaled by `query_pre_attn_scalar`, sliding-window layers
+  interleaved with global ones (`layer_types`, else every `sliding_window_pattern`-th is global)
+  with a RoPE of their own (`rope_local_base_freq`, or per layer type in v5); tied embeddings.
+  Logit soft-capping is refused (Gemma 3 has none; Gemma 2 does, and is another architecture).
+- `Phi3ForCausalLM` (phi3): fused `qkv_proj` and `gate_up_proj` tensors, `sliding_window` on
+  every layer when set, `longrope` scaling.
+The class defaults that differ between them (KV heads, windows, eps) are the transformers classes'.
+RoPE parameters (both spellings, every type served) are `backend.model.rope_params`'.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from backend.model.errors import CheckpointError
+from backend.model.rope_params import Rope, RopeScaling, read_rope
+
+__all__ = ["FAMILIES", "ModelConfig", "Rope", "RopeScaling", "read_json_object"]
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -39,28 +50,23 @@ class _Family:
     model_type: str
     kv_heads_default: int | None  # None: as many as query heads
     qkv_bias: bool | None  # None: `attention_bias` decides (and it covers o_proj too)
+    windows: str  # how layers get a sliding window: none, all, qwen, gemma (see _layer_windows)
+    qk_norm: bool = False
+    gemma: bool = False  # Gemma's norms, embedding scale, MLP activation and local RoPE
+    fused: bool = False  # Phi-3's checkpoint: qkv_proj and gate_up_proj tensors
 
 
 FAMILIES = {
-    "LlamaForCausalLM": _Family("llama", None, None),
-    "MistralForCausalLM": _Family("mistral", 8, False),
-    "Qwen2ForCausalLM": _Family("qwen2", 32, True),
+    "LlamaForCausalLM": _Family("llama", None, None, "none"),
+    "MistralForCausalLM": _Family("mistral", 8, False, "all"),
+    "Qwen2ForCausalLM": _Family("qwen2", 32, True, "qwen"),
+    "Qwen3ForCausalLM": _Family("qwen3", 32, None, "qwen", qk_norm=True),
+    "Gemma3ForCausalLM": _Family("gemma3_text", 4, None, "gemma", qk_norm=True, gemma=True),
+    "Phi3ForCausalLM": _Family("phi3", None, False, "phi3", fused=True),
 }
 _MISTRAL_DEFAULT_WINDOW = 4096
 _QWEN2_DEFAULT_WINDOW_LAYERS = 28
-_HF_DEFAULT_ROPE_THETA = 10000.0
-ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """A scaled RoPE (`rope_type` linear or llama3); the frequencies are `backend.model.rope`'s."""
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 1.0
-    original_max_position_embeddings: int = 0
+_GEMMA3_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window_pattern": 6}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +92,20 @@ class ModelConfig:
     # per layer: keys farther back than this many positions are not attended (None: all)
     layer_windows: tuple[int | None, ...] = ()
     rope_scaling: RopeScaling | None = None
+    sliding_rope: Rope | None = None  # the sliding layers' own RoPE (Gemma 3); None: the same
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE
+    gemma: bool = False  # norms scale by 1 + w, four per layer; embedding * sqrt(hidden); GELU
+    fused_checkpoint: bool = False  # Phi-3's tensor names (qkv_proj, gate_up_proj)
+    query_scale: float | None = None  # attention scale; None: head_dim ** -0.5
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the model computes: `max_position_embeddings`, extended by the
+        factor of a RoPE that scales past it at run time (dynamic NTK)."""
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "dynamic":
+            return int(self.max_position_embeddings * scaling.factor)
+        return self.max_position_embeddings
 
     @property
     def num_query_groups(self) -> int:
@@ -115,19 +135,22 @@ class ModelConfig:
             raise fields.fail("num_key_value_heads", f"{kv_heads} does not divide {heads} heads")
         layers = fields.positive_int("num_hidden_layers")
         qkv_bias, o_bias = _biases(fields, family)
-        theta, scaling = read_rope(fields)
+        head_dim = _head_dim(fields, hidden, heads, family)
+        rope, sliding_rope = read_rope(fields, head_dim, per_layer_type=family.gemma)
         config = cls(
             hidden_size=hidden,
             intermediate_size=fields.positive_int("intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=_head_dim(fields, hidden, heads),
-            rms_norm_eps=fields.positive_float("rms_norm_eps"),
-            rope_theta=theta,
+            head_dim=head_dim,
+            rms_norm_eps=fields.positive_float(
+                "rms_norm_eps", fields.raw.get("rms_norm_eps", 1e-6 if family.gemma else None)
+            ),
+            rope_theta=rope.theta,
             vocab_size=fields.positive_int("vocab_size"),
             max_position_embeddings=fields.positive_int("max_position_embeddings"),
-            tie_word_embeddings=fields.boolean("tie_word_embeddings", default=False),
+            tie_word_embeddings=fields.boolean("tie_word_embeddings", default=family.gemma),
             bos_token_id=fields.optional_token_id("bos_token_id"),
             eos_token_ids=_token_ids(fields, "eos_token_id"),
             torch_dtype=_dtype(fields),
@@ -136,7 +159,12 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             layer_windows=_layer_windows(fields, family, layers),
-            rope_scaling=scaling,
+            rope_scaling=rope.scaling,
+            sliding_rope=sliding_rope if sliding_rope != rope else None,
+            qk_norm=family.qk_norm,
+            gemma=family.gemma,
+            fused_checkpoint=family.fused,
+            query_scale=_query_scale(fields, family),
         )
         _check_token_ids(config, path)
         return config
@@ -241,8 +269,14 @@ def _check_architecture(fields: _Fields) -> _Family:
             f"{model_type!r} does not match architectures {archs} (expected "
             f"{family.model_type!r}; transformers builds the model from model_type)",
         )
-    if fields.raw.get("hidden_act", "silu") != "silu":
-        raise fields.fail("hidden_act", "only 'silu' (SwiGLU) is supported")
+    act_key = "hidden_activation" if "hidden_activation" in fields.raw else "hidden_act"
+    act = fields.raw.get(act_key, "gelu_pytorch_tanh" if family.gemma else "silu")
+    if act != ("gelu_pytorch_tanh" if family.gemma else "silu"):
+        want = "'gelu_pytorch_tanh'" if family.gemma else "'silu' (SwiGLU)"
+        raise fields.fail(act_key, f"only {want} is supported for {family.model_type}")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if fields.raw.get(key) is not None:
+            raise fields.fail(key, "logit soft-capping is not supported")
     if fields.raw.get("mlp_bias", False) is not False:
         raise fields.fail("mlp_bias", "biases in the MLP are not supported")
     if fields.raw.get("quantization_config") is not None:
@@ -264,7 +298,7 @@ def _biases(fields: _Fields, family: _Family) -> tuple[bool, bool]:
 
 def _layer_windows(fields: _Fields, family: _Family, layers: int) -> tuple[int | None, ...]:
     window = fields.raw.get("sliding_window")
-    if family.model_type == "llama":
+    if family.windows == "none":
         if window is not None:
             raise fields.fail(
                 "sliding_window",
@@ -273,64 +307,51 @@ def _layer_windows(fields: _Fields, family: _Family, layers: int) -> tuple[int |
                 "trained with one",
             )
         return ()
-    if family.model_type == "mistral":
-        if "sliding_window" not in fields.raw:
+    if family.windows in ("all", "phi3"):
+        if family.windows == "all" and "sliding_window" not in fields.raw:
             window = _MISTRAL_DEFAULT_WINDOW
         size = None if window is None else fields.positive_int("sliding_window", value=window)
-        return (size,) * layers
-    # qwen2: a window only when use_sliding_window, on the layers layer_types marks as sliding
+        return (size,) * layers if size is not None else ()
+    if family.windows == "gemma":
+        size = fields.positive_int("sliding_window", default=_MISTRAL_DEFAULT_WINDOW)
+        pattern = fields.positive_int(
+            "sliding_window_pattern", default=_GEMMA3_DEFAULTS["sliding_window_pattern"]
+        )
+        default = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+        return _windows_by_type(fields, layers, size, default)
+    # qwen2, qwen3: a window only when use_sliding_window, on the layers layer_types marks
     if not fields.boolean("use_sliding_window", default=False):
         return ()
     size = fields.positive_int("sliding_window", default=_MISTRAL_DEFAULT_WINDOW)
-    kinds = fields.raw.get("layer_types")
-    if kinds is None:
-        first = fields.positive_int("max_window_layers", default=_QWEN2_DEFAULT_WINDOW_LAYERS)
-        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    first = fields.positive_int("max_window_layers", default=_QWEN2_DEFAULT_WINDOW_LAYERS)
+    default = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return _windows_by_type(fields, layers, size, default)
+
+
+def _windows_by_type(
+    fields: _Fields, layers: int, size: int, default: list[str]
+) -> tuple[int | None, ...]:
+    kinds = fields.raw.get("layer_types") or default
     allowed = {"sliding_attention", "full_attention"}
     if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= allowed:
         raise fields.fail("layer_types", f"expected {layers} of {sorted(allowed)}")
     return tuple(size if kind == "sliding_attention" else None for kind in kinds)
 
 
-def read_rope(fields: _Fields) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from either spelling. Unknown or runtime-dependent variants (dynamic,
-    yarn, longrope, ...) are refused: computed as plain RoPE they would give wrong logits."""
-    key = "rope_parameters" if fields.raw.get("rope_parameters") is not None else "rope_scaling"
-    params = fields.raw.get(key) or {}
-    if not isinstance(params, dict):
-        raise fields.fail(key, f"expected an object, got {params!r}")
-    if any(isinstance(v, dict) for v in params.values()):
-        raise fields.fail(key, "RoPE parameters per layer type are not supported")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise fields.fail(key, f"rope_type {kind!r} is not supported (only {list(ROPE_TYPES)})")
-    partial = params.get("partial_rotary_factor", fields.raw.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise fields.fail("partial_rotary_factor", "partial rotary embeddings are not supported")
-    theta = params.get("rope_theta", fields.raw.get("rope_theta"))
-    theta = _HF_DEFAULT_ROPE_THETA if theta is None else fields.positive_float("rope_theta", theta)
-    if kind == "default":
-        return theta, None
-    factor = fields.positive_float(f"{key}.factor", params.get("factor"))
-    if kind == "linear":
-        return theta, RopeScaling("linear", factor)
-    low = fields.positive_float(f"{key}.low_freq_factor", params.get("low_freq_factor"))
-    high = fields.positive_float(f"{key}.high_freq_factor", params.get("high_freq_factor"))
-    if high <= low:
-        raise fields.fail(f"{key}.high_freq_factor", "must exceed low_freq_factor")
-    original = fields.positive_int(
-        f"{key}.original_max_position_embeddings",
-        # transformers falls back to max_position_embeddings
-        value=params.get(
-            "original_max_position_embeddings", fields.raw.get("max_position_embeddings")
-        ),
-    )
-    return theta, RopeScaling("llama3", factor, low, high, original)
+def _query_scale(fields: _Fields, family: _Family) -> float | None:
+    if not family.gemma:
+        return None
+    scalar = fields.raw.get("query_pre_attn_scalar", _GEMMA3_DEFAULTS["query_pre_attn_scalar"])
+    return fields.positive_float("query_pre_attn_scalar", scalar) ** -0.5
 
 
-def _head_dim(fields: _Fields, hidden: int, heads: int) -> int:
+def _head_dim(fields: _Fields, hidden: int, heads: int, family: _Family) -> int:
     if fields.raw.get("head_dim") is not None:
         return fields.positive_int("head_dim")
+    if family.gemma:
+        return _GEMMA3_DEFAULTS["head_dim"]
     if hidden % heads:
         raise fields.fail("hidden_size", f"{hidden} is not divisible by {heads} heads")
     return hidden // heads

@@ -1,16 +1,18 @@
 """`LlamaModel`: a Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a flattened ragged batch.
 
-One class serves Llama (optionally biased attention, llama3/linear RoPE scaling), Mistral
-(sliding window) and Qwen2 (q/k/v bias, tied embeddings): the differences are fields of
+One class serves Llama (optionally biased attention, scaled RoPE), Mistral (sliding window), Qwen2
+(q/k/v bias, tied embeddings), Qwen3 (q/k norms), Gemma 3 (norms scaling by 1 + w around attention
+and the MLP, q/k norms, a scaled embedding, GELU-tanh, interleaved sliding layers with their own
+RoPE) and Phi-3 (fused tensors in the checkpoint, longrope): the differences are fields of
 `ModelConfig`, and transformers' own classes are the reference the tests hold it to.
 
 Lifecycle of one forward step (driven by the runner):
 1. the runner concatenates this step's tokens of every scheduled sequence (prefill chunks and
    decode tokens alike) into `input_ids [T]` with their absolute `positions [T]`, and describes
    the batch with an `AttentionMetadata` (query offsets, KV lengths, block tables, slots);
-2. each layer projects Q/K/V (plus bias), applies RoPE, writes the new K/V into the `KVCache`
-   at `slot_mapping`, then attends over the sequence's pages through its block table (within the
-   layer's sliding window, if any);
+2. each layer projects Q/K/V (plus bias; q/k norms), applies RoPE, writes the new K/V into the
+   `KVCache` at `slot_mapping`, then attends over the sequence's pages through its block table
+   (within the layer's sliding window, if any);
 3. the final norm and LM head run on each sequence's last token (or every token, for tests),
    returning float32 logits.
 
@@ -39,7 +41,7 @@ from backend.kernels.torch_paged import AttentionPlan, plan_attention
 from backend.model.checkpoint import load_state_dict
 from backend.model.config import ModelConfig
 from backend.model.kv_cache import KVCache
-from backend.model.rope import inverse_frequencies
+from backend.model.rope import Rope, Rotary
 from backend.model.tokenizer import Tokenizer, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -69,6 +71,9 @@ class _Step:
     backend: Backend
     # the reference path's plans, prepared once per step for each sliding window in use
     plans: dict[int | None, AttentionPlan]
+    # (cos, sin) of the full-attention layers and, when they have their own, the sliding ones
+    rope: tuple[torch.Tensor, torch.Tensor]
+    sliding_rope: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _in_out(weight: torch.Tensor) -> torch.Tensor:
@@ -85,25 +90,40 @@ def _in_out(weight: torch.Tensor) -> torch.Tensor:
 
 class _DecoderLayer(nn.Module):
     """Weights of one layer, each ``[in, out]`` (see ``_in_out``); Q/K/V and gate/up are fused
-    so each is a single matmul. Biases (Qwen2's q/k/v, Llama's attention_bias) are None when the
-    checkpoint has none."""
+    so each is a single matmul (Phi-3 stores them fused already). Optional weights are None when
+    the checkpoint has none: biases (Qwen2's q/k/v, Llama's attention_bias), q/k norms (Qwen3,
+    Gemma 3), the norms around the MLP (Gemma 3). Gemma's norms scale by ``1 + w``: stored so."""
 
-    def __init__(self, state: dict[str, torch.Tensor], prefix: str, window: int | None) -> None:
+    def __init__(
+        self, state: dict[str, torch.Tensor], prefix: str, window: int | None, config: ModelConfig
+    ) -> None:
         super().__init__()
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         self.window = window
-        qkv = [state[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")]
-        self.register_buffer("qkv", _in_out(torch.cat(qkv, 0)))
+        if config.fused_checkpoint:
+            qkv, gate_up = state[attn + "qkv_proj.weight"], state[mlp + "gate_up_proj.weight"]
+        else:
+            qkv = torch.cat([state[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")], 0)
+            gate_up = torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]])
+        self.register_buffer("qkv", _in_out(qkv))
         self.register_buffer("o", _in_out(state[attn + "o_proj.weight"]))
         q_b, k_b, v_b = (state.get(attn + f"{n}_proj.bias") for n in "qkv")
         qkv_bias = None if q_b is None or k_b is None or v_b is None else torch.cat([q_b, k_b, v_b])
         self.register_buffer("qkv_bias", qkv_bias)
         self.register_buffer("o_bias", state.get(attn + "o_proj.bias"))
-        gate_up = [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]
-        self.register_buffer("gate_up", _in_out(torch.cat(gate_up, 0)))
+        self.register_buffer("gate_up", _in_out(gate_up))
         self.register_buffer("down", _in_out(state[mlp + "down_proj.weight"]))
-        self.register_buffer("input_norm", state[prefix + "input_layernorm.weight"])
-        self.register_buffer("post_norm", state[prefix + "post_attention_layernorm.weight"])
+
+        def norm(name: str) -> torch.Tensor | None:
+            weight = state.get(name)
+            return weight + 1 if weight is not None and config.gemma else weight
+
+        self.register_buffer("input_norm", norm(prefix + "input_layernorm.weight"))
+        self.register_buffer("post_norm", norm(prefix + "post_attention_layernorm.weight"))
+        self.register_buffer("q_norm", norm(attn + "q_norm.weight"))
+        self.register_buffer("k_norm", norm(attn + "k_norm.weight"))
+        self.register_buffer("pre_ff_norm", norm(prefix + "pre_feedforward_layernorm.weight"))
+        self.register_buffer("post_ff_norm", norm(prefix + "post_feedforward_layernorm.weight"))
 
     qkv: torch.Tensor
     o: torch.Tensor
@@ -113,6 +133,10 @@ class _DecoderLayer(nn.Module):
     down: torch.Tensor
     input_norm: torch.Tensor
     post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    pre_ff_norm: torch.Tensor | None
+    post_ff_norm: torch.Tensor | None
 
 
 class LlamaModel(nn.Module):
@@ -121,23 +145,32 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(
-            _DecoderLayer(state, f"model.layers.{i}.", config.window(i))
+            _DecoderLayer(state, f"model.layers.{i}.", config.window(i), config)
             for i in range(config.num_hidden_layers)
         )
         embed = state["model.embed_tokens.weight"]
         self.register_buffer("embed", embed)
-        self.register_buffer("norm", state["model.norm.weight"])
+        final_norm = state["model.norm.weight"]
+        self.register_buffer("norm", final_norm + 1 if config.gemma else final_norm)
         # [hidden, vocab]; tied, it is a view of the embedding (no second copy)
         head = embed.t() if config.tie_word_embeddings else _in_out(state["lm_head.weight"])
         self.register_buffer("lm_head", head)
-        inv_freq = inverse_frequencies(config, embed.device)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.scale = config.head_dim**-0.5
+        full = Rope(config.rope_theta, config.rope_scaling)
+        self.rotary = Rotary(full, config.head_dim, config.max_position_embeddings, embed.device)
+        self.sliding_rotary = None
+        if config.sliding_rope is not None:
+            sliding = config.sliding_rope
+            positions = config.max_position_embeddings
+            self.sliding_rotary = Rotary(sliding, config.head_dim, positions, embed.device)
+        self.scale = config.query_scale or config.head_dim**-0.5
+        # Gemma scales the embedding by sqrt(hidden_size), rounded to the weights' dtype
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5).to(embed.dtype) if config.gemma else None
+        )
 
     embed: torch.Tensor
     norm: torch.Tensor
     lm_head: torch.Tensor
-    inv_freq: torch.Tensor
 
     @property
     def dtype(self) -> torch.dtype:
@@ -176,10 +209,10 @@ class LlamaModel(nn.Module):
                 f"input_ids {list(input_ids.shape)} and positions {list(positions.shape)} must "
                 f"both be [{metadata.num_tokens}] (the metadata's token count)"
             )
-        if metadata.max_kv_len > self.config.max_position_embeddings:
+        if metadata.max_kv_len > self.config.max_positions:
             raise ValueError(
                 f"a sequence reaches {metadata.max_kv_len} tokens; the model supports "
-                f"{self.config.max_position_embeddings} (max_position_embeddings)"
+                f"{self.config.max_positions} (max_position_embeddings, and its RoPE's extension)"
             )
         backend = attention_backend or default_backend(input_ids.device)
         plans = {}
@@ -188,34 +221,53 @@ class LlamaModel(nn.Module):
                 plans[window] = plan_attention(
                     metadata, kv_bytes_per_token=kv_cache.kv_bytes_per_token, window=window
                 )
-        step = _Step(metadata, kv_cache, backend, plans)
+        step = _Step(metadata, kv_cache, backend, plans, *self._ropes(positions, metadata))
         hidden = F.embedding(input_ids, self.embed)
-        cos, sin = self._rope(positions)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         for i, layer in enumerate(self.layers):
-            hidden = self._layer(i, cast(_DecoderLayer, layer), hidden, cos, sin, step)
+            hidden = self._layer(i, cast(_DecoderLayer, layer), hidden, step)
         if not all_logits and metadata.num_tokens != metadata.num_seqs:
             hidden = hidden[metadata.last_token_indices()]
         return (self._rms_norm(hidden, self.norm) @ self.lm_head).float()
 
     def _layer(
-        self,
-        index: int,
-        layer: _DecoderLayer,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        step: _Step,
+        self, index: int, layer: _DecoderLayer, hidden: torch.Tensor, step: _Step
+    ) -> torch.Tensor:
+        attn = self._attention(index, layer, self._rms_norm(hidden, layer.input_norm), step)
+        if layer.pre_ff_norm is None or layer.post_ff_norm is None:  # Llama's order
+            hidden = hidden + attn
+            gate, up = (self._rms_norm(hidden, layer.post_norm) @ layer.gate_up).chunk(2, -1)
+            return hidden + (F.silu(gate) * up) @ layer.down
+        # Gemma 3: a norm after attention and on both sides of the MLP
+        hidden = hidden + self._rms_norm(attn, layer.post_norm)
+        gate, up = (self._rms_norm(hidden, layer.pre_ff_norm) @ layer.gate_up).chunk(2, -1)
+        mlp = (F.gelu(gate, approximate="tanh") * up) @ layer.down
+        return hidden + self._rms_norm(mlp, layer.post_ff_norm)
+
+    def _attention(
+        self, index: int, layer: _DecoderLayer, normed: torch.Tensor, step: _Step
     ) -> torch.Tensor:
         c = self.config
         heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        tokens = hidden.shape[0]
-        qkv = self._rms_norm(hidden, layer.input_norm) @ layer.qkv
+        tokens = normed.shape[0]
+        qkv = normed @ layer.qkv
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
-        # RoPE on Q and K together: they are adjacent heads of the fused projection.
-        qk = _apply_rope(
-            qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos, sin
+        qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:  # per head, before RoPE
+            qk = torch.cat(
+                (
+                    self._rms_norm(qk[:, :heads], layer.q_norm),
+                    self._rms_norm(qk[:, heads:], layer.k_norm),
+                ),
+                dim=1,
+            )
+        cos, sin = (
+            step.rope if layer.window is None or step.sliding_rope is None else step.sliding_rope
         )
+        # RoPE on Q and K together: they are adjacent heads of the fused projection.
+        qk = _apply_rope(qk, cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
         step.kv_cache.write(index, step.metadata.slot_mapping, k, v)
@@ -231,24 +283,29 @@ class LlamaModel(nn.Module):
             layer.window,
         )
         out = attn.reshape(tokens, heads * head_dim) @ layer.o
-        hidden = hidden + (out if layer.o_bias is None else out + layer.o_bias)
-        gate, up = (self._rms_norm(hidden, layer.post_norm) @ layer.gate_up).chunk(2, -1)
-        return hidden + (F.silu(gate) * up) @ layer.down
+        return out if layer.o_bias is None else out + layer.o_bias
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused op on the hot path
-        # As transformers: normalise in float32, cast back, then scale.
+        # As transformers: normalise in float32, then Llama casts back and scales, Gemma scales
+        # in float32 and casts back.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        if self.config.gemma:
+            return (x32 * weight.float()).to(x.dtype)
         return weight * x32.to(x.dtype)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] (broadcast over heads) in the model's dtype."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+    def _ropes(
+        self, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+        """(cos, sin) of this step's tokens for the full layers and, if any, the sliding ones."""
+        lengths = metadata.kv_lens_host, metadata.query_lens_host
+        full = self.rotary.cos_sin(positions, self.dtype, *lengths)
+        if self.sliding_rotary is None:
+            return full, None
+        return full, self.sliding_rotary.cos_sin(positions, self.dtype, *lengths)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

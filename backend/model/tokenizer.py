@@ -126,9 +126,15 @@ class HFTokenizer:
                 path, f"{self.vocab_size} tokens exceed the model's vocab_size {config.vocab_size}"
             )
         self._bytes = TokenBytes(self._tok, _byte_scheme(spec.get("decoder")))
-        self._marker = _space_marker(spec.get("pre_tokenizer"))
+        self._marker = _space_marker(spec.get("pre_tokenizer")) or _decoded_space(
+            spec.get("decoder")
+        )
         self._eos = config.eos_token_ids[0]
         self._stops = frozenset(config.eos_token_ids)
+
+    def split_special_tokens(self) -> None:
+        """At load, when tokenizer_config.json asks: special tokens in a text are plain text."""
+        self._tok.encode_special_tokens = True
 
     def add_stop_ids(self, ids: Sequence[int]) -> None:
         """At load: end ids named outside config.json (see `load_tokenizer`)."""
@@ -145,6 +151,15 @@ class HFTokenizer:
     @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def rust(self) -> RustTokenizer:
+        """The `tokenizers` object itself (the grammar backend reads its vocabulary)."""
+        return self._tok
+
+    def textless(self, token_id: int) -> bool:
+        """A special token, or an id with no token: decode gives it no text."""
+        return self._bytes.textless(token_id)
 
     def token_id(self, text: str) -> int | None:
         token_id = self._tok.token_to_id(text)
@@ -165,8 +180,10 @@ class HFTokenizer:
 
     def token_text(self, token_id: int) -> str:
         """A token's own text, as vLLM reports it in logprobs (``convert_ids_list_to_tokens``):
-        decoded alone, with the leading spaces its Metaspace markers stand for put back
-        (decoding ``▁Hello`` alone strips the space the decoder takes for the prompt's own)."""
+        decoded alone, with the leading spaces its ``▁`` markers stand for put back (decoding
+        ``▁Hello`` alone strips the space the decoder takes for the prompt's own), whether the
+        marker comes from a Metaspace pre-tokenizer or, as in TinyLlama's and Mistral v0.1's
+        tokenizer.json, from a normalizer (the decoder then maps it back to a space)."""
         text = self.decode([token_id])
         if self._marker is None:
             return text
@@ -206,6 +223,21 @@ def _space_marker(pre_tokenizer: Any) -> str | None:
     return None
 
 
+def _decoded_space(decoder: Any) -> str | None:
+    """The character a decoder replaces by a space (``▁``, where a normalizer wrote it), or
+    None."""
+    if not isinstance(decoder, dict):
+        return None
+    if decoder.get("type") == "Replace" and decoder.get("content") == " ":
+        pattern = decoder.get("pattern")
+        found = pattern.get("String") if isinstance(pattern, dict) else None
+        return found if isinstance(found, str) and len(found) == 1 else None
+    if decoder.get("type") == "Sequence":
+        found = [_decoded_space(d) for d in decoder.get("decoders", [])]
+        return next((m for m in found if m is not None), None)
+    return None
+
+
 def load_tokenizer(checkpoint_dir: Path | str, config: ModelConfig) -> Tokenizer:
     """The tokenizer `config` asks for; refuses a byte model whose ids disagree with 256/257."""
     if config.kvguard_tokenizer == BYTE_TOKENIZER:
@@ -218,7 +250,10 @@ def load_tokenizer(checkpoint_dir: Path | str, config: ModelConfig) -> Tokenizer
         raise CheckpointError(path, "file is missing (and config.json sets no kvguard_tokenizer)")
     tokenizer = HFTokenizer(path, config)
     tokenizer.add_stop_ids(generation_eos_ids(checkpoint_dir, config.vocab_size))
-    eos_text = TokenizerFiles.read(checkpoint_dir).special_tokens.get("eos_token")
+    files = TokenizerFiles.read(checkpoint_dir)
+    if files.split_special_tokens:
+        tokenizer.split_special_tokens()
+    eos_text = files.special_tokens.get("eos_token")
     if eos_text is not None:
         eos = tokenizer.token_id(eos_text)
         if eos is None:

@@ -9,6 +9,11 @@ Read as transformers (v5) reads them, from local files only:
   ``chat_template`` entry of ``tokenizer_config.json``, a string or a list of
   ``{"name", "template"}``. A file template is named "default".
 
+- ``split_special_tokens`` (``tokenizer_config.json``, default false): when true, special tokens
+  written in a text are encoded as ordinary text, in prompts and rendered chats alike (transformers
+  sets its tokenizer's ``encode_special_tokens`` from it): a user who types ``<|im_end|>`` does not
+  end a turn where the checkpoint's operator asked for that.
+
 `TokenizerFiles.read(dir)` checks types and names the file and field of any problem.
 """
 
@@ -48,6 +53,7 @@ class ChatTemplateSource:
 class TokenizerFiles:
     special_tokens: dict[str, str]  # named special token -> its text
     templates: dict[str, ChatTemplateSource]  # by name; empty when the checkpoint has none
+    split_special_tokens: bool = False
 
     @classmethod
     def read(cls, checkpoint_dir: Path | str) -> TokenizerFiles:
@@ -60,7 +66,12 @@ class TokenizerFiles:
             legacy = read_json_object(directory, legacy_path, required=False) or {}
             specials |= _special_tokens(legacy, legacy_path)
         templates = _file_templates(directory) or _config_templates(config, config_path)
-        return cls(specials, templates)
+        split = config.get("split_special_tokens", False)
+        if not isinstance(split, bool):
+            raise CheckpointError(
+                config_path, "field 'split_special_tokens': expected true or false"
+            )
+        return cls(specials, templates, split)
 
 
 def _special_tokens(raw: dict[str, Any], path: Path) -> dict[str, str]:

@@ -2,6 +2,9 @@
 schemas describe them: a chat answer's choices carry ``logprobs`` and ``message.refusal`` (null
 when absent); chat ids start ``chatcmpl-``, completion ids ``cmpl-``.
 
+A chat answer's tool calls are ``message.tool_calls`` (``content`` null when there is no other
+text); streamed, ``delta.tool_calls`` items carry their ``index`` (``backend.server.structured``).
+
 Logprobs come in two shapes: chat's ``{"content": [{token, logprob, bytes, top_logprobs}],
 "refusal": null}`` and the completions API's parallel lists (``tokens``, ``token_logprobs``,
 ``top_logprobs`` as ``{token: logprob}``, ``text_offset``).
@@ -66,9 +69,10 @@ class ChoiceResult:
     """One finished choice of a non-streaming answer."""
 
     index: int
-    text: str
+    text: str | None  # chat: None when the answer is only tool calls
     finish_reason: str
     tokens: list[TokenInfo] | None  # None: logprobs were not asked for
+    tool_calls: list[dict[str, Any]] | None = None  # chat: the answer's calls, if any
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -116,7 +120,9 @@ def full_response(
     out = []
     for c in choices:
         if meta.kind == "chat":
-            message = {"role": "assistant", "content": c.text, "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+            if c.tool_calls:
+                message["tool_calls"] = c.tool_calls
             choice: dict[str, Any] = {"index": c.index, "message": message}
         else:
             choice = {"index": c.index, "text": c.text}
@@ -136,12 +142,15 @@ def chunk(
     index: int = 0,
     first: bool = False,
     logprobs: Any = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     body = meta._envelope(chunk=True)
     if meta.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
         choice = {"index": index, "text": text or ""}

@@ -10,6 +10,11 @@ answer is built, in the detokenizer or the stop matching, is such a failure: the
 the traceback logged, and the error is ``internal_error``; without streaming, a 500). A client
 that goes away aborts every choice, which releases their pages.
 
+A chat's answer is shaped by its ``OutputPlan`` (``backend.server.structured``): its grammar is
+compiled before anything is submitted (a schema that cannot compile is a 400), each choice samples
+under it, and a ``Shaper`` per choice turns the released text into content and tool calls, the
+same way streamed or not.
+
 Without ``max_tokens`` (or ``max_completion_tokens``) a choice may generate as many tokens as fit
 the engine's limit after its prompt, as OpenAI and vLLM do.
 
@@ -36,6 +41,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from backend.core.errors import InvalidRequest, KvguardError
+from backend.core.grammar import GrammarViolation
 from backend.core.request import FinishReason, RequestState, SamplingParams
 from backend.engine.async_engine import EngineEvent, Generation
 from backend.server import formatting as fmt
@@ -43,6 +49,7 @@ from backend.server.encoding import JsonAnswer
 from backend.server.errors import InternalEngineError, error_body
 from backend.server.openai_schema import _SamplingFields
 from backend.server.service import EngineService
+from backend.server.structured import TEXT, OutputPlan, Pieces, Shaper
 from backend.server.textstream import TextStream
 from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER, HandoffProof, answer_extension
 
@@ -53,7 +60,6 @@ log = logging.getLogger("kvguard.engine")
 
 @dataclass(slots=True)
 class _Tally:
-    text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str = "length"
     error: KvguardError | None = None
@@ -68,16 +74,19 @@ class _Choice:
     index: int
     generation: Generation
     stream: TextStream
+    shaper: Shaper
     tally: _Tally
     text_offset: int = 0  # characters of token text so far (completions' text_offset)
 
 
 @dataclass(frozen=True, slots=True)
 class _Piece:
-    """What one engine event adds to a choice: released text, and its tokens' logprobs."""
+    """What one engine event adds to a choice: released text, its tokens' logprobs, and tool-call
+    deltas."""
 
     text: str
     tokens: list[fmt.TokenInfo] | None
+    calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _header_id(request: Request, header: str, default: str) -> str:
@@ -90,16 +99,22 @@ def _header_id(request: Request, header: str, default: str) -> str:
 
 
 async def generate(
-    service: EngineService, http: Request, body: _SamplingFields, prompt: str, kind: fmt.Kind
+    service: EngineService,
+    http: Request,
+    body: _SamplingFields,
+    prompt: str,
+    kind: fmt.Kind,
+    plan: OutputPlan = TEXT,
 ) -> Response:
-    refused = body.refused()
-    if refused is not None:
-        raise refused
     tenant = _header_id(http, TENANT_HEADER, DEFAULT_TENANT)
     request_id = _header_id(http, REQUEST_ID_HEADER, f"req-{uuid.uuid4().hex}")
+    if plan.grammar is not None:
+        if body.stop_list():
+            raise InvalidRequest("stop", "a constrained answer takes no stop sequences")
+        await asyncio.to_thread(service.compile_grammar, plan.grammar, tenant)
     prompt_ids = service.encode_prompt(prompt, chat=kind == "chat")
-    sampling = _sampling(service, body, len(prompt_ids))
-    choices = _submit(service, body, request_id, tenant, prompt_ids, sampling)
+    sampling = _sampling(service, body, len(prompt_ids), plan)
+    choices = _submit(service, body, request_id, tenant, prompt_ids, sampling, plan)
     service.metrics.prompt_tokens.inc(len(prompt_ids))
     meta = fmt.ResponseMeta.new(kind, request_id, service.model_name)
     if body.stream:
@@ -109,7 +124,9 @@ async def generate(
     return await _collect(service, http, choices, meta, len(prompt_ids))
 
 
-def _sampling(service: EngineService, body: _SamplingFields, prompt_tokens: int) -> SamplingParams:
+def _sampling(
+    service: EngineService, body: _SamplingFields, prompt_tokens: int, plan: OutputPlan
+) -> SamplingParams:
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:  # as much as fits (admission refuses a prompt that leaves no room)
         max_tokens = max(1, service.capacity().max_request_tokens - prompt_tokens)
@@ -123,6 +140,7 @@ def _sampling(service: EngineService, body: _SamplingFields, prompt_tokens: int)
         frequency_penalty=body.frequency_penalty,
         logit_bias=body.bias_items(service.tokenizer.vocab_size),
         logprobs=body.top_logprobs_count(),
+        grammar=plan.grammar,
     )
 
 
@@ -133,8 +151,10 @@ def _submit(
     tenant: str,
     prompt_ids: list[int],
     sampling: SamplingParams,
+    plan: OutputPlan,
 ) -> list[_Choice]:
     choices: list[_Choice] = []
+    kept = service.kept_specials(plan)
     try:
         for index in range(body.n):
             params = sampling
@@ -146,9 +166,11 @@ def _submit(
                 prompt_ids=prompt_ids,
                 sampling=params,
             )
-            stream = TextStream(service.tokenizer.stream_decoder(prompt_ids), body.stop_list())
+            decoder = service.tokenizer.stream_decoder(prompt_ids)
+            stream = TextStream(decoder, body.stop_list(), kept)
+            shaper = Shaper(plan, generation.request_id)
             tally = _Tally(tokens=None if sampling.logprobs is None else [])
-            choices.append(_Choice(index, generation, stream, tally))
+            choices.append(_Choice(index, generation, stream, shaper, tally))
     except KvguardError as error:
         for choice in choices:
             choice.generation.abort()
@@ -165,11 +187,13 @@ async def _consume(service: EngineService, choice: _Choice) -> AsyncIterator[_Pi
         async with asyncio.timeout(service.request_timeout_s):
             async for event in choice.generation.events():
                 piece = _apply(service, event, choice, started)
-                if piece.text or piece.tokens:
+                if piece.text or piece.tokens or piece.calls:
                     yield piece
-                if choice.stream.stopped:
+                if choice.stream.stopped and not event.is_terminal:
                     choice.generation.abort()
-                    tally.finish_reason = "stop"
+                    last = _finish(choice, "stop")
+                    if last.content or last.calls:
+                        yield _Piece(last.content, None, last.calls)
                     return
     except TimeoutError:
         choice.generation.abort()
@@ -197,15 +221,31 @@ def _apply(service: EngineService, event: EngineEvent, choice: _Choice, started:
             text.append(choice.stream.push(event.token).text)
             if event.logprobs is not None:
                 tokens = [fmt.token_info(event.token, event.logprobs, _token_text(service))]
+    ended = None
     if event.is_terminal:
         if event.error is not None or event.state is not RequestState.FINISHED:
             tally.error = event.error or RequestAborted()
         else:
-            tally.finish_reason = "stop" if event.finish_reason is FinishReason.STOP else "length"
+            stopped = event.finish_reason is FinishReason.STOP or choice.stream.stopped
+            ended = "stop" if stopped else "length"
             text.append(choice.stream.finish())
     if tokens is not None and tally.tokens is not None:
         tally.tokens += tokens
-    return _Piece("".join(text), tokens)
+    pieces = choice.shaper.push("".join(text))
+    if ended is not None:
+        pieces.add(_finish(choice, ended))
+    return _Piece(pieces.content, tokens, pieces.calls)
+
+
+def _finish(choice: _Choice, reason: str) -> Pieces:
+    """The choice's last pieces and its finish reason, as its shaper decides them."""
+    try:
+        pieces, choice.tally.finish_reason = choice.shaper.finish(reason)
+    except GrammarViolation as error:
+        log.error("request %s: %s", choice.generation.request_id, error)
+        choice.tally.error = error
+        return Pieces()
+    return pieces
 
 
 def _token_text(service: EngineService) -> fmt.TokenText:
@@ -275,7 +315,10 @@ async def _sse(
         tally = choice.tally
         if piece is not None:
             logprobs = _piece_logprobs(meta.kind, choice, piece)
-            yield fmt.sse(fmt.chunk(meta, piece.text, index=choice.index, logprobs=logprobs))
+            chunk = fmt.chunk(
+                meta, piece.text, index=choice.index, logprobs=logprobs, tool_calls=piece.calls
+            )
+            yield fmt.sse(chunk)
         elif tally.error is not None:
             error = error_body(str(tally.error), code=tally.error.code, type_="server_error")
             yield fmt.sse({**error, **_extension(service, [tally])})
@@ -300,9 +343,7 @@ async def _collect(
 ) -> Response:
     async def drain() -> None:
         async for choice, piece in _merged(service, choices):
-            if piece is not None:
-                choice.tally.text.append(piece.text)
-            elif choice.tally.error is not None:
+            if piece is None and choice.tally.error is not None:
                 return
 
     task = asyncio.ensure_future(drain())
@@ -322,10 +363,12 @@ async def _collect(
         type_ = "invalid_request_error" if error.http_status < 500 else "server_error"
         body = {**error_body(str(error), code=error.code, type_=type_), **extension}
         return JsonAnswer(body, status_code=error.http_status)
-    results = [
-        fmt.ChoiceResult(c.index, "".join(c.tally.text), c.tally.finish_reason, c.tally.tokens)
-        for c in choices
-    ]
+    results = []
+    for c in choices:
+        content, calls = c.shaper.result(c.tally.finish_reason)
+        results.append(
+            fmt.ChoiceResult(c.index, content, c.tally.finish_reason, c.tally.tokens, calls)
+        )
     usage = fmt.usage(prompt_tokens, sum(t.completion_tokens for t in tallies))
     return JsonAnswer({**fmt.full_response(meta, results, usage), **extension})
 

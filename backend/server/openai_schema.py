@@ -7,10 +7,11 @@ dividing float32 logits by it overflows to inf and would fail the whole batch's 
 
 What this engine serves of OpenAI's request schema: ``n`` choices, ``logprobs`` (chat:
 ``top_logprobs`` alternatives; completions: an integer), presence/frequency penalties,
-``logit_bias``, text content parts, the ``developer`` role, ``max_completion_tokens``. Tool calls
-and structured output are fields it knows and refuses with ``unsupported_parameter`` naming the
-field, unless their value asks for nothing (``tools: []``, ``tool_choice: "none"``,
-``response_format: {"type": "text"}``; ``parallel_tool_calls`` alone asks for nothing).
+``logit_bias``, text content parts, the ``developer`` role, ``max_completion_tokens``, and
+structured output and tools (``backend.server.structured``): ``response_format`` ``json_object``
+and ``json_schema`` (``strict`` honoured), ``tools`` with ``tool_choice`` none/auto/required/named
+and ``parallel_tool_calls``, ``tool`` messages and assistant ``tool_calls``. A constrained answer
+(JSON, or a required or named tool call) takes no ``stop`` sequences: one would cut the JSON.
 Without ``max_tokens`` a request gets as many tokens as fit its context (as OpenAI and vLLM do).
 A null member of the body, a message or ``stream_options`` is not given (its default applies), as
 OpenAI's nullable fields mean and SDKs send for a None (``contracts.openai.null_is_absent``).
@@ -18,7 +19,8 @@ OpenAI's nullable fields mean and SDKs send for a None (``contracts.openai.null_
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -32,14 +34,9 @@ MAX_CHOICES = 16  # n; the gateway relays at most this many choices per answer
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's bound)
 MAX_COMPLETION_LOGPROBS = 5  # completions logprobs (OpenAI's bound)
 MAX_LOGIT_BIAS = 1024
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOOLS = 128
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-
-
-class UnsupportedField(InvalidRequest):
-    """A field of OpenAI's API this engine knows and does not serve (tools, structured output)."""
-
-    code = "unsupported_parameter"
 
 
 class _Request(BaseModel):
@@ -135,12 +132,6 @@ class _SamplingFields(_UnicodeOnly):
         """Alternatives to report per token (0: the token's own logprob only); None: no logprobs."""
         return None
 
-    def refused(self) -> UnsupportedField | None:
-        """The first field this engine knows and does not serve, as the error to answer (every
-        role serves the same fields: the handoff carries what prefill needs for the first token
-        and that token's logprobs, ``backend.disagg.protocol`` version 2)."""
-        return None
-
 
 class CompletionRequest(_SamplingFields):
     prompt: str = Field(min_length=1)
@@ -150,20 +141,34 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
 
+class FunctionCall(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=1 << 20)
+
+
+class ToolCall(_Request):
+    """An assistant message's earlier call (OpenAI's ``tool_calls`` item)."""
+
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     """One chat turn; ``content`` is a string or a list of text parts (``{"type": "text",
     "text": ...}``, joined by newlines), or, for an assistant turn only, absent or null (OpenAI's
-    schema allows it: an empty turn). Other part types and the ``tool`` role are refused."""
+    schema allows it: an empty turn, or one that only calls tools). A ``tool`` turn answers the
+    call named by ``tool_call_id``. Other part types are refused."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = Field(default=None, max_length=64)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
 
     @field_validator("role")
     @classmethod
     def _check_role(cls, value: str) -> str:
-        if value == "tool":
-            raise ValueError("'tool' messages answer tool calls, which this engine does not serve")
         if value not in ROLES:
             raise ValueError(f"must be one of {', '.join(ROLES)}")
         return value
@@ -187,6 +192,10 @@ class ChatMessage(_Request):
     def _content_needed(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message (and only a tool message) needs tool_call_id")
         return self
 
     def text(self) -> str:
@@ -196,28 +205,86 @@ class ChatMessage(_Request):
         assert text is not None  # checked on validation
         return text
 
-    def turn(self) -> dict[str, str]:
+    def turn(self) -> dict[str, Any]:
         """What the chat template renders. ``developer`` is OpenAI's newer name for ``system``
-        instructions; templates written before it know only ``system``."""
+        instructions; templates written before it know only ``system``. A call's arguments are
+        given as an object where they are valid JSON (templates write them with ``tojson``, as
+        transformers' and vLLM's do)."""
         role = "system" if self.role == "developer" else self.role
-        turn = {"role": role, "content": self.text()}
+        turn: dict[str, Any] = {"role": role, "content": self.text()}
         if self.name is not None:
             turn["name"] = self.name
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            turn["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments(call)},
+                }
+                for call in self.tool_calls
+            ]
         return turn
 
     def __repr__(self) -> str:
         return f"ChatMessage(role={self.role!r}, content=<{len(self.text())} chars>)"
 
 
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = Field(default=None, max_length=1 << 16)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    # Known and refused unless they ask for nothing (``refused``).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -225,27 +292,27 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs=true")
         return self
 
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(names) != len(set(names)):
+            raise ValueError("tools: two tools have the same name")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not a tool")
+        return self
+
     def top_logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def refused(self) -> UnsupportedField | None:
-        if self.tools:
-            return UnsupportedField("tools", "this engine does not serve tool calls")
-        if self.tool_choice not in (None, "none"):
-            return UnsupportedField("tool_choice", "this engine does not serve tool calls")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            return UnsupportedField(
-                "response_format",
-                f"this engine does not serve structured output ({str(kind)[:32]!r})",
-            )
-        return super().refused()
 
 
 class TokenizeRequest(_UnicodeOnly):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
 
 
 class Usage(BaseModel):

@@ -98,6 +98,8 @@ def make_service(built: BuiltEngine, settings: BackendSettings, role: Role) -> E
         request_timeout_s=settings.request_timeout_s,
         protocol_version=protocol_version(settings),
         tokenizer_id=countable_tokenizer(built.config),
+        grammar=built.grammar,
+        tool_format=built.render_chat.tool_format,
     )
 
 

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from backend.core.errors import InvalidRequest, KvguardError
+from backend.server import structured
 from backend.server.generate import generate
 from backend.server.openai_schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from backend.server.service import EngineService
@@ -50,7 +51,9 @@ async def chat_completions(
     body: ChatCompletionRequest, http: Request, service: ServiceDep
 ) -> Response:
     _check_model(service, body.model)
-    return await generate(service, http, body, service.render_chat(body.messages), "chat")
+    shape = structured.plan(body, service.tool_format)
+    prompt = service.render_chat(body.messages, shape.tools)
+    return await generate(service, http, body, prompt, "chat", shape)
 
 
 def _model_card(service: EngineService) -> dict[str, Any]:
@@ -79,7 +82,11 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep) -> dict[str, Any]
     _check_model(service, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("prompt", "give exactly one of 'prompt' or 'messages'")
-    text = body.prompt if body.prompt is not None else service.render_chat(body.messages or [])
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
+    if body.prompt is not None:
+        text = body.prompt
+    else:
+        text = service.render_chat(body.messages or [], tools)
     tokens = service.encode_prompt(text, chat=body.messages is not None)
     return {
         "count": len(tokens),

@@ -13,16 +13,20 @@ from typing import Any, Protocol
 
 from backend.core.admission import CapacityLimits
 from backend.core.errors import InvalidRequest
+from backend.core.grammar import GrammarSpec
 from backend.core.pages import PagePool
 from backend.core.request import SamplingParams
 from backend.disagg.protocol import PROTOCOL_VERSION
 from backend.engine.async_engine import AsyncEngine, Generation
+from backend.engine.grammar import GrammarBackend
 from backend.metrics import EngineMetrics
 from backend.model.chat import ChatFormat, ChatTemplateRefused
-from backend.model.tokenizer import Tokenizer
+from backend.model.tokenizer import HFTokenizer, Tokenizer
+from backend.model.tool_calls import HERMES, ToolCallFormat
 from backend.server.openai_schema import ChatMessage
+from backend.server.structured import Mode, OutputPlan
 from contracts.capacity import drift_message, path_max_request_tokens
-from contracts.engine import CapacityReport, Role, RoleCapacity
+from contracts.engine import STRUCTURED_FEATURES, CapacityReport, Role, RoleCapacity
 
 
 class PathGuard(Protocol):
@@ -55,15 +59,34 @@ class EngineService:
     protocol_version: int = PROTOCOL_VERSION
     guard: PathGuard | None = None
     read_log: Callable[[], list[dict[str, Any]]] | None = None  # drills only
+    grammar: GrammarBackend | None = None  # None: no structured output, no tools
+    tool_format: ToolCallFormat = HERMES  # how this checkpoint writes tool calls
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
-        """The prompt text of a conversation; a conversation the template rejects is a 400."""
+    def render_chat(
+        self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt text of a conversation (and the tools it may call, when given); a
+        conversation the template rejects is a 400."""
         try:
-            return self.chat([m.turn() for m in messages])
+            return self.chat([m.turn() for m in messages], tools)
         except ChatTemplateRefused as exc:
             raise InvalidRequest(
                 "messages", f"the model's chat template refused them: {exc}"
             ) from exc
+
+    def compile_grammar(self, spec: GrammarSpec, tenant: str) -> None:
+        """Compile (and cache) a request's grammar before anything is reserved; a schema that
+        cannot be used is a 400."""
+        if self.grammar is None:
+            raise InvalidRequest("response_format", "this engine serves no structured output")
+        self.grammar.compile(spec, tenant)
+
+    def kept_specials(self, plan: OutputPlan) -> dict[int, str]:
+        """Special tokens whose text the tool-call parser must see (``TextStream.kept``)."""
+        if plan.mode is not Mode.AUTO or not isinstance(self.tokenizer, HFTokenizer):
+            return {}
+        ids = {text: self.tokenizer.token_id(text) for text in plan.fmt.kept_specials}
+        return {token: text for text, token in ids.items() if token is not None}
 
     def encode_prompt(self, text: str, *, chat: bool = False) -> list[int]:
         """Token ids of a prompt as the tokenizer encodes it (with the special tokens it adds),
@@ -116,6 +139,7 @@ class EngineService:
             max_request_tokens=0 if unavailable else path_limit,
             zero_on_free=self.zero_on_free,
             tokenizer=self.tokenizer_id,
+            features=sorted(STRUCTURED_FEATURES) if self.grammar is not None else [],
             drift=_path_drift(own, roles, path_limit),
             faults=sorted({f for role in roles for f in role.faults}),
             roles=roles,

@@ -5,11 +5,15 @@ Lifecycle per response: ``push(token_id)`` for every sampled token -> deltas tha
 complete UTF-8 character (the tokenizer's stream decoder holds those), and the last
 ``len(longest stop) - 1`` characters, which might still become a stop sequence (the stop sequence
 itself is never sent, as OpenAI does).
+
+``kept``: special tokens whose text is kept (decoding drops special tokens): the tokens a
+checkpoint's tool-call format starts calls with (``[TOOL_CALLS]``, ``<|python_tag|>``), which the
+tool-call parser must see.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from backend.model.tokenizer import StreamDecoder
@@ -25,6 +29,7 @@ class Delta:
 class TextStream:
     decoder: StreamDecoder
     stops: Sequence[str] = ()
+    kept: Mapping[int, str] = field(default_factory=dict)
     _held: str = ""
     _stopped: bool = field(default=False)
 
@@ -35,7 +40,10 @@ class TextStream:
     def push(self, token_id: int) -> Delta:
         if self._stopped:
             return Delta("", True)
-        return self._release(self._held + self.decoder.push(token_id))
+        text = self.decoder.push(token_id)
+        if token_id in self.kept:
+            text += self.kept[token_id]
+        return self._release(self._held + text)
 
     def finish(self) -> str:
         """The tail held back for stop matching (empty once a stop sequence was seen)."""

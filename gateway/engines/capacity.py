@@ -69,6 +69,8 @@ class CapacitySnapshot:
     tokenize: TokenizeTarget | None = None  # None: the adapter's default path on base_url
     isolation: CacheIsolation | None = None
     version: str | None = None  # the engine's own version string, when it reports one
+    # OpenAI request features the engine itself reports serving (``CapacityReport.features``)
+    features: frozenset[str] = frozenset()
 
     @property
     def oldest_role_age_s(self) -> float:

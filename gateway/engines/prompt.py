@@ -28,9 +28,10 @@ checked against the released sources:
   for ``tool_choice: "none"``, only the named one; the Kimi K3 variables; reasoning effort).
   Releases before 0.5.12 count prompt strings only: a chat cannot be counted there and is refused
   (502 ``token_count_unavailable``), never admitted on a guess.
-- **bundled**: the messages or the prompt. Its chat template writes nothing else, and the gateway
-  refuses ``tools``, ``tool_choice``, ``response_format`` and ``reasoning_effort`` for it at the
-  door (``gateway.openai.surface``; a test holds the two together).
+- **bundled** ``/tokenize``: the messages (tool turns and assistant calls included) and the
+  ``tools``, which its chat template renders (whatever the ``tool_choice``); ``tool_choice`` and
+  ``response_format`` are not written into the prompt (the engine constrains sampling with them),
+  and ``reasoning_effort`` is refused at the door (``gateway.openai.surface``).
 - **declared** (OpenAI-compatible servers, litellm providers): counted in the gateway, an upper
   bound over the messages and ``DEFINITIONS`` (``gateway.engines.provider_count``).
 """
@@ -49,6 +50,13 @@ def plain(model: str, body: dict[str, Any]) -> dict[str, Any]:
     if "messages" in body:
         return {"model": model, "messages": body["messages"]}
     return {"model": model, "prompt": body.get("prompt") or ""}
+
+
+def for_bundled(model: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = plain(model, body)
+    if "messages" in request and body.get("tools"):
+        request["tools"] = body["tools"]
+    return request
 
 
 def for_vllm(model: str, body: dict[str, Any]) -> dict[str, Any]:

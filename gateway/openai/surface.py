@@ -9,7 +9,11 @@ a litellm provider). A cell is
 - ``accepted, not forwarded``: no effect on the answer there (``metadata`` is only ever about
   stored completions, which the gateway never asks an engine for);
 - ``refused``: a 400 ``unsupported_parameter`` at the door naming the field and the engine,
-  before admission takes anything from the tenant's limits.
+  before admission takes anything from the tenant's limits;
+- ``forwarded where the engine reports it``: forwarded to an engine whose own introspection names
+  the feature (``CapacityReport.features``, ``contracts.engine``: the bundled engine reports
+  ``tools`` and ``structured_output`` when it serves them), refused like the above by one that
+  does not. The capability is the engine's word, read with its capacity, never a table here.
 
 A value that asks for nothing (``Rule.inert``: a penalty of 0, ``tools: []``, ``n: 1``,
 ``response_format: {"type": "text"}``...) is accepted by every engine: it is left out of what an
@@ -26,6 +30,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from contracts.engine import STRUCTURED_OUTPUT
+from contracts.engine import TOOLS as TOOLS_FEATURE
 from gateway.engines.registry import EngineRecord
 from gateway.engines.spec import EngineKind
 from gateway.errors import InvalidRequest
@@ -56,9 +62,10 @@ class Decision(StrEnum):
     FORWARD = "forwarded"
     DROP = "accepted, not forwarded"
     REFUSE = "refused"
+    REPORTED = "forwarded where the engine reports it"
 
 
-_CELL = {"F": Decision.FORWARD, "D": Decision.DROP, "R": Decision.REFUSE}
+_CELL = {"F": Decision.FORWARD, "D": Decision.DROP, "R": Decision.REFUSE, "E": Decision.REPORTED}
 
 
 def _never(value: Any) -> bool:
@@ -72,9 +79,18 @@ class Rule:
     inert: Callable[[Any], bool] = _never
     inert_text: str = ""  # the inert values, as the README shows them
     why: str = ""  # why engines refuse it (the error says so)
+    feature: str | None = None  # REPORTED cells: the capacity feature the engine must report
 
     def decision(self, profile: Profile) -> Decision:
         return self.cells[PROFILES.index(profile)]
+
+    def takes(self, record: EngineRecord) -> bool:
+        """Whether this engine is sent the field (as the client wrote it)."""
+        decision = self.decision(profile_of(record))
+        if decision is Decision.REPORTED:
+            snapshot = record.snapshot
+            return snapshot is not None and self.feature in snapshot.features
+        return decision is Decision.FORWARD
 
 
 def _row(
@@ -83,10 +99,12 @@ def _row(
     inert: Callable[[Any], bool] = _never,
     inert_text: str = "",
     why: str = "",
+    feature: str | None = None,
 ) -> Rule:
     decisions = tuple(_CELL[c] for c in cells.split())
     assert len(decisions) == len(PROFILES), field
-    return Rule(field, decisions, inert, inert_text, why)
+    assert (Decision.REPORTED in decisions) == (feature is not None), field
+    return Rule(field, decisions, inert, inert_text, why, feature)
 
 
 def _null(value: Any) -> bool:
@@ -138,17 +156,25 @@ TABLE: tuple[Rule, ...] = (
     _row("logit_bias", "F F F F F F"),
     _row("logprobs", "F F F F F F"),
     _row("top_logprobs", "F F F F F F"),
-    _row("tools", "R R F F F F", _empty, "[]", TOOLS),
-    _row("tool_choice", "R R F F F F", lambda v: v in (None, "none"), '"none"', TOOLS),
+    _row("tools", "E E F F F F", _empty, "[]", TOOLS, TOOLS_FEATURE),
+    _row(
+        "tool_choice",
+        "E E F F F F",
+        lambda v: v in (None, "none"),
+        '"none"',
+        TOOLS,
+        TOOLS_FEATURE,
+    ),
     _row("parallel_tool_calls", "F F F F F F"),
     _row("functions", "R R R R F F", _empty, "[]", DEPRECATED),
     _row("function_call", "R R R R F F", lambda v: v in (None, "none"), '"none"', DEPRECATED),
     _row(
         "response_format",
-        "R R F F F F",
+        "E E F F F F",
         lambda v: v is None or v.get("type") == "text",
         '{"type": "text"}',
         "this engine does not serve structured output",
+        STRUCTURED_OUTPUT,
     ),
     _row("metadata", "D D D D D D"),
     _row("cache_salt", "D D D D D D"),  # vLLM/SGLang's; the gateway sets its own per tenant
@@ -175,8 +201,9 @@ TABLE: tuple[Rule, ...] = (
     _row("suffix", "R R R R F F", _empty, '""', "this engine does not insert text"),
     _row("best_of", "R R R R F F", lambda v: v in (None, 1), "1", "this engine samples n only"),
     _row("messages: developer role", "F F F F F F"),
-    _row("messages: tool or function role", "R R F F F F", why=TOOLS),
-    _row("messages: assistant tool_calls", "R R F F F F", why=TOOLS),
+    _row("messages: tool role", "E E F F F F", why=TOOLS, feature=TOOLS_FEATURE),
+    _row("messages: function role", "R R F F F F", why=DEPRECATED),
+    _row("messages: assistant tool_calls", "E E F F F F", why=TOOLS, feature=TOOLS_FEATURE),
     _row("messages: text content parts", "F F F F F F"),
     _row("messages: image_url parts", "R R F F F F", why=MODEL_INPUT),
     _row("messages: input_audio parts", "R R R F F F", why=MODEL_INPUT),
@@ -213,7 +240,7 @@ def requested(body: Body) -> dict[str, Any]:
         if message.role == "developer":
             features.append("messages: developer role")
         if message.role in ("tool", "function"):
-            features.append("messages: tool or function role")
+            features.append(f"messages: {message.role} role")
         if message.tool_calls or message.function_call:
             features.append("messages: assistant tool_calls")
         if "text" in message.part_types():
@@ -233,12 +260,18 @@ def refusal(fields: dict[str, Any], record: EngineRecord) -> UnsupportedParamete
     profile = profile_of(record)
     for name, value in fields.items():
         rule = RULES[name]
-        if rule.decision(profile) is Decision.REFUSE and not rule.inert(value):
+        decision = rule.decision(profile)
+        refused = decision is Decision.REFUSE or (
+            decision is Decision.REPORTED and not rule.takes(record)
+        )
+        if refused and not rule.inert(value):
             param = name.split(":")[0].split(" ")[0]
             message = (
                 f"'{name}' is not supported by engine '{record.name}' ({profile.value}): "
                 f"{rule.why}."
             )
+            if decision is Decision.REPORTED:
+                message += f" (It does not report '{rule.feature}' in its capacity.)"
             if rule.inert_text:
                 message += f" Accepted values there: {rule.inert_text}."
             return UnsupportedParameter(message, param=param)
@@ -263,13 +296,10 @@ def serving(
 def for_engine(body: dict[str, Any], record: EngineRecord) -> dict[str, Any]:
     """The upstream body for this engine: fields it does not take (inert, or not forwarded)
     left out."""
-    profile = profile_of(record)
     dropped = [
         name
         for name in body
-        if name in RULES
-        and name not in _MESSAGE_FIELDS
-        and RULES[name].decision(profile) is not Decision.FORWARD
+        if name in RULES and name not in _MESSAGE_FIELDS and not RULES[name].takes(record)
     ]
     if not dropped:
         return body
@@ -287,6 +317,8 @@ def render_markdown() -> str:
             cell = decision.value
             if decision is Decision.REFUSE and rule.inert_text:
                 cell = f"refused unless {rule.inert_text}"
+            if decision is Decision.REPORTED:
+                cell = f"forwarded where the engine reports `{rule.feature}`"
             cells.append(cell)
         lines.append(f"| `{rule.field}` | " + " | ".join(cells) + " |")
     reasons = sorted({rule.why for rule in TABLE if rule.why})

@@ -186,7 +186,10 @@ async def count_prompt(
     tokenizer answers (all serve the same model)."""
     messages = body.get("messages")
     prompt = body.get("prompt")
-    if any(r.snapshot is not None and r.snapshot.tokenizer == TOKENIZER_ID for r in routable):
+    countable = not body.get("tools")  # the local count renders messages only
+    if countable and any(
+        r.snapshot is not None and r.snapshot.tokenizer == TOKENIZER_ID for r in routable
+    ):
         local = count_tokens(prompt, messages)
         if local is not None:
             deps.metrics.token_counts.labels(method="local").inc()

@@ -71,6 +71,11 @@ class Rule:
     inert_text: str = ""
     why: str = ""
 
+    @property
+    def feature(self) -> str | None:
+        """The capacity feature a translated engine must report where chat's cell is REPORTED."""
+        return CHAT_RULES[self.chat].feature if self.chat is not None else None
+
     def decision(self, profile: Profile) -> tuple[Decision, str]:
         """The cell for ``profile`` and why it refuses (if it does)."""
         if profile in NATIVE:
@@ -177,7 +182,7 @@ TABLE: tuple[Rule, ...] = (
          why=PLATFORM),
     _row("input: developer or system role", "F F", chat="messages: developer role"),
     _row("input: function_call items", "F F", chat="messages: assistant tool_calls"),
-    _row("input: function_call_output items", "F F", chat="messages: tool or function role"),
+    _row("input: function_call_output items", "F F", chat="messages: tool role"),
     _row("input: reasoning items", "F F", translated="D"),
     _row("input: encrypted reasoning", "R R", translated="R", why=ENCRYPTED),
     _row("input: input_image parts", "F F", chat="messages: image_url parts"),
@@ -241,15 +246,22 @@ _PART_ROWS = frozenset({"input_image", "input_file", "refusal"})
 
 
 def refusal_for(
-    fields: dict[str, Any], profile: Profile, engine: str
+    fields: dict[str, Any],
+    profile: Profile,
+    engine: str,
+    features: frozenset[str] = frozenset(),
 ) -> UnsupportedParameter | None:
-    """Why this engine cannot take this request, or None when it can."""
+    """Why this engine cannot take this request, or None when it can; ``features``: what the
+    engine reports serving (chat's REPORTED cells need theirs)."""
     for name, value in fields.items():
         rule = RULES[name]
         decision, why = rule.decision(profile)
-        if decision is Decision.REFUSE and not rule.inert(value):
+        missing = decision is Decision.REPORTED and rule.feature not in features
+        if (decision is Decision.REFUSE or missing) and not rule.inert(value):
             param = name.split(":")[0].split(" ")[0]
             message = f"'{name}' is not supported by engine '{engine}' ({profile.value}): {why}."
+            if missing:
+                message += f" (It does not report '{rule.feature}' in its capacity.)"
             if rule.inert_text:
                 message += f" Accepted values there: {rule.inert_text}."
             return UnsupportedParameter(message, param=param)
@@ -257,7 +269,8 @@ def refusal_for(
 
 
 def refusal(fields: dict[str, Any], record: EngineRecord) -> UnsupportedParameter | None:
-    return refusal_for(fields, profile_of(record), record.name)
+    features = record.snapshot.features if record.snapshot is not None else frozenset()
+    return refusal_for(fields, profile_of(record), record.name, features)
 
 
 def native(record: EngineRecord) -> bool:
@@ -280,6 +293,8 @@ def render_markdown() -> str:
             cell = decision.value
             if decision is Decision.REFUSE and rule.inert_text:
                 cell = f"refused unless {rule.inert_text}"
+            if decision is Decision.REPORTED:
+                cell = f"forwarded where the engine reports `{rule.feature}`"
             cells.append(cell)
         lines.append(f"| `{rule.field}` | " + " | ".join(cells) + " |")
     reasons = sorted(
@@ -288,7 +303,7 @@ def render_markdown() -> str:
             for rule in TABLE
             for profile in PROFILES
             for decision, why in [rule.decision(profile)]
-            if decision is Decision.REFUSE and why
+            if decision in (Decision.REFUSE, Decision.REPORTED) and why
         }
     )
     lines += ["", "Why a field is refused (the 400 says which applies):", ""]

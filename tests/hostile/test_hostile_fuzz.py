@@ -170,6 +170,10 @@ def _int(low: int, high: int) -> dict[str, Any]:
     return {"type": "integer", "minimum": low, "maximum": high}
 
 
+def _bool() -> dict[str, Any]:
+    return {"type": "boolean"}
+
+
 def _obj(**fields: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
@@ -225,6 +229,18 @@ def _handoff_bodies(checkpoint: str, endpoint: str) -> dict[str, dict[str, Any]]
             "maxItems": 2,
         },
         logprobs={"anyOf": [{"type": "null"}, _int(0, 5)]},
+        # none, any JSON object, or a schema: prefill samples the first token under it
+        grammar={
+            "anyOf": [
+                {"type": "null"},
+                _obj(kind={"const": "json_object"}, schema={"type": "null"}, strict=_bool()),
+                _obj(
+                    kind={"const": "json_schema"},
+                    schema={"enum": ['{"type":"object"}', '{"enum":[1,2]}', '{"type":"array"}']},
+                    strict=_bool(),
+                ),
+            ]
+        },
     )
     name = {"type": "string", "minLength": 1, "maxLength": 12}
     target = {
@@ -276,6 +292,7 @@ def _handoff_bodies(checkpoint: str, endpoint: str) -> dict[str, dict[str, Any]]
             "stop_token_ids": [257],
             "logit_bias": [[65, 2.5]],
             "logprobs": 2,
+            "grammar": {"kind": "json_schema", "schema": '{"type":"object"}', "strict": True},
         },
         "reserved_tokens": 20,
         "pages": [{"page_id": 0, "generation": 1}, {"page_id": 1, "generation": 1}],

@@ -1,16 +1,21 @@
 """kvguard's bundled backend: ``GET /engine/capacity`` (``contracts.engine.CapacityReport``).
 
 The report already carries every role on the serving path (decode reports prefill too), the
-enabled fault drills and the engine's own drift statement. A report with another schema version
-is refused: the contract changed and this adapter must be updated with it.
+enabled fault drills, the engine's own drift statement and the request features it serves (tools,
+structured output: ``gateway.openai.surface`` forwards those fields only where reported). A report
+with another schema version is refused: the contract changed and this adapter must be updated
+with it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
 from contracts.engine import CAPACITY_SCHEMA_VERSION, CapacityReport, RoleCapacity
+from gateway.engines import prompt
 from gateway.engines.adapters.base import AdapterError, EngineAdapter, get_json
 from gateway.engines.capacity import CapacitySnapshot, RoleView
 
@@ -30,6 +35,9 @@ class BundledAdapter(EngineAdapter):
         except ValidationError as exc:
             raise AdapterError(f"capacity report invalid: {exc.error_count()} errors") from exc
         return snapshot_from_report(report, model=self.check_model(report.model))
+
+    def tokenize_request(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        return prompt.for_bundled(model, body)
 
 
 def snapshot_from_report(report: CapacityReport, *, model: str) -> CapacitySnapshot:
@@ -60,6 +68,7 @@ def snapshot_from_report(report: CapacityReport, *, model: str) -> CapacitySnaps
         engine_drift="; ".join(drifts) or None,
         unavailable=report.unavailable,
         tokenizer=report.tokenizer,
+        features=frozenset(report.features),
     )
 
 

@@ -25,8 +25,24 @@ def test_render_is_the_documented_transcript_ending_with_the_cue() -> None:
 
 def test_developer_role_renders_as_system_and_unknown_roles_are_refused() -> None:
     assert chat.render([{"role": "developer", "content": "x"}]).startswith("<|system|>\nx\n")
-    with pytest.raises(ValueError, match="unsupported chat role 'tool'"):
-        chat.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="unsupported chat role 'function'"):
+        chat.render([{"role": "function", "content": "x"}])
+
+
+def test_tools_calls_and_tool_answers_render_in_the_bundled_format() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "4", "tool_call_id": "c1"},
+    ]
+    assert chat.render(messages, [tool]) == (
+        '<|system|>\n# Tools\n{"name": "f", "parameters": {"type": "object"}}\n'
+        "<|user|>\ngently: q\n"
+        '<|assistant|>\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n'
+        "<|tool|>\n4\n" + chat.ASSISTANT_CUE
+    )
 
 
 def test_cue_shares_nine_bytes_with_repeat_exactly_and_five_with_the_last_user_turn() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backend.core.grammar import GrammarSpec
 from backend.core.messages import TokenLogprobs
 from backend.disagg.protocol import (
     PROTOCOL_VERSION,
@@ -27,13 +28,16 @@ KEY = bytes(range(32))
 GRANTS = (PageGrant(3, 1), PageGrant(7, 4))
 
 
+GRAMMAR = GrammarSpec.json_schema('{"type":"object","properties":{"a":{"enum":[1]}}}', strict=True)
+
+
 def request(**changes: Any) -> PrefillRequest:
     fields: dict[str, Any] = {
         "protocol_version": PROTOCOL_VERSION,
         "request_id": "req-1",
         "tenant": "tenant-a",
         "prompt_ids": tuple(range(20)),
-        "sampling": SamplingSpec(8, 0.0, 1.0, 42, (257,), ((65, 2.5), (66, -100.0)), 3),
+        "sampling": SamplingSpec(8, 0.0, 1.0, 42, (257,), ((65, 2.5), (66, -100.0)), 3, GRAMMAR),
         "reserved_tokens": 20,
         "pages": GRANTS,
         "target": TARGET,

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from disagg_messages import KEY, LAYOUT, OPEN_TARGET, TARGET, ok_result, request
 
+from backend.core.grammar import GrammarSpec
 from backend.disagg.errors import MalformedMessage, ProtocolVersionMismatch
 from backend.disagg.protocol import (
     PROTOCOL_VERSION,
@@ -50,6 +51,10 @@ def test_every_message_round_trips_exactly() -> None:
     assert prefill_result_from_wire(wire(rejected)) == rejected
     plain = request(sampling=SamplingSpec(8, 0.0, 1.0, None, ()))  # no biases, no logprobs
     assert prefill_request_from_wire(wire(plain)) == plain
+    any_object = request(
+        sampling=SamplingSpec(8, 0.0, 1.0, None, (), grammar=GrammarSpec.json_object())
+    )
+    assert prefill_request_from_wire(wire(any_object)) == any_object
     assert prefill_result_from_wire(wire(ok_result(first_token_logprobs=None))).first_token == 65
     abort = AbortRequest(PROTOCOL_VERSION, "req-1", "inst-1")
     assert abort_request_from_wire(wire(abort)) == abort
@@ -120,6 +125,11 @@ def test_each_side_checks_against_its_own_version() -> None:
         (lambda p: p["sampling"].update(logit_bias=[[-1, 2]]), "logit_bias must be a list of"),
         (lambda p: p["sampling"].update(logit_bias=[["65", 2]]), "logit_bias must be a list of"),
         (lambda p: p["sampling"].update(logprobs=-1), "logprobs must be an integer >= 0"),
+        (lambda p: p["sampling"].pop("grammar"), "missing fields ['grammar']"),
+        (lambda p: p["sampling"]["grammar"].update(kind="regex"), "unknown kind 'regex'"),
+        (lambda p: p["sampling"]["grammar"].update(schema=None), "needs its schema"),
+        (lambda p: p["sampling"]["grammar"].update(schema={}), "schema must be a string"),
+        (lambda p: p["sampling"]["grammar"].update(strict="yes"), "strict must be a boolean"),
         (lambda p: p.update(seal_key=None), "a seal key comes with a sealed target"),
         (lambda p: p.update(seal_key="ab" * 16), "seal_key must be 32 bytes"),
         (lambda p: p.update(seal_key="zz" * 32), "seal_key must be hex"),

@@ -42,6 +42,11 @@ FEATURES: dict[str, list[tuple[str, str]]] = {
         ("test_model_detokenizer.py", "test_encoded_text_cut_anywhere_streams_honestly"),
         ("test_model_detokenizer.py", "test_random_ids_never_raise_and_stream_honestly"),
     ],
+    "json schema": [("test_model_families_http.py", "test_json_schema")],
+    "tool calls": [
+        ("test_model_families_http.py", "test_tools_template"),
+        ("test_model_families_http.py", "test_required_tool_call"),
+    ],
 }
 _MODULES: dict[str, ModuleType] = {}
 

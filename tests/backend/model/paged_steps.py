@@ -46,5 +46,8 @@ def run_step(model, cache, pages: PagedRequests, step) -> dict[str, torch.Tensor
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    from tiny_families import fresh_rope
+
+    fresh_rope(hf)
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]

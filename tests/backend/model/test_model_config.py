@@ -103,16 +103,39 @@ def test_malformed_json_names_the_file(tmp_path):
         ({"attention_bias": "yes"}, "attention_bias", "expected true or false"),
         ({"kvguard_tokenizer": "sentencepiece"}, "kvguard_tokenizer", "only 'byte'"),
         (
-            {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
-            "rope_scaling",
-            "not supported",
+            {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}},
+            "rope_scaling.short_factor",
+            "expected 8 positive numbers",
+        ),
+        ({"rope_scaling": {"rope_type": "dynamic"}}, "rope_scaling.factor", "is missing"),
+        ({"rope_scaling": {"rope_type": "mrope"}}, "rope_scaling", "not supported"),
+        ({"architectures": ["Gemma2ForCausalLM"]}, "architectures", "only"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "architectures", "only"),
+        (
+            {
+                "architectures": ["Gemma3ForCausalLM"],
+                "model_type": "gemma3_text",
+                "hidden_act": "silu",
+            },
+            "hidden_act",
+            "gelu_pytorch_tanh",
+        ),
+        (
+            {
+                "architectures": ["Gemma3ForCausalLM"],
+                "model_type": "gemma3_text",
+                "hidden_act": "gelu_pytorch_tanh",
+                "final_logit_softcapping": 30.0,
+            },
+            "final_logit_softcapping",
+            "soft-capping",
         ),
         (
             {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
             "rope_scaling.low_freq_factor",
             "is missing",
         ),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters", "only"),
+        ({"rope_parameters": {"rope_type": "ntk", "rope_theta": 1e4}}, "rope_parameters", "only"),
     ],
 )
 def test_bad_fields_name_file_and_field(tmp_path, change, field, problem):

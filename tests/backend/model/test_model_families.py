@@ -28,12 +28,20 @@ PAGE_SIZE = 4
 NUM_PAGES = 96
 
 EXPECTED = {
-    "llama2": dict(architecture="LlamaForCausalLM", qkv_bias=False, windows=(), rope=None),
+    "llama2": dict(architecture="LlamaForCausalLM", qkv_bias=False, windows=(), rope="dynamic"),
     "llama3": dict(architecture="LlamaForCausalLM", qkv_bias=False, windows=(), rope="llama3"),
     "qwen2": dict(architecture="Qwen2ForCausalLM", qkv_bias=True, windows=(), rope=None),
     "mistral": dict(architecture="MistralForCausalLM", qkv_bias=False, windows=(12, 12), rope=None),
     "smollm": dict(architecture="LlamaForCausalLM", qkv_bias=False, windows=(), rope=None),
+    "qwen3": dict(architecture="Qwen3ForCausalLM", qkv_bias=False, windows=(), rope="yarn"),
+    "gemma3": dict(
+        architecture="Gemma3ForCausalLM", qkv_bias=False, windows=(8, None) * 2, rope="linear"
+    ),
+    "phi3": dict(architecture="Phi3ForCausalLM", qkv_bias=False, windows=(24, 24), rope="longrope"),
 }
+# RoPE whose frequencies follow a sequence's length (transformers recomputes them every forward):
+# chunked prefill is not the same computation there, in transformers either
+BY_LENGTH = {"llama2", "phi3"}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +85,8 @@ def test_prompt_logits(family, engine_model, hf_family):
         *([("a", a[i : i + 1], i + 1), ("c", c[i - 57 : i - 56], i - 56)] for i in range(63, 66)),
         *([("a", a[i : i + 1], i + 1)] for i in range(66, 70)),
     ]  # fmt: skip
+    if family in BY_LENGTH:  # each sequence whole in one step, as transformers computes it
+        steps = [[("a", a, 70), ("b", b[:22], 22), ("c", c, 9)]]
     pages = PagedRequests(2, NUM_PAGES, PAGE_SIZE)
     cache = model.new_kv_cache(NUM_PAGES, PAGE_SIZE)
     got: dict[str, list[torch.Tensor]] = {"a": [], "b": [], "c": []}
@@ -112,3 +122,26 @@ def test_greedy_tokens(family, family_checkpoint, hf_family):
     for request, prompt in zip(requests, PROMPTS, strict=True):
         want = hf_greedy(hf, list(request.prompt_ids), 12, stops)
         assert request.output_ids == want, prompt
+
+
+def test_longrope_recomputes_a_sequence_that_crosses_its_original_window(
+    family_checkpoint, hf_family
+):
+    """Phi-3's longrope switches to its long factors once a sequence is longer than
+    original_max_position_embeddings (32 here), and transformers then recomputes the whole
+    sequence's KV with them (Phi3ForCausalLM.prepare_inputs_for_generation drops its cache). The
+    engine preempts the request at that step, so it is recomputed whole: 28 prompt tokens and 12
+    greedy ones equal transformers', where keeping the short-factor KV diverged at token 6."""
+    tok, hf = hf_family("phi3")
+    built = build_engine(
+        BackendSettings(model=family_checkpoint("phi3"), pool_tokens=1024, page_size=16)
+    )
+    stops = set(built.tokenizer.stop_ids)
+    gen = random.Random(3)
+    prompt = [gen.randrange(10, 300) for _ in range(28)]
+    request = Request("crossing", "tenant", prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    built.engine.core.add(request)
+    while built.engine.core.has_work():
+        built.engine.core.step()
+    assert built.engine.core.scheduler.num_preemptions == 1  # once, at 32 computed tokens
+    assert request.output_ids == hf_greedy(hf, prompt, 12, stops)

@@ -9,6 +9,13 @@ transformers on the same directory:
 - greedy: one completion alone equals transformers' greedy continuation (text, token count,
   finish reason, stopping on the family's end-of-turn ids);
 - batched: eight concurrent completions, each equal to its own greedy continuation;
+- structured output: 100 of 100 ``json_schema`` answers (nesting, enums, arrays, required
+  fields) validate against the schema, streamed and not, each ending "stop" within a budget its
+  longest answer fits (``structured_cases``);
+- tool calls: ``/tokenize`` of a conversation with tools, an assistant's calls and the tool's
+  answer is ``apply_chat_template(..., tools=...)`` (arguments given as objects, as vLLM renders
+  them); 100 of 100 ``tool_choice: "required"`` answers are one parsable call of an offered tool
+  whose arguments validate, streamed and not;
 - streaming text: a streamed chat answer equals transformers' decode of the same tokens (no
   U+FFFD for a character still arriving, the first token's leading space kept), and equals the
   non-streamed answer; a byte-fallback stream (Llama 2, Mistral) that logit_bias makes end on
@@ -26,6 +33,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structured_cases as cases
 from tiny_families import (
     CONVERSATIONS,
     CORPUS,
@@ -52,7 +60,8 @@ def family(request, family_checkpoint, hf_family) -> Iterator[dict[str, Any]]:
     tok, hf = hf_family(name)
     engine = launch_engine(
         str(family_checkpoint(name)),
-        pool_tokens=2048,
+        env={"KVGUARD_MAX_RUNNING": "128"},
+        pool_tokens=4096,
         page_size=16,
         served_model_name=f"tiny/{name}",
     )
@@ -257,3 +266,75 @@ def test_byte_fallback_stream_ends_honestly(family, prompt, piece, max_tokens):
     cut = hf_text.endswith(REPLACEMENT) and piece == "<0xE2>"  # the last lead byte's character
     assert text == (hf_text[:-1] if cut else hf_text)
     assert text.count(REPLACEMENT) == hf_text.count(REPLACEMENT) - cut
+
+
+@families
+def test_json_schema(family):
+    f = family
+    for answers in cases.both_ways(f["engine"].url, f"tiny/{f['name']}", cases.schema_body(), 100):
+        cases.check_schema_answers(answers, 100)
+
+
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+]
+
+
+def _hf_messages(messages):
+    """The conversation as the engine hands it to a template (as vLLM does): a call's arguments
+    as an object, an absent content as ""."""
+    out = []
+    for m in messages:
+        m = {**m, "content": m["content"] or ""}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+@families
+def test_tools_template(family):
+    import jinja2
+
+    f = family
+    for messages in (cases.MESSAGES, TOOL_CONVERSATION):
+        answer = _post(f, "/tokenize", {"messages": messages, "tools": cases.TOOLS})
+        try:
+            want = f["tok"].apply_chat_template(
+                _hf_messages(messages), tools=cases.TOOLS, add_generation_prompt=True
+            )["input_ids"]
+        except jinja2.TemplateError as exc:  # a template without tool turns refuses them
+            assert answer.status_code == 400
+            assert str(exc) in answer.json()["error"]["message"]
+            continue
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["tokens"] == want
+
+
+@families
+def test_required_tool_call(family):
+    f = family
+    url, model = f["engine"].url, f"tiny/{f['name']}"
+    for answers in cases.both_ways(url, model, cases.required_body(), 50):
+        cases.check_required_answers(answers, 50)

@@ -149,13 +149,32 @@ def test_dtype_bfloat16_computes_and_caches_in_bf16(bf16_checkpoint):
 # -- refused at start-up: one clear line, exit 2 -----------------------------------------------
 
 
-def test_an_unsupported_checkpoint_is_one_line_and_exit_2(family_checkpoint, tmp_path):
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
+            "field 'architectures': only one of",
+        ),
+        (
+            {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
+            "field 'architectures': only one of",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}},
+            "field 'rope_parameters': rope_type 'mrope' is not supported",
+        ),
+    ],
+    ids=["gemma2", "mixtral", "mrope"],
+)
+def test_an_unsupported_checkpoint_is_one_line_and_exit_2(
+    family_checkpoint, tmp_path, change, message
+):
     """Every refusal is a CheckpointError naming file and field (test_model_config.py and
-    test_model_checkpoint.py list them); this runs the real command once to see it printed."""
+    test_model_checkpoint.py list them); this runs the real command to see it printed."""
     path = tmp_path / "model"
     shutil.copytree(family_checkpoint("llama2"), path)
-    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
-    config = json.loads((path / "config.json").read_text()) | {"rope_parameters": yarn}
+    config = json.loads((path / "config.json").read_text()) | change
     (path / "config.json").write_text(json.dumps(config))
 
     proc = subprocess.run(
@@ -171,4 +190,4 @@ def test_an_unsupported_checkpoint_is_one_line_and_exit_2(family_checkpoint, tmp
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("kvguard backend unified: cannot start: ")
-    assert "config.json: field 'rope_parameters': rope_type 'yarn' is not supported" in lines[0]
+    assert f"config.json: {message}" in lines[0]

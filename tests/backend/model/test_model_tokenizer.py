@@ -158,3 +158,61 @@ def test_hf_tokenizer_larger_than_the_model_is_refused(tmp_path):
     save_byte_level_bpe(tmp_path)
     with pytest.raises(CheckpointError, match="exceed the model's vocab_size 100"):
         load_tokenizer(tmp_path, config(tmp_path, vocab_size=100, bos_token_id=0, eos_token_id=1))
+
+
+def save_legacy_llama(path):
+    """TinyLlama's and Mistral v0.1's tokenizer.json: the ``▁`` comes from the normalizer
+    (prepend, replace spaces), there is no pre-tokenizer, and the decoder maps it back."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(["hello world, hello tokens and words"] * 20, trainer)
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.save(str(path / "tokenizer.json"))
+    return tok
+
+
+def test_logprob_token_text_keeps_its_space_with_a_normalizer_metaspace(tmp_path):
+    rust = save_legacy_llama(tmp_path)
+    tok = load_tokenizer(tmp_path, config(tmp_path, bos_token_id=1, eos_token_id=2))
+    words = [p for p in rust.get_vocab() if p.startswith("▁") and len(p) > 2 and "▁" not in p[1:]]
+    piece = max(words, key=len)
+    word = rust.token_to_id(piece)
+    text = " " + piece[1:]
+    assert tok.decode([word]) == piece[1:]  # decoding it alone strips the space
+    assert tok.token_text(word) == text
+    # the same text the stream sends for it after a prompt
+    decoder = tok.stream_decoder(tok.encode("hello"))
+    assert decoder.push(word) + decoder.flush() == text
+
+
+def test_split_special_tokens_encodes_them_as_text_as_transformers_does(
+    tmp_path, family_checkpoint
+):
+    import shutil
+
+    import transformers
+
+    source = family_checkpoint("qwen2")
+    for split in (False, True):
+        path = tmp_path / str(split)
+        shutil.copytree(source, path)
+        settings = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(
+            json.dumps({**settings, "split_special_tokens": split})
+        )
+        tok = load_tokenizer(path, ModelConfig.from_dir(path))
+        hf = transformers.AutoTokenizer.from_pretrained(path)
+        end = tok.token_id("<|im_end|>")
+        text = "a user typed <|im_end|> here"
+        assert tok.encode(text) == hf(text)["input_ids"]
+        assert (end in tok.encode(text)) is not split

@@ -88,15 +88,29 @@ LLAMA3_TEMPLATE = """{{ bos_token }}{% if messages[0]['role'] == 'system' %}
 Cutting Knowledge Date: December 2023
 Today Date: {{ date_string }}
 
+{% if tools %}
+Environment: ipython
+Respond with a call as {"name": function name, "parameters": its arguments}.
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+{% endif %}
 {{ system_message }}<|eot_id|>{% for message in messages %}
+{% if message['role'] == 'assistant' and message['tool_calls'] %}
+<|start_header_id|>assistant<|end_header_id|>
+
+{% for call in message['tool_calls'] %}{"name": "{{ call.function.name }}", "parameters": {{ call.function.arguments | tojson }}}{% endfor %}<|eom_id|>{% elif message['role'] == 'tool' %}
+<|start_header_id|>ipython<|end_header_id|>
+
+{{ message['content'] | trim }}<|eot_id|>{% else %}
 <|start_header_id|>{{ message['role'] }}<|end_header_id|>
 
-{{ message['content'] | trim }}<|eot_id|>{% endfor %}
+{{ message['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}
 {% if add_generation_prompt %}
 <|start_header_id|>assistant<|end_header_id|>
 
 {% endif %}
-"""
+"""  # noqa: E501
 
 # Indented block tags: without lstrip_blocks their indentation is output.
 QWEN2_TEMPLATE = """{%- if tools %}
@@ -108,7 +122,8 @@ QWEN2_TEMPLATE = """{%- if tools %}
     {% for tool in tools %}
 {{ tool | tojson }}
     {% endfor %}
-</tools><|im_end|>
+</tools>
+For each call, return <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
 {% else %}
     {% if messages[0]['role'] == 'system' %}
 <|im_start|>system
@@ -119,9 +134,23 @@ You are a helpful assistant.<|im_end|>
     {% endif %}
 {% endif %}
 {% for message in messages %}
-    {% if message.role == 'user' or (message.role == 'system' and not loop.first) or message.role == 'assistant' %}
+    {% if message.role == 'user' or (message.role == 'system' and not loop.first) or (message.role == 'assistant' and not message.tool_calls) %}
 <|im_start|>{{ message.role }}
 {{ message.content }}<|im_end|>
+    {% elif message.role == 'assistant' %}
+<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+        {% for tool_call in message.tool_calls %}
+<tool_call>
+{"name": "{{ tool_call.function.name }}", "arguments": {{ tool_call.function.arguments | tojson }}}
+</tool_call>
+        {% endfor %}
+<|im_end|>
+    {% elif message.role == 'tool' %}
+<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
     {% endif %}
 {% endfor %}
 {% if add_generation_prompt %}
@@ -142,7 +171,16 @@ MISTRAL_TEMPLATE = (
 MISTRAL_TOOL_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
-    + MISTRAL_TEMPLATE.removeprefix("{{ bos_token }}")
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}[TOOL_CALLS] ["
+    "{% for call in message['tool_calls'] %}"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% elif message['role'] == 'tool' %}[TOOL_RESULTS]{{ message['content'] }}[/TOOL_RESULTS]"
+    "{% else %}{{ raise_exception('Only user, assistant and tool roles are supported!') }}"
+    "{% endif %}{% endfor %}"
 )
 
 SMOLLM_TEMPLATE = (
@@ -152,6 +190,34 @@ SMOLLM_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+PHI3_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and message['content'] %}"
+    "{{ '<|system|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
 # -- tokenizers -----------------------------------------------------------------------------------
@@ -203,8 +269,39 @@ def llama2_tokenizer() -> Any:
     return tok
 
 
+def gemma3_tokenizer() -> Any:
+    """Gemma's pipeline (the one transformers' GemmaTokenizer builds): spaces normalized to ``▁``
+    with no prefix space, a split on spaces, byte-fallback BPE, a decoder that keeps a leading
+    space; ids <pad> 0, <eos> 1, <bos> 2, <unk> 3, then the turn markers and the byte pieces."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    tok = _byte_fallback_bpe(specials, 150)
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok.post_processor = _bos_template("<bos>", 2)
+    return tok
+
+
+def phi3_tokenizer() -> Any:
+    """Llama 2's vocabulary with Phi-3's chat tokens added at its end (32000+ in the real one)."""
+    from tokenizers import AddedToken
+
+    tok = _byte_fallback_bpe(["<unk>", "<s>", "</s>"], 140)
+    tok.post_processor = _bos_template("<s>", 1)
+    names = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|system|>", "<|user|>"]
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    return tok
+
+
 def mistral_tokenizer() -> Any:
-    tok = _byte_fallback_bpe(["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], 140)
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]"]
+    tok = _byte_fallback_bpe(
+        [*specials, "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], 150
+    )
     tok.post_processor = _bos_template("<s>", 1)
     return tok
 
@@ -239,7 +336,9 @@ LLAMA3_SPECIALS = [
     "<|reserved_special_token_0|>",
     "<|start_header_id|>",
     "<|end_header_id|>",
+    "<|eom_id|>",
     "<|eot_id|>",
+    "<|python_tag|>",
 ]
 
 
@@ -281,8 +380,15 @@ def qwen2_tokenizer() -> Any:
     )
     tok = _byte_level_bpe(pre, [], 320, normalizer=normalizers.NFC())
     _special(tok, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    # as in Qwen2.5: the tool-call tags are tokens of their own, not special (decode keeps them)
+    from tokenizers import AddedToken
+
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_TOOL_TAGS])
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
+
+
+QWEN_TOOL_TAGS = ["<tool_call>", "</tool_call>"]
 
 
 def smollm_tokenizer() -> Any:
@@ -306,7 +412,7 @@ _SMALL = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=512,
+    max_position_embeddings=1024,
     initializer_range=0.25,
 )
 
@@ -333,11 +439,19 @@ FAMILIES: dict[str, Family] = {
         Family(
             name="llama2",
             title="Llama 2-style",
-            summary="LlamaForCausalLM, MHA; Metaspace + byte-fallback BPE adding `<s>`; "
-            "template string in tokenizer_config.json with `raise_exception`",
+            summary="LlamaForCausalLM, MHA, rope_type dynamic (NTK, x128 past 8 positions: every "
+            "prompt grows the base); Metaspace + byte-fallback BPE adding `<s>`; template string "
+            "in tokenizer_config.json with `raise_exception`",
             model_class="LlamaForCausalLM",
             tokenizer=llama2_tokenizer,
-            config=dict(num_key_value_heads=4, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
+            config=dict(
+                num_key_value_heads=4,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=8,
+                rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=128.0),
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
             tokenizer_config=dict(
                 tokenizer_class="LlamaTokenizer",
                 bos_token="<s>",
@@ -381,10 +495,10 @@ FAMILIES: dict[str, Family] = {
             ),
             generation=dict(
                 bos_token_id="<id:<|begin_of_text|>>",
-                eos_token_id=["<id:<|end_of_text|>>", "<id:<|eot_id|>>"],
+                eos_token_id=["<id:<|end_of_text|>>", "<id:<|eom_id|>>", "<id:<|eot_id|>>"],
             ),
             files={"chat_template.jinja": LLAMA3_TEMPLATE},
-            stop_tokens=("<|end_of_text|>", "<|eot_id|>"),
+            stop_tokens=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
         ),
         Family(
             name="qwen2",
@@ -441,6 +555,106 @@ FAMILIES: dict[str, Family] = {
             ),
             generation=dict(bos_token_id=1, eos_token_id=2),
             stop_tokens=("</s>",),
+        ),
+        Family(
+            name="qwen3",
+            title="Qwen3-style",
+            summary="Qwen3ForCausalLM: q/k norms, head_dim 32 (not hidden/heads), rope_type yarn "
+            "(factor 4 over 256 positions); Qwen2's tokenizer and ChatML template with tools",
+            model_class="Qwen3ForCausalLM",
+            tokenizer=qwen2_tokenizer,
+            config=dict(
+                head_dim=32,
+                tie_word_embeddings=True,
+                rope_parameters=dict(
+                    rope_type="yarn",
+                    rope_theta=1000000.0,
+                    factor=4.0,
+                    original_max_position_embeddings=256,
+                ),
+                bos_token_id="<id:<|endoftext|>>",
+                eos_token_id="<id:<|im_end|>>",
+            ),
+            tokenizer_config=dict(
+                tokenizer_class="Qwen2Tokenizer",
+                bos_token=None,
+                eos_token="<|im_end|>",
+                pad_token="<|endoftext|>",
+                unk_token=None,
+                clean_up_tokenization_spaces=False,
+                chat_template=QWEN2_TEMPLATE,
+            ),
+            generation=dict(eos_token_id=["<id:<|im_end|>>", "<id:<|endoftext|>>"]),
+            stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        ),
+        Family(
+            name="gemma3",
+            title="Gemma 3-style",
+            summary="Gemma3ForCausalLM (text): norms scaling by 1 + w around attention and the "
+            "MLP, q/k norms, embedding x sqrt(hidden), GELU-tanh, query_pre_attn_scalar 24, "
+            "sliding (window 8, RoPE base 1e4) and global layers (linear RoPE x8, base 1e6) "
+            "alternating; byte-fallback BPE with `<start_of_turn>`",
+            model_class="Gemma3ForCausalLM",
+            tokenizer=gemma3_tokenizer,
+            config=dict(
+                num_hidden_layers=4,
+                head_dim=16,
+                query_pre_attn_scalar=24,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                rope_parameters=dict(
+                    full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+                    sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                ),
+                bos_token_id=2,
+                eos_token_id=[1, "<id:<end_of_turn>>"],
+                pad_token_id=0,
+            ),
+            tokenizer_config=dict(
+                tokenizer_class="GemmaTokenizer",
+                bos_token="<bos>",
+                eos_token="<eos>",
+                pad_token="<pad>",
+                unk_token="<unk>",
+                add_bos_token=True,
+                chat_template=GEMMA3_TEMPLATE,
+            ),
+            generation=dict(bos_token_id=2, eos_token_id=[1, "<id:<end_of_turn>>"]),
+            stop_tokens=("<eos>", "<end_of_turn>"),
+        ),
+        Family(
+            name="phi3",
+            title="Phi-3-style",
+            summary="Phi3ForCausalLM: fused qkv_proj and gate_up_proj tensors, longrope (short "
+            "factors within 32 positions, long ones beyond), sliding window 24; Llama 2's "
+            "tokenizer with `<|user|>`, `<|end|>` added",
+            model_class="Phi3ForCausalLM",
+            tokenizer=phi3_tokenizer,
+            config=dict(
+                sliding_window=24,
+                original_max_position_embeddings=32,
+                rope_parameters=dict(
+                    rope_type="longrope",
+                    rope_theta=10000.0,
+                    short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                    long_factor=[1.0, 1.5, 2.2, 3.0, 4.1, 5.5, 7.2, 9.0],
+                ),
+                bos_token_id=1,
+                eos_token_id="<id:<|endoftext|>>",
+                pad_token_id="<id:<|endoftext|>>",
+            ),
+            tokenizer_config=dict(
+                tokenizer_class="LlamaTokenizer",
+                bos_token="<s>",
+                eos_token="<|endoftext|>",
+                unk_token="<unk>",
+                pad_token="<|endoftext|>",
+                add_bos_token=False,
+                legacy=False,
+                chat_template=PHI3_TEMPLATE,
+            ),
+            generation=dict(bos_token_id=1, eos_token_id=["<id:<|endoftext|>>", "<id:<|end|>>"]),
+            stop_tokens=("<|endoftext|>", "<|end|>"),
         ),
         Family(
             name="smollm",
@@ -548,10 +762,22 @@ def assert_honest(text: str, hf_tok: Any, prompt_ids: list[int], ids: list[int])
     assert text == want[:-1] or text in shorter, (text, want)
 
 
+def fresh_rope(hf_model: Any) -> None:
+    """Forget what a dynamic RoPE of transformers remembers from earlier calls: it keeps the
+    frequencies of the longest sequence it has seen until one shorter than the original window
+    comes, so a reference computed after another would depend on that other. Each reference is a
+    request alone (as the engine computes every sequence)."""
+    for module in hf_model.modules():
+        if getattr(module, "rope_type", None) == "dynamic":
+            module.inv_freq.copy_(module.original_inv_freq)
+            module.max_seq_len_cached = module.original_max_seq_len
+
+
 def hf_greedy(hf_model: Any, prompt_ids: list[int], max_new: int, stops: set[int]) -> list[int]:
     """transformers' greedy continuation, ending on (and including) a stop token."""
     import torch
 
+    fresh_rope(hf_model)
     out = hf_model.generate(
         torch.tensor([prompt_ids]),
         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),

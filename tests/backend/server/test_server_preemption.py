@@ -82,3 +82,37 @@ def test_preempted_answers_equal_their_answers_alone(engine_factory: Any) -> Non
     assert _preemptions(url) > 0
     capacity = httpx.get(url + "/engine/capacity", timeout=10).json()
     assert capacity["free_pages"] == capacity["pool_pages"]  # every page back (idle cached count)
+
+
+def test_constrained_answers_survive_preemption(engine_factory: Any) -> None:
+    """The grammar's state lives on the request: a constrained answer preempted mid-JSON and
+    recomputed (its outputs kept, its matcher kept, nothing replayed twice) is the answer it gives
+    alone, and validates."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
+    import structured_cases as cases
+
+    # 10 pages: one answer (a 47-token prompt + at most 89 tokens) fits, six together do not
+    url = engine_factory(
+        pool_tokens=160, page_size=PAGE_SIZE, env={"KVGUARD_SERVED_MODEL_NAME": MODEL}
+    )
+    bodies = [
+        {**cases.schema_body(), "messages": [{"role": "user", "content": f"pet {i}"}]}
+        for i in range(6)
+    ]
+    bodies = [{**b, "temperature": 0} for b in bodies]
+    alone = [cases.answers(url, MODEL, body, 1)[0] for body in bodies]
+    assert _preemptions(url) == 0
+
+    async def together() -> list[list[dict[str, Any]]]:
+        streams = [{**b, "stream": bool(i % 2)} for i, b in enumerate(bodies)]
+        chat = url + "/v1/chat/completions"
+        asks = (cases._answers(chat, {"model": MODEL, **b}, 1) for b in streams)
+        return list(await asyncio.gather(*asks))
+
+    both = [found[0] for found in asyncio.run(together())]
+    assert _preemptions(url) > 0
+    cases.check_schema_answers(both, len(bodies))
+    assert [m["content"] for m in both] == [m["content"] for m in alone]

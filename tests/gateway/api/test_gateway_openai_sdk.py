@@ -154,13 +154,27 @@ async def test_the_sdk_against_the_bundled_engine(engine: EngineProcess, served:
         schema = name.replace("StreamResponse", "Response").replace("Chunk", "Response")
         check(schema, whole.json())
 
+    # the bundled engine reports tools: a forced call comes back in OpenAI's schema, whole and
+    # streamed (a strict tool without properties: its only call is "{}")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"model": BUNDLED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    call |= {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    raw = await client.chat.completions.with_raw_response.create(**call, max_tokens=64)
+    body = check("CreateChatCompletionResponse", raw.http_response.json())
+    assert body["choices"][0]["finish_reason"] == "stop"
+    (function,) = [c["function"] for c in body["choices"][0]["message"]["tool_calls"]]
+    assert function == {"name": "f", "arguments": "{}"}
+    r = await _raw(gw.url, key, "/chat/completions", {**call, "max_tokens": 64, "stream": True})
+    check_sse(r.content, "CreateChatCompletionStreamResponse")
+
     with pytest.raises(openai.BadRequestError) as refused:
         await client.chat.completions.create(
             model=BUNDLED_MODEL,
             messages=[{"role": "user", "content": "hi"}],
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            reasoning_effort="low",
         )
-    assert refused.value.code == "unsupported_parameter" and refused.value.param == "tools"
+    assert refused.value.code == "unsupported_parameter"
+    assert refused.value.param == "reasoning_effort"
     check("ErrorResponse", refused.value.response.json())
 
 
@@ -318,3 +332,43 @@ async def test_every_answer_carries_the_request_id_the_sdk_reads(served: Any) ->
     assert answered.http_response.headers["x-kvguard-request-id"] == ids[1]
     # One id per request, in the answer and in what the engine was told.
     assert worker.traffic.headers[-1]["x-kvguard-request-id"] == ids[1]
+
+
+async def test_tool_call_arguments_from_the_bundled_engine_are_screened(
+    engine: EngineProcess, served: Any
+) -> None:
+    """The bundled engine now serves tools, and the firewall still screens what the model writes
+    there: a tool whose argument must be shaped like a canary marker makes the engine write
+    `CNRY-` and 32 base32 characters into the call (its grammar allows nothing else), and what
+    reaches the tenant has none, streamed or not (the tenant's own injected marker, or a
+    look-alike, is stripped from tool-call arguments as from text)."""
+    gw = await served([{"name": "tiny", "kind": "bundled", "base_url": engine.url}], canary=True)
+    client, _ = await gw.client("marked", canary_sample_rate=1.0)
+    code = {"type": "string", "pattern": "^CNRY-[A-Z2-7]{32}$"}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "file",
+            "parameters": {"type": "object", "properties": {"code": code}, "required": ["code"]},
+        },
+    }
+    ask = {
+        "model": BUNDLED_MODEL,
+        "messages": [{"role": "user", "content": "Repeat the reference code."}],
+        "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "file"}},
+        "max_tokens": 64,
+    }
+    raw = await client.chat.completions.with_raw_response.create(**ask)
+    body = check("CreateChatCompletionResponse", raw.http_response.json())
+    (call,) = body["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "file"
+    assert "CNRY-" not in call["function"]["arguments"]
+    stream = await client.chat.completions.create(**ask, stream=True)
+    streamed = "".join([chunk.model_dump_json() async for chunk in stream])
+    assert '"name":"file"' in streamed and "CNRY-" not in streamed
+    # the same request straight to the engine: the model did write a marker-shaped argument
+    async with httpx.AsyncClient(timeout=60) as http:
+        direct = (await http.post(f"{engine.url}/v1/chat/completions", json=ask)).json()
+    (call,) = direct["choices"][0]["message"]["tool_calls"]
+    assert MARKER.fullmatch(json.loads(call["function"]["arguments"])["code"])

@@ -151,12 +151,12 @@ async def test_bundled_adapter_and_exact_counts(standin) -> None:
 
 
 async def test_bundled_adapter_refuses_other_schema_versions() -> None:
-    report = {"schema_version": 99, "model": "m"}
+    report = {"schema_version": 1, "model": "m"}  # the release before engines named features
     server = await serve(static_app({"/engine/capacity": (200, JSON, json.dumps(report))}))
-    invalid = await serve(static_app({"/engine/capacity": (200, JSON, '{"schema_version": 1}')}))
+    invalid = await serve(static_app({"/engine/capacity": (200, JSON, '{"schema_version": 2}')}))
     try:
         async with httpx.AsyncClient() as client:
-            with pytest.raises(AdapterError, match="schema_version 99 is not 1"):
+            with pytest.raises(AdapterError, match="schema_version 1 is not 2"):
                 await adapter_for(EngineSpec(name="b", base_url=server.url)).introspect(
                     client, timeout=2
                 )

@@ -201,9 +201,26 @@ def test_what_each_kind_is_sent_to_count() -> None:
         assert kind("m", {"prompt": "a b", "temperature": 1}) == {"model": "m", "prompt": "a b"}
 
 
-def test_the_bundled_count_is_messages_only_because_the_door_refuses_the_rest() -> None:
-    """The bundled engine is counted on its messages (or locally): every field another kind's
-    template renders is refused for it at the door, unless it asks for nothing."""
+def test_the_bundled_count_renders_what_its_template_renders() -> None:
+    """The bundled engine's /tokenize is sent the messages and the tools (its chat template
+    writes both); tool_choice and response_format constrain sampling and are not in the prompt;
+    what another kind's template renders besides is refused for it at the door."""
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "required",
+        "response_format": {"type": "json_object"},
+        "temperature": 0,
+    }
+    want = {"model": "m", "messages": MESSAGES, "tools": body["tools"]}
+    assert prompt.for_bundled("m", body) == want
+    assert prompt.for_bundled("m", {"prompt": "a b", "tools": []}) == {
+        "model": "m",
+        "prompt": "a b",
+    }
     for profile in (surface.Profile.BUNDLED, surface.Profile.BUNDLED_PD):
-        for field in ("tools", "tool_choice", "response_format", "reasoning_effort", "functions"):
+        for field in ("reasoning_effort", "functions"):
             assert surface.RULES[field].decision(profile) is surface.Decision.REFUSE, field
+        for field in ("tools", "tool_choice", "response_format"):
+            assert surface.RULES[field].decision(profile) is surface.Decision.REPORTED, field

@@ -88,8 +88,10 @@ def test_a_refusal_names_the_field_the_engine_and_why() -> None:
     assert refused.param == "tools"
     assert refused.message == (
         "'tools' is not supported by engine 'tiny' (bundled): this engine does not serve tool "
-        "calls. Accepted values there: []."
+        "calls. (It does not report 'tools' in its capacity.) Accepted values there: []."
     )
+    # a bundled engine that reports tools in its capacity takes them, as chat does
+    assert surface.refusal_for(fields, Profile.BUNDLED, "tiny", frozenset({"tools"})) is None
     assert surface.refusal_for(fields, Profile.VLLM, "v") is None
     everywhere = surface.requested(_body({"input": "hi", "conversation": "conv_1"}))
     for profile in PROFILES:
