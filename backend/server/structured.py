@@ -107,9 +107,45 @@ def plan(body: ChatCompletionRequest, fmt: ToolCallFormat) -> OutputPlan:
 
 def schema_spec(schema: dict[str, Any], *, strict: bool) -> GrammarSpec:
     """The grammar of a JSON schema (compact text, the client's key order kept: properties are
-    generated in it)."""
+    generated in it); a strict one with every object closed (``closed``)."""
+    if strict:
+        schema = closed(schema)
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     return GrammarSpec.json_schema(text, strict=strict)
+
+
+# Where a JSON schema holds schemas: one schema, a list of them, or a map of names to them.
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say
+    otherwise: OpenAI's strict mode, where no member the schema does not name may be written.
+    xgrammar's ``strict_mode`` closes an object only when it lists ``properties`` (a bare
+    ``{"type": "object"}`` stays any object, so a strict tool without parameters was given
+    arbitrary arguments). Only schema positions are walked: an ``enum`` or ``const`` value that
+    looks like a schema is data and stays as written."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    types = out.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types)
+    if (is_object or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(item) for item in out[key]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(item) for name, item in out[key].items()}
+    if isinstance(out.get("items"), list):  # the older tuple form
+        out["items"] = [closed(item) for item in out["items"]]
+    return out
 
 
 def _format_grammar(body: ChatCompletionRequest) -> GrammarSpec:

@@ -151,3 +151,39 @@ def test_compiled_grammars_are_cached_per_tenant(built) -> None:  # type: ignore
     mine = built.grammar.compile(spec, "tenant-a")
     assert built.grammar.compile(spec, "tenant-a") is mine
     assert built.grammar.compile(spec, "tenant-b") is not mine
+
+
+def test_a_strict_schema_closes_every_object_it_does_not_close_itself(built) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's strict mode: no member a schema does not name. xgrammar's own ``strict_mode``
+    closes only objects that list ``properties``, so a strict tool whose parameters are a bare
+    ``{"type": "object"}`` got arbitrary arguments (``{"|ype": "object"}`` from the bundled
+    model); a random walk under the mask now only ever writes the members named."""
+    loose = {
+        "type": "object",
+        "properties": {"inner": {"type": "object"}, "list": {"items": {"type": "object"}}},
+        "required": ["inner", "list"],
+    }
+    closed = {
+        "type": "object",
+        "properties": {
+            "inner": {"type": "object", "additionalProperties": False},
+            "list": {"items": {"type": "object", "additionalProperties": False}},
+        },
+        "required": ["inner", "list"],
+        "additionalProperties": False,
+    }
+    grammar, rng = built.grammar, random.Random(1)
+    for n in range(40):
+        request = _request(f"s{n}", seed=n, grammar=schema_spec(loose, strict=True))
+        matcher = grammar.state_for(request)
+        for _ in range(200):
+            logits = torch.zeros(1, grammar.vocab_size)
+            grammar.mask(logits, [(0, matcher)])
+            token = rng.choice(torch.nonzero(logits[0] > float("-inf")).flatten().tolist())
+            assert matcher.accept(token)
+            request.output_ids.append(token)
+            if matcher.is_terminated:
+                break
+        assert request.output_ids[-1] == BYTE_EOS, _text(request)
+        jsonschema.validate(json.loads(_text(request)), closed)
+    assert schema_spec({"type": "object"}, strict=False).schema == '{"type":"object"}'
