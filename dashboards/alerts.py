@@ -91,8 +91,9 @@ ALERTS = (
         expr=f'max by (engine) ({gm.ENGINE_BLOCKED}{{reason="quarantined"}}) == 1',
         severity="critical",
         summary="An engine is quarantined and receives no traffic",
-        first_response="Find why (the finding that triggered it), fix the engine, then clear "
-        "the quarantine (DELETE /admin/engines/<name>/quarantine); capacity now rests on the "
+        first_response="Find why (the finding that triggered it: the console's Isolation now "
+        "page names it), fix the engine, then clear the quarantine with a reason (the console's "
+        "Engines page, or DELETE /admin/engines/<name>/quarantine); capacity now rests on the "
         "other engines.",
     ),
     AlertRule(
