@@ -314,6 +314,7 @@ def _handoff(target: dict[str, Any], tiny_checkpoint: str, **changes: Any) -> di
         "stop_token_ids": [],
         "logit_bias": [],
         "logprobs": None,
+        "grammar": None,
     }
     return {
         "protocol_version": PROTOCOL_VERSION,

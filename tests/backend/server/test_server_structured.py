@@ -60,12 +60,13 @@ def test_the_plan_of_each_request_shape() -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": PARAMS, "strict": True}}
     schema = plan(_body(response_format=fmt), HERMES)
     assert schema.mode is Mode.JSON and schema.grammar is not None
-    assert json.loads(schema.grammar.schema or "") == PARAMS and schema.grammar.strict
+    closed = {**PARAMS, "additionalProperties": False}  # strict: no member the schema lacks
+    assert json.loads(schema.grammar.schema or "") == closed and schema.grammar.strict
     named = plan(
         _body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
         HERMES,
     )
-    assert named.mode is Mode.NAMED and json.loads(named.grammar.schema or "") == PARAMS
+    assert named.mode is Mode.NAMED and json.loads(named.grammar.schema or "") == closed
     required = plan(_body(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), HERMES)
     calls = json.loads(required.grammar.schema or "")
     assert calls["maxItems"] == 1 and calls["minItems"] == 1
