@@ -71,6 +71,20 @@ class CanarySettings(KvguardSettings):
         "damaged copy showing a foreign tenant's tag, no MAC). Off by default: unauthenticated "
         "evidence alerts without taking an engine out of routing",
     )
+    canary_corroboration_window_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="suspected findings quarantine an engine when, within this many seconds, "
+        "copies showing a victim's nonce from requests that engine served reach "
+        "canary_corroboration_tenants different requesting tenants (canary/README.md)",
+    )
+    canary_corroboration_tenants: int = Field(
+        default=2,
+        ge=2,
+        le=1000,
+        description="how many different requesting tenants' suspected findings corroborate each "
+        "other (at least 2: one requester's findings never suffice on their own)",
+    )
     canary_inject_completions: bool = Field(
         default=True,
         description="also mark /v1/completions prompts (a reference line before the prompt)",
