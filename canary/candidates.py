@@ -21,10 +21,12 @@ How a reader reads (``Reading``):
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from types import MappingProxyType
 
 from canary.folding import ANCHOR, Folded
 from canary.kinds import Evidence, FindingKind
@@ -98,6 +100,7 @@ class Verdict:
     end: int = 0
     shown: int = 0  # folded body characters the candidate shows
     finding: Finding | None = None
+    at: int = 0  # the folded character ``start`` is at
 
 
 class CandidateReader:
@@ -131,36 +134,42 @@ class CandidateReader:
         self._index: KnownTags = {} if known_tags is None else known_tags
         # The owner's tags and own fragments (HMACs) are computed on the first read: the codec
         # and its keyring are immutable, so they never change.
-        self._owner_tags: dict[str, KnownTag] | None = None
-        self._fragments: dict[str, tuple[str, int]] | None = None
-        self._mine: dict[str, object] | None = None
+        self._owner_tags: Mapping[str, KnownTag] | None = None
+        self._fragments: Mapping[str, tuple[str, int]] | None = None
+        self._mine: Mapping[str, object] | None = None
         self.origin = 0  # where the text being read starts in the delivered stream
 
-    def first(self, view: Folded, cursor: int, final: bool, reading: Reading) -> Verdict | None:
-        """The first candidate at or after text offset ``cursor`` (None: there is none)."""
+    def first(self, view: Folded, lo: int, final: bool, reading: Reading) -> Verdict | None:
+        """The first candidate at or after folded character ``lo`` (None: there is none)."""
         if reading is Reading.LITERAL:
-            return self._first_literal(view, cursor, final)
-        chars, lo = view.chars, view.index_at(cursor)
+            return self._first_literal(view, lo, final)
+        chars, end = view.chars, len(view.chars) - UNDECIDED
         known, mine = self._known(), self._own_windows()
-        # Where a candidate can start, found in bulk: a window that is a tag or an own fragment,
-        # or an anchor. Everything else is ordinary text.
-        starts = [
-            i
-            for i in range(lo, len(chars) - UNDECIDED)
-            if (w := chars[i : i + TAG_CHARS]) in known or w in mine
-        ]
-        at = chars.find(ANCHOR, lo)
-        while at != -1:
-            starts.append(at)
-            at = chars.find(ANCHOR, at + 1)
-        for i in sorted(set(starts)):
-            verdict = self._at(view, i, final)
+        # Where a candidate can start: a window that is a tag or an own fragment (found in bulk,
+        # up to the next anchor), or an anchor. Everything else is ordinary text.
+        start = lo
+        while True:
+            at = chars.find(ANCHOR, start)
+            stop = end if at == -1 else min(at, end)
+            for i in [
+                i
+                for i in range(start, stop)
+                if (w := chars[i : i + TAG_CHARS]) in known or w in mine
+            ]:
+                verdict = self._at(view, i, final)
+                if verdict is not None:
+                    return verdict
+            if at == -1:
+                break
+            verdict = self._at(view, at, final)
             if verdict is not None:
                 return verdict
-        return None if final else _literal_start(view.text, cursor)
+            start = at + 1
+        return None if final else _literal_start(view.text, view.offset(lo))
 
-    def _first_literal(self, view: Folded, cursor: int, final: bool) -> Verdict | None:
+    def _first_literal(self, view: Folded, lo: int, final: bool) -> Verdict | None:
         text = view.text
+        cursor = view.offset(lo)
         at = text.find("C", cursor)
         while at != -1:
             i = view.index_at(at)
@@ -230,7 +239,7 @@ class CandidateReader:
             return Verdict(Action.HOLD, start)  # a later "CNRY-" may start in its tail
         later = text.find(PREFIX, start + 1, end + len(PREFIX) - 1)
         end = later if later != -1 else end
-        return Verdict(Action.STRIP, start, end, end - start - len(PREFIX))
+        return Verdict(Action.STRIP, start, end, end - start - len(PREFIX), at=anchor)
 
     def _own_fragment(
         self, view: Folded, i: int, fragment: tuple[str, int], final: bool
@@ -255,10 +264,10 @@ class CandidateReader:
         for k in range(max(first + 1, last - len(ANCHOR) + 1), last):
             rest = view.chars[k : view.stop(k)]
             if rest.startswith(ANCHOR):
-                return Verdict(Action.STRIP, start, view.pos(k), shown)
+                return Verdict(Action.STRIP, start, view.pos(k), shown, at=first)
             if ANCHOR.startswith(rest) and view.run_open(k) and not final:
                 return Verdict(Action.HOLD, start)
-        return Verdict(Action.STRIP, start, end, shown)
+        return Verdict(Action.STRIP, start, end, shown, at=first)
 
     def _genuine(self, v: Verified, start: int, end: int) -> Verdict:
         victim: str | None
@@ -314,24 +323,36 @@ class CandidateReader:
     def _own_windows(self) -> Mapping[str, object]:
         """The owner's tags and this request's own fragments: windows that start a candidate."""
         if self._mine is None:
-            self._mine = {**self._owner_tag_texts(), **self._own_fragments()}
+            self._mine = _own_windows(self._codec, self._owner, self._own_nonces)[2]
         return self._mine
 
-    def _owner_tag_texts(self) -> dict[str, KnownTag]:
+    def _owner_tag_texts(self) -> Mapping[str, KnownTag]:
         if self._owner_tags is None:
-            codec, owner = self._codec, self._owner
-            self._owner_tags = {
-                encode_tag(codec.tenant_tag(owner, key_id=kid)): KnownTag(owner, kid)
-                for kid in codec.keyring.key_ids
-            }
+            self._owner_tags = _own_windows(self._codec, self._owner, frozenset())[0]
         return self._owner_tags
 
-    def _own_fragments(self) -> dict[str, tuple[str, int]]:
+    def _own_fragments(self) -> Mapping[str, tuple[str, int]]:
         """Every 8 folded characters of this request's own markers but their tags: text ->
         (the marker's body, the offset). A nonce names no key id, so every id's body counts."""
         if self._fragments is None:
-            self._fragments = dict(_fragments(self._codec, self._owner, self._own_nonces))
+            self._fragments = _own_windows(self._codec, self._owner, self._own_nonces)[1]
         return self._fragments
+
+
+OwnWindows = tuple[Mapping[str, KnownTag], Mapping[str, tuple[str, int]], Mapping[str, object]]
+
+
+@functools.lru_cache(maxsize=1024)
+def _own_windows(codec: MarkerCodec, owner: str, nonces: frozenset[bytes]) -> OwnWindows:
+    """(the owner's tag texts, its own fragments, both merged) for one request: every guard of a
+    request (its choices and side fields) reads with the same ones, computed once (HMACs)."""
+    tags = {
+        encode_tag(codec.tenant_tag(owner, key_id=kid)): KnownTag(owner, kid)
+        for kid in codec.keyring.key_ids
+    }
+    fragments = dict(_fragments(codec, owner, nonces))
+    merged: dict[str, object] = {**tags, **fragments}
+    return MappingProxyType(tags), MappingProxyType(fragments), MappingProxyType(merged)
 
 
 def _literal_start(text: str, cursor: int) -> Verdict | None:

@@ -67,9 +67,9 @@ class CanarySettings(KvguardSettings):
     )
     canary_quarantine_on_suspected: bool = Field(
         default=False,
-        description="with canary_quarantine_on_cut: also quarantine for a suspected finding (a "
-        "damaged copy showing a foreign tenant's tag, no MAC). Off by default: unauthenticated "
-        "evidence alerts without taking an engine out of routing",
+        description="with canary_quarantine_on_cut: quarantine for every suspected finding (a "
+        "damaged copy showing a foreign tenant's tag, no MAC) that is no replay. Off by default: "
+        "suspected findings quarantine only when corroborated (canary_corroboration_*)",
     )
     canary_corroboration_window_s: float = Field(
         default=600.0,

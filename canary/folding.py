@@ -34,6 +34,7 @@ MAX_GAP = 8
 """The most separators between two characters of one run."""
 
 _SEP = "\x00"
+_NEAR = 16  # characters counted one by one rather than all positions listed
 _ASCII_FOLD = str.maketrans(
     {chr(c): (chr(c).upper() if chr(c).upper() in MARKER_ALPHABET else _SEP) for c in range(128)}
 )
@@ -99,12 +100,21 @@ class Folded:
             return self._pos[i]
         mapped, n = self._mapped, len(self.chars)
         assert mapped is not None
+        if n == len(mapped):  # no separator at all
+            return i
         if i >= n // 2:  # count from the end: the scanner asks about the last few characters
             j, seen = len(mapped), n
             while seen > i:
                 j -= 1
                 if mapped[j] != _SEP:
                     seen -= 1
+            return j
+        if i < _NEAR:  # count from the start: a candidate at the front of what is held
+            j, seen = -1, -1
+            while seen < i:
+                j += 1
+                if mapped[j] != _SEP:
+                    seen += 1
             return j
         return self._positions()[i]
 
@@ -126,6 +136,12 @@ class Folded:
         if offset == 0:
             return 0
         return bisect.bisect_left(self._positions(), offset)
+
+    def offset(self, i: int) -> int:
+        """Where folded character ``i`` stands in the text (after the last one: its end)."""
+        if i < len(self.chars):
+            return self.pos(i)
+        return self.pos(len(self.chars) - 1) + 1 if self.chars else 0
 
     def run_open(self, i: int) -> bool:
         """Whether the run holding character ``i`` reaches the end and may still grow."""

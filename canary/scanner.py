@@ -262,7 +262,7 @@ class StreamScanner:
                 self._pending = self._context = ""
                 finding = verdict.finding if verdict.action is Action.CUT else None
                 return ScanResult(text="", findings=() if finding is None else (finding,), cut=True)
-            cursor = verdict.end
+            cursor = view.index_at(verdict.end)
         return None
 
     def cut_only(self) -> None:
@@ -291,7 +291,7 @@ class StreamScanner:
         candidate that began there is held, stripped or cut from ``floor`` on."""
         reader, reading = self._reader, self._reading
         reader.origin = self._delivered - floor
-        cursor = 0  # buf[:cursor] is decided
+        cursor = 0  # the folded characters before it are decided
         while True:
             view = fold(buf)
             verdict = reader.first(view, cursor, final, reading)
@@ -305,12 +305,13 @@ class StreamScanner:
             if verdict.action is Action.CUT:
                 return self._close(buf[floor:start], ScannerState.CUT, verdict.finding)
             if verdict.action is Action.STRIP and verdict.end > start:
-                # Judge the text as it will be received: read it again without the candidate.
+                # Judge the text as it will be received: read it again without the candidate,
+                # from the first character whose candidate could reach past it.
+                cursor = max(0, verdict.at - (len(ANCHOR) + BODY_CHARS - 1))
                 buf = buf[:start] + buf[verdict.end :]
                 self._redactions += 1
-                cursor = 0
             else:
-                cursor = verdict.end
+                cursor = view.index_at(verdict.end)
         if final:
             return self._close(buf[floor:], ScannerState.FINISHED, None)
         self._pending = buf[hold:]
