@@ -29,9 +29,12 @@ out, or a bare body are the same marker as ``CNRY-<body>``. Where a marker may s
 * a known tag: 8 folded characters that are the tag of the owner or of a tenant in the index;
   the 32 from there are the body.
 
-Anything else is ordinary text. Every stream holds back its last ``UNDECIDED`` (7) folded
-characters, whatever they are: until 8 are there nobody can tell a tag, and holding all text
-alike is what keeps the holdback from being an oracle.
+Anything else is ordinary text and goes out at once. What is held back: a recognised candidate
+until it is decided, and a literal ``CNRY-`` begun at the end of the text (the usual copy: a
+marker copied as written never shows even its prefix). The last ``UNDECIDED`` (7) folded
+characters delivered are kept as *context*, so a candidate that began in them is still
+recognised when the rest arrives: at most those 7 characters -- of a marker written with no
+prefix at all, or of a bent prefix -- have gone out then, never a whole tag.
 
 What happens to a candidate's body (up to 32 folded characters of its run):
 
@@ -57,16 +60,16 @@ What happens to a candidate's body (up to 32 folded characters of its run):
   - anything else -> delivered (a bent prefix before a tag nobody has is ordinary text).
 
 No oracle: what is delivered, stripped or cut, and when, never depends on part of the owner's
-tag. Text is held back alike until 8 folded characters show; a literal ``CNRY-`` look-alike is
-stripped whatever its characters (a tenant that asked the model to repeat ``CNRY-`` + guesses
-used to learn its tag one character at a time). Without the literal prefix a damaged copy is
-stripped only when it shows the owner's whole tag (40 bits, which nobody can guess) or 8
-characters of this request's own marker. The count of strips (``redactions``) is the same for
-every kind of candidate.
+tag. A literal ``CNRY-`` look-alike is stripped whatever its characters (a tenant that asked the
+model to repeat ``CNRY-`` + guesses used to learn its tag one character at a time); without the
+literal prefix a damaged copy is held and stripped only when it shows the owner's whole tag (40
+bits, which nobody can guess) or 8 characters of this request's own marker. The count of strips
+(``redactions``) is the same for every kind of candidate.
 
-How much of a foreign marker goes out before a cut: none of its characters through ``feed``
-and ``finish`` (its anchor neither). ``expose`` (text that cannot be held back: a side field
-the gateway forwards as it is) lets a held candidate out only while it shows fewer than 8 body
+How much of a foreign marker goes out before a cut, through ``feed`` and ``finish``: none of it
+when it keeps its prefix in some form (a bent prefix itself may show), at most 7 characters of
+it when it has none (the context). ``expose`` (text that cannot be held back: a side field the
+gateway forwards as it is) lets a held candidate out only while it shows fewer than 8 body
 characters; a longer one is decided now, as if its copy ended there: a known foreign tag cuts
 (SUSPECTED); anything else cuts as undecided, without a finding.
 
@@ -74,12 +77,9 @@ The scanner judges the text as the tenant receives it: after a strip it reads th
 again with the stripped part gone, so a strip cannot assemble a marker out of the text around
 it. Text delivered before a candidate became one is not taken back.
 
-How it reads (``canary.candidates.Reading``): an answer's text holds every undecided character
-(above); a field around the text (``side=True``: reasoning, tool-call arguments, logprobs tokens)
-holds only recognised candidates, keeping its last 7 folded characters as context, so its tokens
-are not shifted against their logprobs and at most 7 characters of a bare body or a bent prefix
-go out before a candidate is recognised; a field that goes out as the engine sent it
-(``cut_only``) is read for the literal ``CNRY-`` only.
+How it reads (``canary.candidates.Reading``): folded, as above, until ``cut_only`` -- a field
+that goes out as the engine sent it (ids, keys, names: the relay asks such a field's guard
+``exposed``) -- from which on only the literal ``CNRY-`` begins a candidate.
 
 Limits: markers disguised by an encoding (reversed, base64, ROT13, letters between the
 characters) or written with homoglyphs of other scripts are not recognised in an answer
