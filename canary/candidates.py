@@ -167,6 +167,17 @@ class CandidateReader:
             start = at + 1
         return None if final else _literal_start(view.text, view.offset(lo))
 
+    def quiet(self, chars: str) -> bool:
+        """Whether no candidate can start in the folded characters ``chars`` (no anchor, no window
+        that is a tag or an own fragment): the scanner's fast path for ordinary text."""
+        if ANCHOR in chars:
+            return False
+        known, mine = self._known(), self._own_windows()
+        return not any(
+            (w := chars[i : i + TAG_CHARS]) in known or w in mine
+            for i in range(len(chars) - UNDECIDED)
+        )
+
     def _first_literal(self, view: Folded, lo: int, final: bool) -> Verdict | None:
         text = view.text
         cursor = view.offset(lo)
@@ -256,11 +267,14 @@ class CandidateReader:
         return self._strip(view, i, i + k, final)
 
     def _strip(self, view: Folded, first: int, last: int, final: bool) -> Verdict:
-        """Strip folded characters ``first`` to ``last`` (exclusive), but never the start of an
-        anchor that begins in its last characters and goes on after it (a later marker's
-        ``CNRY``): the strip stops there, or waits while the text after it is not there yet."""
+        """Strip folded characters ``first`` to ``last`` (exclusive), but never a later marker's
+        ``CNRY`` (an anchor that begins inside it, after its start): the strip stops there, or
+        waits while the text after an anchor begun at its end is not there yet."""
         start, end = view.span(first, last)
         shown = last - first
+        inner = view.chars.find(ANCHOR, first + 1, last)
+        if inner != -1:
+            return Verdict(Action.STRIP, start, view.pos(inner), inner - first, at=first)
         for k in range(max(first + 1, last - len(ANCHOR) + 1), last):
             rest = view.chars[k : view.stop(k)]
             if rest.startswith(ANCHOR):

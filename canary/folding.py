@@ -57,6 +57,11 @@ def fold_flat(text: str) -> str:
     return text.translate(_ASCII_FOLD).replace(_SEP, "")
 
 
+def fold_ascii(text: str) -> str:
+    """``fold_flat`` of an ASCII text (the caller checked ``text.isascii()``)."""
+    return text.translate(_ASCII_FOLD).replace(_SEP, "")
+
+
 def has_marker_characters(text: str) -> bool:
     """Whether ``text`` holds any character that folds to a marker character."""
     if text.isascii():

@@ -103,14 +103,20 @@ from canary.candidates import (
     KnownTags,
     Reading,
 )
-from canary.folding import ANCHOR, MAX_GAP, Folded, fold, has_marker_characters
-from canary.markers import BODY_CHARS, NONCE_BYTES, TAG_CHARS, MarkerCodec
+from canary.folding import ANCHOR, MAX_GAP, fold, fold_ascii, has_marker_characters
+from canary.markers import BODY_CHARS, NONCE_BYTES, PREFIX, TAG_CHARS, MarkerCodec
 from contracts.lifecycle import InvalidTransition, check_move
 
 __all__ = ["MAX_HOLDBACK", "UNDECIDED", "Finding", "KnownTags", "ScanResult", "StreamScanner"]
 
 MAX_HOLDBACK = (len(ANCHOR) + BODY_CHARS) * (MAX_GAP + 1) + MAX_GAP
 """The most characters a scanner ever holds back: an anchor and a body, spaced out to the limit."""
+
+CONTEXT_CHARS = UNDECIDED * (MAX_GAP + 1)
+"""Delivered text the fast path keeps as context: enough to hold the last ``UNDECIDED``
+characters of any run that may still go on (more is read again, and decided the same way: a
+candidate looks forward). A full pass keeps exactly those characters."""
+_LITERAL_ENDS = tuple(PREFIX[:k] for k in range(1, len(PREFIX) + 1))
 
 
 class ScannerState(StrEnum):
@@ -155,6 +161,7 @@ class StreamScanner:
     __slots__ = (
         "_context",
         "_delivered",
+        "_tail",
         "_pending",
         "_reader",
         "_reading",
@@ -187,6 +194,7 @@ class StreamScanner:
         self._reading = Reading.FOLDED
         self._pending = ""  # undecided text (never more than MAX_HOLDBACK)
         self._context = ""  # the delivered text a marker may still continue (FOLDED)
+        self._tail = ""  # its last UNDECIDED folded characters
         self._delivered = 0
         self._redactions = 0
         self._state = ScannerState.OPEN
@@ -224,6 +232,14 @@ class StreamScanner:
         if self._state is not _OPEN:
             self._require_open()
         context = self._context
+        if not self._pending and self._reading is Reading.FOLDED and chunk.isascii():
+            # The usual chunk: nothing held, and no candidate can start in the last characters
+            # delivered and this chunk (nor a literal prefix at its end): it goes out as it is.
+            folded = self._tail + fold_ascii(chunk)
+            if self._reader.quiet(folded) and not chunk.endswith(_LITERAL_ENDS):
+                self._tail = folded[-UNDECIDED:]
+                self._context = (context + chunk)[-CONTEXT_CHARS:]
+                return self._deliver(chunk)
         return self._scan(context + self._pending + chunk, final=False, floor=len(context))
 
     def pass_through(self, chunk: str) -> bool:
@@ -259,7 +275,7 @@ class StreamScanner:
         while (verdict := self._reader.first(view, cursor, True, self._reading)) is not None:
             if verdict.action is Action.CUT or verdict.shown >= TAG_CHARS:
                 self._transition(ScannerState.CUT)
-                self._pending = self._context = ""
+                self._pending = self._context = self._tail = ""
                 finding = verdict.finding if verdict.action is Action.CUT else None
                 return ScanResult(text="", findings=() if finding is None else (finding,), cut=True)
             cursor = view.index_at(verdict.end)
@@ -274,7 +290,7 @@ class StreamScanner:
         if self._reading is Reading.LITERAL:
             return
         self._reading = Reading.LITERAL
-        self._context = ""
+        self._context = self._tail = ""
         view = fold(self._pending)
         verdict = self._reader.first(view, 0, False, Reading.LITERAL)
         hold = len(self._pending) if verdict is None else verdict.start
@@ -316,7 +332,13 @@ class StreamScanner:
             return self._close(buf[floor:], ScannerState.FINISHED, None)
         self._pending = buf[hold:]
         if reading is Reading.FOLDED:
-            self._context = buf[_context_start(view, hold) : hold]
+            before = len(view.chars) if hold == len(buf) else view.index_at(hold)
+            self._tail = view.chars[max(0, before - UNDECIDED) : before]
+            if not self._tail:
+                self._context = ""
+            else:  # from the first of those characters, if its run may still go on
+                first, last = view.pos(before - len(self._tail)), view.pos(before - 1)
+                self._context = buf[first:hold] if hold - last - 1 <= MAX_GAP else ""
         return self._deliver(buf[floor:hold])
 
     def _deliver(self, text: str) -> ScanResult:
@@ -327,7 +349,7 @@ class StreamScanner:
 
     def _close(self, text: str, state: ScannerState, finding: Finding | None) -> ScanResult:
         self._transition(state)
-        self._pending = self._context = ""
+        self._pending = self._context = self._tail = ""
         self._delivered += len(text)
         findings = () if finding is None else (finding,)
         return ScanResult(text=text, findings=findings, cut=state is ScannerState.CUT)
@@ -341,14 +363,3 @@ class StreamScanner:
     def _transition(self, new: ScannerState) -> None:
         check_move(TRANSITIONS, "scanner", "", self._state, new)
         self._state = new
-
-
-def _context_start(view: Folded, end: int) -> int:
-    """Where the text before ``end`` that a later marker may continue starts: its last
-    ``UNDECIDED`` folded characters and what follows them."""
-    before = len(view.chars) if end == len(view.text) else view.index_at(end)
-    if before == 0:
-        return end
-    first = view.pos(max(0, before - UNDECIDED))
-    last = view.pos(before - 1)
-    return first if end - last - 1 <= MAX_GAP else end
