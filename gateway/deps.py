@@ -116,9 +116,9 @@ async def _verify(state: GatewayState, token: str, now: datetime) -> Principal |
     return await cache.verify(token, now=now, lookup=lookup, timeout_s=timeout_s)
 
 
-async def _prefixes_after(state: GatewayState, after_id: int) -> list[tuple[int, str]]:
+async def _prefixes_after(state: GatewayState, after_id: int, limit: int) -> list[tuple[int, str]]:
     return await run_in_session(
-        state.sessions, lambda session: prefixes_after(session, after_id=after_id)
+        state.sessions, lambda session: prefixes_after(session, after_id=after_id, limit=limit)
     )
 
 

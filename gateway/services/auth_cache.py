@@ -49,11 +49,13 @@ MAX_ENTRIES = 100_000
 NEGATIVE_TTL_S = 600.0
 LANE_LOOKUPS = 4
 PREFIX_REFRESH_S = 0.05
+PREFIX_BATCH = 10_000  # keys per read: a large table is learnt in steps that each keep their gain
 _FINAL = frozenset({AuthFailure.UNKNOWN, AuthFailure.REVOKED, AuthFailure.EXPIRED})
 
 Verdict = Principal | AuthFailure
 T = TypeVar("T")
-Fetch = Callable[[int], Awaitable[list[tuple[int, str]]]]  # keys stored after an id: (id, prefix)
+# keys stored after an id, at most so many: (id, prefix)
+Fetch = Callable[[int, int], Awaitable[list[tuple[int, str]]]]
 
 
 class AuthCache:
@@ -208,11 +210,14 @@ class KnownPrefixes:
             self._read.add_done_callback(_retrieved)
 
     async def _fetch(self, fetch: Fetch) -> None:
-        self.reads += 1
-        rows = await fetch(self._last_id)
-        for key_id, prefix in rows:
-            self._prefixes.add(prefix)
-            self._last_id = max(self._last_id, key_id)
+        while True:
+            self.reads += 1
+            rows = await fetch(self._last_id, PREFIX_BATCH)
+            for key_id, prefix in rows:
+                self._prefixes.add(prefix)
+                self._last_id = max(self._last_id, key_id)
+            if len(rows) < PREFIX_BATCH:
+                return
 
 
 def _retrieved(done: asyncio.Future[Any]) -> None:

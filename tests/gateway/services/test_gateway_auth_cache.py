@@ -145,10 +145,10 @@ async def test_unknown_prefixes_share_a_read_of_new_keys_at_most_every_interval(
     table = [(1, "aaaaaaaaaaaa")]
     asked: list[int] = []
 
-    async def fetch(after_id: int) -> list[tuple[int, str]]:
+    async def fetch(after_id: int, limit: int) -> list[tuple[int, str]]:
         asked.append(after_id)
         await asyncio.sleep(0.01)
-        return [row for row in table if row[0] > after_id]
+        return [row for row in table if row[0] > after_id][:limit]
 
     found = await asyncio.gather(
         *(prefixes.holds(f"{n:012x}", fetch=fetch, timeout_s=5) for n in range(1000))
@@ -164,9 +164,27 @@ async def test_unknown_prefixes_share_a_read_of_new_keys_at_most_every_interval(
 async def test_a_prefix_read_that_does_not_answer_is_a_database_timeout() -> None:
     prefixes = KnownPrefixes()
 
-    async def stuck(after_id: int) -> list[tuple[int, str]]:
+    async def stuck(after_id: int, limit: int) -> list[tuple[int, str]]:
         await asyncio.Event().wait()
         return []
 
     with pytest.raises(DatabaseTimeout):
         await prefixes.holds("cccccccccccc", fetch=stuck, timeout_s=0.1)
+
+
+async def test_a_large_table_is_read_in_batches_each_keeping_its_gain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway.services import auth_cache
+
+    monkeypatch.setattr(auth_cache, "PREFIX_BATCH", 3)
+    table = [(n, f"{n:012x}") for n in range(1, 8)]
+    asked: list[int] = []
+
+    async def fetch(after_id: int, limit: int) -> list[tuple[int, str]]:
+        asked.append(after_id)
+        return [row for row in table if row[0] > after_id][:limit]
+
+    prefixes = KnownPrefixes()
+    assert await prefixes.holds(f"{7:012x}", fetch=fetch, timeout_s=5)
+    assert asked == [0, 3, 6] and len(prefixes) == 7
