@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             plain.append((raw, PassThroughGuard))
             guarded.append((raw, lambda info=info: firewall.open(info)))
         base_events, base_total = run(plain, screen_side=False)
-        fw_events, fw_total = run(guarded, screen_side=True, prefilter=firewall.side_prefilter)
+        prefilter = firewall.capabilities.side_prefilter
+        fw_events, fw_total = run(guarded, screen_side=True, prefilter=prefilter)
         added = statistics.median(fw_total) - statistics.median(base_total)
         per_event = (sum(fw_events) - sum(base_events)) / len(fw_events)
         worst = max(worst, pct(fw_events, 0.99))

@@ -179,7 +179,7 @@ def replay_cpu_s(raw: bytes, repeats: int, pairs: int = 15) -> tuple[float, floa
             open_guard=(lambda: firewall.open(info)) if guarded else PassThroughGuard,
             wants_usage=False,
             screen_side=guarded,
-            side_prefilter=firewall.side_prefilter if guarded else None,
+            side_prefilter=firewall.capabilities.side_prefilter if guarded else None,
         )
         for event in SseSplitter().feed(raw):
             relay.on_event(event)

@@ -110,7 +110,6 @@ def run_chat_relay(events: list[bytes], open_guard: Callable[[], object]) -> Non
         endpoint=Endpoint.CHAT,
         open_guard=open_guard,  # type: ignore[arg-type]
         wants_usage=False,
-        side_prefilter=LeakFirewall.side_prefilter,
     )
     for raw in events:
         relay.on_event(raw)

@@ -10,6 +10,10 @@ Workloads:
   character now and then), one own marker per ~2,000-character response, echoed by the model.
 - ``adversarial``: a response made only of well-formed look-alikes (every 37 characters a
   MAC to check) and marker prefixes: the most work a response can cost per character.
+- ``folded``: the same against folded reading -- bent prefixes (``cnry|``, spaced) before
+  bodies nobody has, and the tags of indexed tenants (1,000 of them) with their key id after
+  them in ordinary words: every window a candidate, most of them held and checked to 32
+  characters.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bench.summary import emit
-from canary.markers import MarkerCodec, MarkerKeyring
+from canary.markers import KnownTag, MarkerCodec, MarkerKeyring, encode_tag
 from canary.scanner import StreamScanner
+
+OWNER = "tn_00001"
 
 GOAL_P99_US = 100.0
 B32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
@@ -87,7 +93,7 @@ def prose_responses(rng: random.Random, codec: MarkerCodec, total: int) -> list[
     """Responses of about 2,000 characters, each echoing its own marker once."""
     responses, size = [], 0
     while size < total:
-        marker = codec.issue("tenant-a")
+        marker = codec.issue(OWNER)
         words = [rng.choice(WORDS) for _ in range(330)]
         words.insert(rng.randrange(len(words)), marker.text)
         text = " ".join(words)
@@ -102,6 +108,29 @@ def adversarial_responses(rng: random.Random, total: int) -> list[tuple[str, byt
         piece = rng.choice(["CNRY-" + "".join(rng.choices(B32, k=32)), "CNR", "C", "CNRY-AB "])
         pieces.append(piece)
         size += len(piece)
+    text = "".join(pieces)
+    return [(text[i : i + 2000], bytes(8)) for i in range(0, len(text), 2000)]
+
+
+def folded_responses(
+    rng: random.Random, codec: MarkerCodec, known: dict[str, KnownTag], total: int
+) -> list[tuple[str, bytes]]:
+    tags = list(known)
+    own = encode_tag(codec.tenant_tag(OWNER))
+    pieces, size = [], 0
+    while size < total:
+        body = "".join(rng.choices(B32, k=32))
+        piece = rng.choice(
+            [
+                "cnry|" + body.lower(),  # an anchor before a body nobody has: read to 32
+                " ".join("CNRY-" + body),
+                own + body[8:],  # the owner's tag, no MAC: held to 32, checked, stripped
+                rng.choice(tags) + "77" + body[10:],  # a foreign tag, another key id: ordinary
+                rng.choice(WORDS) + " " + rng.choice(tags)[:7],
+            ]
+        )
+        pieces.append(piece + " ")
+        size += len(piece) + 1
     text = "".join(pieces)
     return [(text[i : i + 2000], bytes(8)) for i in range(0, len(text), 2000)]
 
@@ -134,12 +163,16 @@ def time_chunks(
 
 
 def measure(
-    workload: str, responses: Sequence[tuple[str, bytes]], size: int, codec: MarkerCodec
+    workload: str,
+    responses: Sequence[tuple[str, bytes]],
+    size: int,
+    codec: MarkerCodec,
+    known: dict[str, KnownTag],
 ) -> Row:
     chars = sum(len(text) for text, _ in responses)
 
     def scanner_feed(nonce: bytes) -> tuple[Callable[[str], object], Callable[[], object]]:
-        scanner = StreamScanner(codec, owner_tenant_id="tenant-a", own_nonces={nonce})
+        scanner = StreamScanner(codec, owner_tenant_id=OWNER, own_nonces={nonce}, known_tags=known)
         return scanner.feed, scanner.finish
 
     def passthrough_feed(nonce: bytes) -> tuple[Callable[[str], object], Callable[[], object]]:
@@ -174,7 +207,7 @@ def quantile(values: list[float], q: float) -> float:
 def construction_us(codec: MarkerCodec, n: int = 2000) -> float:
     t0 = time.perf_counter_ns()
     for _ in range(n):
-        StreamScanner(codec, owner_tenant_id="tenant-a", own_nonces={bytes(8)})
+        StreamScanner(codec, owner_tenant_id=OWNER, own_nonces={bytes(8)})
     return (time.perf_counter_ns() - t0) / n / 1000
 
 
@@ -201,13 +234,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     codec = make_codec()
+    known = codec.known_tags(f"tn_{i:05d}" for i in range(1000))
     rng = random.Random(args.seed)
     workloads = {
         "text": prose_responses(rng, codec, args.chars),
         "adversarial": adversarial_responses(rng, args.chars),
+        "folded": folded_responses(rng, codec, known, args.chars),
     }
     rows = [
-        measure(name, responses, size, codec)
+        measure(name, responses, size, codec, known)
         for name, responses in workloads.items()
         for size in args.sizes
     ]

@@ -67,9 +67,23 @@ class CanarySettings(KvguardSettings):
     )
     canary_quarantine_on_suspected: bool = Field(
         default=False,
-        description="with canary_quarantine_on_cut: also quarantine for a suspected finding (a "
-        "damaged copy showing a foreign tenant's tag, no MAC). Off by default: unauthenticated "
-        "evidence alerts without taking an engine out of routing",
+        description="with canary_quarantine_on_cut: quarantine for every suspected finding (a "
+        "damaged copy showing a foreign tenant's tag, no MAC) that is no replay. Off by default: "
+        "suspected findings quarantine only when corroborated (canary_corroboration_*)",
+    )
+    canary_corroboration_window_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="suspected findings quarantine an engine when, within this many seconds, "
+        "copies showing a victim's nonce from requests that engine served reach "
+        "canary_corroboration_tenants different requesting tenants (canary/README.md)",
+    )
+    canary_corroboration_tenants: int = Field(
+        default=2,
+        ge=2,
+        le=1000,
+        description="how many different requesting tenants' suspected findings corroborate each "
+        "other (at least 2: one requester's findings never suffice on their own)",
     )
     canary_inject_completions: bool = Field(
         default=True,
@@ -155,13 +169,11 @@ class CanarySettings(KvguardSettings):
     def _check_keys(self) -> Self:
         require_real_secret("canary_key", self.canary_key, DEV_CANARY_KEY, self.mode)
         require_real_secret("admin_token", self.admin_token, DEV_ADMIN_TOKEN, self.mode)
-        require_distinct_secrets(
-            self.mode, canary_key=self.canary_key, admin_token=self.admin_token
-        )
         for key_id, previous in self.canary_previous_keys.items():
             require_real_secret(
                 f"canary_previous_keys[{key_id}]", previous, DEV_CANARY_KEY, self.mode
             )
+        require_distinct_secrets(self.mode, **self.role_secrets())
         if self.canary_key_id in self.canary_previous_keys:
             raise ValueError("KVGUARD_CANARY_KEY_ID must differ from every previous key's id")
         for key_id, key in self._secrets().items():
@@ -170,6 +182,12 @@ class CanarySettings(KvguardSettings):
             if self.mode is not RunMode.DEVELOPMENT and key == DEV_CANARY_KEY.encode():
                 raise ValueError(f"canary key {key_id} is the development default")
         return self
+
+    def role_secrets(self) -> dict[str, SecretStr | None]:
+        """Every secret this class reads, by setting name (no two roles may share one; with the
+        gateway's: ``contracts.settings.require_distinct_secrets``)."""
+        previous = {f"canary_previous_keys[{k}]": v for k, v in self.canary_previous_keys.items()}
+        return {"canary_key": self.canary_key, **previous, "admin_token": self.admin_token}
 
     def _secrets(self) -> dict[int, bytes]:
         current = self.canary_key.get_secret_value() if self.canary_key else DEV_CANARY_KEY

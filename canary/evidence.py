@@ -7,20 +7,21 @@ write it back: the firewall still cuts such an answer (no marker is delivered), 
 may follow from it. ``input_echo`` looks for the marker's text in everything the request sent --
 every string of its body, in document order -- in each of these forms:
 
-- as sent (``plain``), and with the case folded and every character but letters and digits
-  removed after Unicode NFKC folding (``folded``: lowercase, spaced out, dotted, split by
-  zero-width characters, full-width letters); the body's string values are joined first, in
-  document order, without its keys and schema words (roles, part types), so a marker split
-  across fields or messages in their order is whole again;
+- as sent (``plain``), and folded as the firewall reads answers (``folded``,
+  ``canary.folding``: lowercase, spaced out, dotted, barred, split by zero-width characters or
+  the digits a marker never holds, full-width letters); the body's string values are joined
+  first, in document order, without its keys and schema words (roles, part types), so a marker
+  split across fields or messages in their order is whole again. Every form in which the
+  firewall recognises a marker in an answer is thus a form found here;
 - ``reversed``: the folded text read backwards;
 - ``base64`` (standard or URL-safe, padded or not) and ``hex``: each run of 16+ such characters
   decoded, and the decoded text looked at folded and reversed in turn.
 
 A match is any ``WINDOW`` (8) consecutive characters of the marker's body -- its whole tenant
 tag, or any other 8 -- so a partial copy counts too. By chance, 8 given characters occur at a
-given place of folded text with probability 36**-8 (3.5e-13): a 1 MB request falsely matches one
-of a marker's 25 windows, either way round, about once in 55,000 requests, and the cost of that is
-an alert instead of a quarantine.
+given place of folded text with probability 32**-8 (9.1e-13): a 1 MB request falsely matches one
+of a marker's 25 windows, either way round, about once in 22,000 requests, and the cost of that is
+a replay finding instead of a quarantine.
 
 Not detected (the limits ``canary/README.md`` states): pieces shorter than 8 characters sent out
 of order (fields shuffled, a piece per field), other encodings (base32 of the payload, ROT13,
@@ -32,12 +33,12 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-import unicodedata
 from collections.abc import Iterator
 from typing import Any
 
+from canary.folding import fold_flat
+
 WINDOW = 8
-_FOLD_DROP = re.compile(r"[^A-Z0-9]+")
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
 _HEX_RUN = re.compile(r"(?:[0-9A-Fa-f]{2}){8,}")
 MAX_DECODED_RUNS = 1000  # per request: bounded work however a request is built
@@ -52,21 +53,22 @@ SCHEMA_WORDS = frozenset(
 
 def strings_of(value: Any) -> Iterator[str]:
     """Every string value of a parsed JSON body, in document order (keys and schema words left
-    out)."""
-    if isinstance(value, str):
-        if value not in SCHEMA_WORDS:
-            yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from strings_of(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from strings_of(item)
+    out). Iterative: a body nested as deep as its parser allows costs no recursion here."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if item not in SCHEMA_WORDS:
+                yield item
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
 
 
 def fold(text: str) -> str:
-    """Upper case, letters and digits only, after NFKC (full-width, compatibility forms)."""
-    return _FOLD_DROP.sub("", unicodedata.normalize("NFKC", text).upper())
+    """The marker characters of ``text``, folded as the firewall reads answers."""
+    return fold_flat(text)
 
 
 def input_echo(body: Any, marker_body: str) -> str | None:

@@ -6,26 +6,30 @@ tenant with the request's own and carried nonces (``MarkerLedger``) and the tena
 ``feed``/``finish`` return what may be delivered, or a ``CanaryCut`` carrying the scanner's
 findings, which the gateway hands to ``on_cut`` (the runtime stores them, fires metrics and
 quarantines the engine). A side field that goes out as it is asks ``exposed()`` first (see
-``StreamScanner.expose``). Memory: a scanner holds at most ``MAX_HOLDBACK`` (36) characters, and
-the relay opens at most ``MAX_CHOICES`` + 1 guards per response.
+``StreamScanner.expose``); ``redactions()`` says how many candidates the guard stripped. Memory:
+a scanner holds at most ``MAX_HOLDBACK`` characters, and the relay opens at most ``MAX_CHOICES`` + 1
+guards per response.
 
-``TagIndex`` maps every tenant's tags (under every key id) to its id, so a foreign marker names its
-victim without a lookup. Two tenants sharing a 40-bit tag (about n**2 / 2**41) make that tag
-ambiguous: it names nobody, a complete marker with it still cuts (its MAC proves it), and the
-victim is then found through the marker's issue record.
+``TagIndex`` maps every tenant's tags (under every key id) to its id, by tag bytes (the edge check
+on requests) and by tag text (the scanner reads folded text), so a marker names its victim
+without a lookup. Two tenants sharing a 40-bit tag (about n**2 / 2**41) make that tag ambiguous:
+it names nobody, a complete marker with it still cuts (its MAC proves it), and the victim is then
+found through the marker's issue record.
+
+No side prefilter: any side string with a letter may continue a marker whose prefix was bent or
+lost (``canary.folding``), so every event's side fields are screened.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
+from canary.folding import has_marker_characters
 from canary.injection import MarkerLedger
-from canary.markers import MarkerCodec
+from canary.markers import KnownTag, MarkerCodec, encode_tag
 from canary.scanner import NOTHING, Finding, ScanResult, StreamScanner
-from contracts.openai import choice_texts
 from contracts.plugins import Cut, Emit, GuardCapabilities, RequestInfo, StreamGuard
 
 log = logging.getLogger("kvguard.canary")
@@ -56,44 +60,53 @@ class TagIndex:
 
     def __init__(self, codec: MarkerCodec) -> None:
         self._codec = codec
-        self._tags: dict[bytes, str | None] = {}
+        self._texts: dict[str, KnownTag] = {}
         self._tenants: frozenset[str] = frozenset()
 
     def __len__(self) -> int:
-        return len(self._tags)
+        return len(self._texts)
 
     def lookup(self, tag: bytes) -> str | None:
-        return self._tags.get(tag)
+        known = self._texts.get(encode_tag(tag))
+        return None if known is None else known.tenant
+
+    def texts(self) -> Mapping[str, KnownTag]:
+        """tag text -> whose, now (the scanner's ``known_tags``; replaced, never changed)."""
+        return self._texts
 
     def add(self, tenant_id: str) -> None:
         """Index one tenant now (a tenant created on another replica since the last refresh)."""
         if tenant_id not in self._tenants:
-            _add(self._tags, self._codec, tenant_id)
-            self._tenants = self._tenants | {tenant_id}
+            texts = dict(self._texts)
+            _add(texts, self._codec, tenant_id)
+            self._texts, self._tenants = texts, self._tenants | {tenant_id}
 
     def replace(self, tenant_ids: Iterable[str]) -> None:
         """Rebuild from every tenant (runs in a worker thread; the swap is one assignment)."""
-        tags: dict[bytes, str | None] = {}
+        texts: dict[str, KnownTag] = {}
         tenants = frozenset(tenant_ids)
         for tenant_id in sorted(tenants):
-            _add(tags, self._codec, tenant_id)
-        self._tags, self._tenants = tags, tenants
+            _add(texts, self._codec, tenant_id)
+        self._texts, self._tenants = texts, tenants
 
 
-def _add(tags: dict[bytes, str | None], codec: MarkerCodec, tenant_id: str) -> None:
-    for tag in codec.tenant_tags(tenant_id):
-        if tag not in tags:
-            tags[tag] = tenant_id
-        elif tags[tag] != tenant_id and tags[tag] is not None:
+def _add(texts: dict[str, KnownTag], codec: MarkerCodec, tenant_id: str) -> None:
+    for text, known in codec.known_tags([tenant_id]).items():
+        other = texts.get(text)
+        if other is None:
+            texts[text] = known
+        elif other.tenant != tenant_id and other.tenant is not None:
             log.error(
                 "canary: tenant tag collision involving tenant %s; tag made ambiguous", tenant_id
             )
-            tags[tag] = None
+            texts[text] = KnownTag(tenant=None, key_id=known.key_id)
 
 
 class FirewallGuard(StreamGuard):
     """``StreamGuard`` over one ``StreamScanner``, built on the first text that needs it (most
-    side fields never do: see ``skippable``)."""
+    side fields never do: see ``skippable``). A guard asked ``exposed`` (a side field that goes
+    out as the engine sent it) reads the literal prefix only from then on
+    (``StreamScanner.cut_only``)."""
 
     __slots__ = ("_make", "_scanner")
 
@@ -105,7 +118,7 @@ class FirewallGuard(StreamGuard):
         scanner = self._scanner
         if scanner is None:
             scanner = self._scanner = self._make()
-        if scanner.pass_through(text):  # most chunks: no "C", nothing held back
+        if scanner.pass_through(text):  # nothing held or watched, nothing a marker is made of
             return Emit(text)
         return _verdict(scanner.feed(text))
 
@@ -119,10 +132,12 @@ class FirewallGuard(StreamGuard):
         not rewritten): None if that is safe, else the Cut that must end the stream first
         (``StreamScanner.expose``). An undecided candidate is no finding: it ends the stream as an
         upstream error, and nothing is stored or quarantined."""
-        if self._scanner is None or self._scanner.held == 0:
+        scanner = self._scanner
+        if scanner is None:
             return None
-        result = self._scanner.expose()
+        result = scanner.expose() if scanner.held else None
         if result is None:
+            scanner.cut_only()  # only cut-only fields are asked: read them for the literal prefix
             return None
         if result.findings:
             return CanaryCut(
@@ -131,10 +146,23 @@ class FirewallGuard(StreamGuard):
         return Cut(code=UNDECIDED_CODE, message=UNDECIDED_MESSAGE, status=502)
 
     def skippable(self, text: str) -> bool:
-        """Whether feeding ``text`` now could change no finding: nothing is held back and the text
-        has no ``C`` (every marker and every held-back prefix starts with one). The relay skips
-        such side-field values; only the scanner's delivered-character count would differ."""
-        return "C" not in text and (self._scanner is None or self._scanner.held == 0)
+        """Whether feeding ``text`` now could change nothing: the scanner holds and watches
+        nothing and the text has no character a marker is made of (``C`` for a cut-only field).
+        The relay skips such side-field values; only the delivered-character count would
+        differ. ``skippable("")`` after a feed says whether the guard still holds or watches
+        text (the relay then asks ``exposed`` of a cut-only field)."""
+        scanner = self._scanner
+        if scanner is None:
+            return not has_marker_characters(text)
+        if scanner.watching:
+            return False
+        return "C" not in text if scanner.literal_only else not has_marker_characters(text)
+
+    def redactions(self) -> int:
+        """How many candidates this guard removed from what it delivered (each counts one,
+        whatever its kind; a cut-only field removes nothing: it goes out as it is)."""
+        scanner = self._scanner
+        return 0 if scanner is None or scanner.literal_only else scanner.redactions
 
     def __repr__(self) -> str:
         return f"FirewallGuard({self._scanner!r})"
@@ -157,21 +185,7 @@ class LeakFirewall:
         self._codec = codec
         self._ledger = ledger
         self._tags = tags
-        self.capabilities = GuardCapabilities(side_prefilter=self.side_prefilter)
-
-    @staticmethod
-    def side_prefilter(raw_json: str, obj: dict[str, Any] | None = None) -> bool:
-        """Whether a side string of ``obj`` (parsed from ``raw_json``) may hold a ``C`` (every
-        marker starts with one): the relay skips side fields of events without. Every ``C`` of a
-        JSON text lies in one of its strings (keys included), and without a ``\\u0043`` escape
-        each decoded ``C`` is one of them, so when the choice texts (not side strings) account
-        for all of them no side string has one. The usual streamed chunk: one token, with or
-        without a ``C``, and ids and keys without."""
-        if "C" not in raw_json:
-            return "\\u0043" in raw_json
-        if obj is None or "\\u0043" in raw_json:
-            return True
-        return raw_json.count("C") > sum(text.count("C") for text in choice_texts(obj))
+        self.capabilities = GuardCapabilities()
 
     def open(self, info: RequestInfo) -> FirewallGuard:
         self._tags.add(info.tenant_id)
@@ -183,7 +197,7 @@ class LeakFirewall:
                 owner_tenant_id=info.tenant_id,
                 own_nonces=markers.own,
                 carried_nonces=markers.carried,
-                known_tags=self._tags.lookup,
+                known_tags=self._tags.texts,
             )
 
         return FirewallGuard(make)

@@ -3,15 +3,25 @@
 Lifecycle of one request's markers (``RequestMarkers`` in the ``MarkerLedger``):
 
 1. ``MarkerInjector.prepare`` (before tokens are counted) reads the markers the request itself
-   carries. A genuine marker of *another* tenant refuses the request (400
-   ``foreign_canary_marker``): no tenant can hold one legitimately, and echoing it would only
-   frame an engine. So does ``CNRY-`` followed by the 8 characters of another known tenant's tag
-   (``known_tags``), whatever comes after: the model echoing such a damaged copy would be a
-   suspected finding against an innocent engine. The caller's own genuine markers (only a key
-   holder, a canary probe, has them) are *carried*: delivered back as they are and recorded as
-   this request's markers.
+   carries, in the form the firewall reads answers (``canary.folding``: every string of the body
+   joined in order, case and separators folded, so a marker lowercased, spaced out, split across
+   messages or with its dash bent is still read). A genuine marker of *another* tenant refuses
+   the request (400 ``foreign_canary_marker``): no tenant can hold one legitimately, and echoing
+   it would only frame an engine. So does ``CNRY`` followed by the 8 characters of another known
+   tenant's tag (``known_tags``), whatever comes after: the model echoing such a damaged copy
+   would be a suspected finding against an innocent engine. The caller's own genuine markers
+   (only a key holder, a canary probe, has them) are *carried*: delivered back as they are and
+   recorded as this request's markers.
 2. Otherwise, with the tenant's ``canary_sample_rate``, a fresh marker is injected and becomes the
-   request's *own* marker: the firewall strips it from what the tenant receives.
+   request's *own* marker: the firewall strips it from what the tenant receives. A request that
+   can bend or multiply what the model copies is never sampled (``bendable``): one with a
+   ``logit_bias`` (a bias against ``-`` made the bundled model write ``CNRY|<body>``; a bias
+   against a letter of the body would hand the tenant a copy one known character away from its
+   genuine marker, which no firewall can tell from the model's own mistakes) or asking for more
+   than one choice (``n``/``best_of`` > 1: several noisy copies of one marker can be voted back
+   into it). The answer is the same either way and nothing is refused, so this tells the tenant
+   nothing: sampling only watches the tenant's *own* data, so skipping it costs that tenant
+   coverage on those requests and nobody else anything.
 3. The firewall opens its guards with the ledger's entry (every request has one: it also holds
    the body the client sent, where a cut looks for the marker it found, ``canary.evidence``);
    ``on_finish`` pops it (the ledger holds in-flight requests only).
@@ -34,21 +44,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from canary.markers import (
-    BASE32_CLASS,
-    BODY_CHARS,
-    PREFIX,
-    TAG_CHARS,
-    MarkerCodec,
-    Verified,
-    decode_tag,
-)
+from canary.evidence import strings_of
+from canary.folding import ANCHOR, fold_flat
+from canary.markers import BODY_CHARS, TAG_CHARS, MarkerCodec, Verified, decode_tag
 from canary.metrics import CanaryMetrics
 from canary.records import MarkerRecord, RecordStore
 from contracts.plugins import RequestInfo, RequestRefused
@@ -58,8 +61,6 @@ log = logging.getLogger("kvguard.canary")
 
 REFERENCE_LINE = "{marker}"  # the marker alone: see the module docstring
 MAX_PENDING_WRITES = 1000
-_MARKER_RE = re.compile(re.escape(PREFIX) + BASE32_CLASS + "{" + str(BODY_CHARS) + "}")
-_TAGGED_RE = re.compile(re.escape(PREFIX) + "(" + BASE32_CLASS + "{" + str(TAG_CHARS) + "})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,43 +115,57 @@ def inject_prompt(prompt: str, marker_text: str) -> str:
     return f"{reference_line(marker_text)}\n{prompt}"
 
 
-def request_texts(body: dict[str, Any]) -> list[str]:
-    """Every text of a request body the engine will read (message contents and names, prompt)."""
-    texts: list[str] = []
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        texts.append(prompt)
-    for message in body.get("messages") or ():
-        if isinstance(message, dict):
-            texts.extend(v for v in message.values() if isinstance(v, str))
-    return texts
+@dataclass(frozen=True, slots=True)
+class CarriedMarkers:
+    """What a request body holds after a folded ``CNRY``: genuine markers, and the known tenants
+    whose tag follows one without a genuine marker."""
+
+    genuine: tuple[Verified, ...] = ()
+    tagged: frozenset[str] = frozenset()
 
 
-def carried_markers(codec: MarkerCodec, body: dict[str, Any]) -> list[Verified]:
-    """The genuine markers a request body carries."""
-    found = []
-    for text in request_texts(body):
-        if PREFIX not in text:
-            continue
-        for match in _MARKER_RE.finditer(text):
-            verified = codec.verify(match.group(0))
-            if verified is not None:
-                found.append(verified)
-    return found
-
-
-def tagged_tenants(body: dict[str, Any], known_tags: Callable[[bytes], str | None]) -> set[str]:
-    """The known tenants whose tag follows a ``CNRY-`` somewhere in the request's texts."""
-    found: set[str] = set()
-    for text in request_texts(body):
-        if PREFIX not in text:
-            continue
-        for match in _TAGGED_RE.finditer(text):
-            tag = decode_tag(match.group(1))
-            tenant = None if tag is None else known_tags(tag)
+def carried_markers(
+    codec: MarkerCodec,
+    body: dict[str, Any],
+    known_tags: Callable[[bytes], str | None] | None = None,
+) -> CarriedMarkers:
+    """The markers a request body carries, read as the firewall reads answers: every string of
+    the body joined in document order, folded (``canary.folding``). A marker is looked for after
+    each ``CNRY`` (a bare body with its prefix removed is left to the firewall and
+    ``canary.evidence``: the edge refuses what it can name cheaply, at C speed on any size)."""
+    folded = fold_flat("".join(strings_of(body)))
+    genuine: list[Verified] = []
+    tagged: set[str] = set()
+    at = folded.find(ANCHOR)
+    while at != -1:
+        chars = folded[at + len(ANCHOR) : at + len(ANCHOR) + BODY_CHARS]
+        verified = codec.verify_body(chars) if len(chars) == BODY_CHARS else None
+        if verified is not None:
+            genuine.append(verified)
+        elif known_tags is not None and len(chars) >= TAG_CHARS:
+            tenant = known_tags(_tag_bytes(chars[:TAG_CHARS]))
             if tenant is not None:
-                found.add(tenant)
-    return found
+                tagged.add(tenant)
+        at = folded.find(ANCHOR, at + 1)
+    return CarriedMarkers(tuple(genuine), frozenset(tagged))
+
+
+def _tag_bytes(chars: str) -> bytes:
+    tag = decode_tag(chars)
+    assert tag is not None  # folded characters are base32
+    return tag
+
+
+def bendable(body: dict[str, Any]) -> bool:
+    """Whether the request can bend or multiply what the model copies: then it is not sampled
+    (see the module docstring)."""
+    if body.get("logit_bias"):
+        return True
+    return any(_count(body.get(name)) > 1 for name in ("n", "best_of"))
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 class MarkerInjector:
@@ -226,18 +241,17 @@ class MarkerInjector:
             )
 
     def _carried_nonces(self, info: RequestInfo, body: dict[str, Any]) -> frozenset[bytes]:
-        found = carried_markers(self._codec, body)
-        if found:
+        found = carried_markers(self._codec, body, self._known_tags)
+        if found.genuine:
             own_tags = self._codec.tenant_tags(info.tenant_id)
-            if any(v.tenant_tag not in own_tags for v in found):
+            if any(v.tenant_tag not in own_tags for v in found.genuine):
                 _refuse(info, "marker")
-        lookup = self._known_tags
-        if lookup is not None and tagged_tenants(body, lookup) - {info.tenant_id}:
+        if found.tagged - {info.tenant_id}:
             _refuse(info, "tag")
-        return frozenset(v.nonce for v in found)
+        return frozenset(v.nonce for v in found.genuine)
 
     def _sampled(self, info: RequestInfo, body: dict[str, Any]) -> bool:
-        if info.canary_sample_rate <= 0.0:
+        if info.canary_sample_rate <= 0.0 or bendable(body):
             return False
         if "messages" not in body and not self._inject_completions:
             return False

@@ -2,13 +2,16 @@
 and what was done about it. Pure (the scanner and the findings table share these).
 
 - ``FindingKind``: ``cross_tenant`` / ``cross_request`` (a marker of another tenant or another
-  request in an answer: the scanner finds these), ``usage_mismatch`` / ``fast_first_token`` (counts
-  and timings that do not add up: the runtime's lower-severity checks).
+  request in an answer: the scanner finds these), ``replay`` (such a marker that stands in the
+  request itself, in a form ``canary.evidence`` detects: the tenant sent it in, the engine only
+  wrote it back), ``usage_mismatch`` / ``fast_first_token`` (counts and timings that do not add
+  up: the runtime's lower-severity checks).
 - ``Evidence``: how the finding is known -- ``confirmed`` (a complete marker whose MAC verifies),
   ``suspected`` (a damaged copy carrying a known foreign tenant's tag), ``measured`` (counts or
   timings, no marker).
 - ``FindingSeverity``: how bad it is, which follows from the evidence (``severity_of``): critical,
-  high, low.
+  high, low; a replay is high whatever its evidence (it proves no leak by the engine, but a
+  tenant holding another's marker is worth an operator's look).
 - ``Action``: what the gateway did (cut and quarantined, cut, recorded).
 """
 
@@ -20,6 +23,7 @@ from enum import StrEnum
 class FindingKind(StrEnum):
     CROSS_TENANT = "cross_tenant"
     CROSS_REQUEST = "cross_request"
+    REPLAY = "replay"
     USAGE_MISMATCH = "usage_mismatch"
     FAST_FIRST_TOKEN = "fast_first_token"
 
@@ -49,5 +53,7 @@ _SEVERITY = {
 }
 
 
-def severity_of(evidence: Evidence) -> FindingSeverity:
+def severity_of(evidence: Evidence, kind: FindingKind | None = None) -> FindingSeverity:
+    if kind is FindingKind.REPLAY:
+        return FindingSeverity.HIGH
     return _SEVERITY[evidence]

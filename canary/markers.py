@@ -234,6 +234,19 @@ class MarkerCodec:
         payload = tag + bytes((key_id,)) + nonce + _mac(key, tag, key_id, nonce)
         return base64.b32encode(payload).decode("ascii")
 
+    def known_tags(self, tenant_ids: Iterable[str]) -> dict[str, KnownTag]:
+        """tag text -> whose, over every key id (a tag two tenants share names nobody), for a
+        scanner's ``known_tags`` (``canary.firewall.TagIndex`` keeps the gateway's)."""
+        known: dict[str, KnownTag] = {}
+        for tenant_id in tenant_ids:
+            for key_id in self._keyring.key_ids:
+                text = encode_tag(self.tenant_tag(tenant_id, key_id=key_id))
+                entry = KnownTag(tenant=tenant_id, key_id=key_id)
+                other = known.setdefault(text, entry)
+                if other.tenant != tenant_id:
+                    known[text] = KnownTag(tenant=None, key_id=key_id)
+        return known
+
     def parse(self, text: str) -> ParsedMarker | None:
         """The fields of ``text`` if it is exactly one marker (syntax only), else None."""
         if _MARKER_RE.fullmatch(text) is None:
@@ -257,6 +270,10 @@ class MarkerCodec:
             return None
         return Verified(tenant_tag=parsed.tenant_tag, key_id=parsed.key_id, nonce=parsed.nonce)
 
+    def verify_body(self, body: str) -> Verified | None:
+        """``verify`` of the 32 body characters alone (a marker whose prefix was bent or lost)."""
+        return self.verify(PREFIX + body)
+
     def __repr__(self) -> str:
         return f"MarkerCodec({self._keyring!r})"
 
@@ -269,6 +286,14 @@ def decode_tag(chars: str) -> bytes | None:
 
 
 @dataclass(frozen=True, slots=True)
+class KnownTag:
+    """Whose tag a tag text is: the tenant (None when two tenants share it) and the key id."""
+
+    tenant: str | None
+    key_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class Visible:
     """What the leading body characters of a (possibly truncated) marker carry, unverified."""
 
@@ -278,6 +303,12 @@ class Visible:
 
     def __repr__(self) -> str:
         return f"Visible(tenant_tag={self.tenant_tag.hex()}, key_id={self.key_id}, <redacted>)"
+
+
+def visible_key_id(chars: str) -> int | None:
+    """The key id the leading body characters ``chars`` show (at least ``KEY_ID_CHARS``)."""
+    visible = decode_visible(chars[:KEY_ID_CHARS]) if len(chars) >= KEY_ID_CHARS else None
+    return None if visible is None else visible.key_id
 
 
 def decode_visible(chars: str) -> Visible | None:

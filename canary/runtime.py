@@ -15,15 +15,18 @@
 4. ``stop()``: record writes drained, background tasks stopped, store closed.
 
 A cut always stops the answer; a quarantine needs evidence that the engine produced the marker
-from another tenant's request (``Judged.why_not`` is None): a CONFIRMED ``cross_tenant`` finding
-(its MAC verifies, so this deployment issued it for the tag of a tenant that is not the
-requester), whose text is not in the request's own input in any form ``canary.evidence``
-detects, and whose issue record, when it can be read, does not name a request served by another
-engine. Suspected (damaged-copy) findings alert without quarantining unless
-``canary_quarantine_on_suspected``; same-tenant ``cross_request`` ones alert. The quarantine
-takes effect in this replica's memory first and reaches the others without PostgreSQL
-(``gateway.services.quarantine``); every finding is kept on local disk until the database has it
-(``canary.keeper``), and the one log line says whether it was stored or spooled.
+from another tenant's request (``Judged.why_not`` is None). First, a marker whose text stands in
+the request's own input in any form ``canary.evidence`` detects is a *replay* (kind ``replay``,
+high, no quarantine, not counted as a cut of the engine): the tenant sent it in and the engine
+only wrote it back. Otherwise: a CONFIRMED ``cross_tenant`` finding (its MAC verifies, so this
+deployment issued it for the tag of a tenant that is not the requester) whose issue record, when
+it can be read, does not name a request served by another engine, quarantines. Suspected
+(damaged-copy) findings quarantine when corroborated (``canary.corroboration``: copies showing
+the victim's nonce, of requests this engine served, for several requesting tenants within a
+window), or each one with ``canary_quarantine_on_suspected``; same-tenant ``cross_request`` ones
+alert. The quarantine takes effect in this replica's memory first and reaches the others without
+PostgreSQL (``gateway.services.quarantine``); every finding is kept on local disk until the
+database has it (``canary.keeper``), and the one log line says whether it was stored or spooled.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from prometheus_client import CollectorRegistry
 
 from canary.anomalies import Anomaly, FirstTokenCalibrator, usage_anomaly
 from canary.config import CanarySettings
+from canary.corroboration import Corroboration
 from canary.evidence import input_echo
 from canary.findings import NewFinding
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
@@ -95,6 +99,10 @@ class CanaryRuntime:
             ratio=settings.canary_ttft_ratio,
             history=settings.canary_ttft_history,
             min_samples=settings.canary_ttft_min_samples,
+        )
+        self.corroboration = Corroboration(
+            window_s=settings.canary_corroboration_window_s,
+            tenants=settings.canary_corroboration_tenants,
         )
         self._clock = clock
         self._last_low: dict[tuple[str, FindingKind], float] = {}
@@ -184,14 +192,18 @@ class CanaryRuntime:
         if quarantine and info.engine is not None:  # memory first, then every replica
             reason = f"canary: isolation finding on request {info.request_id}"
             await gateway.quarantine(info.engine, reason=reason)
+            self.corroboration.forget(info.engine)
             self.metrics.quarantines.labels(engine=engine).inc()
         action = Action.CUT_AND_QUARANTINED if quarantine else Action.CUT
         news = [_isolation_finding(info, j, action) for j in judged]
         stored = await self._keeper().keep(news)
         for new in news:
             self.metrics.findings.labels(kind=new.kind.value, severity=new.severity.value).inc()
-            self.metrics.cuts.labels(engine=engine, kind=new.kind.value).inc()
-            log.error(
+            replay = new.kind is FindingKind.REPLAY
+            if not replay:  # a replay is the tenant's doing: no cut of the engine to count
+                self.metrics.cuts.labels(engine=engine, kind=new.kind.value).inc()
+            log.log(
+                logging.WARNING if replay else logging.ERROR,
                 "canary isolation finding (%s): kind=%s severity=%s evidence=%s engine=%s "
                 "observer_tenant=%s observer_request=%s victim_tenant=%s victim_request=%s "
                 "action=%s detail=%s",
@@ -213,19 +225,44 @@ class CanaryRuntime:
         record = await self._record_of(finding)
         chars = self._marker_chars(finding)
         echo = None if body is None or chars is None else input_echo(body, chars)
+        if echo is not None:
+            why = f"the marker's text is in this request's own input ({echo}): a replay, not a leak"
+            return Judged(finding, record, why, replay=True)
         why_not: str | None = None
-        if (
-            finding.evidence is Evidence.SUSPECTED
-            and not self.settings.canary_quarantine_on_suspected
-        ):
-            why_not = "suspected only (a damaged copy has no MAC): alerted, not quarantined"
-        elif finding.kind is not FindingKind.CROSS_TENANT:
+        if finding.kind is not FindingKind.CROSS_TENANT:
             why_not = "another request of the same tenant: alerted, not quarantined"
-        elif echo is not None:
-            why_not = f"the marker's text is in this request's own input ({echo}): not a leak"
         elif record is not None and record.engine not in (None, info.engine):
             why_not = f"the marker was issued for a request served by engine {record.engine}"
+        elif finding.evidence is Evidence.SUSPECTED:
+            why_not = self._uncorroborated(info, finding, record)
         return Judged(finding, record, why_not)
+
+    def _uncorroborated(
+        self, info: RequestInfo, finding: Finding, record: MarkerRecord | None
+    ) -> str | None:
+        """Why a suspected finding does not quarantine (yet), or None (``canary.corroboration``)."""
+        if self.settings.canary_quarantine_on_suspected:
+            return None
+        window = self.settings.canary_corroboration_window_s
+        counts = (
+            info.engine is not None
+            and finding.victim_nonce is not None
+            and record is not None
+            and record.engine == info.engine
+        )
+        if not counts or info.engine is None:
+            return (
+                "suspected only (a damaged copy has no MAC, and this one shows no nonce of a "
+                "request this engine served): alerted, not quarantined"
+            )
+        tenants = self.corroboration.add(info.engine, info.tenant_id, now=self._clock())
+        if self.corroboration.reached(tenants):
+            return None
+        return (
+            f"suspected only (a damaged copy has no MAC): alerted; quarantined once copies of "
+            f"markers this engine served reach {self.settings.canary_corroboration_tenants} "
+            f"requesting tenants within {window:g} s ({tenants} so far)"
+        )
 
     def _marker_chars(self, finding: Finding) -> str | None:
         if finding.evidence is Evidence.CONFIRMED and finding.key_id is not None:
@@ -323,11 +360,12 @@ class CanaryRuntime:
 @dataclass(frozen=True, slots=True)
 class Judged:
     """A firewall finding, its victim's issue record, and why it does not quarantine (None: it
-    does, with ``canary_quarantine_on_cut``)."""
+    does, with ``canary_quarantine_on_cut``); ``replay``: its marker stands in the request."""
 
     finding: Finding
     record: MarkerRecord | None
     why_not: str | None
+    replay: bool = False
 
 
 def victim_record(finding: Finding, record: MarkerRecord | None) -> MarkerRecord | None:
@@ -341,9 +379,10 @@ def victim_record(finding: Finding, record: MarkerRecord | None) -> MarkerRecord
 
 def _isolation_finding(info: RequestInfo, judged: Judged, action: Action) -> NewFinding:
     finding, record = judged.finding, judged.record
+    kind = FindingKind.REPLAY if judged.replay else finding.kind
     return NewFinding(
-        kind=finding.kind,
-        severity=severity_of(finding.evidence),
+        kind=kind,
+        severity=severity_of(finding.evidence, kind),
         evidence=finding.evidence,
         action=action,
         observer_tenant_id=info.tenant_id,

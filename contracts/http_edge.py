@@ -248,7 +248,10 @@ def server_config(
     log_level: str = "warning",
     lifespan: Literal["auto", "on", "off"] = "auto",
 ) -> uvicorn.Config:
-    """How every kvguard server runs under uvicorn: the guarded protocol, bounded heads."""
+    """How every kvguard server runs under uvicorn: the guarded protocol, bounded heads, and the
+    TCP peer as the client (uvicorn would otherwise take ``X-Forwarded-For`` from any peer on
+    127.0.0.1 as the client's address; the gateway believes forwarded headers only from the
+    proxies its operator lists: ``gateway.deps.client_address``)."""
     return uvicorn.Config(
         app,
         host=host,
@@ -256,4 +259,5 @@ def server_config(
         log_level=log_level,
         lifespan=lifespan,
         http=guarded_protocol(header_timeout_s=header_timeout_s),
+        proxy_headers=False,
     )

@@ -7,8 +7,9 @@
 - ``GuardFactory.open`` -> ``StreamGuard``: sees every piece of response text in order,
   streaming or not. ``feed`` returns the text to deliver now (it may hold some back: a marker
   could be completing across chunks) or a ``Cut``; ``finish`` releases what was held back, or
-  cuts. After a ``Cut`` the gateway sends an OpenAI-style error (an SSE error event mid-stream,
-  an error response otherwise), closes the upstream and calls ``on_cut``.
+  cuts; ``redactions`` counts what it removed (for the answer to say that it was changed).
+  After a ``Cut`` the gateway sends an OpenAI-style error (an SSE error event mid-stream, an
+  error response otherwise), closes the upstream and calls ``on_cut``.
 - ``on_cut``: told ids only (request, tenant, engine), never content.
 - ``on_finish``: told, once per request at its single exit, the ids, counts and timings of a
   ``RequestReport`` (never content): the canary's lower-severity checks and per-request cleanup.
@@ -91,6 +92,12 @@ class StreamGuard(Protocol):
         """Asked while the guard holds text back that goes out anyway: the Cut to end the stream
         first, or None when that is safe."""
         return None
+
+    def redactions(self) -> int:
+        """How many pieces of text this guard removed from what it delivered so far (the leak
+        firewall: marker-like candidates, each counting one whatever its kind, so the count tells
+        a tenant nothing about which kind it was). An answer's count is the sum over its guards."""
+        return 0
 
 
 Prefilter = Callable[[str, dict[str, Any]], bool]  # (an event's JSON text, the event)

@@ -11,9 +11,11 @@ entropy, and no two roles sharing one. A start-up that refuses its settings prin
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter
+from collections.abc import Sequence
 from enum import StrEnum
 
 from pydantic import Field, SecretStr, ValidationError
@@ -55,15 +57,22 @@ class DefaultSecretError(ValueError):
 
 
 def estimated_bits(secret: str) -> float:
-    """Entropy of ``secret`` estimated from its own characters: length x the Shannon entropy of
-    their frequencies. Catches repeats and tiny alphabets (32 x ``a`` is 0 bits, ``abab...`` 1 bit
-    a character); it cannot tell a memorable phrase from a random string (see docs)."""
+    """Entropy of ``secret`` estimated from its own characters: the smaller of two estimates,
+    each length x the Shannon entropy of a frequency table -- of its characters (catches repeats
+    and tiny alphabets: 32 x ``a`` is 0 bits, ``abab...`` 1 bit a character) and of the steps
+    between neighbouring characters (catches runs: ``abcdefgh...``, the alphabet typed out, is
+    one step repeated, 0 bits). It cannot tell a memorable phrase from a random string (see
+    docs)."""
     if not secret:
         return 0.0
-    counts = Counter(secret)
-    size = len(secret)
-    per_char = max(0.0, -sum(n / size * math.log2(n / size) for n in counts.values()))
-    return size * per_char
+    steps = [ord(b) - ord(a) for a, b in itertools.pairwise(secret)]
+    return min(_shannon_bits(secret), _shannon_bits(steps) if steps else 0.0)
+
+
+def _shannon_bits(items: Sequence[object]) -> float:
+    counts = Counter(items)
+    size = len(items)
+    return size * max(0.0, -sum(n / size * math.log2(n / size) for n in counts.values()))
 
 
 def secret_weakness(secret: str) -> str | None:
@@ -92,9 +101,24 @@ def require_real_secret(name: str, value: SecretStr | None, default: str, mode: 
         )
 
 
+def require_strong_if_set(name: str, value: SecretStr | None, mode: RunMode) -> None:
+    """An optional secret (unset has a safe meaning) must be strong when it is set, outside
+    development."""
+    if mode is RunMode.DEVELOPMENT or value is None or not value.get_secret_value():
+        return
+    weakness = secret_weakness(value.get_secret_value())
+    if weakness is not None:
+        env = f"KVGUARD_{name.upper()}"
+        raise DefaultSecretError(
+            f"{env} {weakness} when KVGUARD_MODE={mode.value} (`kvguard canary new-key` makes one)"
+        )
+
+
 def require_distinct_secrets(mode: RunMode, **secrets: SecretStr | None) -> None:
     """Refuse two roles sharing one secret (outside development): a leaked scrape credential must
-    not also be the admin's, nor the marker key."""
+    not also be the admin's, nor the marker key; the engines hold the engine token, so nothing
+    else may be it. A deployable that holds several settings classes (``kvguard gateway``: the
+    gateway's and the canary's) calls this once with every role of every class."""
     if mode is RunMode.DEVELOPMENT:
         return
     seen: dict[str, str] = {}

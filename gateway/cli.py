@@ -31,9 +31,11 @@ from gateway.lifecycle import TenantStatus
 def _limit(text: str) -> int | None:
     if text.lower() in ("none", "unlimited"):
         return None
+    from gateway.db.models import INTEGER_MAX
+
     value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("a limit is a positive integer or 'none'")
+    if not 0 < value <= INTEGER_MAX:
+        raise argparse.ArgumentTypeError(f"a limit is an integer in 1..{INTEGER_MAX} or 'none'")
     return value
 
 

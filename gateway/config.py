@@ -8,11 +8,12 @@ load; default secrets are refused outside development; production requires Redis
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import secrets
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field, PrivateAttr, SecretStr, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -22,10 +23,12 @@ from contracts.settings import (
     RunMode,
     require_distinct_secrets,
     require_real_secret,
+    require_strong_if_set,
 )
 from gateway.engines.spec import EngineSpec, load_engines_file, with_engine_credential
 
 MiB = 1 << 20
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class GatewaySettings(KvguardSettings):
@@ -71,6 +74,21 @@ class GatewaySettings(KvguardSettings):
         description="the deployment's engine credential, presented to every bundled engine "
         "without an api_key of its own (the engines' KVGUARD_ENGINE_TOKEN); required in "
         "production",
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="addresses or networks (CIDR) of the reverse proxies in front of the gateway "
+        "(JSON list): only from these are X-Forwarded-For, Forwarded and X-Real-IP believed when "
+        "the gateway decides who a client is (the failed-credential throttles); default: none, "
+        "every decision keys on the TCP peer",
+    )
+    auth_failures_per_minute: int = Field(
+        default=30,
+        gt=0,
+        le=1_000_000,
+        description="unknown, malformed, revoked or expired tenant keys an address may send per "
+        "minute (per replica); beyond that its keys are refused with 429 before any database "
+        "lookup (a key this replica already verified still works)",
     )
     operator_failures_per_minute: int = Field(
         default=10,
@@ -200,18 +218,27 @@ class GatewaySettings(KvguardSettings):
         "whose forwarded scheme the gateway does not see); over HTTPS they always are",
     )
     _process_salt_key: bytes = PrivateAttr(default_factory=lambda: secrets.token_bytes(32))
+    _trusted: tuple[IPNetwork, ...] = PrivateAttr(default=())
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_proxies(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError as exc:
+                raise ValueError(
+                    f"{entry!r} is not an IP address or network (e.g. 10.0.0.5, 172.30.0.0/24)"
+                ) from exc
+        return value
 
     @model_validator(mode="after")
     def _check_deployment(self) -> Self:
         require_real_secret("admin_token", self.admin_token, DEV_ADMIN_TOKEN, self.mode)
         require_real_secret("metrics_token", self.metrics_token, DEV_ADMIN_TOKEN, self.mode)
         require_real_secret("engine_token", self.engine_token, "", self.mode)
-        require_distinct_secrets(
-            self.mode,
-            admin_token=self.admin_token,
-            metrics_token=self.metrics_token,
-            engine_token=self.engine_token,
-        )
+        require_strong_if_set("cache_salt_key", self.cache_salt_key, self.mode)
+        require_distinct_secrets(self.mode, **self.role_secrets())
         if self.mode is RunMode.PRODUCTION and not self.redis_url:
             raise ValueError("KVGUARD_REDIS_URL is required when KVGUARD_MODE=production")
         if self.capacity_stale_after_s <= self.poll_interval_s:
@@ -230,6 +257,24 @@ class GatewaySettings(KvguardSettings):
             ) from exc
         self.engine_specs()  # the engines file is readable and valid, every name unique
         return self
+
+    def trusted_proxy_networks(self) -> tuple[IPNetwork, ...]:
+        """``trusted_proxies`` parsed (once)."""
+        if len(self._trusted) != len(self.trusted_proxies):
+            self._trusted = tuple(
+                ipaddress.ip_network(p, strict=False) for p in self.trusted_proxies
+            )
+        return self._trusted
+
+    def role_secrets(self) -> dict[str, SecretStr | None]:
+        """Every secret this class reads, by setting name: no two roles may share one (with the
+        canary's too: ``kvguard gateway`` checks both classes together)."""
+        return {
+            "admin_token": self.admin_token,
+            "metrics_token": self.metrics_token,
+            "engine_token": self.engine_token,
+            "cache_salt_key": self.cache_salt_key,
+        }
 
     def admin_secret(self) -> str:
         """The admin credential: the configured one, or the development default."""

@@ -3,23 +3,37 @@
 Credentials: tenants send ``Authorization: Bearer kvg_<prefix>_<secret>``; the admin API takes
 only the separate admin token (a tenant key there is refused, whatever tenant it belongs to);
 ``/metrics`` (every tenant's series) takes the metrics token or the admin token, never a tenant key.
-Wrong operator tokens are throttled per client address (``gateway.limits.auth_throttle``).
+Wrong credentials -- operator tokens and tenant keys, in separate budgets -- are throttled per
+client address (``gateway.limits.auth_throttle``), the address ``client_address`` derives: the
+real peer, or what a proxy the operator lists (``KVGUARD_TRUSTED_PROXIES``) forwarded. A tenant
+key is looked up in the database at most once per flight and lane (``gateway.services.auth_cache``).
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterator
-from datetime import timedelta
+import ipaddress
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from functools import partial
 from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
+from starlette.datastructures import Headers
 
 from contracts.sql import run_in_session, session_scope
+from gateway.config import GatewaySettings, IPNetwork
 from gateway.domain import Principal
 from gateway.errors import AuthenticationFailed, PermissionDenied, RateLimited
-from gateway.services.keys import AuthFailure, authenticate, looks_like_tenant_key
+from gateway.limits.auth_throttle import Bucket
+from gateway.services.keys import (
+    AuthFailure,
+    authenticate,
+    looks_like_tenant_key,
+    parse_key,
+    prefixes_after,
+)
 from gateway.state import GatewayState
 
 _AUTH_MESSAGES = {
@@ -63,36 +77,136 @@ def bearer_of(header: str | None) -> str:
 
 
 async def current_principal(request: Request, state: StateDep) -> Principal:
-    return await principal_of(state, bearer_token(request))
+    return await principal_of(
+        state, bearer_token(request), address=lambda: client_address(request, state.settings)
+    )
 
 
-async def principal_of(state: GatewayState, token: str) -> Principal:
-    """The tenant whose key ``token`` is (cached for ``auth_cache_ttl_s``), or a 401/403."""
+async def principal_of(state: GatewayState, token: str, *, address: Callable[[], str]) -> Principal:
+    """The tenant behind ``token``: from this replica's cache, or from one database lookup shared
+    by every request in flight with the same key. An address (``address()``, asked only when the
+    cache does not know the key) whose unverified keys failed too often gets 429 before any
+    lookup (a key this replica verified still works). Shared by FastAPI's routes and the data
+    plane's door."""
     now = state.clock()
-    cached = state.auth_cache.get(token, now=now)
-    if cached is not None:
-        return cached
-
-    def lookup(session: Session) -> Principal | AuthFailure:
-        return authenticate(session, token=token, now=now)
-
-    result = await run_in_session(state.sessions, lookup)
-    if isinstance(result, AuthFailure):
-        if result is AuthFailure.TENANT_DISABLED:
+    verdict = state.auth_cache.get(token, now=now)
+    if isinstance(verdict, Principal):
+        return verdict
+    settings = state.settings
+    client = address()
+    budget = settings.auth_failures_per_minute
+    retry = state.credential_throttle.retry_after_s(client, bucket=Bucket.TENANT, capacity=budget)
+    if retry is not None:
+        raise RateLimited(
+            "Too many failed API keys from this address; retry later.",
+            retry_after_s=retry,
+            code="too_many_failed_credentials",
+        )
+    if verdict is None:
+        verdict = await _verify(state, token, now)
+    if isinstance(verdict, AuthFailure):
+        state.credential_throttle.failed(client, bucket=Bucket.TENANT, capacity=budget)
+        if verdict is AuthFailure.TENANT_DISABLED:
             raise PermissionDenied("This tenant is disabled.", code="tenant_disabled")
-        raise AuthenticationFailed(_AUTH_MESSAGES[result])
-    interval = timedelta(seconds=state.settings.key_last_used_interval_s)
-    if result.key_last_used_at is None or now - result.key_last_used_at >= interval:
-        state.audit.touch_key(result.key_id, now)
-    state.auth_cache.put(token, result, now=now)
+        raise AuthenticationFailed(_AUTH_MESSAGES[verdict])
+    return verdict
+
+
+async def _verify(state: GatewayState, token: str, now: datetime) -> Principal | AuthFailure:
+    """What the database says about a token this replica knows nothing of: malformed and
+    unknown-prefix tokens without a lookup of their own (``KnownPrefixes``), the rest by one."""
+    parsed = parse_key(token)
+    if parsed is None:
+        return AuthFailure.MALFORMED
+    cache, timeout_s = state.auth_cache, state.settings.database_timeout_s
+    fetch = partial(_prefixes_after, state)
+    if not await cache.prefixes.holds(parsed.prefix, fetch=fetch, timeout_s=timeout_s):
+        cache.put(token, AuthFailure.UNKNOWN, now=now)
+        return AuthFailure.UNKNOWN
+    lookup = partial(_lookup, state, token, now)
+    return await cache.verify(token, now=now, lookup=lookup, timeout_s=timeout_s)
+
+
+async def _prefixes_after(state: GatewayState, after_id: int, limit: int) -> list[tuple[int, str]]:
+    return await run_in_session(
+        state.sessions, lambda session: prefixes_after(session, after_id=after_id, limit=limit)
+    )
+
+
+async def _lookup(state: GatewayState, token: str, now: datetime) -> Principal | AuthFailure:
+    """One database verification of ``token`` (the key's last use is recorded, batched)."""
+    result = await run_in_session(
+        state.sessions, lambda session: authenticate(session, token=token, now=now)
+    )
+    if isinstance(result, Principal):
+        interval = timedelta(seconds=state.settings.key_last_used_interval_s)
+        if result.key_last_used_at is None or now - result.key_last_used_at >= interval:
+            state.audit.touch_key(result.key_id, now)
     return result
 
 
 CurrentTenant = Annotated[Principal, Depends(current_principal)]
 
 
-def _client_address(request: Request) -> str:
-    return request.client.host if request.client is not None else "unknown"
+def client_address(request: Request, settings: GatewaySettings) -> str:
+    """Who sent the request, for every per-address decision: the TCP peer, unless the peer is a
+    proxy the operator lists (``KVGUARD_TRUSTED_PROXIES``) -- then the nearest address the
+    proxies forwarded (``X-Forwarded-For``, else ``Forwarded``, else ``X-Real-IP``) that is not
+    itself a listed proxy. A client's own forwarded headers are never believed: no one can pick
+    the address its failures are counted against, or escape its own."""
+    peer = request.client.host if request.client is not None else None
+    return address_of(peer, request.headers, settings)
+
+
+def address_of(peer: str | None, headers: Headers, settings: GatewaySettings) -> str:
+    """``client_address`` from the TCP peer and the request's headers (the data plane's door has
+    an ASGI scope, not a Request)."""
+    peer = peer or "unknown"
+    trusted = settings.trusted_proxy_networks()
+    if not trusted or not _listed(peer, trusted):
+        return peer
+    for address in reversed(forwarded_chain(headers)):
+        if not _listed(address, trusted):
+            return address
+    return peer
+
+
+def forwarded_chain(headers: Headers) -> list[str]:
+    """The client addresses forwarding proxies recorded, nearest last (unparsable ones dropped)."""
+    if "x-forwarded-for" in headers:
+        hops = [hop for value in headers.getlist("x-forwarded-for") for hop in value.split(",")]
+    elif "forwarded" in headers:
+        hops = [
+            part.split("=", 1)[1]
+            for value in headers.getlist("forwarded")
+            for element in value.split(",")
+            for part in element.split(";")
+            if part.strip().lower().startswith("for=")
+        ]
+    else:
+        hops = headers.getlist("x-real-ip")
+    return [address for hop in hops if (address := _address(hop)) is not None]
+
+
+def _address(hop: str) -> str | None:
+    """``hop`` as a plain IP address: quotes, an IPv6 bracket and a port removed; else None."""
+    text = hop.strip().strip('"')
+    if text.startswith("["):
+        text = text[1:].partition("]")[0]
+    elif text.count(":") == 1:
+        text = text.partition(":")[0]
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        return None
+
+
+def _listed(address: str, networks: tuple[IPNetwork, ...]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in network for network in networks)
 
 
 def _check_operator_token(
@@ -106,7 +220,7 @@ def _check_operator_token(
     """Compare an operator credential (the bearer token, or ``presented``) with every accepted
     one (no shortcut), throttling an address after repeated failures
     (``FailedCredentialThrottle``)."""
-    address = _client_address(request)
+    address = client_address(request, state.settings)
     retry = state.credential_throttle.retry_after_s(address)
     if retry is not None:
         raise RateLimited(

@@ -39,10 +39,16 @@ def register(subparsers: Any) -> None:
 
 def run_gateway(args: argparse.Namespace) -> int:
     from canary.config import CanarySettings
-    from contracts.settings import CONFIG_ERRORS, settings_error
+    from contracts.settings import (
+        CONFIG_ERRORS,
+        DefaultSecretError,
+        require_distinct_secrets,
+        settings_error,
+    )
     from gateway.config import GatewaySettings
     from gateway.engines.spec import parse_engine_arg
 
+    refused: tuple[type[Exception], ...] = (*CONFIG_ERRORS, DefaultSecretError)
     try:  # settings first: a refusal is one line, before the heavy imports below
         env = GatewaySettings()
         overrides: dict[str, Any] = {"engines": [*env.engines, *map(parse_engine_arg, args.engine)]}
@@ -52,7 +58,11 @@ def run_gateway(args: argparse.Namespace) -> int:
             overrides["port"] = args.port
         settings = GatewaySettings(**overrides)
         canary = CanarySettings()
-    except CONFIG_ERRORS as exc:
+        # One process holds both classes' secrets: no two roles may share one across them either
+        # (the marker key must not be the engines' credential, which every engine holds).
+        roles = {**settings.role_secrets(), **canary.role_secrets()}  # one admin token: one role
+        require_distinct_secrets(settings.mode, **roles)
+    except refused as exc:
         print(f"kvguard gateway: cannot start: {settings_error(exc)}", file=sys.stderr)
         return 2
     return _serve_gateway(settings, canary, log_level=args.log_level)

@@ -7,12 +7,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.db.models import ApiKey, Tenant
+from gateway.db.models import INTEGER_MAX, ApiKey, Tenant
 from gateway.db.text import StoredText
 from gateway.engines.spec import EngineKind, MemberRole, UpstreamPath
 from gateway.lifecycle import TenantStatus
 
-PositiveLimit = Annotated[int, Field(gt=0, le=1 << 40)] | None
+ColumnInt = Annotated[int, Field(gt=0, le=INTEGER_MAX)]  # what an Integer column holds
+PositiveLimit = ColumnInt | None
 # now + the lifetime must stay a datetime (year <= 9999): unbounded, it was an OverflowError (500)
 MAX_KEY_LIFETIME_S = 100 * 365 * 24 * 3600
 KeyLifetime = Annotated[int, Field(gt=0, le=MAX_KEY_LIFETIME_S)] | None
@@ -123,7 +124,7 @@ class MemberIn(_Closed):
     role: Annotated[MemberRole, Field(strict=False)]
     url: StoredText = Field(min_length=1, max_length=512)
     api_key_env: str | None = Field(default=None, max_length=128)
-    declared_pool_tokens: Annotated[int, Field(gt=0)] | None = None
+    declared_pool_tokens: ColumnInt | None = None
 
 
 class EngineIn(_Closed):
@@ -132,7 +133,7 @@ class EngineIn(_Closed):
     base_url: StoredText = Field(min_length=1, max_length=512)
     model: StoredText | None = Field(default=None, max_length=256)
     litellm_model: StoredText | None = Field(default=None, max_length=256)
-    declared_max_model_len: Annotated[int, Field(gt=0)] | None = None
+    declared_max_model_len: ColumnInt | None = None
     allow_unverified: bool = False
     upstream: Annotated[UpstreamPath | None, Field(strict=False)] = None
     members: list[MemberIn] = Field(default_factory=list, max_length=256)
@@ -142,7 +143,7 @@ class EngineIn(_Closed):
         description="the gateway environment variable that holds the engine's key (a secret "
         "reference: the key itself is never sent to, stored by or returned from this API)",
     )
-    declared_pool_tokens: Annotated[int, Field(gt=0)] | None = None
+    declared_pool_tokens: ColumnInt | None = None
     send_kvguard_headers: bool | None = None
     api_base: bool = True
     discover_members: bool = False

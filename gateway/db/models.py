@@ -30,6 +30,10 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from contracts.sql import AUDIT_ID, Base, UTCDateTime, utcnow
 
+INTEGER_MAX = 2**31 - 1
+"""The largest value an ``Integer`` column holds on every backend (PostgreSQL's int4): the admin
+API and CLI refuse larger limits and declared sizes (a 400 naming the field, not a 500)."""
+
 
 class Tenant(Base):
     __tablename__ = "tenants"

@@ -25,11 +25,13 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
 
 from contracts.http_edge import BodyGuardMiddleware, error_body, validation_message
 from gateway.api.request_ids import RequestIds
-from gateway.deps import bearer_of, principal_of
+from gateway.config import GatewaySettings
+from gateway.deps import address_of, bearer_of, principal_of
 from gateway.errors import DatabaseDown, GatewayError, ServiceUnavailable
 from gateway.openai.schemas import ChatCompletionBody, CompletionBody
 from gateway.proxy.reply import AsgiReply, reply_for
@@ -74,7 +76,11 @@ class CompletionRoutes:
         message = await receive()  # the whole body, read by the guard
         try:
             document = _json(message.get("body", b""), headers.get("content-type"))
-            principal = await principal_of(state, bearer_of(headers.get("authorization")))
+            principal = await principal_of(
+                state,
+                bearer_of(headers.get("authorization")),
+                address=lambda: _client(scope, state.settings),
+            )
             if document is None:
                 await reply.json(400, _invalid("request body is required", None), {})
                 return
@@ -138,3 +144,9 @@ def _invalid(message: str, param: str | None) -> dict[str, Any]:
 
 async def _error(reply: AsgiReply, err: GatewayError) -> None:
     await reply.json(err.status, err.body(), err.headers)
+
+
+def _client(scope: Scope, settings: GatewaySettings) -> str:
+    """The client's address for the failed-key throttle (``gateway.deps.client_address``)."""
+    client = scope.get("client")
+    return address_of(client[0] if client else None, Headers(raw=scope["headers"]), settings)

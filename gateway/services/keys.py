@@ -158,6 +158,14 @@ def _principal(tenant: Tenant, key: ApiKey) -> Principal:
     )
 
 
+def prefixes_after(session: Session, *, after_id: int, limit: int) -> list[tuple[int, str]]:
+    """(id, prefix) of the first ``limit`` keys stored after ``after_id`` (revoked ones too),
+    oldest first: how a replica learns which prefixes exist
+    (``gateway.services.auth_cache.KnownPrefixes``)."""
+    query = select(ApiKey.id, ApiKey.prefix).where(ApiKey.id > after_id).order_by(ApiKey.id)
+    return [(key_id, prefix) for key_id, prefix in session.execute(query.limit(limit))]
+
+
 def touch_keys(session: Session, *, last_used: dict[int, datetime]) -> None:
     """Record last use for many keys at once (batched off the request path)."""
     for key_id, at in last_used.items():

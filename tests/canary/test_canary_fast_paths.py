@@ -1,29 +1,32 @@
 """The leak firewall's fast paths skip work, never a guarantee.
 
-- ``LeakFirewall.side_prefilter``: an event it lets the relay skip has no ``C`` in any side
-  string (whatever the escapes), and a relay using it delivers exactly what a relay that walks
-  every event delivers -- the same bytes, the same cut, the same findings.
-- ``StreamScanner.pass_through``: a chunk goes out unchanged only when nothing is held back and it
-  has no ``C``; a terminal scanner still refuses it.
+- ``FirewallGuard.skippable``: a side value the relay skips could change nothing -- a relay whose
+  guards skip delivers exactly what a relay feeding every value delivers (the same bytes, the same
+  cut, the same findings), for fields that are rewritten, cut-only fields read for the literal
+  prefix once exposed, and their mix.
+- ``StreamScanner.pass_through``: a chunk goes out unchanged only when nothing is held back or
+  watched and it has no character a marker is made of; a terminal scanner still refuses it.
+- No side prefilter: any side string with a letter may continue a marker whose prefix was bent
+  or lost, so the firewall states none (``GuardCapabilities``).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
+from canary.folding import fold_flat
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
 from canary.scanner import ScannerStateError, StreamScanner
-from contracts.openai import choice_texts
-from contracts.plugins import Cut, RequestInfo
+from contracts.plugins import Cut, Emit, RequestInfo, StreamGuard
 from contracts.sse import SseSplitter
 from gateway.proxy.relay import StreamRelay
-from gateway.proxy.side import KEYS_PATH, rewrite_sites, side_fields
 from gateway.upstream.base import Endpoint
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32)), 2: bytes(range(40, 80))}, current=2))
@@ -39,64 +42,31 @@ def escape_some_cs(raw: str, rng: random.Random) -> str:
     return "".join("\\u0043" if c == "C" and rng.random() < 0.3 else c for c in raw)
 
 
-def side_strings(obj: dict[str, Any]) -> list[str]:
-    fields = side_fields(obj)
-    return [v for values in fields.values() for v in values] + [
-        value for _, _, value in rewrite_sites(obj)
-    ]
+def test_the_firewall_states_no_side_prefilter() -> None:
+    fw = LeakFirewall(CODEC, ledger=MarkerLedger(), tags=TagIndex(CODEC))
+    assert fw.capabilities.screens_side and fw.capabilities.side_prefilter is None
 
 
-def random_event(rng: random.Random) -> dict[str, Any]:
-    def word() -> str:
-        return rng.choice(["", "x", "C", "Cache", "abc", "CNRY-", VICTIM.text[:9], "ok"])
+class NeverSkips(StreamGuard):
+    """The same guard, with no skipping: every value is fed (the reference)."""
 
-    choice: dict[str, Any] = {"index": 0, "finish_reason": rng.choice([None, "stop", "Cut"])}
-    choice[rng.choice(["delta", "message"])] = {"content": word(), "reasoning_content": word()}
-    if rng.random() < 0.3:
-        choice["text"] = word()
-    if rng.random() < 0.3:
-        choice["logprobs"] = {"content": [{"token": word(), "bytes": [1]}]}
-    event: dict[str, Any] = {"id": rng.choice(["c1", "Cmpl-1"]), "choices": [choice]}
-    if rng.random() < 0.3:
-        event[rng.choice(["ext", "Ext"])] = word()
-    return event
+    def __init__(self, guard: StreamGuard) -> None:
+        self._guard = guard
 
+    def feed(self, text: str) -> Emit | Cut:
+        return self._guard.feed(text)
 
-def test_a_skipped_event_has_no_c_in_any_side_string() -> None:
-    rng = random.Random(7)
-    skipped = walked = skipped_with_c = 0
-    for _ in range(3000):
-        raw = json.dumps(random_event(rng), ensure_ascii=rng.random() < 0.5)
-        raw = escape_some_cs(raw, rng)
-        obj = json.loads(raw)
-        if LeakFirewall.side_prefilter(raw, obj):
-            walked += 1
-            continue
-        skipped += 1
-        skipped_with_c += "C" in raw  # only the choice texts have one
-        assert not any("C" in s for s in side_strings(obj)), raw
-        assert "C" not in "".join(side_fields(obj)[KEYS_PATH])
-    assert skipped > 100 and skipped_with_c > 50 and walked > 1000  # every outcome was exercised
+    def finish(self) -> Emit | Cut:
+        return self._guard.finish()
+
+    def exposed(self) -> Cut | None:
+        return self._guard.exposed()
+
+    def skippable(self, text: str) -> bool:
+        return False
 
 
-def test_a_c_only_in_the_streamed_token_skips_the_walk_and_anything_else_does_not() -> None:
-    def event(content: str, **extra: Any) -> dict[str, Any]:
-        return {"id": "c1", "choices": [{"index": 0, "delta": {"content": content}}], **extra}
-
-    skip = LeakFirewall.side_prefilter
-    assert not skip(json.dumps(event("Cache C")), event("Cache C"))
-    for obj in (event("C", ext="C"), event("C", Cx=1), event("C", ext="x\u0043")):
-        assert skip(json.dumps(obj), obj)
-    # The side field's only C is escaped: the raw text's one literal C is the token's.
-    escaped = json.dumps(event("C", ext="C")).replace('"ext": "C"', '"ext": "\\u0043"')
-    assert escaped.count("C") == 1 and skip(escaped, json.loads(escaped))
-    assert list(choice_texts({"choices": [{"text": "a"}, "b", {"message": {"content": "c"}}]})) == [
-        "a",
-        "c",
-    ]
-
-
-def relay(raw: bytes, *, prefilter: bool) -> tuple[bytes, Cut | None]:
+def relay(raw: bytes, *, skips: bool) -> tuple[bytes, Cut | None]:
     ledger = MarkerLedger()
     ledger.put("r1", RequestMarkers(own=frozenset({OWN.nonce})))
     tags = TagIndex(CODEC)
@@ -105,9 +75,8 @@ def relay(raw: bytes, *, prefilter: bool) -> tuple[bytes, Cut | None]:
     info = RequestInfo("r1", OWNER, "m", "chat.completions", False, 0.0, engine="e1")
     stream = StreamRelay(
         endpoint=Endpoint.CHAT,
-        open_guard=lambda: fw.open(info),
+        open_guard=(lambda: fw.open(info)) if skips else (lambda: NeverSkips(fw.open(info))),
         wants_usage=False,
-        side_prefilter=fw.side_prefilter if prefilter else None,
     )
     out = b""
     for event in SseSplitter().feed(raw):
@@ -119,7 +88,10 @@ def relay(raw: bytes, *, prefilter: bool) -> tuple[bytes, Cut | None]:
 
 
 def _findings(cut: Cut | None) -> tuple[Any, ...]:
-    return cut.findings if isinstance(cut, CanaryCut) else ()
+    """The findings without positions: a skipped value is not counted as delivered (the one
+    thing ``skippable`` may change)."""
+    findings = cut.findings if isinstance(cut, CanaryCut) else ()
+    return tuple(replace(f, position=0) for f in findings)
 
 
 def sse(events: list[dict[str, Any]], rng: random.Random) -> bytes:
@@ -133,15 +105,25 @@ def pieces(text: str, rng: random.Random) -> list[str]:
 
 
 @pytest.mark.parametrize("field", ["id", "ext", "reasoning_content", "token"])
-def test_the_relay_with_the_prefilter_delivers_what_a_full_walk_delivers(field: str) -> None:
+def test_a_relay_whose_guards_skip_delivers_what_feeding_every_value_delivers(field: str) -> None:
     rng = random.Random(field)
     cuts = 0
     for _ in range(150):
-        secret = rng.choice([VICTIM.text, OWN.text, "CNRY-" + VICTIM.text[5:20], "Cache"])
+        secret = rng.choice(
+            [
+                VICTIM.text,
+                OWN.text,
+                "CNRY|" + OWN.text[5:],
+                VICTIM.text[5:].lower(),
+                "CNRY-" + VICTIM.text[5:20],
+                "Cache",
+            ]
+        )
         parts = pieces(f"a {secret} b", rng)
         events = []
         for part in parts:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": rng.choice(["C", "x"])}}
+            content = rng.choice(["C", "x", "", " "])
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": content}}
             event: dict[str, Any] = {"id": "c1", "choices": [choice]}
             if field == "reasoning_content":
                 choice["delta"][field] = part
@@ -151,25 +133,44 @@ def test_the_relay_with_the_prefilter_delivers_what_a_full_walk_delivers(field: 
                 event[field] = part
             events.append(event)
         raw = sse(events, rng)
-        fast, fast_cut = relay(raw, prefilter=True)
-        full, full_cut = relay(raw, prefilter=False)
+        fast, fast_cut = relay(raw, skips=True)
+        full, full_cut = relay(raw, skips=False)
         assert fast == full, raw
         assert _findings(fast_cut) == _findings(full_cut)
         assert (fast_cut and fast_cut.code) == (full_cut and full_cut.code)
         if secret == VICTIM.text:
             cuts += 1
-            assert fast_cut is not None and fast_cut.code == "isolation_violation"
-    assert cuts > 20
+            assert fast_cut is not None
+    assert cuts > 15
 
 
-def test_pass_through_only_when_nothing_is_held_and_no_c() -> None:
+def test_the_fast_paths_deliver_ordinary_text_as_feed_would() -> None:
+    """``pass_through``: a chunk with nothing a marker is made of, nothing held or watched. The
+    fast path of ``feed``: a chunk in which, with the last characters delivered, no candidate can
+    start -- delivered whole, the same as the full pass would."""
     scanner = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces={OWN.nonce})
-    assert scanner.pass_through("plain text")
-    assert not scanner.pass_through("a C")  # may start a marker: must be scanned
+    assert scanner.pass_through("1, 8: 9.0!")
+    assert not scanner.pass_through("plain text")  # letters: read for markers
+    assert scanner.feed("plain text").text == "plain text" and scanner.watching
+    assert not scanner.pass_through(" 0")  # what was delivered may go on into a tag
     assert scanner.feed("a C").text == "a " and scanner.held == 1
-    assert not scanner.pass_through("xyz")  # "C" is held: "xyz" decides it
     assert scanner.feed("xyz").text == "Cxyz" and scanner.held == 0
-    assert scanner.pass_through(" more")
+    rng = random.Random(3)
+    for _ in range(200):  # the same text through the fast path and through one full pass
+        words = [
+            rng.choice(["the", "Cache", "CN", "ok", OWN.text, OWN.text[5:20]]) for _ in range(12)
+        ]
+        text = " ".join(words)
+        chunked = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces={OWN.nonce})
+        out = "".join(chunked.feed(text[i : i + 3]).text for i in range(0, len(text), 3))
+        whole = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces={OWN.nonce})
+        delivered = fold_flat(out + chunked.finish().text)
+        expected = fold_flat(whole.feed(text).text + whole.finish().text)
+        # The same, but that a chunk may let out up to 7 characters of a bare copy before it is
+        # recognised (never 8 of the marker in a row).
+        assert delivered == expected or all(
+            OWN.text[5 + i : 13 + i] not in delivered for i in range(25)
+        ), text
     assert scanner.finish().text == ""
     with pytest.raises(ScannerStateError):
         scanner.pass_through("late")

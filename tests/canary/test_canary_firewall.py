@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
+from canary.folding import fold_flat
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.kinds import Evidence, FindingKind
 from canary.markers import MarkerCodec, MarkerKeyring, decode_tag
@@ -227,9 +228,13 @@ def test_side_fields_pass_what_cannot_name_a_tenant() -> None:
     assert delivered == "CNRY-AAAA" and not isinstance(stream.cut, CanaryCut)
     assert (steps[-1].end, steps[-1].code) == (Phase.CUT, "upstream_error")
     assert b"does not belong" not in b"".join(steps[-1].out)
-    # Decided within the event (broken by a non-base32 character): an ordinary look-alike.
+    # A separator does not end it (a marker may be spaced out): still undecided when the event
+    # goes out, so the same upstream error; with less than a tag shown it goes out.
     delivered, stream, steps = side_relay("ext", [look_alike + "!"])
-    assert (delivered, stream.cut) == (look_alike + "!", None)
+    assert (steps[-1].end, steps[-1].code) == (Phase.CUT, "upstream_error")
+    assert not isinstance(stream.cut, CanaryCut)
+    delivered, stream, steps = side_relay("ext", ["CNRY-AAAAAAA!"])
+    assert (delivered, stream.cut) == ("CNRY-AAAAAAA!", None)
     # Spread over events, the request's own marker stops where anyone's would: after ``CNRY-``
     # and 7 characters, as an undecided upstream error -- whether characters match the owner's
     # tag or marker changes nothing the tenant sees (no oracle); so does another request's of
@@ -241,8 +246,11 @@ def test_side_fields_pass_what_cannot_name_a_tenant() -> None:
         delivered, stream, steps = side_relay("id", pieces, own=frozenset({own.nonce}))
         assert delivered == marker.text[:12] and steps[-1].code == "upstream_error"
         assert not isinstance(stream.cut, CanaryCut)
-    delivered, stream, _ = side_relay("id", [own.text], own=frozenset({own.nonce}))
-    assert (delivered, stream.cut) == (own.text, None)
+    delivered, stream, steps = side_relay("id", [own.text], own=frozenset({own.nonce}))
+    if own.text.endswith(("C", "CN", "CNR")):  # may begin a later marker: held, so undecided
+        assert steps[-1].code == "upstream_error" and not isinstance(stream.cut, CanaryCut)
+    else:
+        assert (delivered, stream.cut) == (own.text, None)
 
 
 def test_a_marker_cut_short_by_the_engine_still_yields_its_finding() -> None:
@@ -322,38 +330,31 @@ def test_non_streaming_bodies_are_screened_per_choice_and_field() -> None:
         assert isinstance(relay_body(Endpoint.CHAT, leaky, lambda: fw.open(info)), CanaryCut)
 
 
-def test_non_streaming_side_prefilter_skips_only_what_cannot_hold_a_marker() -> None:
-    """With the answer's JSON text, side fields without a ``C`` are not walked (no guard opened
-    for them); a marker in a side field, plain or ``\\u0043``-escaped, is still cut."""
+def test_non_streaming_side_fields_are_all_screened() -> None:
+    """No prefilter: any side string with a letter may continue a marker whose prefix was bent or
+    lost, so every side field gets its guard; a marker in one, plain, bent or ``\u0043``-escaped,
+    is cut."""
     victim = CODEC.issue(TENANTS[7])
     fw, info = firewall()
+    assert fw.capabilities.side_prefilter is None
     opened: list[int] = []
 
     def open_guard():
         opened.append(1)
         return fw.open(info)
 
-    def screen_raw(body: dict) -> object:
+    def screen_raw(body: dict, raw: str | None = None) -> object:
         opened.clear()
-        raw = json.dumps(body)
-        return relay_body(
-            Endpoint.CHAT, body, open_guard, side_prefilter=fw.side_prefilter, raw=raw
-        )
+        raw = json.dumps(body) if raw is None else raw
+        return relay_body(Endpoint.CHAT, body, open_guard, side_prefilter=None, raw=raw)
 
     clean = {"id": "cmpl-1", "choices": [{"index": 0, "message": {"content": "Cats"}}]}
     assert screen_raw(clean) == clean
-    assert len(opened) == 1  # the text's guard only
-    leaky = {**clean, "debug": victim.text}
-    assert isinstance(screen_raw(leaky), CanaryCut)
+    assert len(opened) == 3  # the text's guard, the id's and the keys'
+    for debug in (victim.text, victim.text[5:].lower(), "CNRY|" + victim.text[5:]):
+        assert isinstance(screen_raw({**clean, "debug": debug}), CanaryCut), debug
     escaped = json.dumps({**clean, "debug": victim.text}).replace("C", "\\u0043")
-    cut = relay_body(
-        Endpoint.CHAT,
-        json.loads(escaped),
-        open_guard,
-        side_prefilter=fw.side_prefilter,
-        raw=escaped,
-    )
-    assert isinstance(cut, CanaryCut)
+    assert isinstance(screen_raw(json.loads(escaped), escaped), CanaryCut)
 
 
 # -- the corpus ------------------------------------------------------------------------------------
@@ -380,18 +381,32 @@ CANDIDATE = re.compile("CNRY-[A-Z2-7]{1,32}")
 
 
 def look_alikes(rng: random.Random) -> list[str]:
-    real = CODEC.issue(rng.choice(TENANTS[1:])).text
-    body = real[5:]
+    """Text that resembles a marker but is nobody's: no finding, no cut."""
     return [
-        "CNRY-" + "".join(rng.choices(B32, k=32)),  # well-formed, MAC invalid
-        "CNRX-" + body,  # wrong prefix
-        "cnry-" + body.lower(),  # lowercase
-        "CNRY " + body,  # no dash
-        "CNRY-" + body[:7] + "-" + body[7:],  # broken before the tag completes
+        "CNRY-" + "".join(rng.choices(B32, k=32)),  # well-formed, MAC invalid, a tag nobody has
+        "CNRX-" + "".join(rng.choices(B32, k=32)),  # another prefix, a body nobody's
+        ("cnry-" + "".join(rng.choices(B32, k=32))).lower(),  # bent, a body nobody's
         OTHER_KEY.issue(rng.choice(TENANTS)).text,  # genuine under a key we do not hold
         "CNRY-" + "".join(rng.choices(B32, k=7)),  # too short to name anyone
-        "CNRY- " + body,  # no body character after the prefix
     ]
+
+
+def bent(rng: random.Random, marker: str) -> str:
+    """A genuine marker as a model may be made to write it: no candidate for the corpus's
+    look-alikes, a leak to cut."""
+    body = marker[5:]
+    return rng.choice(
+        [
+            marker,
+            "CNRX-" + body,
+            marker.lower(),
+            "CNRY " + body,
+            "CNRY-" + body[:7] + "-" + body[7:],
+            "CNRY- " + body,
+            "CNRY|" + body,
+            body,
+        ]
+    )
 
 
 def chunked(rng: random.Random, text: str) -> list[str]:
@@ -405,7 +420,7 @@ def test_corpus_recall_and_false_positives() -> None:
     for _ in range(150):
         victim = CODEC.issue(rng.choice(TENANTS[1:]))
         damaged = rng.random() < 0.3
-        shown = victim.text[: rng.randint(13, 36)] if damaged else victim.text
+        shown = victim.text[: rng.randint(13, 36)] if damaged else bent(rng, victim.text)
         text = (
             prose(rng, rng.randint(0, 400))
             + " "
@@ -418,7 +433,7 @@ def test_corpus_recall_and_false_positives() -> None:
         caught += (
             isinstance(cut, CanaryCut)
             and shown not in out.decode()
-            and shown[:13] not in out.decode()
+            and victim.text[5:13] not in fold_flat(out.decode())
         )
     flagged = clean_chars = 0
     for _ in range(80):
@@ -428,7 +443,8 @@ def test_corpus_recall_and_false_positives() -> None:
             parts.append(rng.choice(look_alikes(rng)))
         text = " ".join(parts)
         delivered, cut, _ = relay(events(chunked(rng, text)))
-        # A candidate that is no genuine marker goes, whoever's characters it shows (no oracle).
+        # A literal candidate that is no genuine marker goes, whoever's characters it shows (no
+        # oracle); bent look-alikes of nobody's marker are ordinary text.
         flagged += cut is not None or delivered != CANDIDATE.sub("", text)
         clean_chars += len(text)
     print(f"recall {caught}/{leaked}; false positives {flagged}/80 responses ({clean_chars} chars)")

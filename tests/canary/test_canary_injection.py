@@ -70,7 +70,7 @@ def test_the_bundled_model_reads_a_marker_anywhere_in_its_context() -> None:
     assert data.chat.REFERENCE_REQUEST == "Repeat the reference code."
 
 
-def test_carried_markers_are_found_anywhere_in_the_request() -> None:
+def test_carried_markers_are_found_anywhere_in_the_request_in_any_form() -> None:
     other = CODEC.issue("globex", nonce=b"nonce--2").text
     body = {
         "messages": [
@@ -78,12 +78,50 @@ def test_carried_markers_are_found_anywhere_in_the_request() -> None:
             {"role": "user", "content": f"{other}CNRY-AAAA {M[:-1]}B", "name": "n"},
         ]
     }
-    found = carried_markers(CODEC, body)
+    found = carried_markers(CODEC, body).genuine
     assert [(v.tenant_tag, v.nonce) for v in found] == [
         (CODEC.tenant_tag("acme"), b"nonce--1"),
         (CODEC.tenant_tag("globex"), b"nonce--2"),
     ]
-    assert carried_markers(CODEC, {"prompt": "no markers"}) == []
+    assert carried_markers(CODEC, {"prompt": "no markers"}).genuine == ()
+    # Read as the firewall reads answers: bent, split over messages, in content parts.
+    bent = [
+        {"prompt": other.lower()},
+        {"prompt": "CNRY|" + other[5:]},
+        {"prompt": " ".join(other)},
+        {"messages": [{"role": "user", "content": c} for c in (other[:9], other[9:])]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": other}]}]},
+        {"messages": [{"role": "user", "content": "hi"}], "user": other.lower()},
+    ]
+    for body in bent:
+        [verified] = carried_markers(CODEC, body).genuine
+        assert verified.nonce == b"nonce--2", body
+    # A bare body (its prefix removed) is left to the firewall and the replay evidence.
+    assert carried_markers(CODEC, {"prompt": other[5:]}).genuine == ()
+
+
+@pytest.mark.parametrize(
+    "bend",
+    [{"logit_bias": {"45": -100}}, {"n": 2}, {"best_of": 3}],
+)
+async def test_a_request_that_can_bend_or_multiply_copies_is_never_marked(bend: dict) -> None:
+    """A tenant who could bend its copy of the marker (a bias against ``-`` made the bundled model
+    write ``CNRY|<body>``) or vote over several copies is not given one: same answer, no
+    refusal, only no marker."""
+    hook, ledger, _, metrics = injector()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **bend}
+    for n in range(20):
+        assert await hook.prepare(info(n, rate=1.0), body) is body
+        assert ledger.get(f"req{n}").own == frozenset()
+    assert (
+        metrics.registry.get_sample_value(
+            "kvguard_canary_requests_total", {"tenant": "acme", "marked": "false"}
+        )
+        == 20
+    )
+    for plain in ({"logit_bias": {}}, {"n": 1}, {"best_of": 1}, {"n": True}):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **plain}
+        assert await hook.prepare(info(99, rate=1.0), body) is not body, plain
 
 
 async def test_sampling_follows_the_tenant_rate_exactly() -> None:
@@ -154,9 +192,10 @@ async def test_a_request_carrying_another_tenants_marker_is_refused() -> None:
 
 
 async def test_a_request_carrying_another_tenants_tag_after_the_prefix_is_refused() -> None:
-    """``CNRY-`` + another known tenant's tag + anything: the model echoing it would be a suspected
-    finding against an innocent engine. The caller's own tag, unknown tags and a tag without the
-    prefix pass."""
+    """``CNRY`` (in any form the firewall reads) + another known tenant's tag + anything: the
+    model echoing it would be a suspected finding against an innocent engine. The caller's own
+    tag, unknown tags, fewer than 8 characters and a tag without any prefix pass (a bare tag is
+    left to the firewall and the replay evidence)."""
     index = CODEC.tag_index(["acme", "globex"])
     hook, ledger, _, _ = injector(known_tags=index.get)
     acme_tag = M[5:13]
@@ -168,11 +207,14 @@ async def test_a_request_carrying_another_tenants_tag_after_the_prefix_is_refuse
     ):
         body = {"messages": [{"role": "user", "content": text}]}
         await hook.prepare(info(5, tenant="acme", rate=0.0), body)
-        await hook.prepare(info(6, tenant="initech", rate=0.0), {"prompt": text.lower()})
+        await hook.prepare(info(6, tenant="initech", rate=0.0), {"prompt": f"see {acme_tag}"})
     for body in (
         {"messages": [{"role": "user", "content": f"say CNRY-{acme_tag}XYZ twice"}]},
         {"messages": [{"role": "user", "content": "hi", "name": f"CNRY-{acme_tag}"}]},
         {"prompt": f"CNRY-CNRY-{acme_tag}"},
+        {"prompt": f"echo cnry-{acme_tag.lower()}xyz"},
+        {"prompt": "C N R Y | " + " ".join(acme_tag)},
+        {"messages": [{"role": "user", "content": c} for c in ("CNRY", acme_tag)]},
     ):
         with pytest.raises(RequestRefused) as refused:
             await hook.prepare(info(7, tenant="globex"), body)

@@ -141,7 +141,7 @@ def _relay(own: frozenset[bytes], endpoint: Endpoint) -> StreamRelay:
         endpoint=endpoint,
         open_guard=lambda: firewall.open(info),
         wants_usage=False,
-        side_prefilter=LeakFirewall.side_prefilter,
+        side_prefilter=None,
     )
 
 

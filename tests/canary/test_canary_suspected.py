@@ -1,7 +1,9 @@
 """Suspected findings (a damaged copy of another tenant's marker) on the real gateway (uvicorn on
 127.0.0.1, SQLite, in-process marker records) against the compromised provider of
-``canary_harness``: attribution through the issue records, quarantine by setting, and the refusal
-of requests that carry a foreign tag."""
+``canary_harness``: attribution through the issue records, quarantine by setting or when
+corroborated (issue 32, finding 6: an engine copying other tenants' context stayed in service
+while its leaks were only ever suspected), and the refusal of requests that carry a foreign
+tag."""
 
 from __future__ import annotations
 
@@ -81,6 +83,40 @@ async def test_a_damaged_copy_is_attributed_and_quarantines_by_setting(
                     "/admin/engines/thirdparty/quarantine", headers=gw.admin
                 )
                 assert cleared.status_code in (200, 204), cleared.text
+
+
+async def test_suspected_copies_for_two_requesting_tenants_quarantine_the_engine(
+    gateway_settings, canary_settings, provider
+) -> None:
+    """Damaged copies showing the victim's nonce, of a request this engine served, for two
+    different requesting tenants within the window: corroborated, the engine is quarantined
+    (``canary.corroboration``). Copies for one tenant, or showing no nonce, are not enough."""
+    settings = gateway_settings(engines=[provider_engine(provider.url)])
+    async with canary_gateway(settings, canary_settings()) as gw:
+        victim_id, victim_key = await gw.create_tenant("victim", canary_sample_rate=1.0)
+        _, first_key = await gw.create_tenant("first")
+        _, second_key = await gw.create_tenant("second")
+        provider.controls.mode = "plain"
+        await gw.client.post("/v1/chat/completions", headers=bearer(victim_key), json=_chat(False))
+        await gw.runtime.injector.drain()  # the victim's issue record, with its engine
+        leaks = [
+            (first_key, len(PREFIX) + 12, "cut"),  # the tag only: counts for nobody
+            (first_key, len(PREFIX) + 25, "cut"),  # shows the nonce: 1 tenant so far
+            (first_key, len(PREFIX) + 25, "cut"),  # the same tenant again: still 1
+            (second_key, len(PREFIX) + 25, "cut_quarantined"),  # a second tenant: corroborated
+        ]
+        for key, chars, action in leaks:
+            r = await _leak(gw, provider, key, chars)
+            assert [e["code"] for e in sse_text(r.content)[1]] == ["isolation_violation"]
+            finding = (await gw.findings())[0]
+            assert (finding["evidence"], finding["victim_tenant_id"]) == ("suspected", victim_id)
+            assert finding["action"] == action, finding
+        engines = (await gw.client.get("/admin/engines", headers=gw.admin)).json()
+        assert engines[0]["quarantine_reason"].startswith("canary: isolation finding")
+        refused = await gw.client.post(
+            "/v1/chat/completions", headers=bearer(first_key), json=_chat(False)
+        )
+        assert (refused.status_code, refused.json()["error"]["code"]) == (503, "no_healthy_engine")
 
 
 async def test_a_request_carrying_a_foreign_tag_is_refused_before_the_engine(

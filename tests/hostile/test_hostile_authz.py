@@ -227,8 +227,10 @@ def world(postgres_url: str, redis_url: str, engine: EngineProcess) -> Iterator[
         engine.url,
         redis_url=redis_url,
         metrics_token=METRICS_TOKEN,
-        operator_failures_per_minute=10_000,  # the matrix tries every wrong credential; the
-        # throttle itself is test_hostile_secrets's
+        # the matrix tries every wrong credential; the throttles themselves are
+        # test_hostile_secrets's and test_hostile_forwarded's
+        operator_failures_per_minute=10_000,
+        auth_failures_per_minute=10_000,
     )
     with served_gateway(settings) as gateway:
         yield _world(gateway)

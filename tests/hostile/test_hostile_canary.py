@@ -17,11 +17,12 @@ gateway is the real one, as ``kvguard gateway`` serves it.
 
 Proves: every candidate is treated alike whether or not its characters are the requester's tag
 (the same answer for each of the 32 first characters, and for the whole own tag versus a tag
-nobody has); a genuine foreign marker sent in any form ``canary.evidence`` detects -- plain in a
-field the edge does not read for markers, lowercase, spaced, reversed, base64, hex, split across
-messages -- is cut (nobody receives it) and recorded as critical with why it did not quarantine,
-and the engine keeps serving a bystander; a damaged copy alerts without quarantining; and a
-marker the engine really produced from another tenant's request still quarantines it.
+nobody has); a genuine foreign marker sent in is refused at the edge in every form the firewall
+reads (lowercase, spaced, its prefix bent, split across messages) and, in any other form
+``canary.evidence`` detects (a bare body, reversed, base64, hex), cut (nobody receives it) and
+recorded as a *replay* -- high, not a critical cross-tenant finding -- with why it did not
+quarantine, and the engine keeps serving a bystander; a damaged copy alerts without quarantining;
+and a marker the engine really produced from another tenant's request still quarantines it.
 """
 
 from __future__ import annotations
@@ -102,15 +103,23 @@ def test_no_oracle_for_the_requesters_own_tag(gateway: ServedGateway) -> None:
 
 def _disguises(marker: str) -> dict[str, tuple[str, ...]]:
     """name -> the messages that make the follower write ``marker`` back."""
-    half = 7  # "CNRY-" and 2 tag characters: less than the edge refuses (prefix + a whole tag)
+    half = 7  # "CNRY-" and 2 tag characters: neither half holds a marker on its own
     return {
         "lowercase": (f"upper: {marker.lower()}",),
         "spaced": ("unspace: " + " ".join(marker),),
+        "bent prefix": ("repeat: CNRY|" + marker[5:],),
+        "split": ("join:", marker[:half], marker[half:]),
+        "bare body": ("repeat: " + marker[5:],),
         "reversed": (f"reverse: {marker[::-1]}",),
         "base64": ("decode base64: " + base64.b64encode(marker.encode()).decode(),),
         "hex": ("decode hex: " + marker.encode().hex(),),
-        "split": ("join:", marker[:half], marker[half:]),
     }
+
+
+# Forms the edge reads as the firewall reads answers (any case, any separator, split across
+# messages): refused before the engine. The others reach it; what it writes back is cut and
+# recorded as a replay.
+READ_AT_THE_EDGE = {"lowercase", "spaced", "bent prefix", "split"}
 
 
 @pytest.mark.parametrize("disguise", sorted(_disguises("CNRY-" + "A" * 32)))
@@ -125,18 +134,53 @@ def test_a_marker_a_tenant_sends_in_never_quarantines(
     plain = _ask(gateway, colluder, f"repeat: {marker}")
     assert plain.status_code == 400 and plain.json()["error"]["code"] == "foreign_canary_marker"
     sent = _ask(gateway, colluder, *_disguises(marker)[disguise])
-    assert sent.status_code == 502, sent.text
-    assert sent.json()["error"]["code"] == "isolation_violation"
-    assert marker[5:13] not in sent.text and "recorded" not in sent.text
-    [finding] = _findings(gateway)
-    assert (finding["severity"], finding["evidence"], finding["action"]) == (
-        "critical",
-        "confirmed",
-        "cut",
-    )
-    assert finding["victim_tenant_id"] == victim
-    assert "in this request's own input" in finding["detail"], finding
+    if disguise in READ_AT_THE_EDGE:
+        assert sent.status_code == 400, sent.text
+        assert sent.json()["error"]["code"] == "foreign_canary_marker"
+        assert _findings(gateway) == []
+    else:
+        assert sent.status_code == 502, sent.text
+        assert sent.json()["error"]["code"] == "isolation_violation"
+        assert marker[5:13] not in sent.text and "recorded" not in sent.text
+        [finding] = _findings(gateway)
+        # A replay: the marker stands in the request. Not a cross-tenant leak, not critical.
+        assert (finding["kind"], finding["severity"], finding["evidence"], finding["action"]) == (
+            "replay",
+            "high",
+            "confirmed",
+            "cut",
+        )
+        assert finding["victim_tenant_id"] == victim
+        assert "in this request's own input" in finding["detail"], finding
     assert _engine(gateway)["quarantine_reason"] is None
+    assert _content(_ask(gateway, bystander, "repeat: still served")) == "still served"
+
+
+def test_colluding_tenants_cannot_aim_a_corroborated_quarantine(
+    gateway: ServedGateway, follower: Follower
+) -> None:
+    """Three colluders, each holding the victim's marker, make the engine write a damaged copy of it
+    that shows the victim's nonce -- what corroboration counts when the engine produced it. Each
+    copy stands in its requester's own input (base64, bare, reversed): a replay, which counts for
+    nothing, so the engine keeps serving."""
+    victim, victim_key = gateway.create_tenant("victim", canary_sample_rate=1.0)
+    _content(_ask(gateway, victim_key, "repeat: hello"))
+    damaged = follower.marker_seen()[:30]  # CNRY-, the tag, key id and nonce; no MAC
+    sends = [
+        "decode base64: " + base64.b64encode(damaged.encode()).decode(),
+        "repeat: " + damaged[5:],
+        "reverse: " + damaged[::-1],
+    ]
+    for n, message in enumerate(sends):
+        _, key = gateway.create_tenant(f"colluder-{n}")
+        r = _ask(gateway, key, message)
+        assert (r.status_code, r.json()["error"]["code"]) == (502, "isolation_violation")
+    findings = _findings(gateway)
+    assert [(f["kind"], f["evidence"], f["victim_tenant_id"]) for f in findings] == [
+        ("replay", "suspected", victim)
+    ] * 3
+    assert _engine(gateway)["quarantine_reason"] is None
+    _, bystander = gateway.create_tenant("bystander")
     assert _content(_ask(gateway, bystander, "repeat: still served")) == "still served"
 
 

@@ -138,10 +138,14 @@ def _real_model(case: Any, mode: GenerationMode) -> None:
 
 @pytest.fixture
 def fuzz_gateway(sqlite_url: str, engine: EngineProcess) -> Iterator[ServedGateway]:
-    # The fuzzer sends wrong admin tokens by the hundred: the throttle would answer 429s
-    # (test_hostile_secrets tests it).
+    # The fuzzer sends wrong admin tokens and keys by the hundred: the throttles would answer
+    # 429s (test_hostile_secrets and test_hostile_forwarded test them).
     settings = gateway_settings(
-        sqlite_url, engine.url, engine_timeout_s=1.0, operator_failures_per_minute=100_000
+        sqlite_url,
+        engine.url,
+        engine_timeout_s=1.0,
+        operator_failures_per_minute=100_000,
+        auth_failures_per_minute=100_000,
     )
     with served_gateway(settings) as gateway:
         yield gateway

@@ -14,6 +14,7 @@ same budget covers ``/metrics``, tenants are unaffected, and another address sti
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,6 +53,28 @@ WEAK: dict[str, tuple[dict[str, str], str]] = {
         {"KVGUARD_CANARY_KEY": STRONG["KVGUARD_ADMIN_TOKEN"]},
         "KVGUARD_CANARY_KEY and KVGUARD_ADMIN_TOKEN must be different",
     ),
+    # Issue 32, finding 4: each of these used to start.
+    "engine-alphabet": (
+        {"KVGUARD_ENGINE_TOKEN": "abcdefghijklmnopqrstuvwx"},
+        "KVGUARD_ENGINE_TOKEN is too predictable",
+    ),
+    "cache-salt-a": ({"KVGUARD_CACHE_SALT_KEY": "a"}, "KVGUARD_CACHE_SALT_KEY is 1 characters"),
+    "cache-salt-is-admin": (
+        {"KVGUARD_CACHE_SALT_KEY": STRONG["KVGUARD_ADMIN_TOKEN"]},
+        "KVGUARD_ADMIN_TOKEN and KVGUARD_CACHE_SALT_KEY must be different",
+    ),
+    "canary-is-engine": (  # the engines hold the engine token
+        {"KVGUARD_CANARY_KEY": STRONG["KVGUARD_ENGINE_TOKEN"]},
+        "KVGUARD_ENGINE_TOKEN and KVGUARD_CANARY_KEY must be different",
+    ),
+    "previous-canary-is-admin": (
+        {"KVGUARD_CANARY_PREVIOUS_KEYS": json.dumps({"7": STRONG["KVGUARD_ADMIN_TOKEN"]})},
+        "KVGUARD_CANARY_PREVIOUS_KEYS[7] and KVGUARD_ADMIN_TOKEN must be different",
+    ),
+    "previous-canary-is-current": (
+        {"KVGUARD_CANARY_PREVIOUS_KEYS": json.dumps({"7": STRONG["KVGUARD_CANARY_KEY"]})},
+        "KVGUARD_CANARY_KEY and KVGUARD_CANARY_PREVIOUS_KEYS[7] must be different",
+    ),
 }
 
 
@@ -67,21 +90,36 @@ def _production_env(tmp_path: Any, **changes: str) -> dict[str, str]:
     return env
 
 
+def _refusal(role: list[str], env: dict[str, str]) -> str:
+    """The one line a ``kvguard`` process that refuses its settings prints (exit status 2)."""
+    argv = [sys.executable, "-m", "kvguard.cli", *role]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    return line
+
+
+def test_the_marker_key_reused_as_the_engine_token_stops_the_real_process(tmp_path) -> None:
+    """The two settings classes of one process are checked together: a canary key that is also
+    the engine token (which every engine holds) is refused, in one line naming both."""
+    env = _production_env(tmp_path, KVGUARD_CANARY_KEY=STRONG["KVGUARD_ENGINE_TOKEN"])
+    line = _refusal(["gateway", "--port", "0"], env)
+    assert "KVGUARD_ENGINE_TOKEN and KVGUARD_CANARY_KEY must be different" in line
+    assert STRONG["KVGUARD_ENGINE_TOKEN"] not in line
+
+
+def test_an_engine_with_a_guessable_token_stops_with_one_line(tmp_path) -> None:
+    env = _production_env(tmp_path, KVGUARD_ENGINE_TOKEN="abcdefghijklmnopqrstuvwxyz0123")
+    line = _refusal(["backend", "unified", "--port", "1"], env)  # refused before any bind
+    assert "KVGUARD_ENGINE_TOKEN is too predictable" in line
+
+
 def test_a_weak_admin_token_stops_the_real_process_with_one_line(tmp_path) -> None:
     env = _production_env(tmp_path, KVGUARD_ADMIN_TOKEN="password")
-    result = subprocess.run(
-        [sys.executable, "-m", "kvguard.cli", "gateway", "--port", "0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("kvguard gateway: cannot start: ")
-    assert "KVGUARD_ADMIN_TOKEN is 8 characters long" in lines[0]
-    assert "password" not in lines[0]  # the refused secret is never echoed
+    line = _refusal(["gateway", "--port", "0"], env)
+    assert line.startswith("kvguard gateway: cannot start: ")
+    assert "KVGUARD_ADMIN_TOKEN is 8 characters long" in line
+    assert "password" not in line  # the refused secret is never echoed
 
 
 @pytest.fixture

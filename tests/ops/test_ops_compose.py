@@ -10,6 +10,7 @@ Prometheus accepts its config.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -144,6 +145,13 @@ def test_urls_and_ports_line_up() -> None:
     assert f"server gateway:{_port('gateway')} resolve;" in nginx
     assert "resolver 127.0.0.11 " in nginx and "zone kvguard_gateway " in nginx
     assert SERVICES["lb"]["ports"] == [f"{_port('gateway')}:8000"] and "listen 8000;" in nginx
+    # The gateway believes forwarded client addresses from nginx's fixed address only, inside the
+    # network's subnet, and nginx sets (never appends to) the header.
+    lb_address = SERVICES["lb"]["networks"]["default"]["ipv4_address"]
+    assert json.loads(gateway_env["KVGUARD_TRUSTED_PROXIES"]) == [lb_address]
+    (subnet,) = COMPOSE["networks"]["default"]["ipam"]["config"]
+    assert ipaddress.ip_address(lb_address) in ipaddress.ip_network(subnet["subnet"])
+    assert "proxy_set_header X-Forwarded-For $remote_addr;" in nginx
     probe = SERVICES["canary-probe"]["command"]
     assert option(probe, "--gateway") == "http://lb:8000"
     assert option(probe, "--model") == engine["model"]

@@ -28,8 +28,9 @@ from kvguard.up_production import MIGRATE, production_env, production_roles
 COMPOSE = yaml.safe_load((Path(__file__).resolve().parents[2] / "compose.yaml").read_text())
 # what differs between the hosts: addresses, and where the heartbeat file lives
 WHERE = {"--host", "--port", "--prefill-url", "--gateway", "--heartbeat"}
-# compose's variables that name a host, or the OTel collector the local profile does not run
-ELSEWHERE = {"KVGUARD_TRANSFER_HOST", "KVGUARD_OTLP_ENDPOINT"}
+# compose's variables that name a host, the OTel collector the local profile does not run, or the
+# proxy it does not run (compose lists nginx's fixed address as the one proxy to believe)
+ELSEWHERE = {"KVGUARD_TRANSFER_HOST", "KVGUARD_OTLP_ENDPOINT", "KVGUARD_TRUSTED_PROXIES"}
 
 
 def _without_where(command: list[str]) -> list[str]:
