@@ -94,3 +94,23 @@ def test_a_listed_proxy_names_the_client(served: ServedGateway) -> None:
         assert proxy.get("/admin/tenants", headers={**served.admin, **forged}).status_code == 429
         other = {"X-Real-IP": "198.51.100.8"}
         assert proxy.get("/admin/tenants", headers={**served.admin, **other}).status_code == 200
+
+
+@pytest.mark.parametrize("served", [{"trusted_proxies": ["127.0.0.1"]}], indirect=True)
+def test_the_completion_door_throttles_the_client_a_listed_proxy_names(
+    served: ServedGateway,
+) -> None:
+    """The completion routes run below FastAPI (``gateway.proxy.door``) and verify keys through the
+    same ``principal_of``: their failed-key budget is the client's as the listed proxy names it
+    (one client throttled, another forwarded client untouched), never the proxy's own."""
+    chat = {"model": "any", "messages": [{"role": "user", "content": "hi"}]}
+    with _client(served) as proxy:
+
+        def post(address: str) -> httpx.Response:
+            headers = {**UNKNOWN_KEY, "X-Forwarded-For": address}
+            return proxy.post("/v1/chat/completions", headers=headers, json=chat)
+
+        codes = [post("198.51.100.9").status_code for _ in range(2 * BUDGET)]
+        assert codes[:BUDGET] == [401] * BUDGET and set(codes[BUDGET:]) == {429}, codes
+        assert openai_error(post("198.51.100.9"))["code"] == "too_many_failed_credentials"
+        assert post("198.51.100.10").status_code == 401  # another client: its own budget
