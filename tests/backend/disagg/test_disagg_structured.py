@@ -1,10 +1,11 @@
-"""Structured output and tool calls through a real prefill/decode pair of the bundled model.
+"""Structured output and tool calls through a real prefill/decode pair of every checkpoint.
 
 Prefill samples each answer's first token under the request's grammar (the spec travels in the
 handoff, protocol 3); decode rebuilds the grammar's state from the same spec and replays that
 token, then samples the rest. 100 of 100 ``json_schema`` answers validate, streamed and not, and
 100 ``tool_choice: "required"`` answers are each one valid call (the cases of
-``tests/backend/model/structured_cases.py``). One pair per checkpoint, module-scoped.
+``tests/backend/model/structured_cases.py``), for the bundled model and each tiny family of
+the model matrix. One pair per checkpoint, module-scoped.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from disagg_harness import MODEL, decode, prefill, running
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
 import structured_cases as cases
-from tiny_families import FAMILIES, write_family
+from tiny_families import FAMILIES, FAMILY_NAMES, write_family
 
 pytestmark = pytest.mark.slow
-# The bundled model, which the production-like stack runs as a pair. What crosses the pair (the
-# spec, the first token, the replay) does not depend on the family; every family runs the same
-# cases unified (test_model_families_http.py), and PAIR_FAMILIES can name more (a pair of a tiny
-# family took 15 s of the suite's time on two cores).
-PAIR_FAMILIES: list[str] = []
+# The bundled model, which the production-like stack runs as a pair, and every family of the model
+# matrix: each family's tokenizer and chat template decide what the grammar's first token is, and
+# that token is what prefill samples and decode replays.
+PAIR_FAMILIES: list[str] = list(FAMILY_NAMES)
 
 
 @pytest.fixture(scope="module", params=["bundled", *PAIR_FAMILIES])
