@@ -12,14 +12,18 @@ import secrets
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import pytest
 from gateway_harness import Gateway, bearer, running_gateway
 from gateway_standin import StandInEngine
+from sqlalchemy import select
 
+from contracts.sql import session_scope
 from gateway.config import GatewaySettings
+from gateway.db.models import StoredResponse
 
 ROUNDS = 41
 
@@ -147,7 +151,7 @@ async def test_another_tenants_response_answers_as_one_never_issued(
 async def test_the_state_is_shared_by_replicas_and_survives_a_restart(
     pg_settings: Callable[[], GatewaySettings], standin: StandInEngine
 ) -> None:
-    settings = pg_settings()
+    settings = pg_settings().model_copy(update={"responses_retention_days": 2.0})
     async with _gateway(settings) as one, _gateway(settings) as two:
         _, key = await one.create_tenant("acme")
         model = await _model(one, key)
@@ -179,6 +183,10 @@ async def test_the_state_is_shared_by_replicas_and_survives_a_restart(
         second_id = second.text.split('"id":"', 1)[1].split('"', 1)[0]
         fetched = await one.client.get(f"/v1/responses/{second_id}", headers=bearer(key))
         assert fetched.status_code == 200 and fetched.json()["previous_response_id"]
+        with session_scope(one.state.sessions) as session:
+            kept = session.execute(select(StoredResponse)).scalars().all()
+            assert {row.id for row in kept} == {first.json()["id"], second_id}
+            assert {row.expires_at - row.created_at for row in kept} == {timedelta(days=2)}
 
     # every gateway stopped; a new one on the same database still has the conversation
     async with _gateway(settings) as restarted:
