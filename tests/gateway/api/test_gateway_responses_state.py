@@ -210,3 +210,43 @@ async def test_the_state_is_shared_by_replicas_and_survives_a_restart(
             "third question",
         ]
         assert [m["role"] for m in sent].count("assistant") == 2  # both earlier answers
+
+
+async def test_bad_requests_get_a_400_naming_the_field(
+    pg_settings: Callable[[], GatewaySettings], standin: StandInEngine
+) -> None:
+    """What the gateway does not serve is refused before any engine work, with OpenAI's error
+    shape naming the field; a key is required on every route."""
+    async with _gateway(pg_settings()) as gw:
+        _, key = await gw.create_tenant("acme")
+        model = await _model(gw, key)
+        sent_before = len(standin.controls.seen_bodies)
+        for extra, param in [
+            ({"background": True}, "background"),
+            ({"conversation": "conv_1"}, "conversation"),
+            ({"include": ["reasoning.encrypted_content"]}, "include"),
+            ({"max_output_tokens": 3}, "max_output_tokens"),
+            ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ]:
+            body = {"model": model, "input": "hi", **extra}
+            r = await gw.client.post("/v1/responses", headers=bearer(key), json=body)
+            assert r.status_code == 400, (extra, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", error
+        assert len(standin.controls.seen_bodies) == sent_before
+        unknown = {"model": "nobody-serves-this", "input": "hi"}
+        r = await gw.client.post("/v1/responses", headers=bearer(key), json=unknown)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = await gw.client.get("/v1/responses/x/input_items?limit=101", headers=bearer(key))
+        assert r.status_code == 400
+        r = await gw.client.get(f"/v1/responses/{_never_issued()}?stream=true", headers=bearer(key))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        for method, path in [
+            ("POST", "/v1/responses"),
+            ("GET", f"/v1/responses/{_never_issued()}"),
+            ("DELETE", f"/v1/responses/{_never_issued()}"),
+            ("GET", f"/v1/responses/{_never_issued()}/input_items"),
+            ("POST", f"/v1/responses/{_never_issued()}/cancel"),
+        ]:
+            r = await gw.client.request(method, path, json={"model": model, "input": "hi"})
+            assert r.status_code == 401, (method, path, r.text)
