@@ -46,6 +46,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy.deps import ProxySettings
 from gateway.proxy.door import ROUTES, CompletionRoutes
 from gateway.proxy.server import DataPlaneProtocol, data_plane_protocol
+from gateway.services import responses as stored_responses
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
 from gateway.services.quarantine import Quarantines
@@ -157,6 +158,7 @@ async def start(state: GatewayState) -> list[asyncio.Task[None]]:
         asyncio.create_task(state.poller.run_reload(), name="engine-reload"),
         asyncio.create_task(state.audit.run(), name="audit-writer"),
         asyncio.create_task(state.quarantines.run(), name="quarantines"),
+        asyncio.create_task(stored_responses.purge_loop(state.sessions), name="responses-purge"),
     ]
 
 

@@ -192,6 +192,14 @@ class GatewaySettings(KvguardSettings):
         gt=0,
         description="how often audit rows are written to the database in one batch",
     )
+    responses_retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        le=3650,
+        description="how long a stored Responses API response (store: true, OpenAI's default) and "
+        "its conversation are kept for its tenant; past it, GET, input_items and "
+        "previous_response_id answer 404 at once and the row is purged",
+    )
 
     otlp_endpoint: str | None = Field(
         default=None,

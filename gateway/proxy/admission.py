@@ -29,6 +29,7 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ from gateway.proxy.deps import ProxyDeps
 log = logging.getLogger("kvguard.gateway.admission")
 
 Body = ChatCompletionBody | CompletionBody
+Narrow = Callable[[list[EngineRecord]], list[EngineRecord]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +68,12 @@ class Admitted:
     body: dict[str, Any] = field(repr=False)
 
 
-async def admit(deps: ProxyDeps, ctx: RequestContext, body: Body) -> Admitted:
-    routable = route(deps, ctx.model)
+async def admit(
+    deps: ProxyDeps, ctx: RequestContext, body: Body, *, narrow: Narrow | None = None
+) -> Admitted:
+    """``narrow``: keeps the engines that serve what the request asks beyond ``body`` (the
+    Responses API's own fields, ``gateway.responses.surface``), or raises its refusal."""
+    routable = route(deps, ctx.model, narrow)
     ctx.advance(Phase.ROUTED)
     routable, unsupported = surface.serving(routable, surface.requested(body))
     if not routable:
@@ -100,7 +106,7 @@ async def admit(deps: ProxyDeps, ctx: RequestContext, body: Body) -> Admitted:
         # Counting awaited the engine: an engine that became unavailable meanwhile now reports
         # a limit of 0. That is a 503 (route again), never a "too long" 400 the client would
         # not retry.
-        routable = route(deps, ctx.model)
+        routable = route(deps, ctx.model, narrow)
         fitting = _fitting(routable, size, plan_cap)
     if not fitting:
         raise too_long(routable, size, plan_cap, param=_param(body))
@@ -165,10 +171,10 @@ def _fitting(
     return [r for r in routable if r.snapshot is not None and fits(r.snapshot, size, plan_cap)]
 
 
-def route(deps: ProxyDeps, model: str) -> list[EngineRecord]:
+def route(deps: ProxyDeps, model: str, narrow: Narrow | None = None) -> list[EngineRecord]:
     routable, blocked = deps.registry.serving(model)
     if routable:
-        return routable
+        return routable if narrow is None else narrow(routable)
     if not blocked:
         raise ModelNotFound(f"model '{model}' is not served here", param="model")
     reasons = sorted({str(deps.registry.block(record)) for record in blocked})

@@ -1,7 +1,8 @@
-"""The completion routes below FastAPI: ``/v1/chat/completions`` and ``/v1/completions``.
+"""The completion routes below FastAPI: ``/v1/chat/completions``, ``/v1/completions`` and
+``POST /v1/responses``.
 
 ``CompletionRoutes`` is a raw ASGI app that the gateway's app (``gateway.app.GatewayApp``) calls
-for these two paths instead of FastAPI's router; per request, in order:
+for these paths instead of FastAPI's router; per request, in order:
 
 1. ``RequestIds``: an id on every answer (the same middleware as every other route's);
 2. ``BodyGuardMiddleware``: the body within its size (413) and time (408) bounds, UTF-8 (400);
@@ -10,14 +11,16 @@ for these two paths instead of FastAPI's router; per request, in order:
 5. the tenant's key (``gateway.deps.principal_of``: 401/403; 503 when the database is down);
 6. the body validated by the OpenAI schema (``gateway.openai.schemas``), 400 naming the field --
    the same order and the same bodies as FastAPI's dependency and validation handlers;
-7. ``serve_completion`` with the reply for the server this runs under (``gateway.proxy.reply``):
-   under the gateway's own protocol a stream's chunks go straight to the socket.
+7. ``serve_completion`` (``serve_response`` for ``/v1/responses``: ``gateway.proxy.responses``)
+   with the reply for the server this runs under (``gateway.proxy.reply``): under the gateway's
+   own protocol a stream's chunks go straight to the socket.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from datetime import timedelta
 from typing import Any
 
 import orjson
@@ -35,14 +38,18 @@ from gateway.deps import address_of, bearer_of, principal_of
 from gateway.errors import DatabaseDown, GatewayError, ServiceUnavailable
 from gateway.openai.schemas import ChatCompletionBody, CompletionBody
 from gateway.proxy.reply import AsgiReply, reply_for
+from gateway.proxy.responses import serve_response
 from gateway.proxy.service import serve_completion
+from gateway.responses.schemas import CreateResponseBody
 from gateway.upstream.base import Endpoint
 
 log = logging.getLogger("kvguard.gateway.proxy")
 
-ROUTES: dict[str, tuple[Endpoint, type[ChatCompletionBody] | type[CompletionBody]]] = {
+RequestBody = type[ChatCompletionBody] | type[CompletionBody] | type[CreateResponseBody]
+ROUTES: dict[str, tuple[Endpoint, RequestBody]] = {
     Endpoint.CHAT.path: (Endpoint.CHAT, ChatCompletionBody),
     Endpoint.COMPLETIONS.path: (Endpoint.COMPLETIONS, CompletionBody),
+    Endpoint.RESPONSES.path: (Endpoint.RESPONSES, CreateResponseBody),
 }
 
 
@@ -98,6 +105,18 @@ class CompletionRoutes:
         except (OperationalError, PoolTimeout) as exc:
             log.warning("database unavailable on POST %s: %s", scope["path"], type(exc).__name__)
             await _error(reply, DatabaseDown("The gateway's database is unavailable; retry later."))
+            return
+        if isinstance(body, CreateResponseBody):
+            await serve_response(
+                state.proxy,
+                reply=reply,
+                principal=principal,
+                body=body,
+                request_id=scope["state"]["request_id"],
+                incoming_headers=headers,
+                sessions=state.sessions,
+                retention=timedelta(days=state.settings.responses_retention_days),
+            )
             return
         await serve_completion(
             state.proxy,

@@ -63,7 +63,7 @@ from gateway.proxy.relay import (
     screen,
 )
 from gateway.proxy.reply import AsgiReply, ClientGone, DirectReply
-from gateway.proxy.stream import StreamPump, TokenClock
+from gateway.proxy.stream import RelayedStream, StreamPump, TokenClock
 from gateway.upstream.base import (
     Endpoint,
     UpstreamCall,
@@ -289,19 +289,10 @@ class Flight:
         if isinstance(opened, UpstreamReply):
             return await self._engine_refused(opened)
         self.ctx.answered = True
-        relay: StreamRelay | None = None
+        relay: RelayedStream | None = None
         try:
             self.ctx.advance(Phase.STREAMING)
-            capabilities = self.deps.hooks.guards.capabilities
-            relay = StreamRelay(
-                endpoint=self.ctx.endpoint,
-                open_guard=self._open_guard,
-                wants_usage=wants_usage,
-                refuse_handoff_mismatch=self.deps.settings.refuse_on_handoff_mismatch,
-                screen_side=capabilities.screens_side,
-                side_prefilter=capabilities.side_prefilter,
-                hidden_prompt_tokens=self.ctx.hidden_prompt_tokens,
-            )
+            relay = self._stream_relay(wants_usage=wants_usage)
             self._streaming = True
             await self.reply.start_stream(self._headers())
             return await self._relay(opened, relay)
@@ -311,7 +302,20 @@ class Flight:
             with anyio.CancelScope(shield=True):
                 await opened.aclose()
 
-    async def _relay(self, opened: UpstreamStream, relay: StreamRelay) -> Outcome:
+    def _stream_relay(self, *, wants_usage: bool) -> RelayedStream:
+        """The relay of this request's event format (chat and completions: ``StreamRelay``)."""
+        capabilities = self.deps.hooks.guards.capabilities
+        return StreamRelay(
+            endpoint=self.ctx.endpoint,
+            open_guard=self._open_guard,
+            wants_usage=wants_usage,
+            refuse_handoff_mismatch=self.deps.settings.refuse_on_handoff_mismatch,
+            screen_side=capabilities.screens_side,
+            side_prefilter=capabilities.side_prefilter,
+            hidden_prompt_tokens=self.ctx.hidden_prompt_tokens,
+        )
+
+    async def _relay(self, opened: UpstreamStream, relay: RelayedStream) -> Outcome:
         """The stream through the relay to the client: pushed from the engine connection's reads
         when both ends allow it (``DirectReply`` and a ``PushSource``), else pulled read by read.
         The bytes of one read leave in one write; the last ones wait for the single exit."""
@@ -336,7 +340,7 @@ class Flight:
                 pump.lost(exc)
         return await self._stream_ended(relay, pump)
 
-    async def _stream_ended(self, relay: StreamRelay, pump: StreamPump) -> Outcome:
+    async def _stream_ended(self, relay: RelayedStream, pump: StreamPump) -> Outcome:
         ctx, clock = self.ctx, pump.clock
         ctx.clock = clock
         if clock.first_s is not None:

@@ -2,7 +2,8 @@
 
 A pump is pushed each upstream read (``data``; ``end`` or ``lost`` when the engine's stream
 stops), cuts it into SSE events, hands each to the relay of the stream's event format
-(``EventRelay``: the chat/completions ``StreamRelay`` today; the relay owns every check), and
+(``EventRelay``: the chat/completions ``StreamRelay``, or the Responses API's
+``gateway.proxy.responses.ResponsesRelay``; the relay owns every check), and
 writes what the relay gave for the read to the client in one write (the bytes of one read are all
 there at once: joining them delays none). It knows no event format, no HTTP framing and no
 server: a ``ClientSink`` writes, and the pump is fed either straight from the engine connection's
@@ -23,6 +24,8 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Protocol
 
+from contracts.engine import HandoffProof
+from contracts.plugins import Cut
 from contracts.sse import MAX_EVENT_BYTES, SseSplitter
 from gateway.lifecycle import Phase
 
@@ -44,6 +47,22 @@ class EventRelay(Protocol):
     def invalid(self, out: list[bytes]) -> bool:
         """The engine sent bytes that are no event (one grew past ``MAX_EVENT_BYTES``)."""
         ...
+
+
+class RelayedStream(EventRelay, Protocol):
+    """A relay as the request path reads it once the stream ended (``gateway.proxy.service``):
+    the engine's counts, the handoff proof, and how the stream ended."""
+
+    end_code: str | None
+    cut: Cut | None
+    handoff: HandoffProof | None
+    finish_reasons: list[str]
+
+    @property
+    def completion_tokens(self) -> int | None: ...
+
+    @property
+    def prompt_tokens(self) -> int | None: ...
 
 
 class ClientSink(Protocol):

@@ -25,7 +25,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.responses.schemas import CreateResponseBody
+from gateway.responses.schemas import CreateResponseBody, FunctionTool
 
 ID_HEX = 48
 RESPONSE_ID = re.compile(rf"resp_[0-9a-f]{{{ID_HEX}}}")
@@ -97,7 +97,7 @@ def envelope(
         "model": body.model,
         "instructions": body.instructions,
         "metadata": dict(body.metadata or {}),
-        "tools": [tool.model_dump(exclude_none=True) for tool in body.function_tools()],
+        "tools": [_tool(tool) for tool in body.function_tools()],
         "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "temperature": body.temperature,
@@ -115,6 +115,15 @@ def envelope(
     if body.user is not None:  # a string, not nullable, in the published Response
         echo["user"] = body.user
     return Envelope(response_id, created_at, echo)
+
+
+def _tool(tool: FunctionTool) -> dict[str, Any]:
+    """A tool as a Response echoes it: ``strict`` and ``parameters`` are required (nullable)."""
+    return {
+        **tool.model_dump(exclude_none=True),
+        "strict": tool.strict,
+        "parameters": tool.parameters,
+    }
 
 
 def _count(value: Any) -> int:

@@ -7,7 +7,7 @@ Lifecycle of a stored response::
                   retention (``expires_at``)
     get/history   ``GET /v1/responses/{id}``, ``input_items``, and ``previous_response_id``
     delete        ``DELETE /v1/responses/{id}``; an expired row answers as deleted before the purge
-    purge_expired a background loop, in batches
+    purge_expired in batches, by ``purge_loop`` (a task of the gateway's lifespan)
     (the tenant)  deleting a tenant deletes its rows (foreign key ``ON DELETE CASCADE``);
                   ``forget_tenant`` does it without deleting the tenant
 
@@ -23,14 +23,19 @@ audit stays content-free.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete as sql_delete
 from sqlalchemy import select, tuple_
-from sqlalchemy.orm import Session
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.sql import run_in_session, utcnow
 from gateway.db.models import StoredResponse
 from gateway.errors import NotFound
 from gateway.responses.objects import ID_HEX, is_response_id
@@ -38,6 +43,8 @@ from gateway.responses.objects import ID_HEX, is_response_id
 UNKNOWN_ID = "resp_" + "z" * ID_HEX  # of the stored form, never issued (not hex)
 DEFAULT_RETENTION = timedelta(days=30)
 PURGE_BATCH = 500
+PURGE_INTERVAL_S = 600.0
+log = logging.getLogger("kvguard.gateway.responses")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +149,24 @@ def purge_expired(session: Session, *, now: datetime, limit: int = PURGE_BATCH) 
         pair = tuple_(StoredResponse.tenant_id, StoredResponse.id)
         session.execute(sql_delete(StoredResponse).where(pair.in_([tuple(k) for k in keys])))
     return len(keys)
+
+
+async def purge_loop(
+    sessions: sessionmaker[Session], *, interval_s: float = PURGE_INTERVAL_S
+) -> None:
+    """Purge expired responses in batches, then again every ``interval_s`` (a task of the
+    gateway's lifespan; replicas that purge at once delete disjoint or no rows)."""
+    while True:
+        try:
+            while await run_in_session(sessions, _purge_batch) == PURGE_BATCH:
+                pass
+        except (OperationalError, PoolTimeout) as exc:
+            log.warning("stored responses not purged yet: %s", type(exc).__name__)
+        await asyncio.sleep(interval_s)
+
+
+def _purge_batch(session: Session) -> int:
+    return purge_expired(session, now=utcnow())
 
 
 def forget_tenant(session: Session, *, tenant_id: str) -> int:

@@ -22,10 +22,18 @@ MAX_ERROR_BODY_BYTES = 64 << 10
 class Endpoint(StrEnum):
     CHAT = "chat.completions"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"  # a native engine's own /v1/responses (``gateway.proxy.responses``)
 
     @property
     def path(self) -> str:
-        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+        return _PATHS[self]
+
+
+_PATHS = {
+    Endpoint.CHAT: "/v1/chat/completions",
+    Endpoint.COMPLETIONS: "/v1/completions",
+    Endpoint.RESPONSES: "/v1/responses",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""OpenAI-compatible routes: the models on FastAPI; chat completions and completions are the data
-plane's (``gateway.proxy.door``), declared here for the OpenAPI document."""
+"""OpenAI-compatible routes: the models and the stored responses (``gateway.api.routes.responses``)
+on FastAPI; chat completions, completions and ``POST /v1/responses`` are the data plane's
+(``gateway.proxy.door``), declared here for the OpenAPI document."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from gateway.api.routes import responses
 from gateway.deps import CurrentTenant, StateDep
 from gateway.domain import Principal
 from gateway.engines.capacity import max_request_tokens_for
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.openai.schemas import ChatCompletionBody, CompletionBody
+from gateway.responses.schemas import CreateResponseBody
 from gateway.state import GatewayState
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -30,6 +33,14 @@ async def chat_completions(body: ChatCompletionBody, principal: CurrentTenant) -
 @router.post("/completions", response_model=None)
 async def completions(body: CompletionBody, principal: CurrentTenant) -> None:
     raise GatewayError("served by the data plane (gateway.proxy.door), not by this route")
+
+
+@router.post("/responses", response_model=None)
+async def create_response(body: CreateResponseBody, principal: CurrentTenant) -> None:
+    raise GatewayError("served by the data plane (gateway.proxy.door), not by this route")
+
+
+router.include_router(responses.router)  # the stored responses: GET, DELETE, input_items, cancel
 
 
 @router.get("/models")

@@ -1,0 +1,252 @@
+"""The Responses API's stored state is the tenant's alone, on PostgreSQL and Redis as in
+production: another tenant's response id answers every route exactly as an id never issued (status,
+body, and time: interleaved lookups, medians compared), and the state is the database's, not a
+replica's (create on one gateway, continue on another, and after a restart). The engine is the
+bundled-kind stand-in (``gateway_standin``), which records what it was sent."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import secrets
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+from gateway_harness import Gateway, bearer, running_gateway
+from gateway_standin import StandInEngine
+from sqlalchemy import select
+
+from contracts.sql import session_scope
+from gateway.config import GatewaySettings
+from gateway.db.models import StoredResponse
+
+ROUNDS = 41
+
+
+@pytest.fixture
+def pg_settings(
+    make_settings: Callable[..., GatewaySettings],
+    postgres_url: str,
+    redis_url: str,
+    standin: StandInEngine,
+) -> Callable[[], GatewaySettings]:
+    def make() -> GatewaySettings:
+        return make_settings(
+            database_url=postgres_url,
+            redis_url=redis_url,
+            engines=[{"name": "standin", "kind": "bundled", "base_url": standin.url}],
+        )
+
+    return make
+
+
+@contextlib.asynccontextmanager
+async def _gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
+    async with running_gateway(settings) as gw:
+        yield gw
+
+
+async def _model(gw: Gateway, key: str) -> str:
+    listed = await gw.client.get("/v1/models", headers=bearer(key))
+    return str(listed.json()["data"][0]["id"])
+
+
+def _never_issued() -> str:
+    return "resp_" + secrets.token_hex(24)
+
+
+def _as_missing(response: httpx.Response, asked: str) -> tuple[int, str]:
+    """Status and body, the id the client sent written as ID (every miss names what it asked)."""
+    return response.status_code, response.text.replace(asked, "ID")
+
+
+async def _each_route(
+    client: httpx.AsyncClient, key: str, model: str, response_id: str
+) -> list[tuple[int, str]]:
+    """What tenant ``key`` gets for ``response_id`` on every route that takes one."""
+    headers = bearer(key)
+    answers = [
+        await client.get(f"/v1/responses/{response_id}", headers=headers),
+        await client.get(f"/v1/responses/{response_id}/input_items", headers=headers),
+        await client.post(f"/v1/responses/{response_id}/cancel", headers=headers),
+        await client.delete(f"/v1/responses/{response_id}", headers=headers),
+        await client.post(
+            "/v1/responses",
+            headers=headers,
+            json={"model": model, "input": "go on", "previous_response_id": response_id},
+        ),
+    ]
+    return [_as_missing(answer, response_id) for answer in answers]
+
+
+async def _timed(send: Callable[[str], Any], response_id: str) -> float:
+    started = time.perf_counter()
+    response = await send(response_id)
+    elapsed = time.perf_counter() - started
+    assert response.status_code == 404
+    return elapsed
+
+
+async def test_another_tenants_response_answers_as_one_never_issued(
+    pg_settings: Callable[[], GatewaySettings], standin: StandInEngine
+) -> None:
+    async with _gateway(pg_settings()) as gw:
+        _, key_a = await gw.create_tenant("tenant-a")
+        _, key_b = await gw.create_tenant("tenant-b")
+        model = await _model(gw, key_a)
+        created = await gw.client.post(
+            "/v1/responses",
+            headers=bearer(key_a),
+            json={"model": model, "input": "tenant A's secret plan", "max_output_tokens": 16},
+        )
+        assert created.status_code == 200, created.text
+        a_id = created.json()["id"]
+        sent_before = len(standin.controls.seen_bodies)
+
+        foreign = await _each_route(gw.client, key_b, model, a_id)
+        never = await _each_route(gw.client, key_b, model, _never_issued())
+        malformed = await _each_route(gw.client, key_b, model, "resp_not-one-of-ours")
+        assert foreign == never == malformed
+        assert {status for status, _ in foreign} == {404}
+        assert all("not_found" in body and "secret" not in body for _, body in foreign)
+        assert len(standin.controls.seen_bodies) == sent_before  # B's continuation never ran
+
+        # A's response is untouched by B's delete, cancel and continuation
+        mine = await gw.client.get(f"/v1/responses/{a_id}", headers=bearer(key_a))
+        assert mine.status_code == 200 and mine.json() == created.json()
+        items = await gw.client.get(f"/v1/responses/{a_id}/input_items", headers=bearer(key_a))
+        assert items.json()["data"][0]["content"][0]["text"] == "tenant A's secret plan"
+        # the owner's own cancel is the only 400: its response exists
+        cancel = await gw.client.post(f"/v1/responses/{a_id}/cancel", headers=bearer(key_a))
+        assert cancel.status_code == 400
+
+        # No timing oracle: B's lookups of A's id and of ids never issued, interleaved in random
+        # order per round, take the same time (medians: robust to a noisy machine).
+        async def lookup(response_id: str) -> httpx.Response:
+            return await gw.client.get(f"/v1/responses/{response_id}", headers=bearer(key_b))
+
+        async def resume(response_id: str) -> httpx.Response:
+            body = {"model": model, "input": "go on", "previous_response_id": response_id}
+            return await gw.client.post("/v1/responses", headers=bearer(key_b), json=body)
+
+        rng = random.Random(29)
+        for route in (lookup, resume):
+            times: dict[str, list[float]] = {"foreign": [], "never": []}
+            for _ in range(ROUNDS):
+                pair = [("foreign", a_id), ("never", _never_issued())]
+                rng.shuffle(pair)
+                for name, response_id in pair:
+                    times[name].append(await _timed(route, response_id))
+            foreign_s = statistics.median(times["foreign"])
+            never_s = statistics.median(times["never"])
+            slack = 0.25 * max(foreign_s, never_s) + 0.0005
+            assert abs(foreign_s - never_s) <= slack, (route.__name__, foreign_s, never_s)
+
+
+async def test_the_state_is_shared_by_replicas_and_survives_a_restart(
+    pg_settings: Callable[[], GatewaySettings], standin: StandInEngine
+) -> None:
+    settings = pg_settings().model_copy(update={"responses_retention_days": 2.0})
+    async with _gateway(settings) as one, _gateway(settings) as two:
+        _, key = await one.create_tenant("acme")
+        model = await _model(one, key)
+        first = await one.client.post(
+            "/v1/responses",
+            headers=bearer(key),
+            json={"model": model, "input": "first question", "max_output_tokens": 16},
+        )
+        assert first.status_code == 200, first.text
+        # continued on the other replica: the engine receives the first turn from the database
+        second = await two.client.post(
+            "/v1/responses",
+            headers=bearer(key),
+            json={
+                "model": model,
+                "input": "second question",
+                "previous_response_id": first.json()["id"],
+                "max_output_tokens": 16,
+                "stream": True,
+            },
+        )
+        assert second.status_code == 200 and "response.completed" in second.text
+        sent = standin.controls.seen_bodies[-1]["messages"]
+        assert [m["content"] for m in sent if m["role"] == "user"] == [
+            "first question",
+            "second question",
+        ]
+        assert "previous_response_id" not in standin.controls.seen_bodies[-1]
+        second_id = second.text.split('"id":"', 1)[1].split('"', 1)[0]
+        fetched = await one.client.get(f"/v1/responses/{second_id}", headers=bearer(key))
+        assert fetched.status_code == 200 and fetched.json()["previous_response_id"]
+        with session_scope(one.state.sessions) as session:
+            kept = session.execute(select(StoredResponse)).scalars().all()
+            assert {row.id for row in kept} == {first.json()["id"], second_id}
+            assert {row.expires_at - row.created_at for row in kept} == {timedelta(days=2)}
+
+    # every gateway stopped; a new one on the same database still has the conversation
+    async with _gateway(settings) as restarted:
+        again = await restarted.client.get(f"/v1/responses/{second_id}", headers=bearer(key))
+        assert again.json() == fetched.json()
+        third = await restarted.client.post(
+            "/v1/responses",
+            headers=bearer(key),
+            json={
+                "model": model,
+                "input": "third question",
+                "previous_response_id": second_id,
+                "max_output_tokens": 16,
+            },
+        )
+        assert third.status_code == 200, third.text
+        sent = standin.controls.seen_bodies[-1]["messages"]
+        assert [m["content"] for m in sent if m["role"] == "user"] == [
+            "first question",
+            "second question",
+            "third question",
+        ]
+        assert [m["role"] for m in sent].count("assistant") == 2  # both earlier answers
+
+
+async def test_bad_requests_get_a_400_naming_the_field(
+    pg_settings: Callable[[], GatewaySettings], standin: StandInEngine
+) -> None:
+    """What the gateway does not serve is refused before any engine work, with OpenAI's error
+    shape naming the field; a key is required on every route."""
+    async with _gateway(pg_settings()) as gw:
+        _, key = await gw.create_tenant("acme")
+        model = await _model(gw, key)
+        sent_before = len(standin.controls.seen_bodies)
+        for extra, param in [
+            ({"background": True}, "background"),
+            ({"conversation": "conv_1"}, "conversation"),
+            ({"include": ["reasoning.encrypted_content"]}, "include"),
+            ({"max_output_tokens": 3}, "max_output_tokens"),
+            ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ]:
+            body = {"model": model, "input": "hi", **extra}
+            r = await gw.client.post("/v1/responses", headers=bearer(key), json=body)
+            assert r.status_code == 400, (extra, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", error
+        assert len(standin.controls.seen_bodies) == sent_before
+        unknown = {"model": "nobody-serves-this", "input": "hi"}
+        r = await gw.client.post("/v1/responses", headers=bearer(key), json=unknown)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = await gw.client.get("/v1/responses/x/input_items?limit=101", headers=bearer(key))
+        assert r.status_code == 400
+        r = await gw.client.get(f"/v1/responses/{_never_issued()}?stream=true", headers=bearer(key))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        for method, path in [
+            ("POST", "/v1/responses"),
+            ("GET", f"/v1/responses/{_never_issued()}"),
+            ("DELETE", f"/v1/responses/{_never_issued()}"),
+            ("GET", f"/v1/responses/{_never_issued()}/input_items"),
+            ("POST", f"/v1/responses/{_never_issued()}/cancel"),
+        ]:
+            r = await gw.client.request(method, path, json={"model": model, "input": "hi"})
+            assert r.status_code == 401, (method, path, r.text)
