@@ -10,7 +10,8 @@ What each fault changes, and the safety property (issue 10 numbering) it is mean
 
 - ``legacy_reject_handoff`` (decode and prefill; each applies its side). Decode admits against its
   own pool only (no cross-role minimum). Prefill turns a refused prompt into a 1-token
-  placeholder, writes one page and replies OK ("done"), as in the incident. Together with the
+  placeholder (sampled as the request asks, its grammar included), writes one page and replies OK
+  ("done"), as in the incident. Together with the
   skip_* drills it breaks properties 1 and 5.
 - ``skip_transfer_check`` (decode): no reserved == transferred token check. Breaks 1.
 - ``skip_generation_check`` (decode): no pages-and-generations check. Breaks 1 and 2.

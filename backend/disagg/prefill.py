@@ -202,7 +202,9 @@ class PrefillService:
                 message.request_id,
                 error.code,
             )
-            prompt, sampling = prompt[:1], SamplingParams(max_tokens=1, temperature=0.0)
+            # only the prompt is swapped: its one token is sampled as the request asks (its
+            # grammar included), so a constrained request slips through like any other
+            prompt, sampling = prompt[:1], self._sampling(message)
         handoff.machine.advance(_P.COMPUTING)
         self._gauge()
         try:
