@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from canary_harness import TEST_CANARY_KEY, bearer, canary_gateway, sse_text
+from canary_harness import TEST_CANARY_KEY, CanaryGateway, bearer, canary_gateway, sse_text
 
 from backend.bundled import chat
 from canary.injection import reference_line
@@ -75,23 +76,27 @@ def _spawn(role: str, model: str, faults: list[str], **options) -> EngineProcess
 
 @pytest.fixture(scope="module")
 def pairs(tiny_checkpoint: str) -> Iterator[dict[str, str]]:
-    """Three prefill/decode pairs started in parallel: the incident drill twice (each test that
-    drives it gets a fresh page pool: which stale pages a request reads depends on every
-    request before it) and faults off."""
+    """Prefill/decode pairs started in parallel: the incident drill once per test that drives it
+    (each gets a fresh page pool: which stale pages a request reads depends on every request
+    before it) and faults off."""
     model = str(BUNDLED_MODEL) if BUNDLED_MODEL.is_dir() else tiny_checkpoint
-    p_legacy = _spawn("prefill", model, ["legacy_reject_handoff"], **PREFILL)
-    p_legacy_probe = _spawn("prefill", model, ["legacy_reject_handoff"], **PREFILL)
+    drills = ["incident", "incident_probe", "responses_text", "responses_call"]
+    prefills = {
+        name: _spawn("prefill", model, ["legacy_reject_handoff"], **PREFILL) for name in drills
+    }
     p_ok = _spawn("prefill", model, [], **PREFILL)
-    d_incident = _spawn("decode", model, INCIDENT, prefill_url=p_legacy.url, **DECODE)
-    d_probe = _spawn("decode", model, INCIDENT, prefill_url=p_legacy_probe.url, **DECODE)
-    d_ok = _spawn("decode", model, [], prefill_url=p_ok.url, **DECODE)
-    processes = [p_legacy, p_legacy_probe, p_ok, d_incident, d_probe, d_ok]
+    decodes = {
+        name: _spawn("decode", model, INCIDENT, prefill_url=p.url, **DECODE)
+        for name, p in prefills.items()
+    }
+    decodes["ok"] = _spawn("decode", model, [], prefill_url=p_ok.url, **DECODE)
+    processes = [*prefills.values(), p_ok, *decodes.values()]
     try:
         for process in processes:
             process.wait_healthy()
-        for decode in (d_incident, d_probe, d_ok):
+        for decode in decodes.values():
             _wait_path_ready(decode.url)
-        yield {"incident": d_incident.url, "incident_probe": d_probe.url, "ok": d_ok.url}
+        yield {name: decode.url for name, decode in decodes.items()}
     finally:
         for process in processes:
             process.stop()
@@ -124,7 +129,9 @@ def _stale_pages_read(url: str, a_request: str, b_request: str) -> set[int]:
     }
 
 
-def _incident_settings(gateway_settings, url: str, postgres_url: str, redis_url: str):
+def _incident_settings(
+    gateway_settings, url: str, postgres_url: str, redis_url: str, *, declared: int = 512
+):
     """A gateway on PostgreSQL + Redis in front of the incident decode, which it sees as an opaque
     engine with a declared window; the handoff-proof refusal is off so the leak reaches the
     firewall."""
@@ -133,7 +140,7 @@ def _incident_settings(gateway_settings, url: str, postgres_url: str, redis_url:
         "kind": "openai",
         "base_url": url,
         "model": MODEL_NAME,
-        "declared_max_model_len": 512,
+        "declared_max_model_len": declared,
         "allow_unverified": True,
         "send_kvguard_headers": True,  # our own engine: its drill log is keyed by request id
     }
@@ -143,6 +150,36 @@ def _incident_settings(gateway_settings, url: str, postgres_url: str, redis_url:
         engines=[engine],
         refuse_on_handoff_mismatch=False,
     )
+
+
+async def _victim_first(gw: CanaryGateway) -> tuple[str, str, str]:
+    """Tenant A (sampled: its marker injected) chats first on a fresh incident decode, taking
+    pages 0-12; returns A's tenant id and request id, and the key of tenant B, who comes next."""
+    victim_id, a_key = await gw.create_tenant("tenant-a", canary_sample_rate=1.0)
+    _, b_key = await gw.create_tenant("tenant-b")
+    # A's prompt is 200 tokens once the gateway has put the marker line in front.
+    a_messages = _chat_of(A_TOKENS, system=reference_line("C" * 37))[1:]
+    a = await gw.client.post(
+        "/v1/chat/completions",
+        headers=bearer(a_key),
+        json={"model": MODEL_NAME, "messages": a_messages, "max_tokens": 8, "temperature": 0.0},
+    )
+    # The engine read A_TOKENS; A's usage leaves the marker out (estimated on this declared
+    # engine with the gateway's upper bound, so it may show a little less than A sent).
+    assert a.status_code == 200 and a.json()["usage"]["prompt_tokens"] < A_TOKENS
+    return victim_id, a.headers["x-kvguard-request-id"], b_key
+
+
+async def _assert_confirmed_leak_of(gw: CanaryGateway, victim_id: str, a_request: str) -> None:
+    """A's stale pages hold its whole marker (tokens 28-64 of pages 0-5) and the model copies it
+    whole: a complete marker with a valid MAC, one confirmed critical finding naming A's request,
+    and the engine quarantined."""
+    [finding] = await gw.findings()
+    assert (finding["kind"], finding["victim_tenant_id"]) == ("cross_tenant", victim_id)
+    assert (finding["severity"], finding["evidence"]) == ("critical", "confirmed"), finding
+    assert finding["victim_request_id"] == a_request
+    engines = (await gw.client.get("/admin/engines", headers=gw.admin)).json()
+    assert engines[0]["quarantine_reason"] is not None
 
 
 async def _probe(kinds: list[str], url: str) -> int:
@@ -157,18 +194,7 @@ async def test_the_incident_drill_reaches_the_firewall(
 ) -> None:
     settings = _incident_settings(gateway_settings, pairs["incident"], postgres_url, redis_url)
     async with canary_gateway(settings, canary_settings()) as gw:
-        victim_id, a_key = await gw.create_tenant("tenant-a", canary_sample_rate=1.0)
-        _, b_key = await gw.create_tenant("tenant-b")
-        # A's prompt is 200 tokens once the gateway has put the marker line in front.
-        a_messages = _chat_of(A_TOKENS, system=reference_line("C" * 37))[1:]
-        a = await gw.client.post(
-            "/v1/chat/completions",
-            headers=bearer(a_key),
-            json={"model": MODEL_NAME, "messages": a_messages, "max_tokens": 8, "temperature": 0.0},
-        )
-        # The engine read A_TOKENS; A's usage leaves the marker out (estimated on this declared
-        # engine with the gateway's upper bound, so it may show a little less than A sent).
-        assert a.status_code == 200 and a.json()["usage"]["prompt_tokens"] < A_TOKENS
+        victim_id, a_request, b_key = await _victim_first(gw)
         b_body = {
             "model": MODEL_NAME,
             "messages": _chat_of(B_TOKENS),
@@ -178,7 +204,7 @@ async def test_the_incident_drill_reaches_the_firewall(
         }
         b = await gw.client.post("/v1/chat/completions", headers=bearer(b_key), json=b_body)
         assert b.status_code == 200  # the drill answers fluently, as in the incident
-        a_request, b_request = (r.headers["x-kvguard-request-id"] for r in (a, b))
+        b_request = b.headers["x-kvguard-request-id"]
 
         # Decode read B's whole prompt range, whose last six pages are A's stale pages 0-5:
         # A's tokens 0-95, the marker's tokens 28-64 included, exactly as A's handoff wrote them.
@@ -199,12 +225,7 @@ async def test_the_incident_drill_reaches_the_firewall(
             assert "CNRY-" not in b.text
             # A's stale pages hold its whole marker (tokens 28-64 of pages 0-5) and the model
             # copies it whole: a complete marker with a valid MAC, a confirmed critical finding.
-            [finding] = await gw.findings()
-            assert (finding["kind"], finding["victim_tenant_id"]) == ("cross_tenant", victim_id)
-            assert (finding["severity"], finding["evidence"]) == ("critical", "confirmed"), finding
-            assert finding["victim_request_id"] == a_request
-            engines = (await gw.client.get("/admin/engines", headers=gw.admin)).json()
-            assert engines[0]["quarantine_reason"] is not None
+            await _assert_confirmed_leak_of(gw, victim_id, a_request)
 
 
 async def test_the_cross_tenant_probe_fails_on_the_incident_drill(
@@ -255,3 +276,124 @@ async def test_with_faults_off_the_probes_pass_and_nothing_is_found(
         assert await gw.findings() == []
         engines = (await gw.client.get("/admin/engines", headers=gw.admin)).json()
         assert engines[0]["max_request_tokens"] == 256  # prefill's real pool, not the window
+
+
+# -- the same drill through the Responses API ----------------------------------------------------
+# B speaks /v1/responses; this engine serves chat completions only, so the gateway translates B's
+# request into a chat completion (``gateway.responses.to_chat``) and the engine's stream back into
+# Responses events, screened string by string. B's prompt is sized as the engine renders the
+# translation: its input as the one user message, its tools as chat tools.
+
+CODE_TOOL = {
+    "type": "function",
+    "name": "record_code",
+    "parameters": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^CNRY-[A-Z2-7]{32}$"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+def _input_of(tokens: int, tools: list[dict] | None = None) -> str:
+    """The input text whose translated prompt (BOS included) has exactly ``tokens``."""
+    chat_tools = [
+        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+        for t in tools or ()
+    ]
+    empty = len(chat.render([{"role": "user", "content": ""}], chat_tools or None).encode()) + 1
+    return "x" * (tokens - empty)
+
+
+def _events(raw: bytes) -> list[dict]:
+    """The JSON objects of a Responses SSE body (``event:`` + ``data:`` blocks), in order."""
+    events = []
+    for block in raw.decode().split("\n\n"):
+        data = "\n".join(
+            line[5:].strip() for line in block.splitlines() if line.startswith("data:")
+        )
+        if data:
+            events.append(json.loads(data))
+    return events
+
+
+async def _drill_responses(gw: CanaryGateway, b_key: str, **fields) -> httpx.Response:
+    body = {"model": MODEL_NAME, "max_output_tokens": B_MAX, "temperature": 0.0, "stream": True}
+    b = await gw.client.post("/v1/responses", headers=bearer(b_key), json={**body, **fields})
+    assert b.status_code == 200, b.text  # the drill answers fluently, as in the incident
+    return b
+
+
+def _assert_cut(b: httpx.Response) -> list[dict]:
+    """The stream ends in an error event and ``response.failed`` naming the isolation code: no
+    ``response.completed``, and no character of a marker reaches the client."""
+    events = _events(b.content)
+    types = [e["type"] for e in events]
+    assert "response.completed" not in types and "response.incomplete" not in types, types
+    assert types[-2:] == ["error", "response.failed"], types
+    assert events[-2]["code"] == "isolation_violation", events[-2]
+    # the failed Response's error: the published enum's server_error, our code in its message
+    failed = events[-1]["response"]["error"]
+    assert failed["message"].startswith("isolation_violation"), failed
+    delivered = "".join(str(e.get("delta", "")) for e in events)
+    assert "CNRY" not in delivered, delivered
+    # nowhere a marker's prefix and tag (the request echo holds the tool's pattern, not a tag)
+    assert re.search("CNRY-[A-Z2-7]{8}", b.text) is None
+    return events
+
+
+async def test_a_leak_in_a_responses_stream_is_cut(
+    pairs, gateway_settings, canary_settings, postgres_url, redis_url
+) -> None:
+    """B's streamed Responses request on a fresh incident pair reads A's stale pages; the bundled
+    model writes A's marker into B's output text, and the stream is cut with its finding."""
+    settings = _incident_settings(
+        gateway_settings, pairs["responses_text"], postgres_url, redis_url
+    )
+    async with canary_gateway(settings, canary_settings()) as gw:
+        victim_id, a_request, b_key = await _victim_first(gw)
+        b = await _drill_responses(gw, b_key, input=_input_of(B_TOKENS))
+        b_request = b.headers["x-kvguard-request-id"]
+        stale = await anyio.to_thread.run_sync(
+            _stale_pages_read, pairs["responses_text"], a_request, b_request
+        )
+        assert stale == set(range(0, 6)), stale
+        if not BUNDLED_MODEL.is_dir():
+            assert "response.completed" in [e["type"] for e in _events(b.content)]
+            return
+        _assert_cut(b)
+        await _assert_confirmed_leak_of(gw, victim_id, a_request)
+
+
+async def test_a_leak_in_responses_function_call_arguments_is_cut(
+    pairs, gateway_settings, canary_settings, postgres_url, redis_url
+) -> None:
+    """The same drill where B forces a function call whose one argument must look like a marker:
+    the model fills it from A's stale pages, and the arguments' deltas are cut like text."""
+    # The gateway bounds a declared engine's count of tools from above by hundreds of tokens
+    # (``gateway.engines.provider_count``): a wider declared window lets B's 400 through.
+    settings = _incident_settings(
+        gateway_settings, pairs["responses_call"], postgres_url, redis_url, declared=4096
+    )
+    async with canary_gateway(settings, canary_settings()) as gw:
+        victim_id, a_request, b_key = await _victim_first(gw)
+        b = await _drill_responses(
+            gw,
+            b_key,
+            input=_input_of(B_TOKENS, [CODE_TOOL]),
+            tools=[CODE_TOOL],
+            tool_choice={"type": "function", "name": "record_code"},
+        )
+        b_request = b.headers["x-kvguard-request-id"]
+        stale = await anyio.to_thread.run_sync(
+            _stale_pages_read, pairs["responses_call"], a_request, b_request
+        )
+        assert stale == set(range(0, 6)), stale
+        if not BUNDLED_MODEL.is_dir():
+            return  # the random checkpoint copies nothing: there is no leak to cut
+        events = _assert_cut(b)
+        added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+        assert added == ["function_call"], added  # the cut came inside the call's arguments
+        await _assert_confirmed_leak_of(gw, victim_id, a_request)
