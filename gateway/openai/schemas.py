@@ -174,6 +174,10 @@ class _Sampling(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def max_tokens_param(self) -> str | None:
+        """The parameter that set the completion's size, as the client named it (None: unset)."""
+        return "max_tokens" if self.max_tokens is not None else None
+
     def wants_usage_chunk(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -230,6 +234,11 @@ class ChatCompletionBody(_Sampling):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    def max_tokens_param(self) -> str | None:
+        if self.max_tokens is not None:
+            return "max_tokens"
+        return "max_completion_tokens" if self.max_completion_tokens is not None else None
 
     def token_input(self) -> tuple[str | None, list[dict[str, Any]] | None]:
         return None, [m.model_dump(exclude_none=True) for m in self.messages]

@@ -46,6 +46,7 @@ from gateway.errors import (
     NoHealthyEngine,
     RateLimited,
     UpstreamFailed,
+    context_length_message,
 )
 from gateway.lifecycle import Phase
 from gateway.limits.base import Lease, LimiterUnavailable, Refusal
@@ -103,7 +104,13 @@ async def admit(deps: ProxyDeps, ctx: RequestContext, body: Body) -> Admitted:
         routable = route(deps, ctx.model)
         fitting = _fitting(routable, size, plan_cap)
     if not fitting:
-        raise too_long(routable, size, plan_cap, param=_param(body))
+        raise too_long(
+            routable,
+            size,
+            plan_cap,
+            param=_param(body),
+            completion_param=body.max_tokens_param(),
+        )
     ctx.lease = await take_lease(deps, ctx, size, choices=body.choices, hidden=hidden)
     ctx.advance(Phase.ADMITTED)
     engine = deps.registry.choose(fitting)
@@ -212,8 +219,17 @@ async def count_prompt(
 
 
 def too_long(
-    routable: list[EngineRecord], size: RequestSize, plan_cap: int | None, *, param: str
+    routable: list[EngineRecord],
+    size: RequestSize,
+    plan_cap: int | None,
+    *,
+    param: str,
+    completion_param: str | None = None,
 ) -> ContextLengthExceeded:
+    """The context-length 400 in OpenAI's words (``gateway.errors.context_length_message``),
+    naming the request parameter that set the completion's size (``completion_param``; None: the
+    request set none and the gateway's default did)."""
+
     def largest(record: EngineRecord) -> int:
         return max_request_tokens_for(record.snapshot, plan_cap) if record.snapshot else 0
 
@@ -221,21 +237,32 @@ def too_long(
     assert snapshot is not None
     max_request_tokens = max_request_tokens_for(snapshot, plan_cap)
     if snapshot.max_prompt_tokens is not None and size.prompt_tokens > snapshot.max_prompt_tokens:
-        return ContextLengthExceeded(
-            f"This request's prompt has {size.prompt_tokens} tokens, but the engine accepts "
-            f"at most {snapshot.max_prompt_tokens} prompt tokens.",
-            param=param,
+        message = context_length_message(
+            limit=snapshot.max_prompt_tokens,
+            prompt_tokens=size.prompt_tokens,
+            completion_tokens=None,
+            prompt_name=param,
+            reason="The engine accepts at most this many prompt tokens.",
         )
-    why = ""
+        return ContextLengthExceeded(message, param=param)
+    reason = ""
     if plan_cap is not None and max_request_tokens == plan_cap:
-        why = " (your plan's context limit)"
+        reason = "The limit is your plan's context limit."
     elif snapshot.real_pool is not None and max_request_tokens < snapshot.context_window:
-        why = f" (the engine's real capacity; its advertised window is {snapshot.context_window})"
-    return ContextLengthExceeded(
-        f"This request needs {size.total} tokens ({size.prompt_tokens} in the prompt + "
-        f"{size.max_tokens} max_tokens), but the limit is {max_request_tokens} tokens{why}.",
-        param=param,
+        reason = (
+            f"The limit is the engine's real capacity; its advertised window is "
+            f"{snapshot.context_window} tokens."
+        )
+    prompt_alone = completion_param is None and size.prompt_tokens >= max_request_tokens
+    message = context_length_message(
+        limit=max_request_tokens,
+        prompt_tokens=size.prompt_tokens,
+        completion_tokens=None if prompt_alone else size.max_tokens,
+        prompt_name=param,
+        completion_param=completion_param,
+        reason=reason,
     )
+    return ContextLengthExceeded(message, param=param)
 
 
 async def take_lease(
