@@ -1,4 +1,4 @@
-"""The upstream contract: call an engine's OpenAI-compatible completion routes.
+"""The upstream contract: call an engine's OpenAI-compatible routes (completions, embeddings).
 
 Two paths implement it: ``direct`` (aiohttp straight to an OpenAI-compatible engine, bytes passed
 through untouched) and ``litellm`` (providers that need translation). A call either answers
@@ -22,10 +22,11 @@ MAX_ERROR_BODY_BYTES = 64 << 10
 class Endpoint(StrEnum):
     CHAT = "chat.completions"
     COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
 
     @property
     def path(self) -> str:
-        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+        return "/v1/" + self.value.replace(".", "/")
 
 
 @dataclass(frozen=True, slots=True)
