@@ -137,8 +137,16 @@ class Conflict(GatewayError):
 class RateLimited(GatewayError):
     status, code, type_ = 429, "rate_limit_exceeded", "rate_limit_error"
 
-    def __init__(self, message: str, *, retry_after_s: int, code: str | None = None) -> None:
-        super().__init__(message, headers={"Retry-After": str(retry_after_s)}, code=code)
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: int,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        own = {**(headers or {}), "Retry-After": str(retry_after_s)}
+        super().__init__(message, headers=own, code=code)
         self.retry_after_s = retry_after_s
 
 

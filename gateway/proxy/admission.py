@@ -20,7 +20,8 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
 7. limits: one atomic take of request, tokens (prompt + n x max_tokens: the prompt is read once;
    the tenant's own prompt: a canary marker's tokens count for capacity, never against its
    budget) and a concurrency lease (429 + Retry-After; 503 if the shared limiter is down, unless
-   configured to fail open);
+   configured to fail open); the buckets' levels that take saw become OpenAI's
+   ``x-ratelimit-*`` headers of the answer, a 429 included (``ctx.rate_limit_headers``);
 8. choose: least in-flight among the engines the request fits; the body loses what that engine
    does not take (``surface.for_engine``);
 9. isolate: the chosen engine's prefix-cache salt is set from the tenant (never the client's).
@@ -49,7 +50,7 @@ from gateway.errors import (
     context_length_message,
 )
 from gateway.lifecycle import Phase
-from gateway.limits.base import Lease, LimiterUnavailable, Refusal
+from gateway.limits.base import Lease, LimiterUnavailable, Refusal, rate_limit_headers
 from gateway.openai import surface
 from gateway.openai.schemas import ChatCompletionBody, CompletionBody
 from gateway.proxy.context import RequestContext
@@ -292,6 +293,7 @@ async def take_lease(
             )
             return None
         raise LimiterDown("rate limiter unavailable; request refused") from exc
+    ctx.rate_limit_headers = rate_limit_headers(result.levels)  # on the answer, whatever it is
     if isinstance(result, Refusal):
         raise refused(deps, ctx, result, tokens)
     return result
@@ -310,6 +312,7 @@ def refused(
     return RateLimited(
         f"Rate limit reached ({refusal.kind.value}); retry after {refusal.retry_after_s} s.",
         retry_after_s=refusal.retry_after_s,
+        headers=ctx.rate_limit_headers,
     )
 
 

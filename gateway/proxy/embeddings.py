@@ -103,11 +103,12 @@ async def _outcome(deps: ProxyDeps, ctx: RequestContext, body: EmbeddingsBody) -
     try:
         answer = await _serve(deps, ctx, body)
     except GatewayError as err:
-        return Outcome(refused(err, engine_answered=ctx.answered), err.response())
+        reply = err.response(headers=ctx.rate_limit_headers)
+        return Outcome(refused(err, engine_answered=ctx.answered), reply)
     except Exception:
         log.exception("request %s failed inside the gateway", ctx.request_id)
         return Outcome(INTERNAL, GatewayError("internal gateway error").response())
-    return Outcome(COMPLETED, JSONResponse(answer))
+    return Outcome(COMPLETED, JSONResponse(answer, headers=ctx.rate_limit_headers))
 
 
 async def _serve(deps: ProxyDeps, ctx: RequestContext, body: EmbeddingsBody) -> dict[str, Any]:
