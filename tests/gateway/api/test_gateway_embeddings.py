@@ -64,6 +64,11 @@ async def test_an_embedding_model_is_served_limited_and_audited(make_settings, k
             assert [d["index"] for d in answer["data"]] == [0, 1]
             assert all(len(d["embedding"]) == 4 for d in answer["data"])
             assert answer["usage"]["prompt_tokens"] == 4 + 6
+            # charged the bound (11 + 4 and 19 + 4 bytes) at admission: what the headers show
+            assert (
+                r.headers["x-ratelimit-limit-tokens"],
+                r.headers["x-ratelimit-remaining-tokens"],
+            ) == ("60", "22")
             sent = worker.traffic.bodies[-1]
             assert sent == body  # as the client wrote it
             assert worker.traffic.headers[-1]["x-kvguard-tenant"] == tenant_id
@@ -91,6 +96,8 @@ async def test_an_embedding_model_is_served_limited_and_audited(make_settings, k
             first = await gw.client.post(EMBEDDINGS, json=big, headers=bearer(key))
             second = await gw.client.post(EMBEDDINGS, json=big, headers=bearer(key))
             assert (first.status_code, second.status_code) == (200, 429)
+            assert second.headers["x-ratelimit-limit-tokens"] == "60"
+            assert int(second.headers["x-ratelimit-remaining-tokens"]) < 44
     finally:
         await server.stop()
 
