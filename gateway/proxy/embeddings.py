@@ -16,7 +16,8 @@ does a completion's), in order:
    does not serve the route (vLLM registers it only for a model with the ``embed`` task:
    ``entrypoints/pooling/__init__.py``; older vLLM answers 400 "The model does not support
    Embeddings API"; SGLang 400 "This model does not appear to be an embedding model") is the
-   same 404; its other 4xx pass through;
+   same 404; its other 4xx pass through, their message screened by the response guards as a
+   completion engine's are (a cut is the guard's error, reported through ``on_cut``);
 4. the ``finally`` applies the ending (``gateway.proxy.finish``): the lease released with the
    bound less the engine's ``usage.prompt_tokens`` given back, the in-flight slot freed, the audit
    row (counts only), metrics, span.
@@ -31,10 +32,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER
+from contracts.plugins import Cut, StreamGuard
 from gateway.domain import Principal
 from gateway.engines.capacity import RequestSize
 from gateway.engines.registry import EngineRecord
@@ -44,6 +47,7 @@ from gateway.errors import (
     ModelNotFound,
     NoHealthyEngine,
     PassThrough,
+    Stopped,
     UpstreamFailed,
 )
 from gateway.lifecycle import Phase
@@ -51,8 +55,9 @@ from gateway.openai.schemas import EmbeddingsBody
 from gateway.proxy.admission import route, take_lease
 from gateway.proxy.context import RequestContext
 from gateway.proxy.deps import ProxyDeps
-from gateway.proxy.ending import CLIENT_GONE, COMPLETED, INTERNAL, Outcome, refused
+from gateway.proxy.ending import CLIENT_GONE, COMPLETED, INTERNAL, Outcome, cut, refused
 from gateway.proxy.finish import finish
+from gateway.proxy.relay import screen
 from gateway.upstream.base import Endpoint, UpstreamCall, UpstreamReply, UpstreamUnreachable
 
 log = logging.getLogger("kvguard.gateway.proxy")
@@ -60,6 +65,14 @@ log = logging.getLogger("kvguard.gateway.proxy")
 NO_EMBEDDINGS_KINDS = frozenset({EngineKind.BUNDLED})  # kvguard's own engine generates only
 # What an engine without embeddings answers on the route (see the module docstring).
 NOT_SERVED_WORDS = ("does not support embeddings api", "does not appear to be an embedding model")
+
+
+class GuardCut(Exception):
+    """A response guard stopped the engine's error message."""
+
+    def __init__(self, verdict: Cut) -> None:
+        super().__init__(verdict.code)
+        self.verdict = verdict
 
 
 def not_served(model: str) -> ModelNotFound:
@@ -105,6 +118,9 @@ async def _outcome(deps: ProxyDeps, ctx: RequestContext, body: EmbeddingsBody) -
     except GatewayError as err:
         reply = err.response(headers=ctx.rate_limit_headers)
         return Outcome(refused(err, engine_answered=ctx.answered), reply)
+    except GuardCut as stopped:
+        await _report_cut(deps, ctx, stopped.verdict)
+        return Outcome(cut(stopped.verdict), Stopped(stopped.verdict).response())
     except Exception:
         log.exception("request %s failed inside the gateway", ctx.request_id)
         return Outcome(INTERNAL, GatewayError("internal gateway error").response())
@@ -132,7 +148,7 @@ async def _serve(deps: ProxyDeps, ctx: RequestContext, body: EmbeddingsBody) -> 
         log.warning("engine %s unreachable: %s", engine.name, exc)
         raise UpstreamFailed("the engine could not be reached") from exc
     if reply.status != 200:
-        raise _refusal(ctx.model, reply)
+        raise _refusal(ctx.model, reply, deps.hooks.guards.open(ctx.info()))
     answer = reply.body
     if answer is None or not isinstance(answer.get("data"), list):
         raise UpstreamFailed("the engine sent an invalid answer")
@@ -155,18 +171,31 @@ def _forwarding(deps: ProxyDeps, ctx: RequestContext, engine: EngineRecord) -> N
     ctx.span.set_attribute("kvguard.engine", engine.name)
 
 
-def _refusal(model: str, reply: UpstreamReply) -> GatewayError:
+async def _report_cut(deps: ProxyDeps, ctx: RequestContext, verdict: Cut) -> None:
+    on_cut = deps.hooks.on_cut
+    if on_cut is not None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await on_cut(ctx.info(), verdict)
+            except Exception:
+                log.exception("on_cut hook failed for request %s", ctx.request_id)
+
+
+def _refusal(model: str, reply: UpstreamReply, guard: StreamGuard) -> GatewayError:
     """An engine's non-200 answer: the route not served is the gateway's 404; its own 4xx pass
-    through; an overloaded engine is a 503; anything else a 502."""
+    through (screened: ``GuardCut``); an overloaded engine is a 503; anything else a 502."""
     error = (reply.body or {}).get("error")
-    message = str(error.get("message") or "") if isinstance(error, dict) else ""
+    message = str(error.get("message") or "")[:2000] if isinstance(error, dict) else ""
     if reply.status == 404 or any(w in message.lower() for w in NOT_SERVED_WORDS):
         return not_served(model)
     if 400 <= reply.status < 500 and reply.status != 429 and isinstance(error, dict):
+        screened = screen(guard, message or "the engine refused the request")
+        if isinstance(screened, Cut):
+            raise GuardCut(screened)
         code, param = error.get("code"), error.get("param")
         return PassThrough(
             reply.status,
-            message[:2000] or "the engine refused the request",
+            screened,
             code=code if isinstance(code, str) else "upstream_rejected",
             type_=str(error.get("type") or "invalid_request_error"),
             param=param if isinstance(param, str) else None,

@@ -21,6 +21,7 @@ from standin_sglang import worker_app as sglang_app
 from standin_vllm import VLLMWorker
 from standin_vllm import worker_app as vllm_app
 
+from contracts.plugins import Cut, Emit, GatewayHooks, GuardCapabilities, RequestInfo, StreamGuard
 from contracts.sql import session_scope
 from gateway.db.models import RequestAudit
 from kvguard.testing import serve
@@ -189,3 +190,58 @@ async def test_a_provider_through_litellm(make_settings) -> None:
             assert [a.prompt_tokens for a in await _audit(gw)] == [10]
     finally:
         await provider.stop()
+
+
+class CutOn(StreamGuard):
+    """A test guard: cuts a text holding ``word`` (the canary's firewall stands behind this API)."""
+
+    def __init__(self, word: str) -> None:
+        self.word, self.held = word, ""
+
+    def feed(self, text: str) -> Emit | Cut:
+        self.held += text
+        if self.word in self.held:
+            return Cut(code="isolation_violation", message="response stopped by the canary")
+        return Emit("")
+
+    def finish(self) -> Emit | Cut:
+        out, self.held = self.held, ""
+        return Emit(out)
+
+
+class Guards:
+    capabilities = GuardCapabilities()
+
+    def __init__(self) -> None:
+        self.cuts: list[tuple[RequestInfo, Cut]] = []
+
+    def open(self, info: RequestInfo) -> CutOn:
+        return CutOn("SECRET")
+
+    async def on_cut(self, info: RequestInfo, cut: Cut) -> None:
+        self.cuts.append((info, cut))
+
+
+async def test_an_engine_refusal_passes_through_screened(make_settings) -> None:
+    worker = VLLMWorker(model="e5-small", embed=True)
+    server = await serve(vllm_app(worker))
+    guards = Guards()
+    hooks = GatewayHooks(guards=guards, on_cut=guards.on_cut)
+    try:
+        engines = [{"name": "vllm", "kind": "vllm", "base_url": server.url}]
+        async with running_gateway(make_settings(engines=engines), hooks=hooks) as gw:
+            tenant_id, key = await gw.create_tenant("acme")
+            body = {"model": worker.model, "input": "hello"}
+            worker.refuse = "input is not valid here"
+            r = await gw.client.post(EMBEDDINGS, json=body, headers=bearer(key))
+            assert (r.status_code, r.json()["error"]["message"]) == (400, worker.refuse)
+            worker.refuse = "input echoes SECRET from elsewhere"
+            r = await gw.client.post(EMBEDDINGS, json=body, headers=bearer(key))
+            assert (r.status_code, r.json()["error"]["code"]) == (502, "isolation_violation")
+            assert "SECRET" not in r.text and r.headers["x-should-retry"] == "false"
+            assert [(i.tenant_id, i.engine, c.code) for i, c in guards.cuts] == [
+                (tenant_id, "vllm", "isolation_violation")
+            ]
+            assert [a.outcome for a in await _audit(gw)] == ["rejected", "cut"]
+    finally:
+        await server.stop()
