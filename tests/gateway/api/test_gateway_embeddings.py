@@ -245,3 +245,28 @@ async def test_an_engine_refusal_passes_through_screened(make_settings) -> None:
             assert [a.outcome for a in await _audit(gw)] == ["rejected", "cut"]
     finally:
         await server.stop()
+
+
+async def test_litellm_and_langchain_clients_embed_through_the_gateway(make_settings) -> None:
+    import litellm
+    from langchain_openai import OpenAIEmbeddings
+
+    worker = VLLMWorker(model="e5-small", embed=True)
+    server = await serve(vllm_app(worker))
+    try:
+        engines = [{"name": "vllm", "kind": "vllm", "base_url": server.url}]
+        async with running_gateway(make_settings(engines=engines)) as gw:
+            _, key = await gw.create_tenant("acme")
+            base = str(gw.client.base_url).rstrip("/") + "/v1"
+            answer = await litellm.aembedding(
+                model=f"openai/{worker.model}", api_base=base, api_key=key, input=INPUTS
+            )
+            assert [len(d["embedding"]) for d in answer.data] == [8, 8]
+            lc = OpenAIEmbeddings(
+                model=worker.model, base_url=base, api_key=key, check_embedding_ctx_length=False
+            )
+            vectors = await lc.aembed_documents(INPUTS)
+            assert [len(v) for v in vectors] == [8, 8]
+            assert vectors[0] == pytest.approx(answer.data[0]["embedding"], rel=1e-6)
+    finally:
+        await server.stop()
