@@ -31,7 +31,7 @@ from contracts.plugins import GatewayHooks
 from contracts.spool import Spool
 from contracts.sql import make_session_factory
 from gateway.api.request_ids import RequestIds
-from gateway.api.routes import admin, health, openai, tenant
+from gateway.api.routes import admin, embeddings, health, openai, tenant
 from gateway.config import GatewaySettings
 from gateway.console import mount_console
 from gateway.db.session import make_engine, upgrade_database
@@ -257,7 +257,7 @@ def create_app(
         max_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
-    for router in (openai.router, tenant.router, admin.router, health.router):
+    for router in (openai.router, embeddings.router, tenant.router, admin.router, health.router):
         app.include_router(router)
     for extra in hooks.routers if hooks is not None else []:
         app.include_router(extra)

@@ -137,8 +137,16 @@ class Conflict(GatewayError):
 class RateLimited(GatewayError):
     status, code, type_ = 429, "rate_limit_exceeded", "rate_limit_error"
 
-    def __init__(self, message: str, *, retry_after_s: int, code: str | None = None) -> None:
-        super().__init__(message, headers={"Retry-After": str(retry_after_s)}, code=code)
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: int,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        own = {**(headers or {}), "Retry-After": str(retry_after_s)}
+        super().__init__(message, headers=own, code=code)
         self.retry_after_s = retry_after_s
 
 
@@ -194,6 +202,31 @@ class PassThrough(GatewayError):
         self.type_ = type_
 
 
+def served_endpoints(app: FastAPI) -> list[str]:
+    """The OpenAI-compatible endpoints this app serves, as ``METHOD /v1/...``: the ``/v1`` paths of
+    its OpenAPI document (built once, then cached by FastAPI), where the data plane's routes are
+    declared too."""
+    paths: dict[str, dict[str, Any]] = app.openapi().get("paths", {})
+    served = [
+        f"{method.upper()} {path}"
+        for path, operations in paths.items()
+        if path.startswith("/v1/")
+        for method in operations
+    ]
+    return sorted(served, key=lambda endpoint: (endpoint.split(" ", 1)[1], endpoint))
+
+
+def unknown_path(method: str, path: str, served: list[str]) -> NotFound:
+    """A ``/v1/*`` path no route serves: OpenAI's words for it ("Invalid URL (POST /v1/x)"), and
+    the endpoints that are served, so a client on the wrong path learns the right one."""
+    shown = path if len(path) <= 256 else f"{path[:256]}..."
+    return NotFound(
+        f"Invalid URL ({method} {shown}): no such endpoint here. "
+        f"This gateway serves {', '.join(served)}.",
+        code="unknown_url",
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -206,6 +239,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        path = request.url.path
+        if exc.status_code == 404 and (path == "/v1" or path.startswith("/v1/")):
+            return unknown_path(request.method, path, served_endpoints(app)).response()
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse(error_body(str(exc.detail), code=code), exc.status_code)
 

@@ -11,13 +11,17 @@ Three limits, checked and taken atomically together:
 
 Lifecycle of a lease: ``admit`` -> ``Lease`` (or a ``Refusal``) -> ``release`` exactly once.
 The arithmetic here is pure (time is passed in) and mirrored line by line by the Redis Lua script.
+
+Every answer of ``admit`` carries the buckets' ``Levels`` as that same take saw them (after it, for
+a lease; unchanged, for a refusal): the ``x-ratelimit-*`` headers OpenAI sends are made from them
+(``rate_limit_headers``), at no extra round trip.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gateway.domain import TenantPlan
@@ -33,17 +37,50 @@ class LimitKind(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Bucket:
+    """One per-minute limit's bucket: its capacity and its level (what is left now)."""
+
+    limit: int
+    level: float
+
+    @property
+    def remaining(self) -> int:
+        return max(0, math.floor(self.level))
+
+    def reset_ms(self) -> int:
+        """Milliseconds until the bucket is full again (OpenAI's "resets to its initial state")."""
+        missing = max(0.0, self.limit - self.level)
+        return math.ceil(missing * WINDOW_MS / self.limit)
+
+
+@dataclass(frozen=True, slots=True)
+class Levels:
+    requests: Bucket | None = None  # None: the plan has no such limit
+    tokens: Bucket | None = None
+
+
+def levels_of(plan: TenantPlan, requests: float | None, tokens: float | None) -> Levels:
+    rpm, tpm = plan.requests_per_minute, plan.tokens_per_minute
+    return Levels(
+        requests=None if rpm is None or requests is None else Bucket(rpm, requests),
+        tokens=None if tpm is None or tokens is None else Bucket(tpm, tokens),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Lease:
     tenant_id: str
     lease_id: str
     tokens: int
     plan: TenantPlan
+    levels: Levels = field(default_factory=Levels, compare=False)  # after this request's take
 
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
     kind: LimitKind
     retry_after_s: int | None  # None: this request can never fit the plan (e.g. > tokens/min)
+    levels: Levels = field(default_factory=Levels, compare=False)  # as the refused take saw them
 
 
 class LimiterUnavailable(RuntimeError):
@@ -87,3 +124,32 @@ def wait_s(level: float, need: float, *, capacity: int) -> int:
 
 def tokens_never_fit(plan: TenantPlan, tokens: int) -> bool:
     return plan.tokens_per_minute is not None and tokens > plan.tokens_per_minute
+
+
+def duration(ms: int) -> str:
+    """A duration as OpenAI writes its ``x-ratelimit-reset-*`` headers (Go's format: ``20ms``,
+    ``1s``, ``1.5s``, ``6m0s``, ``1h0m0s``), to the millisecond."""
+    if ms <= 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    if hours:
+        return f"{hours}h{minutes}m{seconds}s"
+    if minutes:
+        return f"{minutes}m{seconds}s"
+    return f"{seconds}s"
+
+
+def rate_limit_headers(levels: Levels) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers, for the limits
+    the plan has."""
+    headers = {}
+    for name, bucket in (("requests", levels.requests), ("tokens", levels.tokens)):
+        if bucket is not None:
+            headers[f"x-ratelimit-limit-{name}"] = str(bucket.limit)
+            headers[f"x-ratelimit-remaining-{name}"] = str(bucket.remaining)
+            headers[f"x-ratelimit-reset-{name}"] = duration(bucket.reset_ms())
+    return headers

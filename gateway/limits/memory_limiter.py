@@ -19,6 +19,7 @@ from gateway.limits.base import (
     Limiter,
     LimitKind,
     Refusal,
+    levels_of,
     refilled,
     tokens_never_fit,
     wait_s,
@@ -51,30 +52,33 @@ class MemoryLimiter(Limiter):
             return Refusal(LimitKind.TOKENS, None)
         state = self._tenants.setdefault(tenant_id, _TenantState())
         now = self._clock_ms()
+        rpm, tpm = plan.requests_per_minute, plan.tokens_per_minute
+        rpm_level = (
+            None if rpm is None else refilled(*_unpack(state.requests), capacity=rpm, now_ms=now)
+        )
+        tpm_level = (
+            None if tpm is None else refilled(*_unpack(state.tokens), capacity=tpm, now_ms=now)
+        )
+        seen = levels_of(plan, rpm_level, tpm_level)
         if plan.max_concurrency is not None and len(state.leases) >= plan.max_concurrency:
-            return Refusal(LimitKind.CONCURRENCY, CONCURRENCY_RETRY_S)
-        rpm_level = tpm_level = 0.0
-        if plan.requests_per_minute is not None:
-            rpm_level = refilled(
-                *_unpack(state.requests), capacity=plan.requests_per_minute, now_ms=now
-            )
-            if rpm_level < 1:
-                return Refusal(
-                    LimitKind.REQUESTS, wait_s(rpm_level, 1, capacity=plan.requests_per_minute)
-                )
-        if plan.tokens_per_minute is not None:
-            tpm_level = refilled(
-                *_unpack(state.tokens), capacity=plan.tokens_per_minute, now_ms=now
-            )
-            if tpm_level < tokens:
-                return Refusal(
-                    LimitKind.TOKENS, wait_s(tpm_level, tokens, capacity=plan.tokens_per_minute)
-                )
-        if plan.requests_per_minute is not None:
-            state.requests = (rpm_level - 1, now)
-        if plan.tokens_per_minute is not None:
-            state.tokens = (tpm_level - tokens, now)
-        lease = Lease(tenant_id=tenant_id, lease_id=uuid.uuid4().hex, tokens=tokens, plan=plan)
+            return Refusal(LimitKind.CONCURRENCY, CONCURRENCY_RETRY_S, seen)
+        if rpm is not None and rpm_level is not None and rpm_level < 1:
+            return Refusal(LimitKind.REQUESTS, wait_s(rpm_level, 1, capacity=rpm), seen)
+        if tpm is not None and tpm_level is not None and tpm_level < tokens:
+            return Refusal(LimitKind.TOKENS, wait_s(tpm_level, tokens, capacity=tpm), seen)
+        if rpm_level is not None:
+            rpm_level -= 1
+            state.requests = (rpm_level, now)
+        if tpm_level is not None:
+            tpm_level -= tokens
+            state.tokens = (tpm_level, now)
+        lease = Lease(
+            tenant_id=tenant_id,
+            lease_id=uuid.uuid4().hex,
+            tokens=tokens,
+            plan=plan,
+            levels=levels_of(plan, rpm_level, tpm_level),
+        )
         if plan.max_concurrency is not None:
             state.leases.add(lease.lease_id)
         return lease

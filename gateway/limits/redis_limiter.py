@@ -5,7 +5,8 @@ One Lua script admits (checks all three limits, then takes all or nothing) and o
 never disagree. Commands go over ``gateway.limits.resp`` (one pipelined connection: a request's
 admit and release cost a write and a reply each). A tenant's keys share a hash tag
 (``{tenant}``), so the scripts stay valid on a Redis Cluster. Buckets expire after two idle
-windows (a full bucket needs no state).
+windows (a full bucket needs no state). The admit script also returns the buckets' levels
+(``gateway.limits.base.Levels``: the rate-limit headers) in the same reply.
 
 Leases carry deadlines; this process refreshes the ones it holds every third of the lease time,
 so a gateway that dies frees its slots within one lease time. Any Redis error raises
@@ -29,15 +30,18 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from dataclasses import replace
 
 from gateway.domain import TenantPlan
 from gateway.limits.base import (
     WINDOW_MS,
     Lease,
+    Levels,
     Limiter,
     LimiterUnavailable,
     LimitKind,
     Refusal,
+    levels_of,
 )
 from gateway.limits.resp import RespClient, RespError, Script
 
@@ -62,42 +66,51 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 # KEYS: requests bucket, tokens bucket, lease zset, the lease's tombstone.
 # ARGV: rpm cap, tpm cap, concurrency cap ('' = no limit), cost, lease id, lease ms, window ms.
-# Returns {1} admitted, or {0, kind, wait_ms} (wait_ms -1: can never fit; kind 'abandoned': the
-# gateway gave this admit up before it ran).
+# Returns {1, rpm level, tpm level} admitted (the levels after the take), or {0, kind, wait_ms,
+# rpm level, tpm level} (the levels as found; wait_ms -1: can never fit; kind 'abandoned': the
+# gateway gave this admit up before it ran). A level is a string ('' = no such limit): Redis would
+# truncate a Lua number to an integer.
 ADMIT_LUA = (
     _LEVEL
     + """
-if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 'abandoned', -1} end
+if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 'abandoned', -1, '', ''} end
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cost, lease = tonumber(ARGV[4]), ARGV[5]
 local lease_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7])
-if tpm and cost > tpm then return {0, 'tokens', -1} end
+if tpm and cost > tpm then return {0, 'tokens', -1, '', ''} end
+local rpm_level, tpm_level
+if rpm then rpm_level = level(KEYS[1], rpm, now, window) end
+if tpm then tpm_level = level(KEYS[2], tpm, now, window) end
+local function levels(r, t)
+  return r and tostring(r) or '', t and tostring(t) or ''
+end
+local seen_r, seen_t = levels(rpm_level, tpm_level)
 if conc then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= conc then return {0, 'concurrency', 1000} end
+  if redis.call('ZCARD', KEYS[3]) >= conc then return {0, 'concurrency', 1000, seen_r, seen_t} end
 end
-local rpm_level, tpm_level
-if rpm then
-  rpm_level = level(KEYS[1], rpm, now, window)
-  if rpm_level < 1 then return {0, 'requests', math.ceil((1 - rpm_level) * window / rpm)} end
+if rpm and rpm_level < 1 then
+  return {0, 'requests', math.ceil((1 - rpm_level) * window / rpm), seen_r, seen_t}
 end
-if tpm then
-  tpm_level = level(KEYS[2], tpm, now, window)
-  if tpm_level < cost then return {0, 'tokens', math.ceil((cost - tpm_level) * window / tpm)} end
+if tpm and tpm_level < cost then
+  return {0, 'tokens', math.ceil((cost - tpm_level) * window / tpm), seen_r, seen_t}
 end
 if rpm then
-  redis.call('HSET', KEYS[1], 'level', tostring(rpm_level - 1), 'ts', now)
+  rpm_level = rpm_level - 1
+  redis.call('HSET', KEYS[1], 'level', tostring(rpm_level), 'ts', now)
   redis.call('PEXPIRE', KEYS[1], 2 * window)
 end
 if tpm then
-  redis.call('HSET', KEYS[2], 'level', tostring(tpm_level - cost), 'ts', now)
+  tpm_level = tpm_level - cost
+  redis.call('HSET', KEYS[2], 'level', tostring(tpm_level), 'ts', now)
   redis.call('PEXPIRE', KEYS[2], 2 * window)
 end
 if conc then
   redis.call('ZADD', KEYS[3], now + lease_ms, lease)
   redis.call('PEXPIRE', KEYS[3], 2 * lease_ms)
 end
-return {1}
+local after_r, after_t = levels(rpm_level, tpm_level)
+return {1, after_r, after_t}
 """
 )
 
@@ -144,6 +157,16 @@ def _arg(value: int | None) -> str:
     return "" if value is None else str(value)
 
 
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _levels(plan: TenantPlan, requests: object, tokens: object) -> Levels:
+    """The script's level strings ('' = no such limit) as ``Levels``."""
+    r, t = _text(requests), _text(tokens)
+    return levels_of(plan, float(r) if r else None, float(t) if t else None)
+
+
 class RedisLimiter(Limiter):
     backend = "redis"
 
@@ -188,16 +211,16 @@ class RedisLimiter(Limiter):
             raise
         assert isinstance(result, list)
         if int(result[0]) == 1:
+            lease = replace(lease, levels=_levels(plan, result[1], result[2]))
             if plan.max_concurrency is not None:
                 self._held[lease.lease_id] = lease
             return lease
-        raw_kind = result[1].decode() if isinstance(result[1], bytes) else str(result[1])
-        if raw_kind == "abandoned":
+        kind_text = _text(result[1])
+        if kind_text == "abandoned":
             raise LimiterUnavailable("redis: admit abandoned")
-        kind = LimitKind(raw_kind)
         wait_ms = int(result[2])
         retry = None if wait_ms < 0 else max(1, -(-wait_ms // 1000))
-        return Refusal(kind, retry)
+        return Refusal(LimitKind(kind_text), retry, _levels(plan, result[3], result[4]))
 
     async def release(self, lease: Lease, *, unused_tokens: int) -> None:
         self._held.pop(lease.lease_id, None)

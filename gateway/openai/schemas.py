@@ -174,6 +174,10 @@ class _Sampling(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def max_tokens_param(self) -> str | None:
+        """The parameter that set the completion's size, as the client named it (None: unset)."""
+        return "max_tokens" if self.max_tokens is not None else None
+
     def wants_usage_chunk(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -231,6 +235,11 @@ class ChatCompletionBody(_Sampling):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
+    def max_tokens_param(self) -> str | None:
+        if self.max_tokens is not None:
+            return "max_tokens"
+        return "max_completion_tokens" if self.max_completion_tokens is not None else None
+
     def token_input(self) -> tuple[str | None, list[dict[str, Any]] | None]:
         return None, [m.model_dump(exclude_none=True) for m in self.messages]
 
@@ -247,3 +256,71 @@ class CompletionBody(_Sampling):
 
     def token_input(self) -> tuple[str | None, list[dict[str, Any]] | None]:
         return (self.prompt if isinstance(self.prompt, str) else None), None
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's CreateEmbeddingRequest: any input array has at most 2048
+EMBEDDING_SPECIAL_TOKENS = 4  # per input: what an embedding model's tokenizer may add (CLS/SEP)
+_INPUT_SHAPE = (
+    "must be a non-empty string, or a non-empty array (at most 2048 items) of non-empty strings, "
+    "of token ids, or of non-empty token-id arrays"
+)
+
+
+def _token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)
+    )
+
+
+def _embedding_input(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """``input`` as OpenAI's schema has it (one error naming ``input`` for anything else)."""
+    if isinstance(value, str) and value:
+        return _unicode(value)
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_EMBEDDING_INPUTS:
+        raise ValueError(_INPUT_SHAPE)
+    if all(isinstance(item, str) and item for item in value):
+        return [_unicode(item) for item in value]
+    if _token_ids(value) or all(_token_ids(item) for item in value):
+        return value
+    raise ValueError(_INPUT_SHAPE)
+
+
+class EmbeddingsBody(_Request):
+    """OpenAI's ``CreateEmbeddingRequest`` (``additionalProperties: false``)."""
+
+    model: StoredText = Field(min_length=1, max_length=256)
+    input: Annotated[Any, AfterValidator(_embedding_input)]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
+    user: Text | None = Field(default=None, max_length=256)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingsBody(model={self.model!r}, input=<{self.input_count()} inputs>)"
+
+    __str__ = __repr__
+
+    def inputs(self) -> list[str | list[int]]:
+        value = self.input
+        if isinstance(value, str) or _token_ids(value):
+            return [value]
+        return list(value)
+
+    def input_count(self) -> int:
+        return len(self.inputs())
+
+    def token_bound(self) -> int:
+        """At most this many tokens: a tokenizer makes at most one token of each UTF-8 byte
+        (byte-level BPE, SentencePiece with byte fallback, WordPiece), plus the special tokens it
+        adds per input; a token-id array is its length. What the tenant's tokens per minute are
+        charged at admission; the engine's ``usage.prompt_tokens`` settles it (the rest comes
+        back)."""
+        return sum(
+            (len(item.encode("utf-8")) if isinstance(item, str) else len(item))
+            + EMBEDDING_SPECIAL_TOKENS
+            for item in self.inputs()
+        )
+
+    def upstream_body(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True)

@@ -20,7 +20,8 @@ Phases, in order (each refuses with an OpenAI-style error, nothing reserved yet)
 7. limits: one atomic take of request, tokens (prompt + n x max_tokens: the prompt is read once;
    the tenant's own prompt: a canary marker's tokens count for capacity, never against its
    budget) and a concurrency lease (429 + Retry-After; 503 if the shared limiter is down, unless
-   configured to fail open);
+   configured to fail open); the buckets' levels that take saw become OpenAI's
+   ``x-ratelimit-*`` headers of the answer, a 429 included (``ctx.rate_limit_headers``);
 8. choose: least in-flight among the engines the request fits; the body loses what that engine
    does not take (``surface.for_engine``);
 9. isolate: the chosen engine's prefix-cache salt is set from the tenant (never the client's).
@@ -47,9 +48,10 @@ from gateway.errors import (
     NoHealthyEngine,
     RateLimited,
     UpstreamFailed,
+    context_length_message,
 )
 from gateway.lifecycle import Phase
-from gateway.limits.base import Lease, LimiterUnavailable, Refusal
+from gateway.limits.base import Lease, LimiterUnavailable, Refusal, rate_limit_headers
 from gateway.openai import surface
 from gateway.openai.schemas import ChatCompletionBody, CompletionBody
 from gateway.proxy.context import RequestContext
@@ -109,7 +111,13 @@ async def admit(
         routable = route(deps, ctx.model, narrow)
         fitting = _fitting(routable, size, plan_cap)
     if not fitting:
-        raise too_long(routable, size, plan_cap, param=_param(body))
+        raise too_long(
+            routable,
+            size,
+            plan_cap,
+            param=_param(body),
+            completion_param=body.max_tokens_param(),
+        )
     ctx.lease = await take_lease(deps, ctx, size, choices=body.choices, hidden=hidden)
     ctx.advance(Phase.ADMITTED)
     engine = deps.registry.choose(fitting)
@@ -218,8 +226,17 @@ async def count_prompt(
 
 
 def too_long(
-    routable: list[EngineRecord], size: RequestSize, plan_cap: int | None, *, param: str
+    routable: list[EngineRecord],
+    size: RequestSize,
+    plan_cap: int | None,
+    *,
+    param: str,
+    completion_param: str | None = None,
 ) -> ContextLengthExceeded:
+    """The context-length 400 in OpenAI's words (``gateway.errors.context_length_message``),
+    naming the request parameter that set the completion's size (``completion_param``; None: the
+    request set none and the gateway's default did)."""
+
     def largest(record: EngineRecord) -> int:
         return max_request_tokens_for(record.snapshot, plan_cap) if record.snapshot else 0
 
@@ -227,21 +244,32 @@ def too_long(
     assert snapshot is not None
     max_request_tokens = max_request_tokens_for(snapshot, plan_cap)
     if snapshot.max_prompt_tokens is not None and size.prompt_tokens > snapshot.max_prompt_tokens:
-        return ContextLengthExceeded(
-            f"This request's prompt has {size.prompt_tokens} tokens, but the engine accepts "
-            f"at most {snapshot.max_prompt_tokens} prompt tokens.",
-            param=param,
+        message = context_length_message(
+            limit=snapshot.max_prompt_tokens,
+            prompt_tokens=size.prompt_tokens,
+            completion_tokens=None,
+            prompt_name=param,
+            reason="The engine accepts at most this many prompt tokens.",
         )
-    why = ""
+        return ContextLengthExceeded(message, param=param)
+    reason = ""
     if plan_cap is not None and max_request_tokens == plan_cap:
-        why = " (your plan's context limit)"
+        reason = "The limit is your plan's context limit."
     elif snapshot.real_pool is not None and max_request_tokens < snapshot.context_window:
-        why = f" (the engine's real capacity; its advertised window is {snapshot.context_window})"
-    return ContextLengthExceeded(
-        f"This request needs {size.total} tokens ({size.prompt_tokens} in the prompt + "
-        f"{size.max_tokens} max_tokens), but the limit is {max_request_tokens} tokens{why}.",
-        param=param,
+        reason = (
+            f"The limit is the engine's real capacity; its advertised window is "
+            f"{snapshot.context_window} tokens."
+        )
+    prompt_alone = completion_param is None and size.prompt_tokens >= max_request_tokens
+    message = context_length_message(
+        limit=max_request_tokens,
+        prompt_tokens=size.prompt_tokens,
+        completion_tokens=None if prompt_alone else size.max_tokens,
+        prompt_name=param,
+        completion_param=completion_param,
+        reason=reason,
     )
+    return ContextLengthExceeded(message, param=param)
 
 
 async def take_lease(
@@ -271,6 +299,7 @@ async def take_lease(
             )
             return None
         raise LimiterDown("rate limiter unavailable; request refused") from exc
+    ctx.rate_limit_headers = rate_limit_headers(result.levels)  # on the answer, whatever it is
     if isinstance(result, Refusal):
         raise refused(deps, ctx, result, tokens)
     return result
@@ -289,6 +318,7 @@ def refused(
     return RateLimited(
         f"Rate limit reached ({refusal.kind.value}); retry after {refusal.retry_after_s} s.",
         retry_after_s=refusal.retry_after_s,
+        headers=ctx.rate_limit_headers,
     )
 
 

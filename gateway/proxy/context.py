@@ -49,6 +49,7 @@ class RequestContext:
     first_token_s: float | None = None  # forwarding -> first streamed text
     clock: TokenClock | None = None  # a relayed stream's text events (gateway.proxy.latency)
     finish_reasons: tuple[str, ...] = ()  # each choice's, as the engine ended it
+    rate_limit_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*, at admission
 
     def advance(self, phase: Phase) -> None:
         self.phase = check_transition(self.phase, phase)

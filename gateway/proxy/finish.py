@@ -29,8 +29,10 @@ def _refund(ctx: RequestContext, refund: Refund) -> int:
         return 0
     if refund is Refund.ALL:
         return ctx.lease.tokens
-    if ctx.completion_tokens is not None and ctx.max_tokens is not None:
-        return max(0, ctx.max_tokens - ctx.completion_tokens)
+    if ctx.completion_tokens is not None and ctx.prompt_tokens is not None:
+        # what was taken less what was used: max_tokens - completion for a completion (the
+        # prompt is what was charged), the bound less usage.prompt_tokens for embeddings
+        return max(0, ctx.lease.tokens - ctx.prompt_tokens - ctx.completion_tokens)
     return 0  # unknown use (client gone mid-stream): keep the charge
 
 

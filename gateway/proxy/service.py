@@ -185,10 +185,11 @@ class Flight:
     # -- replies ---------------------------------------------------------------------------------
 
     def _headers(self) -> dict[str, str]:
-        # the request id headers are every answer's (gateway.api.request_ids)
+        # the request id headers are every answer's (gateway.api.request_ids); the rate-limit
+        # headers those of a limited tenant (gateway.proxy.admission.take_lease)
         if self.ctx.principal.synthetic and self.ctx.engine is not None:
             return {ENGINE_HEADER: self.ctx.engine.name}  # canary probes report per engine
-        return {}
+        return self.ctx.rate_limit_headers
 
     def _error(self, err: GatewayError) -> Response | bytes:
         """The error as a response, or as the last event of a stream already open."""

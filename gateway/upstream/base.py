@@ -1,4 +1,4 @@
-"""The upstream contract: call an engine's OpenAI-compatible completion routes.
+"""The upstream contract: call an engine's OpenAI-compatible routes (completions, embeddings).
 
 Two paths implement it: ``direct`` (aiohttp straight to an OpenAI-compatible engine, bytes passed
 through untouched) and ``litellm`` (providers that need translation). A call either answers
@@ -23,17 +23,11 @@ class Endpoint(StrEnum):
     CHAT = "chat.completions"
     COMPLETIONS = "completions"
     RESPONSES = "responses"  # a native engine's own /v1/responses (``gateway.proxy.responses``)
+    EMBEDDINGS = "embeddings"
 
     @property
     def path(self) -> str:
-        return _PATHS[self]
-
-
-_PATHS = {
-    Endpoint.CHAT: "/v1/chat/completions",
-    Endpoint.COMPLETIONS: "/v1/completions",
-    Endpoint.RESPONSES: "/v1/responses",
-}
+        return "/v1/" + self.value.replace(".", "/")
 
 
 @dataclass(frozen=True, slots=True)

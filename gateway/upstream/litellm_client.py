@@ -1,4 +1,5 @@
-"""litellm path: ``litellm.acompletion``/``atext_completion`` for providers that need translation.
+"""litellm path: ``litellm.acompletion``/``atext_completion``/``aembedding`` for providers that
+need translation.
 
 litellm is imported on first use (it takes seconds to import) and always offline: its model cost
 map is read from the package and nothing is fetched at run time (``LITELLM_LOCAL_MODEL_COST_MAP``
@@ -45,6 +46,7 @@ _PASSED = (
     "presence_penalty",
     "frequency_penalty",
 )
+_EMBEDDING_PASSED = ("input", "dimensions", "encoding_format", "user")
 
 
 def load_litellm() -> ModuleType:
@@ -61,7 +63,8 @@ def load_litellm() -> ModuleType:
 
 def _kwargs(call: UpstreamCall, *, timeout_s: float) -> dict[str, Any]:
     spec = call.spec
-    kwargs: dict[str, Any] = {k: call.body[k] for k in _PASSED if k in call.body}
+    passed = _EMBEDDING_PASSED if call.endpoint is Endpoint.EMBEDDINGS else _PASSED
+    kwargs: dict[str, Any] = {k: call.body[k] for k in passed if k in call.body}
     kwargs["model"] = spec.litellm_model or f"openai/{call.body['model']}"
     if spec.api_base:
         kwargs["api_base"] = spec.base_url
@@ -74,7 +77,7 @@ def _kwargs(call: UpstreamCall, *, timeout_s: float) -> dict[str, Any]:
         kwargs["api_key"] = key
     if call.endpoint is Endpoint.CHAT:
         kwargs["messages"] = call.body["messages"]
-    else:
+    elif call.endpoint is Endpoint.COMPLETIONS:
         kwargs["prompt"] = call.body["prompt"]
     return kwargs
 
@@ -122,6 +125,8 @@ class LiteLLMUpstream(Upstream):
         kwargs = _kwargs(call, timeout_s=self._timeout_s)
         if call.endpoint is Endpoint.CHAT:
             return await litellm.acompletion(**kwargs)
+        if call.endpoint is Endpoint.EMBEDDINGS:
+            return await litellm.aembedding(**kwargs)
         return await litellm.atext_completion(**kwargs)
 
     async def complete(self, call: UpstreamCall) -> UpstreamReply:

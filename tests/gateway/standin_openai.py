@@ -14,7 +14,9 @@ previous request's prompt (a cross-request leak, to exercise the firewall).
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -290,4 +292,48 @@ def provider_app(controls: ProviderControls) -> FastAPI:
             )
         return JSONResponse(full_body(body, words, tokens, controls.script, model=controls.model))
 
+    @app.post("/v1/embeddings")
+    @app.post("/embeddings")
+    async def embeddings(request: Request) -> Any:  # OpenAI's CreateEmbeddingResponse
+        body = await request.json()
+        controls.traffic.paths.append(request.url.path)
+        controls.traffic.bodies.append(body)
+        data, tokens = embedding_data(body, 8)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return {"object": "list", "data": data, "model": body["model"], "usage": usage}
+
     return app
+
+
+def embedding_inputs(body: dict[str, Any]) -> list[Any]:
+    """``input`` as a list of inputs (a string, or one token-id array, is one input)."""
+    value = body["input"]
+    if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
+        return [value]
+    return list(value)
+
+
+def embedding_tokens(item: Any) -> int:
+    """The stand-ins' embedding tokenizer: one per word and CLS/SEP, or the token ids given."""
+    return len(item.split()) + 2 if isinstance(item, str) else len(item)
+
+
+def embedding_vector(item: Any, dimensions: int) -> list[float]:
+    """A deterministic vector of the input (the stand-ins compute no meaning)."""
+    seed = sum(map(ord, item)) if isinstance(item, str) else sum(item)
+    return [((seed * (i + 7)) % 1000) / 1000.0 for i in range(dimensions)]
+
+
+def embedding_data(body: dict[str, Any], dimensions: int) -> tuple[list[dict[str, Any]], int]:
+    """The ``data`` list of an embeddings answer (``Embedding`` objects) and its prompt tokens;
+    ``encoding_format`` "base64": each vector as little-endian float32 bytes in base64 (what the
+    openai SDK asks for by default and decodes)."""
+    inputs = embedding_inputs(body)
+    size = int(body.get("dimensions") or dimensions)
+    data = []
+    for i, item in enumerate(inputs):
+        vector: Any = embedding_vector(item, size)
+        if body.get("encoding_format") == "base64":
+            vector = base64.b64encode(struct.pack(f"<{size}f", *vector)).decode()
+        data.append({"index": i, "object": "embedding", "embedding": vector})
+    return data, sum(embedding_tokens(item) for item in inputs)

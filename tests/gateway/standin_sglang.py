@@ -56,6 +56,7 @@ from standin_openai import (
     answer_limit,
     answer_words,
     chunks,
+    embedding_data,
     full_body,
     prompt_text,
     serve_workers,
@@ -83,6 +84,8 @@ class SGLangWorker:
     hicache_storage_backend: str | None = None
     status: int = 200  # != 200: every route answers this (a sick worker)
     refuse: str | None = None  # completions answer SGLang's 400 with this message
+    is_embedding: bool = False  # --is-embedding: an embedding model (server args)
+    dimensions: int = 8
     script: Script = field(default_factory=Script)
     traffic: Traffic = field(default_factory=Traffic)
 
@@ -97,6 +100,7 @@ class SGLangWorker:
             "disaggregation_mode": self.mode,
             "hicache_storage_backend": self.hicache_storage_backend,
             "enable_lmcache": False,
+            "is_embedding": self.is_embedding,
         }
         states = [
             {
@@ -122,6 +126,12 @@ class SGLangWorker:
             "internal_states": states,
             "version": self.version,
         }
+
+
+NOT_EMBEDDING = (
+    "This model does not appear to be an embedding model by default. Please add `--is-embedding` "
+    "when launching the server or try another model."
+)
 
 
 def _error(status: int, message: str, type_: str = "BadRequestError") -> JSONResponse:
@@ -193,6 +203,21 @@ def worker_app(w: SGLangWorker) -> FastAPI:
             return _error(400, message, "Bad Request")  # messages: an extra field, ignored
         count = chat_tokens(body)  # messages: rendered as for a chat completion of this body
         return {"tokens": list(range(count)), "count": count, "max_model_len": w.context_len}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Any:
+        body = await request.json()
+        w.traffic.bodies.append(body)
+        if not w.is_embedding:
+            return _error(400, NOT_EMBEDDING)
+        data, tokens = embedding_data(body, w.dimensions)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+        return {
+            "data": data,
+            "model": w.model,
+            "object": "list",
+            "usage": {**usage, "prompt_tokens_details": None},
+        }
 
     @app.post("/v1/chat/completions")
     @app.post("/v1/completions")

@@ -24,6 +24,14 @@ examples):
   ``forward_request`` relays a worker's 2xx and 4xx bodies alike, so a decode worker's 400
   ``ErrorResponse`` reaches the caller as HTTP 200 (``StreamingResponse(...,
   media_type="application/json")``, streamed or not); a 5xx becomes FastAPI's ``{"detail"}``.
+- embeddings (``embed=True``: a model with the ``embed`` pooling task): ``POST /v1/embeddings``
+  as ``entrypoints/pooling/embed/api_router.py`` and ``embed/protocol.py`` answer it
+  (``EmbeddingResponse``: ``id`` "embd-...", ``object`` "list", ``created``, ``model``, ``data``
+  of ``EmbeddingResponseData`` {index, object "embedding", embedding}, ``usage`` ``UsageInfo``
+  {prompt_tokens, total_tokens, completion_tokens 0, prompt_tokens_details null}); the route is
+  registered only for a model with that task (``entrypoints/pooling/__init__.py``
+  ``register_pooling_api_routers``), so a generative model answers FastAPI's 404
+  ``{"detail": "Not Found"}`` there, as the real server does.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from standin_openai import (
     Traffic,
     answer_words,
     chunks,
+    embedding_data,
     full_body,
     prompt_text,
     serve_workers,
@@ -64,6 +73,8 @@ class VLLMWorker:
     version: str = VERSION
     status: int = 200
     refuse: str | None = None  # completions answer vLLM's 400 ErrorResponse with this message
+    embed: bool = False  # a pooling model with the embed task: /v1/embeddings is served
+    dimensions: int = 8
     script: Script = field(default_factory=Script)
     traffic: Traffic = field(default_factory=Traffic)
 
@@ -151,6 +162,25 @@ def worker_app(w: VLLMWorker) -> FastAPI:
             thinking=template_kwargs.get("enable_thinking") is not False,
         )
         return {"count": count, "max_model_len": w.max_model_len, "tokens": list(range(count))}
+
+    if w.embed:
+
+        @app.post("/v1/embeddings")
+        async def embeddings(request: Request) -> Any:
+            body = await request.json()
+            w.traffic.bodies.append(body)
+            if w.refuse is not None:
+                return _error(400, w.refuse)
+            data, tokens = embedding_data(body, w.dimensions)
+            usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+            return {
+                "id": f"embd-{len(w.traffic.bodies)}",
+                "object": "list",
+                "created": 0,
+                "model": w.model,
+                "data": data,
+                "usage": {**usage, "prompt_tokens_details": None},
+            }
 
     @app.post("/v1/chat/completions")
     @app.post("/v1/completions")

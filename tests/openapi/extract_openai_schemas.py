@@ -34,6 +34,8 @@ ROOTS = (
     "CreateChatCompletionStreamResponse",
     "CreateCompletionRequest",
     "CreateCompletionResponse",
+    "CreateEmbeddingRequest",
+    "CreateEmbeddingResponse",
     "ListModelsResponse",
     "Model",
     "ErrorResponse",

@@ -114,7 +114,20 @@ async def test_huge_bodies_are_413(make_settings, standin) -> None:
 
 
 async def test_unknown_routes_and_methods(gateway) -> None:
-    r = await gateway.client.get("/v1/nothing")
+    r = await gateway.client.post("/v1/nothing/here", json={})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "unknown_url")
+    message = r.json()["error"]["message"]
+    assert message.startswith("Invalid URL (POST /v1/nothing/here): no such endpoint here. ")
+    for served in (
+        "POST /v1/chat/completions",
+        "POST /v1/completions",
+        "POST /v1/embeddings",
+        "GET /v1/models",
+        "GET /v1/models/{model}",
+    ):
+        assert served in message, served
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = await gateway.client.get("/not-v1")  # outside the OpenAI surface: the plain 404
     assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
     r = await gateway.client.get(CHAT)
     assert (r.status_code, r.json()["error"]["code"]) == (405, "method_not_allowed")

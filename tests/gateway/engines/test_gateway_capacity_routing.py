@@ -35,8 +35,11 @@ async def test_window_larger_than_pool_is_held_to_the_pool(make_settings, standi
         error = refused.json()["error"]
         assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
         assert error["message"] == (
-            "This request needs 1025 tokens (1009 in the prompt + 16 max_tokens), but the limit "
-            "is 1024 tokens (the engine's real capacity; its advertised window is 4096)."
+            "This model's maximum context length is 1024 tokens. However, you requested 1025 "
+            "tokens (1009 in the prompt, 16 in the completion). Please reduce the length of the "
+            "prompt or completion. The completion is the request's max_tokens. The limit is the "
+            "engine's real capacity; its advertised window is 4096 tokens. "
+            "(context_length_exceeded)"
         )
         health = (await gw.client.get("/health")).json()
         assert (health["status"], health["capacity_drift"]) == ("degraded", ["drifty"])
@@ -60,8 +63,11 @@ async def test_plan_cap_and_chat_counts(gateway, standin) -> None:
     ).status_code == 200
     refused = await gateway.client.post("/v1/chat/completions", json=over, headers=bearer(key))
     assert refused.status_code == 400
-    assert refused.json()["error"]["message"].endswith(
-        "the limit is 100 tokens (your plan's context limit)."
+    message = refused.json()["error"]["message"]
+    assert message.startswith("This model's maximum context length is 100 tokens.")
+    assert message.endswith(
+        "The completion is the request's max_tokens. The limit is your plan's context limit. "
+        "(context_length_exceeded)"
     )
     assert refused.json()["error"]["param"] == "messages"
 

@@ -126,7 +126,7 @@ async def test_sglang_pd_group_behind_the_model_gateway(make_settings, tmp_path:
             )  # 1790 words + 3 frame + 8 max_tokens = 1801 > 1800
             assert too_long.status_code == 400
             assert too_long.json()["error"]["code"] == "context_length_exceeded"
-            assert "limit is 1800 tokens" in too_long.json()["error"]["message"]
+            assert "maximum context length is 1800 tokens" in too_long.json()["error"]["message"]
 
             r = await gw.client.post(
                 "/v1/chat/completions",
