@@ -228,6 +228,7 @@ class ResponsesFlight(Flight):
         """An error once the stream is open ends it as the Responses API does: an ``error`` event
         and a ``response.failed``."""
         if self._streaming and self._machine is not None:
+            self._machine.mark()  # what was built before went out: a failure only adds
             return self._machine.fail(err.code, err.message).out
         return super()._error(err)
 
@@ -270,9 +271,12 @@ class ResponsesFlight(Flight):
             await self._save(response)
         except GatewayError as err:  # kept nothing: the client must not get an id that is no one's
             log.warning("response of request %s not stored: %s", self.ctx.request_id, err.code)
+            last = pump.last
+            terminal = last.rfind(b"event: response.")  # the completed (or incomplete) event
+            failed = self.machine.fail_instead(err.code, err.message)
             return Outcome(
                 dataclasses.replace(outcome.ending, phase=Phase.FAILED, status=err.status),
-                self.machine.fail(err.code, err.message).out,
+                last[: max(terminal, 0)] + failed.out,
             )
         return outcome
 
@@ -341,22 +345,25 @@ class ResponsesRelay:
         try:
             chunk = json.loads(data)
         except (ValueError, RecursionError):
-            return self._step(machine.fail("upstream_error", INVALID), out)
+            return self._fail("upstream_error", INVALID, out)
         if not isinstance(chunk, dict):
-            return self._step(machine.fail("upstream_error", INVALID), out)
+            return self._fail("upstream_error", INVALID, out)
         proof = handoff_of(chunk)
         if proof is not None:
             self.handoff = proof
             if not proof.consistent and self._refuse_mismatch:
-                failed = machine.fail(HandoffMismatch.code, HandoffMismatch.MESSAGE)
-                return self._step(failed, out)
+                return self._fail(HandoffMismatch.code, HandoffMismatch.MESSAGE, out)
         return self._step(machine.feed(chunk), out)
 
     def relay_end(self, out: list[bytes]) -> None:
         self._step(self.machine.upstream_ended(), out)
 
     def invalid(self, out: list[bytes]) -> bool:
-        return self._step(self.machine.fail("upstream_error", TOO_LARGE), out)
+        return self._fail("upstream_error", TOO_LARGE, out)
+
+    def _fail(self, code: str, message: str, out: list[bytes]) -> bool:
+        self.machine.mark()  # a failure between the machine's own events only adds
+        return self._step(self.machine.fail(code, message), out)
 
     def _step(self, step: Step, out: list[bytes]) -> bool:
         if self._head:

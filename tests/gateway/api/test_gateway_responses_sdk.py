@@ -9,8 +9,10 @@ marker reaching both kinds of engine, and a leak in a Responses stream cut as a 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ import httpx
 import openai
 import pytest
 from openai_contract import check, check_response_event, check_response_events
+from sqlalchemy import create_engine, select
 from standin_openai import Script, ToolCall
 from standin_vllm import VLLMWorker
 from standin_vllm import worker_app as vllm_app
@@ -28,6 +31,7 @@ from standin_vllm_responses import VLLMResponses, responses_app
 from canary.config import CanarySettings
 from canary.runtime import CanaryRuntime
 from gateway.app import create_app
+from gateway.db.models import RequestAudit
 from kvguard.testing import EngineProcess, RunningServer, launch_engine, serve
 
 BUNDLED_PATH = Path(__file__).resolve().parents[3] / "backend" / "bundled" / "kvguard-tiny"
@@ -57,6 +61,28 @@ def engine() -> Iterator[EngineProcess]:
     )
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_pair() -> Iterator[EngineProcess]:
+    """The bundled engine as a prefill/decode pair (the decode is the entry point)."""
+    env = {"KVGUARD_SERVED_MODEL_NAME": BUNDLED_MODEL}
+    prefill = launch_engine(str(BUNDLED_PATH), "prefill", env, pool_tokens=1024, page_size=16)
+    try:
+        decode = launch_engine(
+            str(BUNDLED_PATH),
+            "decode",
+            env,
+            pool_tokens=1024,
+            page_size=16,
+            prefill_url=prefill.url,
+        )
+    except BaseException:
+        prefill.stop()
+        raise
+    yield decode
+    decode.stop()
+    prefill.stop()
 
 
 @dataclass
@@ -201,6 +227,47 @@ async def test_the_sdk_against_the_bundled_engine(engine: EngineProcess, served:
     gw = await served([{"name": "tiny", "kind": "bundled", "base_url": engine.url}])
     forced = {"tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 48}
     await _conversation(gw, BUNDLED_MODEL, tools_turn=forced)
+
+
+async def test_a_prefill_decode_pair_serves_it_with_its_handoff_proof(
+    pd_pair: EngineProcess, served: Any, sqlite_url: str
+) -> None:
+    """Behind a prefill/decode pair: whole and streamed, schema-valid, and the handoff proof the
+    decode sends with each answer is read and audited (a consistent one: the answer delivered)."""
+    gw = await served([{"name": "pd", "kind": "bundled", "base_url": pd_pair.url}])
+    client, key = await gw.client()
+    raw = await client.responses.with_raw_response.create(
+        model=BUNDLED_MODEL, input="hello there", max_output_tokens=32
+    )
+    first = check("Response", raw.http_response.json())
+    streamed = await gw.post(
+        key,
+        {
+            "model": BUNDLED_MODEL,
+            "input": "and again",
+            "previous_response_id": first["id"],
+            "stream": True,
+            "max_output_tokens": 32,
+        },
+    )
+    events = check_response_events(streamed.content)
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    db = create_engine(sqlite_url)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with db.connect() as conn:
+                rows = conn.execute(
+                    select(RequestAudit.stream, RequestAudit.handoff_outcome).where(
+                        RequestAudit.endpoint == "responses"
+                    )
+                ).all()
+            if len(rows) == 2 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)  # the audit writer's batch (polled, bounded)
+    finally:
+        db.dispose()
+    assert sorted(rows) == [(False, "ok"), (True, "ok")], rows
 
 
 async def test_the_sdk_against_the_vllm_standin(served: Any) -> None:

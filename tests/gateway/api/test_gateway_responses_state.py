@@ -19,6 +19,7 @@ import httpx
 import pytest
 from gateway_harness import Gateway, bearer, running_gateway
 from gateway_standin import StandInEngine
+from openai_contract import check_response_events
 from sqlalchemy import select
 
 from contracts.sql import session_scope
@@ -250,3 +251,29 @@ async def test_bad_requests_get_a_400_naming_the_field(
         ]:
             r = await gw.client.request(method, path, json={"model": model, "input": "hi"})
             assert r.status_code == 401, (method, path, r.text)
+
+
+async def test_a_handoff_mismatch_fails_the_response_and_stores_nothing(
+    gateway: Gateway, standin: StandInEngine
+) -> None:
+    """An engine whose handoff proof shows its KV may not be this request's: the whole answer is
+    chat's 502 ``handoff_mismatch`` (its text never sent), the stream ends with an ``error``
+    event and a ``response.failed`` naming it (never "completed"; sequence numbers unbroken),
+    nothing is stored."""
+    _, key = await gateway.create_tenant("acme")
+    model = await _model(gateway, key)
+    standin.controls.handoff = {"outcome": "ok", "reserved_tokens": 12, "transferred_tokens": 1}
+    body = {"model": model, "input": "alpha beta gamma", "max_output_tokens": 16}
+    whole = await gateway.client.post("/v1/responses", headers=bearer(key), json=body)
+    assert (whole.status_code, whole.json()["error"]["code"]) == (502, "handoff_mismatch")
+    assert "gamma" not in whole.text
+    streamed = await gateway.client.post(
+        "/v1/responses", headers=bearer(key), json={**body, "stream": True}
+    )
+    events = check_response_events(streamed.content)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "handoff_mismatch"  # the proof comes with the usage, last
+    assert "response.completed" not in streamed.text
+    failed_id = events[-1]["response"]["id"]
+    missing = await gateway.client.get(f"/v1/responses/{failed_id}", headers=bearer(key))
+    assert missing.status_code == 404
