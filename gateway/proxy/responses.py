@@ -33,9 +33,9 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
@@ -58,6 +58,7 @@ from gateway.errors import (
     UpstreamFailed,
 )
 from gateway.lifecycle import Phase
+from gateway.openai.schemas import ChatCompletionBody
 from gateway.openai.surface import profile_of
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, admit, route
@@ -79,6 +80,7 @@ from gateway.upstream.base import Endpoint, UpstreamCall
 log = logging.getLogger("kvguard.gateway.proxy")
 
 Machine = ChatToResponses | NativeStream
+T = TypeVar("T")
 INVALID = "the engine sent an invalid event"
 TOO_LARGE = "the engine sent an event past the size limit"
 
@@ -179,7 +181,7 @@ class ResponsesFlight(Flight):
             ),
         )
 
-    def _native_body(self, admitted: Admitted, chat: Any) -> dict[str, Any]:
+    def _native_body(self, admitted: Admitted, chat: ChatCompletionBody) -> dict[str, Any]:
         """The engine's own ``/v1/responses`` body, with what the hooks added to the chat form
         (the canary's marker line) first in its instructions, and the tenant's cache salt."""
         engine = admitted.engine
@@ -404,10 +406,10 @@ def _hooked_instructions(
     return f"{line}\n{instructions}" if instructions else line
 
 
-def _placeholder(request: CreateResponseBody) -> Any:
+def _placeholder(request: CreateResponseBody) -> ChatCompletionBody:
     """The flight's chat body before the conversation is read (only its model and stream are
     read until ``_serve`` sets the real one)."""
-    return to_chat.ChatCompletionBody.model_construct(model=request.model, stream=request.stream)
+    return ChatCompletionBody.model_construct(model=request.model, stream=request.stream)
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -416,7 +418,7 @@ def _first_error(exc: ValidationError) -> str:
     return f"the conversation cannot be sent as a chat: {message}"
 
 
-async def _db(sessions: sessionmaker[Session], work: Any) -> Any:
+async def _db(sessions: sessionmaker[Session], work: Callable[[Session], T]) -> T:
     try:
         return await run_in_session(sessions, work)
     except (OperationalError, PoolTimeout) as exc:
