@@ -227,6 +227,23 @@ async def test_the_sdk_against_the_bundled_engine(engine: EngineProcess, served:
     gw = await served([{"name": "tiny", "kind": "bundled", "base_url": engine.url}])
     forced = {"tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 48}
     await _conversation(gw, BUNDLED_MODEL, tools_turn=forced)
+    # text.format: the engine's structured output, through chat's response_format
+    client, _ = await gw.client("structured")
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 3}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    shaped = await client.responses.with_raw_response.create(
+        model=BUNDLED_MODEL,
+        input="hi",
+        text={"format": {"type": "json_schema", "name": "short", "schema": schema}},
+        max_output_tokens=32,
+    )
+    answer = check("Response", shaped.http_response.json())
+    assert answer["text"]["format"]["name"] == "short" and answer["status"] == "completed"
+    assert set(json.loads(shaped.parse().output_text)) == {"a"}
 
 
 async def test_a_prefill_decode_pair_serves_it_with_its_handoff_proof(
