@@ -148,11 +148,9 @@ class ResponsesFlight(Flight):
         self.body = chat
         admitted = await admit(self.deps, self.ctx, chat, narrow=self._narrow)
         native = responses_surface.native(admitted.engine)
-        call = self._forward(admitted)
+        call = self._forward(admitted, Endpoint.RESPONSES if native else Endpoint.CHAT)
         if native:
             call = dataclasses.replace(call, body=self._native_body(admitted, chat))
-        else:
-            call = dataclasses.replace(call, endpoint=Endpoint.CHAT)
         self._machine = self._new_machine(native=native, max_output_tokens=admitted.size.max_tokens)
         if request.stream:
             return await self._stream(call, wants_usage=True)
