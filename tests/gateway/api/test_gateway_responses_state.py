@@ -242,6 +242,11 @@ async def test_bad_requests_get_a_400_naming_the_field(
         assert r.status_code == 400
         r = await gw.client.get(f"/v1/responses/{_never_issued()}?stream=true", headers=bearer(key))
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        queries = ("include[]=reasoning.encrypted_content", "include=message.output_text.logprobs")
+        for query in queries:
+            for path in (f"/v1/responses/{_never_issued()}", "/v1/responses/x/input_items"):
+                r = await gw.client.get(f"{path}?{query}", headers=bearer(key))
+                assert r.status_code == 400 and r.json()["error"]["param"] == "include", r.text
         for method, path in [
             ("POST", "/v1/responses"),
             ("GET", f"/v1/responses/{_never_issued()}"),
