@@ -6,6 +6,7 @@ bundled-kind stand-in (``gateway_standin``), which records what it was sent."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import secrets
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from gateway_harness import Gateway, bearer, running_gateway
 from gateway_standin import StandInEngine
 from openai_contract import check_response_events
@@ -282,3 +284,42 @@ async def test_a_handoff_mismatch_fails_the_response_and_stores_nothing(
     failed_id = events[-1]["response"]["id"]
     missing = await gateway.client.get(f"/v1/responses/{failed_id}", headers=bearer(key))
     assert missing.status_code == 404
+
+
+async def test_a_client_leaving_a_responses_stream_releases_its_lease(
+    pg_settings: Callable[[], GatewaySettings], standin: StandInEngine, redis_url: str
+) -> None:
+    """The Responses stream leaves through chat's single exit: a client that goes away after the
+    first bytes frees its concurrency lease (max_concurrency 1: the next request is served) and
+    the engine's stream is closed; the unfinished response is not stored."""
+    standin.controls.chunk_delay_s = 0.05
+    async with _gateway(pg_settings()) as gw:
+        tenant_id, key = await gw.create_tenant("acme", max_concurrency=1)
+        model = await _model(gw, key)
+        body = {"model": model, "input": " ".join(["word"] * 200), "stream": True}
+        async with gw.client.stream(
+            "POST", "/v1/responses", json={**body, "max_output_tokens": 256}, headers=bearer(key)
+        ) as response:
+            assert response.status_code == 200
+            first = b""
+            async for chunk in response.aiter_bytes():
+                first = chunk
+                break  # the client goes away after the first chunk
+        started = first.decode().split('"id":"', 1)[1].split('"', 1)[0]
+        leases = redis.Redis.from_url(redis_url)
+        lease_key = f"kvg:lim:{{{tenant_id}}}:leases"
+        deadline = time.monotonic() + 10
+        while (leases.zcard(lease_key) or standin.controls.active_streams) and (
+            time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.02)  # polled, bounded: the exit runs once the client is gone
+        assert leases.zcard(lease_key) == 0 and standin.controls.active_streams == 0
+        standin.controls.chunk_delay_s = 0.0
+        after = await gw.client.post(
+            "/v1/responses",
+            headers=bearer(key),
+            json={"model": model, "input": "next", "max_output_tokens": 16},
+        )
+        assert after.status_code == 200, after.text
+        missing = await gw.client.get(f"/v1/responses/{started}", headers=bearer(key))
+        assert missing.status_code == 404
