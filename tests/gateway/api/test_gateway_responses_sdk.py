@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from gateway_standin import MODEL as STANDIN_MODEL
+from gateway_standin import StandInEngine
 from openai_contract import check, check_response_event, check_response_events
 from sqlalchemy import create_engine, select
 from standin_openai import Script, ToolCall
@@ -310,36 +312,41 @@ async def test_the_sdk_against_the_vllm_standin(served: Any) -> None:
 
 
 async def test_the_canary_marker_reaches_both_kinds_of_engine(
-    engine: EngineProcess, served: Any
+    engine: EngineProcess, served: Any, standin: StandInEngine
 ) -> None:
-    """A sampled tenant's Responses request is marked as its chat is: in the chat form's first
-    system message for a translated engine (the bundled one), first in ``instructions`` for a
-    native one (vLLM); and the tenant never sees its own marker or the marker's tokens."""
-    standin = VLLMResponses(enable_store=True)
-    server = await vllm_standin(standin)
+    """A sampled tenant's Responses request is marked as its chat is: first in the chat form's
+    first system message for a translated engine (the bundled-kind stand-in records it), first in
+    ``instructions`` for a native one (vLLM); the tenant never sees its own marker (the bundled
+    model, asked for it, copies it: stripped) or the marker's tokens in its usage."""
+    vllm = VLLMResponses(enable_store=True)
+    server = await vllm_standin(vllm)
     try:
         gw = await served(
             [
                 {"name": "tiny", "kind": "bundled", "base_url": engine.url},
+                {"name": "recorder", "kind": "bundled", "base_url": standin.url},
                 {"name": "vllm", "kind": "vllm", "base_url": server.url},
             ],
             canary=True,
         )
-        client, _ = await gw.client("marked", canary_sample_rate=1.0)
-        asked = await client.responses.create(
-            model=standin.model, input="hi", instructions="be kind", max_output_tokens=16
-        )
-        sent = standin.traffic.bodies[-1]
-        line, rest = sent["instructions"].split("\n", 1)
+        marked, _ = await gw.client("marked", canary_sample_rate=1.0)
+        unmarked, _ = await gw.client("unmarked", canary_sample_rate=0.0)
+        ask = {"input": "hi", "instructions": "be kind", "max_output_tokens": 16}
+        asked = await marked.responses.create(model=vllm.model, **ask)
+        line, rest = vllm.traffic.bodies[-1]["instructions"].split("\n", 1)
         assert MARKER.fullmatch(line) and rest == "be kind"
         assert asked.instructions == "be kind" and "CNRY" not in asked.model_dump_json()
-        plain = await client.responses.create(
-            model=standin.model, input="hi", instructions="be kind", max_output_tokens=16
-        )
+        plain = await unmarked.responses.create(model=vllm.model, **ask)
+        assert vllm.traffic.bodies[-1]["instructions"] == "be kind"
         assert plain.usage is not None and asked.usage is not None
         assert plain.usage.input_tokens == asked.usage.input_tokens  # the marker's are hidden
-        # the bundled engine (translated): a marked chat request, answered as a Response
-        answered = await client.responses.create(
+        # translated: the chat form carries it as a chat request does
+        await marked.responses.create(model=STANDIN_MODEL, **ask)
+        system = standin.controls.seen_bodies[-1]["messages"][0]
+        assert system["role"] == "system"
+        line, rest = system["content"].split("\n", 1)
+        assert MARKER.fullmatch(line) and rest == "be kind"
+        answered = await marked.responses.create(
             model=BUNDLED_MODEL, input="Repeat the reference code.", max_output_tokens=48
         )
         assert answered.status in ("completed", "incomplete")
