@@ -33,9 +33,9 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
@@ -58,6 +58,7 @@ from gateway.errors import (
     UpstreamFailed,
 )
 from gateway.lifecycle import Phase
+from gateway.openai.schemas import ChatCompletionBody
 from gateway.openai.surface import profile_of
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, admit, route
@@ -79,6 +80,7 @@ from gateway.upstream.base import Endpoint, UpstreamCall
 log = logging.getLogger("kvguard.gateway.proxy")
 
 Machine = ChatToResponses | NativeStream
+T = TypeVar("T")
 INVALID = "the engine sent an invalid event"
 TOO_LARGE = "the engine sent an event past the size limit"
 
@@ -146,11 +148,9 @@ class ResponsesFlight(Flight):
         self.body = chat
         admitted = await admit(self.deps, self.ctx, chat, narrow=self._narrow)
         native = responses_surface.native(admitted.engine)
-        call = self._forward(admitted)
+        call = self._forward(admitted, Endpoint.RESPONSES if native else Endpoint.CHAT)
         if native:
             call = dataclasses.replace(call, body=self._native_body(admitted, chat))
-        else:
-            call = dataclasses.replace(call, endpoint=Endpoint.CHAT)
         self._machine = self._new_machine(native=native, max_output_tokens=admitted.size.max_tokens)
         if request.stream:
             return await self._stream(call, wants_usage=True)
@@ -179,7 +179,7 @@ class ResponsesFlight(Flight):
             ),
         )
 
-    def _native_body(self, admitted: Admitted, chat: Any) -> dict[str, Any]:
+    def _native_body(self, admitted: Admitted, chat: ChatCompletionBody) -> dict[str, Any]:
         """The engine's own ``/v1/responses`` body, with what the hooks added to the chat form
         (the canary's marker line) first in its instructions, and the tenant's cache salt."""
         engine = admitted.engine
@@ -228,6 +228,7 @@ class ResponsesFlight(Flight):
         """An error once the stream is open ends it as the Responses API does: an ``error`` event
         and a ``response.failed``."""
         if self._streaming and self._machine is not None:
+            self._machine.mark()  # what was built before went out: a failure only adds
             return self._machine.fail(err.code, err.message).out
         return super()._error(err)
 
@@ -270,9 +271,12 @@ class ResponsesFlight(Flight):
             await self._save(response)
         except GatewayError as err:  # kept nothing: the client must not get an id that is no one's
             log.warning("response of request %s not stored: %s", self.ctx.request_id, err.code)
+            last = pump.last
+            terminal = last.rfind(b"event: response.")  # the completed (or incomplete) event
+            failed = self.machine.fail_instead(err.code, err.message)
             return Outcome(
                 dataclasses.replace(outcome.ending, phase=Phase.FAILED, status=err.status),
-                self.machine.fail(err.code, err.message).out,
+                last[: max(terminal, 0)] + failed.out,
             )
         return outcome
 
@@ -341,22 +345,25 @@ class ResponsesRelay:
         try:
             chunk = json.loads(data)
         except (ValueError, RecursionError):
-            return self._step(machine.fail("upstream_error", INVALID), out)
+            return self._fail("upstream_error", INVALID, out)
         if not isinstance(chunk, dict):
-            return self._step(machine.fail("upstream_error", INVALID), out)
+            return self._fail("upstream_error", INVALID, out)
         proof = handoff_of(chunk)
         if proof is not None:
             self.handoff = proof
             if not proof.consistent and self._refuse_mismatch:
-                failed = machine.fail(HandoffMismatch.code, HandoffMismatch.MESSAGE)
-                return self._step(failed, out)
+                return self._fail(HandoffMismatch.code, HandoffMismatch.MESSAGE, out)
         return self._step(machine.feed(chunk), out)
 
     def relay_end(self, out: list[bytes]) -> None:
         self._step(self.machine.upstream_ended(), out)
 
     def invalid(self, out: list[bytes]) -> bool:
-        return self._step(self.machine.fail("upstream_error", TOO_LARGE), out)
+        return self._fail("upstream_error", TOO_LARGE, out)
+
+    def _fail(self, code: str, message: str, out: list[bytes]) -> bool:
+        self.machine.mark()  # a failure between the machine's own events only adds
+        return self._step(self.machine.fail(code, message), out)
 
     def _step(self, step: Step, out: list[bytes]) -> bool:
         if self._head:
@@ -397,10 +404,10 @@ def _hooked_instructions(
     return f"{line}\n{instructions}" if instructions else line
 
 
-def _placeholder(request: CreateResponseBody) -> Any:
+def _placeholder(request: CreateResponseBody) -> ChatCompletionBody:
     """The flight's chat body before the conversation is read (only its model and stream are
     read until ``_serve`` sets the real one)."""
-    return to_chat.ChatCompletionBody.model_construct(model=request.model, stream=request.stream)
+    return ChatCompletionBody.model_construct(model=request.model, stream=request.stream)
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -409,7 +416,7 @@ def _first_error(exc: ValidationError) -> str:
     return f"the conversation cannot be sent as a chat: {message}"
 
 
-async def _db(sessions: sessionmaker[Session], work: Any) -> Any:
+async def _db(sessions: sessionmaker[Session], work: Callable[[Session], T]) -> T:
     try:
         return await run_in_session(sessions, work)
     except (OperationalError, PoolTimeout) as exc:

@@ -156,8 +156,11 @@ class Flight:
             return await self._stream(call, wants_usage=self.body.wants_usage_chunk())
         return await self._answer(call)
 
-    def _forward(self, admitted: Admitted) -> UpstreamCall:
+    def _forward(self, admitted: Admitted, endpoint: Endpoint | None = None) -> UpstreamCall:
+        """Take the engine's in-flight slot and build its call (to ``endpoint``: the request's
+        own unless given, as for a Responses request sent to an engine as a chat completion)."""
         ctx, deps = self.ctx, self.deps
+        endpoint = endpoint or ctx.endpoint
         ctx.engine = admitted.engine
         ctx.engine.in_flight += 1
         deps.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).inc()
@@ -172,14 +175,14 @@ class Flight:
         ctx.upstream_span = deps.tracing.start_upstream(
             ctx.span,
             base_url=spec.base_url,
-            route=ctx.endpoint.path,
+            route=endpoint.path,
             provider=spec.kind.value,
             model=str(admitted.body.get("model") or ctx.model),
             max_tokens=admitted.size.max_tokens,
             headers=headers,
         )
         return UpstreamCall(
-            spec=admitted.engine.spec, endpoint=ctx.endpoint, body=admitted.body, headers=headers
+            spec=admitted.engine.spec, endpoint=endpoint, body=admitted.body, headers=headers
         )
 
     # -- replies ---------------------------------------------------------------------------------

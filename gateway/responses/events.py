@@ -50,6 +50,13 @@ class EventWriter:
         out += self.emit("response.failed", {"response": self.response})
         return Step(out, Phase.FAILED, code)
 
+    def fail_instead(self, code: str, message: str) -> Step:
+        """End as failed in place of the terminal event just built, which is not sent (its
+        sequence number is the ``error`` event's): a completed answer the gateway could not keep
+        (``store``) when the client must not get an id that nothing holds."""
+        self._mark = self._seq - 1 if self._stream else self._seq
+        return self.fail(code, message)
+
     def cut(self, cut: Cut) -> Step:
         """End as cut by a guard (failed, naming the guard's code)."""
         step = self.fail(cut.code, cut.message)

@@ -24,6 +24,9 @@ from gateway.services import responses as store
 
 router = APIRouter(prefix="/responses", tags=["openai"])  # under /v1 (routes.openai)
 
+# ``include`` as OpenAI's SDKs send an array (``include[]=a``) and as others do (``include=a``)
+Include = Annotated[list[str] | None, Query(alias="include[]")]
+IncludeRepeated = Annotated[list[str] | None, Query(alias="include")]
 NOT_STREAMED = "the gateway does not replay a stored response as a stream; omit 'stream'"
 NO_INCLUDE = "the gateway stores no included outputs (logprobs, encrypted reasoning, tool results)"
 
@@ -34,10 +37,11 @@ async def retrieve_response(
     principal: CurrentTenant,
     state: StateDep,
     stream: bool = False,
-    include: Annotated[list[str] | None, Query(alias="include[]")] = None,
+    include: Include = None,
+    include_repeated: IncludeRepeated = None,
 ) -> dict[str, Any]:
     """The Response as its client got it."""
-    _plain(stream=stream, include=include)
+    _plain(stream=stream, include=[*(include or ()), *(include_repeated or ())])
     tenant_id = principal.tenant_id
     stored = await run_in_session(
         state.sessions,
@@ -74,10 +78,11 @@ async def list_input_items(
     limit: Annotated[int, Query(ge=1, le=items.MAX_PAGE)] = 20,
     order: Literal["asc", "desc"] = "desc",
     after: Annotated[str | None, Query(max_length=256)] = None,
-    include: Annotated[list[str] | None, Query(alias="include[]")] = None,
+    include: Include = None,
+    include_repeated: IncludeRepeated = None,
 ) -> dict[str, Any]:
     """This turn's input items, one page of OpenAI's ``ResponseItemList``."""
-    _plain(stream=False, include=include)
+    _plain(stream=False, include=[*(include or ()), *(include_repeated or ())])
     tenant_id = principal.tenant_id
     stored = await run_in_session(
         state.sessions,

@@ -9,8 +9,10 @@ marker reaching both kinds of engine, and a leak in a Responses stream cut as a 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +21,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from gateway_standin import MODEL as STANDIN_MODEL
+from gateway_standin import StandInEngine
 from openai_contract import check, check_response_event, check_response_events
+from sqlalchemy import create_engine, select
 from standin_openai import Script, ToolCall
 from standin_vllm import VLLMWorker
 from standin_vllm import worker_app as vllm_app
@@ -28,6 +33,7 @@ from standin_vllm_responses import VLLMResponses, responses_app
 from canary.config import CanarySettings
 from canary.runtime import CanaryRuntime
 from gateway.app import create_app
+from gateway.db.models import RequestAudit
 from kvguard.testing import EngineProcess, RunningServer, launch_engine, serve
 
 BUNDLED_PATH = Path(__file__).resolve().parents[3] / "backend" / "bundled" / "kvguard-tiny"
@@ -57,6 +63,28 @@ def engine() -> Iterator[EngineProcess]:
     )
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_pair() -> Iterator[EngineProcess]:
+    """The bundled engine as a prefill/decode pair (the decode is the entry point)."""
+    env = {"KVGUARD_SERVED_MODEL_NAME": BUNDLED_MODEL}
+    prefill = launch_engine(str(BUNDLED_PATH), "prefill", env, pool_tokens=1024, page_size=16)
+    try:
+        decode = launch_engine(
+            str(BUNDLED_PATH),
+            "decode",
+            env,
+            pool_tokens=1024,
+            page_size=16,
+            prefill_url=prefill.url,
+        )
+    except BaseException:
+        prefill.stop()
+        raise
+    yield decode
+    decode.stop()
+    prefill.stop()
 
 
 @dataclass
@@ -201,6 +229,64 @@ async def test_the_sdk_against_the_bundled_engine(engine: EngineProcess, served:
     gw = await served([{"name": "tiny", "kind": "bundled", "base_url": engine.url}])
     forced = {"tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 48}
     await _conversation(gw, BUNDLED_MODEL, tools_turn=forced)
+    # text.format: the engine's structured output, through chat's response_format
+    client, _ = await gw.client("structured")
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 3}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    shaped = await client.responses.with_raw_response.create(
+        model=BUNDLED_MODEL,
+        input="hi",
+        text={"format": {"type": "json_schema", "name": "short", "schema": schema}},
+        max_output_tokens=32,
+    )
+    answer = check("Response", shaped.http_response.json())
+    assert answer["text"]["format"]["name"] == "short" and answer["status"] == "completed"
+    assert set(json.loads(shaped.parse().output_text)) == {"a"}
+
+
+async def test_a_prefill_decode_pair_serves_it_with_its_handoff_proof(
+    pd_pair: EngineProcess, served: Any, sqlite_url: str
+) -> None:
+    """Behind a prefill/decode pair: whole and streamed, schema-valid, and the handoff proof the
+    decode sends with each answer is read and audited (a consistent one: the answer delivered)."""
+    gw = await served([{"name": "pd", "kind": "bundled", "base_url": pd_pair.url}])
+    client, key = await gw.client()
+    raw = await client.responses.with_raw_response.create(
+        model=BUNDLED_MODEL, input="hello there", max_output_tokens=32
+    )
+    first = check("Response", raw.http_response.json())
+    streamed = await gw.post(
+        key,
+        {
+            "model": BUNDLED_MODEL,
+            "input": "and again",
+            "previous_response_id": first["id"],
+            "stream": True,
+            "max_output_tokens": 32,
+        },
+    )
+    events = check_response_events(streamed.content)
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    db = create_engine(sqlite_url)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with db.connect() as conn:
+                rows = conn.execute(
+                    select(RequestAudit.stream, RequestAudit.handoff_outcome).where(
+                        RequestAudit.endpoint == "responses"
+                    )
+                ).all()
+            if len(rows) == 2 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)  # the audit writer's batch (polled, bounded)
+    finally:
+        db.dispose()
+    assert sorted(rows) == [(False, "ok"), (True, "ok")], rows
 
 
 async def test_the_sdk_against_the_vllm_standin(served: Any) -> None:
@@ -226,36 +312,41 @@ async def test_the_sdk_against_the_vllm_standin(served: Any) -> None:
 
 
 async def test_the_canary_marker_reaches_both_kinds_of_engine(
-    engine: EngineProcess, served: Any
+    engine: EngineProcess, served: Any, standin: StandInEngine
 ) -> None:
-    """A sampled tenant's Responses request is marked as its chat is: in the chat form's first
-    system message for a translated engine (the bundled one), first in ``instructions`` for a
-    native one (vLLM); and the tenant never sees its own marker or the marker's tokens."""
-    standin = VLLMResponses(enable_store=True)
-    server = await vllm_standin(standin)
+    """A sampled tenant's Responses request is marked as its chat is: first in the chat form's
+    first system message for a translated engine (the bundled-kind stand-in records it), first in
+    ``instructions`` for a native one (vLLM); the tenant never sees its own marker (the bundled
+    model, asked for it, copies it: stripped) or the marker's tokens in its usage."""
+    vllm = VLLMResponses(enable_store=True)
+    server = await vllm_standin(vllm)
     try:
         gw = await served(
             [
                 {"name": "tiny", "kind": "bundled", "base_url": engine.url},
+                {"name": "recorder", "kind": "bundled", "base_url": standin.url},
                 {"name": "vllm", "kind": "vllm", "base_url": server.url},
             ],
             canary=True,
         )
-        client, _ = await gw.client("marked", canary_sample_rate=1.0)
-        asked = await client.responses.create(
-            model=standin.model, input="hi", instructions="be kind", max_output_tokens=16
-        )
-        sent = standin.traffic.bodies[-1]
-        line, rest = sent["instructions"].split("\n", 1)
+        marked, _ = await gw.client("marked", canary_sample_rate=1.0)
+        unmarked, _ = await gw.client("unmarked", canary_sample_rate=0.0)
+        ask = {"input": "hi", "instructions": "be kind", "max_output_tokens": 16}
+        asked = await marked.responses.create(model=vllm.model, **ask)
+        line, rest = vllm.traffic.bodies[-1]["instructions"].split("\n", 1)
         assert MARKER.fullmatch(line) and rest == "be kind"
         assert asked.instructions == "be kind" and "CNRY" not in asked.model_dump_json()
-        plain = await client.responses.create(
-            model=standin.model, input="hi", instructions="be kind", max_output_tokens=16
-        )
+        plain = await unmarked.responses.create(model=vllm.model, **ask)
+        assert vllm.traffic.bodies[-1]["instructions"] == "be kind"
         assert plain.usage is not None and asked.usage is not None
         assert plain.usage.input_tokens == asked.usage.input_tokens  # the marker's are hidden
-        # the bundled engine (translated): a marked chat request, answered as a Response
-        answered = await client.responses.create(
+        # translated: the chat form carries it as a chat request does
+        await marked.responses.create(model=STANDIN_MODEL, **ask)
+        system = standin.controls.seen_bodies[-1]["messages"][0]
+        assert system["role"] == "system"
+        line, rest = system["content"].split("\n", 1)
+        assert MARKER.fullmatch(line) and rest == "be kind"
+        answered = await marked.responses.create(
             model=BUNDLED_MODEL, input="Repeat the reference code.", max_output_tokens=48
         )
         assert answered.status in ("completed", "incomplete")

@@ -270,3 +270,21 @@ def test_a_whole_answer_with_a_foreign_marker_is_cut() -> None:
     assert step.end is Phase.CUT
     assert machine.response is not None and machine.response["status"] == "failed"
     check("Response", machine.response)
+
+
+def test_a_completed_answer_can_end_failed_in_place_of_its_terminal_event() -> None:
+    """``fail_instead`` (the gateway could not store a completed answer): the terminal event is
+    not sent, an ``error`` and a ``response.failed`` take its place, the numbers unbroken."""
+    chunks = [chunk(content="Hello"), chunk("stop"), {"choices": [], "usage": USAGE}]
+    machine, step, out = run(chunks)
+    assert step.end is Phase.COMPLETED
+    sent = out[: out.rfind(b"event: response.")]
+    failed = machine.fail_instead("database_unavailable", "not stored")
+    events = check_response_events(sent + failed.out)
+    assert [e["type"] for e in events[-3:]] == [
+        "response.output_item.done",
+        "error",
+        "response.failed",
+    ]
+    assert events[-2]["code"] == "database_unavailable" and failed.end is Phase.FAILED
+    assert machine.response is not None and machine.response["status"] == "failed"

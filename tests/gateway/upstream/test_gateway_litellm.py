@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from gateway_harness import bearer, running_gateway
+from openai_contract import check, check_response_events
 
 WORDS = "alpha beta gamma"
 
@@ -89,3 +90,31 @@ async def test_api_base_false_leaves_the_endpoint_to_the_provider_config(
         assert standin.controls.seen_headers[-1]["authorization"] == (
             "Bearer sk-from-the-environment"
         )
+
+
+async def test_litellm_serves_the_responses_api_translated(
+    make_settings, standin, monkeypatch
+) -> None:
+    """A provider through litellm gets ``/v1/responses`` as a chat completion (it serves no
+    Responses API of its own here), whole and streamed, schema-valid."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-the-environment")
+    async with running_gateway(make_settings(engines=[_spec(standin)])) as gw:
+        _, key = await gw.create_tenant("acme")
+        body = {"model": "standin-model", "input": WORDS, "max_output_tokens": 16}
+        r = await gw.client.post("/v1/responses", json=body, headers=bearer(key))
+        assert r.status_code == 200, r.text
+        answer = check("Response", r.json())
+        assert answer["output"][0]["content"][0]["text"] == WORDS
+        assert standin.controls.seen_bodies[-1]["messages"][-1]["content"] == WORDS
+        r = await gw.client.post(
+            "/v1/responses",
+            json={**body, "stream": True, "previous_response_id": answer["id"]},
+            headers=bearer(key),
+        )
+        events = check_response_events(r.content)
+        assert events[-1]["type"] == "response.completed"
+        assert [m["role"] for m in standin.controls.seen_bodies[-1]["messages"]] == [
+            "user",
+            "assistant",
+            "user",
+        ]
