@@ -64,6 +64,21 @@ Narrow = Callable[[list[EngineRecord]], list[EngineRecord]]
 
 
 @dataclass(frozen=True, slots=True)
+class ParamNames:
+    """The request's fields as its client named them, for a refusal's ``param`` and words: the
+    prompt's and the completion size's (None: the client set none). A translated request (the
+    Responses API's, as a chat completion) names its own (``input``, ``max_output_tokens``)."""
+
+    prompt: str
+    completion: str | None
+
+    @classmethod
+    def of(cls, body: Body) -> ParamNames:
+        prompt = "messages" if isinstance(body, ChatCompletionBody) else "prompt"
+        return cls(prompt, body.max_tokens_param())
+
+
+@dataclass(frozen=True, slots=True)
 class Admitted:
     engine: EngineRecord
     size: RequestSize
@@ -71,10 +86,16 @@ class Admitted:
 
 
 async def admit(
-    deps: ProxyDeps, ctx: RequestContext, body: Body, *, narrow: Narrow | None = None
+    deps: ProxyDeps,
+    ctx: RequestContext,
+    body: Body,
+    *,
+    narrow: Narrow | None = None,
+    names: ParamNames | None = None,
 ) -> Admitted:
     """``narrow``: keeps the engines that serve what the request asks beyond ``body`` (the
-    Responses API's own fields, ``gateway.responses.surface``), or raises its refusal."""
+    Responses API's own fields, ``gateway.responses.surface``), or raises its refusal;
+    ``names``: the client's names of ``body``'s fields when it translates another request."""
     routable = route(deps, ctx.model, narrow)
     ctx.advance(Phase.ROUTED)
     routable, unsupported = surface.serving(routable, surface.requested(body))
@@ -111,12 +132,9 @@ async def admit(
         routable = route(deps, ctx.model, narrow)
         fitting = _fitting(routable, size, plan_cap)
     if not fitting:
+        names = names or ParamNames.of(body)
         raise too_long(
-            routable,
-            size,
-            plan_cap,
-            param=_param(body),
-            completion_param=body.max_tokens_param(),
+            routable, size, plan_cap, param=names.prompt, completion_param=names.completion
         )
     ctx.lease = await take_lease(deps, ctx, size, choices=body.choices, hidden=hidden)
     ctx.advance(Phase.ADMITTED)
@@ -320,7 +338,3 @@ def refused(
         retry_after_s=refusal.retry_after_s,
         headers=ctx.rate_limit_headers,
     )
-
-
-def _param(body: Body) -> str:
-    return "messages" if isinstance(body, ChatCompletionBody) else "prompt"

@@ -61,7 +61,7 @@ from gateway.lifecycle import Phase
 from gateway.openai.schemas import ChatCompletionBody
 from gateway.openai.surface import profile_of
 from gateway.proxy import latency
-from gateway.proxy.admission import Admitted, admit, route
+from gateway.proxy.admission import Admitted, ParamNames, admit, route
 from gateway.proxy.context import RequestContext
 from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.ending import COMPLETED, Answer, Outcome
@@ -146,7 +146,9 @@ class ResponsesFlight(Flight):
         except ValidationError as exc:
             raise InvalidRequest(_first_error(exc), param="input") from exc
         self.body = chat
-        admitted = await admit(self.deps, self.ctx, chat, narrow=self._narrow)
+        sized_by = "max_output_tokens" if request.max_output_tokens is not None else None
+        names = ParamNames("input", sized_by)
+        admitted = await admit(self.deps, self.ctx, chat, narrow=self._narrow, names=names)
         native = responses_surface.native(admitted.engine)
         call = self._forward(admitted, Endpoint.RESPONSES if native else Endpoint.CHAT)
         if native:

@@ -3,8 +3,9 @@ real libraries applications use: litellm (``acompletion``, ``atext_completion``)
 ``ContextWindowExceededError`` (what its context-window fallbacks catch;
 ``litellm_core_utils/exception_mapping_utils.py``), LangChain's ``ChatOpenAI`` its
 ``ContextOverflowError`` (``langchain_openai/chat_models/base.py``). The message names the
-parameter the client sent (``max_tokens``, ``max_completion_tokens``) or says the gateway's
-default set the completion's size. One engine and one gateway for the module."""
+parameter the client sent (``max_tokens``, ``max_completion_tokens``; a Responses request's
+``input`` and ``max_output_tokens``) or says the gateway's default set the completion's size. One
+engine and one gateway for the module."""
 
 from __future__ import annotations
 
@@ -56,7 +57,10 @@ async def test_the_400_names_the_parameter_the_client_sent(served: tuple[Gateway
     by_completion = await error(chat, {"messages": user, "max_completion_tokens": 100})
     by_prompt = await error("/v1/completions", {"prompt": LONG, "max_tokens": 100})
     alone = await error(chat, {"messages": [{"role": "user", "content": TOO_LONG}]})
-    for found in (by_max_tokens, by_completion, by_prompt, alone):
+    # the Responses API, translated into a chat completion for this engine: its own names
+    by_output = await error("/v1/responses", {"input": LONG, "max_output_tokens": 100})
+    input_alone = await error("/v1/responses", {"input": TOO_LONG})
+    for found in (by_max_tokens, by_completion, by_prompt, alone, by_output, input_alone):
         assert found["code"] == "context_length_exceeded"
         assert found["message"].startswith(f"This model's maximum context length is {WINDOW} ")
         assert found["message"].endswith("(context_length_exceeded)")
@@ -67,6 +71,9 @@ async def test_the_400_names_the_parameter_the_client_sent(served: tuple[Gateway
     assert "The completion is the request's max_tokens." in by_prompt["message"]
     assert by_prompt["param"] == "prompt"
     assert "However, your messages resulted in" in alone["message"]
+    assert "The completion is the request's max_output_tokens." in by_output["message"]
+    assert (by_output["param"], input_alone["param"]) == ("input", "input")
+    assert "However, your input resulted in" in input_alone["message"]
 
 
 async def test_litellm_and_langchain_raise_their_context_window_errors(
@@ -99,3 +106,8 @@ async def test_litellm_and_langchain_raise_their_context_window_errors(
     streaming = ChatOpenAI(model=model, base_url=base, api_key=key, max_retries=0, streaming=True)
     with pytest.raises(ContextOverflowError):
         await streaming.ainvoke(TOO_LONG)
+    responses = ChatOpenAI(
+        model=model, base_url=base, api_key=key, max_retries=0, use_responses_api=True
+    )
+    with pytest.raises(ContextOverflowError):
+        await responses.ainvoke(TOO_LONG)
