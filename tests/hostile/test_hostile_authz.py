@@ -82,6 +82,17 @@ MATRIX: dict[tuple[str, str], Call] = {
         "POST",
         "/v1/completions",
     ): Call(TENANT, 200, json={"model": ENGINE_MODEL, "prompt": "hi", "max_tokens": 2}),
+    ("POST", "/v1/responses"): Call(
+        TENANT, 200, json={"model": ENGINE_MODEL, "input": "hi", "max_output_tokens": 16}
+    ),
+    # No stored response has this id (it was never issued): the tenant reaches the lookup (404,
+    # the same answer another tenant's id gets), nobody else does.
+    ("GET", "/v1/responses/{response_id}"): Call(TENANT, 404),
+    ("DELETE", "/v1/responses/{response_id}"): Call(TENANT, 404),
+    ("GET", "/v1/responses/{response_id}/input_items"): Call(TENANT, 404),
+    ("POST", "/v1/responses/{response_id}/cancel"): Call(TENANT, 404),
+    # The engine serves no embeddings: a tenant reaches the 404 naming model and endpoint.
+    ("POST", "/v1/embeddings"): Call(TENANT, 404, json={"model": ENGINE_MODEL, "input": "hi"}),
     ("GET", "/v1/usage"): Call(TENANT, 200),
     ("GET", "/v1/canary/findings"): Call(TENANT, 200),
     ("POST", "/admin/tenants"): Call(ADMIN, 201, json={"name": "matrix-new"}),
@@ -173,6 +184,7 @@ class World:
             prefix=self.throwaway_prefix,
             finding_id=1,
             model=ENGINE_MODEL,
+            response_id="resp_" + "0" * 48,
         )
 
     def call(self, method: str, template: str, token: str | None, **kw: Any) -> httpx.Response:
