@@ -267,8 +267,7 @@ def refusal(fields: dict[str, Any], record: EngineRecord) -> UnsupportedParamete
         if refused and not rule.inert(value):
             param = name.split(":")[0].split(" ")[0]
             message = (
-                f"'{name}' is not supported by engine '{record.name}' ({profile.value}): "
-                f"{rule.why}."
+                f"'{name}' is not supported by this model's engine ({profile.value}): {rule.why}."
             )
             if decision is Decision.REPORTED:
                 message += f" (It does not report '{rule.feature}' in its capacity.)"

@@ -49,6 +49,7 @@ from contracts.plugins import Cut, Emit, Prefilter, StreamGuard
 from contracts.sse import DONE, encode_event, parse_event
 from gateway.errors import HandoffMismatch, error_body
 from gateway.lifecycle import Phase
+from gateway.proxy.disclosure import Disclosure, without_addresses, without_engine_object
 from gateway.proxy.side import InvalidSide, SideScreen, tail_chunk
 from gateway.upstream.base import Endpoint
 
@@ -91,6 +92,7 @@ class StreamRelay:
     screen_side: bool = True  # off only when the guards pass everything (no canary)
     side_prefilter: Prefilter | None = None
     hidden_prompt_tokens: int = 0  # what the hooks added: taken out of the usage the client sees
+    disclosure: Disclosure | None = None  # the gateway's kvguard object goes in the final chunk
     completion_tokens: int | None = None
     prompt_tokens: int | None = None  # the engine's count (hooks' additions included)
     handoff: HandoffProof | None = None
@@ -104,6 +106,7 @@ class StreamRelay:
     _finished: set[int] = field(default_factory=set)
     _side: SideScreen | None = field(default=None, repr=False)
     _template: dict[str, Any] | None = field(default=None, repr=False)
+    _usage_chunk: dict[str, Any] | None = field(default=None, repr=False)  # held for the end
     _chat: bool = False
 
     def __post_init__(self) -> None:
@@ -189,7 +192,7 @@ class StreamRelay:
         self._template = obj
         if released.text == text and canonical:
             out.append(raw)
-        elif released.text:
+        elif released.text or _more_than_text(self.endpoint, choice):
             out.append(encode_event(_with_texts(self.endpoint, obj, [released.text])))
         return False
 
@@ -199,9 +202,12 @@ class StreamRelay:
         """Every event the common-chunk path does not take: errors, usage, the handoff proof,
         several choices, finishes, logprobs, role and tool-call deltas."""
         if "error" in obj:
-            out.append(raw if raw is not None else encode_event(obj))
+            out.append(encode_event(_relayed_error(obj)))
             return self._ended(Phase.FAILED, _error_code(obj))
         self._note(obj)
+        stripped = without_engine_object(obj)  # the engine's kvguard object is not the tenant's
+        if stripped is not obj:
+            obj, raw = stripped, None
         if self.hidden_prompt_tokens and isinstance(obj.get("usage"), dict):
             obj, raw = own_usage(obj, self.hidden_prompt_tokens), None
         mismatch = self.handoff is not None and not self.handoff.consistent
@@ -210,7 +216,11 @@ class StreamRelay:
             return self._ended(Phase.FAILED, HandoffMismatch.code)
         choices = obj.get("choices")
         if not choices:
-            if self.wants_usage or "usage" not in obj:
+            if "usage" not in obj:
+                out.append(raw if raw is not None else encode_event(obj))
+            elif self.wants_usage and self.disclosure is not None:
+                self._usage_chunk = obj  # the final chunk: the kvguard object joins it at the end
+            elif self.wants_usage:
                 out.append(raw if raw is not None else encode_event(obj))
             return False
         try:
@@ -302,9 +312,16 @@ class StreamRelay:
         self._template = obj
         if raw is not None and released == texts and not filled:
             out.append(raw)
-        elif any(released) or finishing or rewritten or filled or "usage" in obj:
+        elif (
+            any(released)
+            or finishing
+            or rewritten
+            or filled
+            or "usage" in obj
+            or any(_more_than_text(self.endpoint, choice) for choice in choices)
+        ):
             out.append(encode_event(_with_texts(self.endpoint, obj, released)))
-        return False  # else everything was held back: nothing to send yet
+        return False  # else the event was only text, all of it held back: nothing to send yet
 
     def _feed_choice(self, index: int, text: str, *, ends: bool) -> Emit | Cut:
         if index in self._finished:
@@ -339,8 +356,21 @@ class StreamRelay:
             if side and self._template is not None:
                 tails.append(encode_event(tail_chunk(self._template, side, chat=self._chat)))
         out += tails
+        if self.disclosure is not None:
+            out.append(encode_event(self._final_chunk(self.disclosure)))
         out.append(done)
         return self._ended(Phase.COMPLETED, None)
+
+    def _final_chunk(self, disclosure: Disclosure) -> dict[str, Any]:
+        """The last chunk before ``[DONE]``: the usage chunk the client asked for, else one
+        without choices, with the gateway's ``kvguard`` object (the guards are finished: the
+        redaction count is final)."""
+        if self._usage_chunk is not None:
+            base = self._usage_chunk
+        else:
+            template = self._template or {"object": _CHUNK_OBJECT[self._chat]}
+            base = {k: v for k, v in template.items() if k not in ("choices", "usage")}
+        return {**base, "choices": [], EXTENSION: disclosure.extension(self.handoff)}
 
 
 def own_usage(obj: dict[str, Any], hidden: int) -> dict[str, Any]:
@@ -515,6 +545,38 @@ def _tail_chunk(
         choice["text"], choice["logprobs"] = tail.text, None  # both required by the schema
     chunk["choices"] = [choice]
     return chunk
+
+
+_CHUNK_OBJECT = {True: "chat.completion.chunk", False: "text_completion"}
+
+
+def _more_than_text(endpoint: Endpoint, choice: Any) -> bool:
+    """A streamed choice that carries anything besides its text (a role, tool calls, logprobs,
+    reasoning, a finish): its event goes out even when the guard holds back all of its text."""
+    if not isinstance(choice, dict):
+        return False
+    for key, value in choice.items():
+        if key == "index" or value is None:
+            continue
+        if endpoint is Endpoint.CHAT and key == "delta" and isinstance(value, dict):
+            if any(v is not None for k, v in value.items() if k != "content"):
+                return True
+        elif endpoint is Endpoint.CHAT or key != "text":
+            return True
+    return False
+
+
+def _relayed_error(obj: dict[str, Any]) -> dict[str, Any]:
+    """An engine's error event as the client gets it: its ``error`` alone (not the engine's
+    ``kvguard`` object), with no address in its strings (``gateway.proxy.disclosure``)."""
+    error = obj.get("error")
+    if isinstance(error, str):
+        return {"error": without_addresses(error)}
+    if not isinstance(error, dict):
+        return {"error": error}
+    return {
+        "error": {k: without_addresses(v) if isinstance(v, str) else v for k, v in error.items()}
+    }
 
 
 def _error_code(obj: dict[str, Any]) -> str:
