@@ -253,7 +253,8 @@ class Flight:
         raise UpstreamFailed("the engine could not be reached") from exc
 
     async def _engine_refused(self, reply: UpstreamReply) -> Outcome:
-        """An engine's non-200 answer: its own 4xx passes through (screened), else a 502/503."""
+        """An engine's non-200 answer: its own 4xx passes through (screened, no address in it),
+        else a 502/503 naming no engine (the log names it, by request id)."""
         error = (reply.body or {}).get("error")
         if 400 <= reply.status < 500 and reply.status != 429 and isinstance(error, dict):
             screened = screen(self._open_guard(), _engine_message(error))
