@@ -102,3 +102,8 @@ _ADDRESS = re.compile(
 def without_addresses(text: str) -> str:
     """An engine's message with every address in it replaced by ``INTERNAL``."""
     return _ADDRESS.sub(INTERNAL, text)
+
+
+def scrubbed(value: object) -> str | None:
+    """A string an engine wrote, without addresses; None for anything else."""
+    return without_addresses(value) if isinstance(value, str) else None

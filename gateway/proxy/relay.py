@@ -69,7 +69,7 @@ from gateway.proxy.chunks import (
     text_tail_chunk,
     with_texts,
 )
-from gateway.proxy.disclosure import Disclosure, without_addresses, without_engine_object
+from gateway.proxy.disclosure import Disclosure, scrubbed, without_engine_object
 from gateway.proxy.side import InvalidSide, SideScreen, tail_chunk
 from gateway.upstream.base import Endpoint
 
@@ -498,12 +498,10 @@ def _relayed_error(obj: dict[str, Any]) -> dict[str, Any]:
     ``kvguard`` object), with no address in its strings (``gateway.proxy.disclosure``)."""
     error = obj.get("error")
     if isinstance(error, str):
-        return {"error": without_addresses(error)}
+        return {"error": scrubbed(error)}
     if not isinstance(error, dict):
         return {"error": error}
-    return {
-        "error": {k: without_addresses(v) if isinstance(v, str) else v for k, v in error.items()}
-    }
+    return {"error": {k: scrubbed(v) if isinstance(v, str) else v for k, v in error.items()}}
 
 
 def _error_code(obj: dict[str, Any]) -> str:

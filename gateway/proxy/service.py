@@ -42,7 +42,7 @@ from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
 from gateway.proxy.context import RequestContext
 from gateway.proxy.deps import ProxyDeps
-from gateway.proxy.disclosure import Disclosure, without_addresses
+from gateway.proxy.disclosure import Disclosure, scrubbed, without_addresses
 from gateway.proxy.ending import (
     CLIENT_GONE,
     COMPLETED,
@@ -260,13 +260,12 @@ class Flight:
             screened = screen(self._open_guard(), _engine_message(error))
             if isinstance(screened, Cut):
                 return await self._cut(screened)
-            raw_code, param = error.get("code"), error.get("param")
             raise PassThrough(
                 reply.status,
                 without_addresses(screened),
-                code=raw_code if isinstance(raw_code, str) else "upstream_rejected",
-                type_=str(error.get("type") or "invalid_request_error"),
-                param=param if isinstance(param, str) else None,
+                code=scrubbed(error.get("code")) or "upstream_rejected",
+                type_=scrubbed(error.get("type")) or "invalid_request_error",
+                param=scrubbed(error.get("param")),
             )
         engine = self.ctx.engine
         log.warning(  # the engine's message may hold content: its code only
