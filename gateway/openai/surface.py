@@ -204,6 +204,7 @@ TABLE: tuple[Rule, ...] = (
     _row("messages: tool role", "E E F F F F", why=TOOLS, feature=TOOLS_FEATURE),
     _row("messages: function role", "R R F F F F", why=DEPRECATED),
     _row("messages: assistant tool_calls", "E E F F F F", why=TOOLS, feature=TOOLS_FEATURE),
+    _row("messages: assistant function_call", "R R F F F F", why=DEPRECATED),
     _row("messages: text content parts", "F F F F F F"),
     _row("messages: image_url parts", "R R F F F F", why=MODEL_INPUT),
     _row("messages: input_audio parts", "R R R F F F", why=MODEL_INPUT),
@@ -241,8 +242,10 @@ def requested(body: Body) -> dict[str, Any]:
             features.append("messages: developer role")
         if message.role in ("tool", "function"):
             features.append(f"messages: {message.role} role")
-        if message.tool_calls or message.function_call:
+        if message.tool_calls:
             features.append("messages: assistant tool_calls")
+        if message.function_call:
+            features.append("messages: assistant function_call")
         if "text" in message.part_types():
             features.append("messages: text content parts")
         if message.audio is not None:

@@ -6,8 +6,8 @@ overflowed and the route answered 500; and anyone who makes an engine fail insid
 reads the error for internals (Starlette's default answer was a plain-text 500 with no OpenAI
 shape).
 
-And a tenant whose assistant message carries an incomplete ``function_call``: a 400 naming it,
-not a 502 blaming the engine.
+And a tenant whose assistant message carries a ``function_call``: a 400 naming it, not a 502
+blaming the engine.
 
 Proves: against the gateway as ``kvguard gateway`` serves it (uvicorn on 127.0.0.1, SQLite, the
 real engine behind it), such a lifetime is a 400 naming the field on both routes that take one
@@ -63,14 +63,23 @@ def test_the_longest_allowed_key_lifetime_works(gateway: ServedGateway) -> None:
 
 @pytest.mark.parametrize(
     "function_call",
-    [{}, {"name": "f"}, {"arguments": "{}"}, {"name": "f", "arguments": "{}", "extra": 1}],
+    [
+        {},
+        {"name": "f"},
+        {"arguments": "{}"},
+        {"name": "f", "arguments": "{}", "extra": 1},
+        {"name": "", "arguments": ""},  # complete: the bundled engine takes no function_call
+        {"name": "f", "arguments": "{}"},
+    ],
 )
 def test_an_incomplete_function_call_is_400_naming_it(
     gateway: ServedGateway, function_call: dict[str, object]
 ) -> None:
-    """The fuzzer's find: an assistant message's ``function_call`` without its name or arguments
-    (both required by OpenAI's schema) passed the door and the engine's tokenizer refused it: 502
-    ``token_count_unavailable``, as if the engine had failed."""
+    """The fuzzer's find: an assistant message's ``function_call`` (OpenAI's deprecated function
+    calling; incomplete, or complete: the bundled engine's schema has no such field) passed the
+    door and the engine's tokenizer refused it: 502 ``token_count_unavailable``, as if the engine
+    had failed. Now: a 400 naming it (its field when incomplete; ``unsupported_parameter`` for the
+    bundled engine when complete)."""
     _, key = gateway.create_tenant("caller")
     messages = [
         {"role": "user", "content": "hi"},
@@ -85,7 +94,7 @@ def test_an_incomplete_function_call_is_400_naming_it(
     assert r.status_code == 400, r.text
     error = openai_error(r)
     assert error["code"] != "token_count_unavailable"
-    assert error["param"] is not None and "function_call" in error["param"], error
+    assert "function_call" in f"{error['param']} {error['message']}", error
 
 
 async def test_an_engine_bug_is_an_openai_style_500_without_internals(tiny_checkpoint: str) -> None:
