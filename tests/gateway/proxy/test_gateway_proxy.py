@@ -1,9 +1,9 @@
 """The proxy path (component tests; upstream: the stand-in engine, a real HTTP server).
 
-Streaming passes the engine's bytes through untouched and as they arrive; the gateway adds only
-what the client asked for; errors keep OpenAI shapes; the tenant's key never reaches the engine;
-a response guard can hold back and cut; a request hook's text is counted; handoff proofs are
-checked and audited."""
+Streaming passes the engine's bytes through untouched and as they arrive (the gateway's final
+chunk with its kvguard object aside); the gateway adds only what the client asked for; errors
+keep OpenAI shapes; the tenant's key never reaches the engine; a response guard can hold back and
+cut; a request hook's text is counted; handoff proofs are checked and audited."""
 
 from __future__ import annotations
 
