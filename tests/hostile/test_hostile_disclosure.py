@@ -17,16 +17,16 @@ slower than the gateway's read timeout, and the ``kvguard`` extension the bundle
 after the gateway saw it alive (down at request time), one never listened at all. The engines'
 names are distinctive strings, so any of them in a body or header is a disclosure.
 
-Proves: over every error path the stack can be driven to (the feature refusal, the context
-refusal, a quarantined engine, an unreachable one, a dead one, 5xx, 4xx, 429, malformed, a
-handoff mismatch, a timeout, stream errors and breaks), no tenant-visible body or header holds an
-engine's name, its host:port, an address an engine wrote in its own message, or its checks; each
-path is asserted to be the path it names (status and code). The log keeps the engine's name and
-address with the request id. A 200's ``kvguard`` object is the gateway's (request id, isolation
-verdict, redactions), on whole answers and in a stream's final chunk. An answer emptied by the
-firewall (the tenant's own marker, a literal look-alike) says ``redactions: 1`` in its
-``kvguard`` object and ``x-kvguard-redactions`` header (a stream: in its final chunk), the same
-for both kinds of candidate.
+Proves: over every error path the stack can be driven to (the feature refusal, the context refusal,
+a quarantined engine, an unreachable one, a dead one, 5xx, 4xx, 429, malformed, a handoff mismatch,
+a timeout, stream errors and breaks), no tenant-visible body or header holds an engine's name, its
+host:port, an address an engine wrote in its own message, or its checks; each path is asserted to
+be the path it names (status and code); a cut answer names none either. The log keeps the engine's
+name and address with the request id. A 200's ``kvguard`` object is the gateway's (request id,
+isolation verdict, redactions), on whole answers and in a stream's final chunk. An answer emptied
+by the firewall (the tenant's own marker, a literal look-alike) says ``redactions: 1`` in its
+``kvguard`` object and ``x-kvguard-redactions`` header (a stream: in its final chunk), the same for
+both kinds of candidate.
 """
 
 from __future__ import annotations
@@ -87,10 +87,13 @@ class ProviderState:
     seen: list[dict[str, Any]] = field(default_factory=list)
 
     def answer_text(self, body: dict[str, Any]) -> str:
+        own = MARKER_RE.findall(json.dumps(body))
         if self.mode == "own_marker":
-            found = MARKER_RE.findall(json.dumps(body))
-            assert found, "the gateway injected no marker"
-            return found[0]
+            assert own, "the gateway injected no marker"
+            return own[0]
+        if self.mode == "foreign_marker":  # another request's marker: the leak the canary cuts
+            earlier = [m for b in self.seen[:-1] for m in MARKER_RE.findall(json.dumps(b))]
+            return f"Sure: {next(m for m in earlier if m not in own)}"
         return LOOK_ALIKE if self.mode == "look_alike" else "hello there"
 
 
@@ -322,6 +325,29 @@ def test_a_quarantined_engine_is_not_named(stack: Stack) -> None:
         assert_discloses_nothing(stack, r)
         assert "copies markers" not in r.text
     finally:
+        httpx.request("DELETE", f"{gw.url}/admin/engines/{name}/quarantine", headers=gw.admin)
+
+
+def test_a_cut_answer_names_no_engine(stack: Stack) -> None:
+    """Another tenant's marker in the answer: the firewall cuts it (and the canary quarantines
+    the provider); the cut says so without naming the engine."""
+    gw = stack.gateway
+    stack.provider.mode = "ok"
+    assert _post(stack, _chat(PROVIDER_MODEL)).status_code == 200  # the provider sees a marker
+    _, other = gw.create_tenant("neighbour", canary_sample_rate=1.0)
+    stack.provider.mode = "foreign_marker"
+    try:
+        r = httpx.post(
+            gw.url + "/v1/chat/completions",
+            json=_chat(PROVIDER_MODEL),
+            headers={"Authorization": f"Bearer {other}"},
+            timeout=60,
+        )
+        assert r.status_code == 502 and _error(r)["code"] == "isolation_violation", r.text
+        assert_discloses_nothing(stack, r)
+    finally:
+        stack.provider.mode = "ok"
+        name = NAMES["provider"]
         httpx.request("DELETE", f"{gw.url}/admin/engines/{name}/quarantine", headers=gw.admin)
 
 
