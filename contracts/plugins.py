@@ -28,7 +28,8 @@ is called once per choice and once for the event fields around the text), so a g
 sees one text stream in order.
 
 The default hooks pass everything through untouched, so streamed bytes reach the client exactly
-as the engine sent them.
+as the engine sent them (but for what the gateway itself tells the tenant: its ``kvguard`` object
+in a final chunk, in place of the engine's, and an engine's error events without addresses).
 """
 
 from __future__ import annotations

@@ -99,6 +99,14 @@ def _content(value: Any) -> str | list[ContentPart] | None:
     raise ValueError("must be a string, a non-empty list of content parts, or null")
 
 
+class FunctionCall(_Request):
+    """An assistant message's deprecated ``function_call``: OpenAI's schema requires both
+    fields (an empty one reached the engine's tokenizer, which refused it: a 502)."""
+
+    name: Text
+    arguments: Text
+
+
 class ChatMessage(_Request):
     role: Literal["developer", "system", "user", "assistant", "tool", "function"]
     content: Annotated[Any, AfterValidator(_content)] = None
@@ -107,7 +115,7 @@ class ChatMessage(_Request):
     tool_call_id: Text | None = Field(default=None, max_length=256)
     refusal: Text | None = None
     audio: JsonObject | None = None
-    function_call: JsonObject | None = None
+    function_call: FunctionCall | None = None
 
     @model_validator(mode="after")
     def _check_content(self) -> ChatMessage:

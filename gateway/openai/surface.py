@@ -204,6 +204,7 @@ TABLE: tuple[Rule, ...] = (
     _row("messages: tool role", "E E F F F F", why=TOOLS, feature=TOOLS_FEATURE),
     _row("messages: function role", "R R F F F F", why=DEPRECATED),
     _row("messages: assistant tool_calls", "E E F F F F", why=TOOLS, feature=TOOLS_FEATURE),
+    _row("messages: assistant function_call", "R R F F F F", why=DEPRECATED),
     _row("messages: text content parts", "F F F F F F"),
     _row("messages: image_url parts", "R R F F F F", why=MODEL_INPUT),
     _row("messages: input_audio parts", "R R R F F F", why=MODEL_INPUT),
@@ -241,8 +242,10 @@ def requested(body: Body) -> dict[str, Any]:
             features.append("messages: developer role")
         if message.role in ("tool", "function"):
             features.append(f"messages: {message.role} role")
-        if message.tool_calls or message.function_call:
+        if message.tool_calls:
             features.append("messages: assistant tool_calls")
+        if message.function_call:
+            features.append("messages: assistant function_call")
         if "text" in message.part_types():
             features.append("messages: text content parts")
         if message.audio is not None:
@@ -267,8 +270,7 @@ def refusal(fields: dict[str, Any], record: EngineRecord) -> UnsupportedParamete
         if refused and not rule.inert(value):
             param = name.split(":")[0].split(" ")[0]
             message = (
-                f"'{name}' is not supported by engine '{record.name}' ({profile.value}): "
-                f"{rule.why}."
+                f"'{name}' is not supported by this model's engine ({profile.value}): {rule.why}."
             )
             if decision is Decision.REPORTED:
                 message += f" (It does not report '{rule.feature}' in its capacity.)"

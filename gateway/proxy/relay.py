@@ -18,7 +18,14 @@
 - the usage-only chunk (which the gateway always asks for) reaches the client only if the client
   asked for it; usage and the handoff proof are recorded from it; every ``usage`` the client gets
   shows its own prompt (``own_usage``: a canary marker's tokens taken out);
-- an upstream error event passes through (screened) and ends the stream as failed; a stream that
+- an event whose texts the guards hold back entirely still goes out (texts empty) when it carries
+  anything else: a role, tool calls, logprobs, a finish;
+- the engine's ``kvguard`` object (and a top-level ``handoff``) is recorded and taken out of every
+  event; with a ``Disclosure`` (the gateway's requests) the last chunk before ``[DONE]`` carries
+  the gateway's own (``gateway.proxy.disclosure``): the usage chunk the client asked for, held
+  until then, else a chunk with no choices;
+- an upstream error event (screened) goes out as its ``error`` alone, every address in it
+  replaced, and ends the stream as failed; a stream that
   ends without ``[DONE]`` gets an error event (never a silently truncated 200), after every guard
   is finished for its verdict only (nothing held back is delivered): a marker cut short by an
   engine crash still cuts, with its findings, instead of vanishing with the held-back text;
@@ -31,7 +38,9 @@
 ``relay_body`` does the same for a non-streaming answer, and fills in as null the keys OpenAI's
 published schemas require that an engine left out (a choice's ``logprobs``, a message's
 ``refusal``, the ``content`` and ``refusal`` lists of a chat ``logprobs`` object; the stream relay
-fills in the last two too, re-serialising such an event).
+fills in the last two too, re-serialising such an event). The shapes it reads and writes are in
+``gateway.proxy.chunks``; the gateway's ``kvguard`` object of a whole answer is put in by the
+flight (``Disclosure.on_answer``).
 """
 
 from __future__ import annotations
@@ -49,6 +58,18 @@ from contracts.plugins import Cut, Emit, Prefilter, StreamGuard
 from contracts.sse import DONE, encode_event, parse_event
 from gateway.errors import HandoffMismatch, error_body
 from gateway.lifecycle import Phase
+from gateway.proxy.chunks import (
+    CHUNK_OBJECT,
+    chunk_text,
+    fill_logprobs,
+    fill_required,
+    message_text,
+    more_than_text,
+    set_message_text,
+    text_tail_chunk,
+    with_texts,
+)
+from gateway.proxy.disclosure import Disclosure, scrubbed, without_engine_object
 from gateway.proxy.side import InvalidSide, SideScreen, tail_chunk
 from gateway.upstream.base import Endpoint
 
@@ -91,6 +112,7 @@ class StreamRelay:
     screen_side: bool = True  # off only when the guards pass everything (no canary)
     side_prefilter: Prefilter | None = None
     hidden_prompt_tokens: int = 0  # what the hooks added: taken out of the usage the client sees
+    disclosure: Disclosure | None = None  # the gateway's kvguard object goes in the final chunk
     completion_tokens: int | None = None
     prompt_tokens: int | None = None  # the engine's count (hooks' additions included)
     handoff: HandoffProof | None = None
@@ -104,6 +126,7 @@ class StreamRelay:
     _finished: set[int] = field(default_factory=set)
     _side: SideScreen | None = field(default=None, repr=False)
     _template: dict[str, Any] | None = field(default=None, repr=False)
+    _usage_chunk: dict[str, Any] | None = field(default=None, repr=False)  # held for the end
     _chat: bool = False
 
     def __post_init__(self) -> None:
@@ -189,8 +212,8 @@ class StreamRelay:
         self._template = obj
         if released.text == text and canonical:
             out.append(raw)
-        elif released.text:
-            out.append(encode_event(_with_texts(self.endpoint, obj, [released.text])))
+        elif released.text or more_than_text(self.endpoint, choice):
+            out.append(encode_event(with_texts(self.endpoint, obj, [released.text])))
         return False
 
     def _general(
@@ -199,9 +222,12 @@ class StreamRelay:
         """Every event the common-chunk path does not take: errors, usage, the handoff proof,
         several choices, finishes, logprobs, role and tool-call deltas."""
         if "error" in obj:
-            out.append(raw if raw is not None else encode_event(obj))
+            out.append(encode_event(_relayed_error(obj)))
             return self._ended(Phase.FAILED, _error_code(obj))
         self._note(obj)
+        stripped = without_engine_object(obj)  # the engine's kvguard object is not the tenant's
+        if stripped is not obj:
+            obj, raw = stripped, None
         if self.hidden_prompt_tokens and isinstance(obj.get("usage"), dict):
             obj, raw = own_usage(obj, self.hidden_prompt_tokens), None
         mismatch = self.handoff is not None and not self.handoff.consistent
@@ -210,7 +236,11 @@ class StreamRelay:
             return self._ended(Phase.FAILED, HandoffMismatch.code)
         choices = obj.get("choices")
         if not choices:
-            if self.wants_usage or "usage" not in obj:
+            if "usage" not in obj:
+                out.append(raw if raw is not None else encode_event(obj))
+            elif self.wants_usage and self.disclosure is not None:
+                self._usage_chunk = obj  # the final chunk: the kvguard object joins it at the end
+            elif self.wants_usage:
                 out.append(raw if raw is not None else encode_event(obj))
             return False
         try:
@@ -285,8 +315,8 @@ class StreamRelay:
         finishing = filled = False
         for position, choice in enumerate(choices):
             index = _choice_index(choice, position)
-            filled = _fill_logprobs(self.endpoint, choice) or filled
-            text = _chunk_text(self.endpoint, choice)
+            filled = fill_logprobs(self.endpoint, choice) or filled
+            text = chunk_text(self.endpoint, choice)
             reason = choice.get("finish_reason")
             ends = reason is not None
             if isinstance(reason, str) and len(self.finish_reasons) < MAX_CHOICES:
@@ -302,9 +332,16 @@ class StreamRelay:
         self._template = obj
         if raw is not None and released == texts and not filled:
             out.append(raw)
-        elif any(released) or finishing or rewritten or filled or "usage" in obj:
-            out.append(encode_event(_with_texts(self.endpoint, obj, released)))
-        return False  # else everything was held back: nothing to send yet
+        elif (
+            any(released)
+            or finishing
+            or rewritten
+            or filled
+            or "usage" in obj
+            or any(more_than_text(self.endpoint, choice) for choice in choices)
+        ):
+            out.append(encode_event(with_texts(self.endpoint, obj, released)))
+        return False  # else the event was only text, all of it held back: nothing to send yet
 
     def _feed_choice(self, index: int, text: str, *, ends: bool) -> Emit | Cut:
         if index in self._finished:
@@ -331,7 +368,9 @@ class StreamRelay:
             if isinstance(tail, Cut):
                 return self._cut(tail, out)
             if tail.text and self._template is not None:
-                tails.append(encode_event(_tail_chunk(self.endpoint, self._template, index, tail)))
+                tails.append(
+                    encode_event(text_tail_chunk(self.endpoint, self._template, index, tail))
+                )
         if self._side is not None:
             side = self._side.finish()
             if isinstance(side, Cut):
@@ -339,8 +378,21 @@ class StreamRelay:
             if side and self._template is not None:
                 tails.append(encode_event(tail_chunk(self._template, side, chat=self._chat)))
         out += tails
+        if self.disclosure is not None:
+            out.append(encode_event(self._final_chunk(self.disclosure)))
         out.append(done)
         return self._ended(Phase.COMPLETED, None)
+
+    def _final_chunk(self, disclosure: Disclosure) -> dict[str, Any]:
+        """The last chunk before ``[DONE]``: the usage chunk the client asked for, else one
+        without choices, with the gateway's ``kvguard`` object (the guards are finished: the
+        redaction count is final)."""
+        if self._usage_chunk is not None:
+            base = self._usage_chunk
+        else:
+            template = self._template or {"object": CHUNK_OBJECT[self._chat]}
+            base = {k: v for k, v in template.items() if k not in ("choices", "usage")}
+        return {**base, "choices": [], EXTENSION: disclosure.extension(self.handoff)}
 
 
 def own_usage(obj: dict[str, Any], hidden: int) -> dict[str, Any]:
@@ -394,7 +446,7 @@ def relay_body(
     changed: dict[str, Any] | None = None
     for position, choice in enumerate(choices):
         _choice_index(choice, position)
-        text = _message_text(endpoint, choice)
+        text = message_text(endpoint, choice)
         if not text:
             continue
         released = screen(open_guard(), text)
@@ -402,33 +454,10 @@ def relay_body(
             return released
         if released != text:
             changed = changed if changed is not None else copy.deepcopy(body)
-            _set_message_text(endpoint, changed["choices"][position], released)
+            set_message_text(endpoint, changed["choices"][position], released)
     out = body if changed is None else changed
-    _fill_required(endpoint, out["choices"])
+    fill_required(endpoint, out["choices"])
     return out
-
-
-def _fill_required(endpoint: Endpoint, choices: list[dict[str, Any]]) -> None:
-    """Keys OpenAI's published answer schemas require and some engines leave out, as null: a
-    choice's ``logprobs``, a chat message's ``refusal`` (SGLang sends neither)."""
-    for choice in choices:
-        choice.setdefault("logprobs", None)
-        _fill_logprobs(endpoint, choice)
-        message = choice.get("message")
-        if endpoint is Endpoint.CHAT and isinstance(message, dict):
-            message.setdefault("refusal", None)
-
-
-def _fill_logprobs(endpoint: Endpoint, choice: dict[str, Any]) -> bool:
-    """A chat choice's ``logprobs`` object gets the ``content`` and ``refusal`` lists the schemas
-    require (null when the engine left them out: vLLM sends no ``refusal``); True if it changed."""
-    logprobs = choice.get("logprobs")
-    if endpoint is not Endpoint.CHAT or not isinstance(logprobs, dict):
-        return False
-    if "content" in logprobs and "refusal" in logprobs:
-        return False
-    choice["logprobs"] = {"content": None, "refusal": None, **logprobs}
-    return True
 
 
 # -- event parsing ---------------------------------------------------------------------------
@@ -464,57 +493,15 @@ def _join(first: Emit, second: Emit | Cut) -> Emit | Cut:
     return second if isinstance(second, Cut) else Emit(first.text + second.text)
 
 
-def _chunk_text(endpoint: Endpoint, choice: dict[str, Any]) -> str:
-    if endpoint is Endpoint.CHAT:
-        delta = choice.get("delta")
-        content = delta.get("content") if isinstance(delta, dict) else None
-    else:
-        content = choice.get("text")
-    return content if isinstance(content, str) else ""
-
-
-def _message_text(endpoint: Endpoint, choice: dict[str, Any]) -> str:
-    if endpoint is Endpoint.CHAT:
-        message = choice.get("message")
-        content = message.get("content") if isinstance(message, dict) else None
-    else:
-        content = choice.get("text")
-    return content if isinstance(content, str) else ""
-
-
-def _set_message_text(endpoint: Endpoint, choice: dict[str, Any], text: str) -> None:
-    if endpoint is Endpoint.CHAT:
-        choice.setdefault("message", {})["content"] = text
-    else:
-        choice["text"] = text
-
-
-def _with_texts(endpoint: Endpoint, obj: dict[str, Any], texts: list[str]) -> dict[str, Any]:
-    """A copy of the chunk with the choices' texts replaced (only the changed path is copied)."""
-    chunk = dict(obj)
-    chunk["choices"] = choices = [dict(choice) for choice in obj["choices"]]
-    for choice, text in zip(choices, texts, strict=True):
-        if endpoint is Endpoint.CHAT:
-            raw_delta = choice.get("delta")
-            delta: dict[str, Any] = raw_delta if isinstance(raw_delta, dict) else {}
-            if text or "content" in delta:
-                choice["delta"] = {**delta, "content": text}
-        else:
-            choice["text"] = text
-    return chunk
-
-
-def _tail_chunk(
-    endpoint: Endpoint, template: dict[str, Any], index: int, tail: Emit
-) -> dict[str, Any]:
-    chunk = {k: v for k, v in template.items() if k not in ("choices", "usage")}
-    choice: dict[str, Any] = {"index": index, "finish_reason": None}
-    if endpoint is Endpoint.CHAT:
-        choice["delta"] = {"content": tail.text}
-    else:
-        choice["text"], choice["logprobs"] = tail.text, None  # both required by the schema
-    chunk["choices"] = [choice]
-    return chunk
+def _relayed_error(obj: dict[str, Any]) -> dict[str, Any]:
+    """An engine's error event as the client gets it: its ``error`` alone (not the engine's
+    ``kvguard`` object), with no address in its strings (``gateway.proxy.disclosure``)."""
+    error = obj.get("error")
+    if isinstance(error, str):
+        return {"error": scrubbed(error)}
+    if not isinstance(error, dict):
+        return {"error": error}
+    return {"error": {k: scrubbed(v) if isinstance(v, str) else v for k, v in error.items()}}
 
 
 def _error_code(obj: dict[str, Any]) -> str:

@@ -254,7 +254,9 @@ class ResponsesFlight(Flight):
         await self._save(machine.response)
         ctx.first_byte_s = ctx.elapsed_s()
         latency.answered(self.deps, ctx)
-        return Outcome(COMPLETED, Answer(machine.response, self._headers()))
+        # the redaction count as a header (the published Response has no place for our object)
+        headers = {**self._headers(), **self.disclosure.headers()}
+        return Outcome(COMPLETED, Answer(machine.response, headers))
 
     # -- a stream --------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 from starlette.responses import Response
@@ -42,6 +42,7 @@ from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
 from gateway.proxy.context import RequestContext
 from gateway.proxy.deps import ProxyDeps
+from gateway.proxy.disclosure import Disclosure, scrubbed, without_addresses
 from gateway.proxy.ending import (
     CLIENT_GONE,
     COMPLETED,
@@ -108,6 +109,8 @@ class Flight:
         self.body = body
         self.reply = reply
         self._streaming = False  # the stream's head went out: errors become error events
+        # every guard of the answer, for the kvguard object (gateway.proxy.disclosure)
+        self.disclosure = Disclosure(ctx.request_id, self._new_guard)
 
     async def run(self) -> None:
         outcome = Outcome(CLIENT_GONE)  # what a cancelled flight leaves
@@ -232,32 +235,51 @@ class Flight:
             return await self._cut(result)
         if ctx.hidden_prompt_tokens and isinstance(result.get("usage"), dict):
             result = own_usage(result, ctx.hidden_prompt_tokens)  # the tenant's own usage
+        result = self.disclosure.on_answer(result, ctx.handoff)
         ctx.first_byte_s = ctx.elapsed_s()
         latency.answered(self.deps, ctx)
-        return Outcome(COMPLETED, Answer(result, self._headers()))
+        return Outcome(COMPLETED, Answer(result, {**self._headers(), **self.disclosure.headers()}))
 
     async def _call_engine(self, call: UpstreamCall) -> UpstreamReply:
         try:
             return await self.deps.upstream_for(call.spec).complete(call)
         except UpstreamUnreachable as exc:
-            log.warning("engine %s unreachable: %s", call.spec.name, exc)
-            raise UpstreamFailed("the engine could not be reached") from exc
+            self._unreachable(call, exc)
+
+    def _unreachable(self, call: UpstreamCall, exc: UpstreamUnreachable) -> NoReturn:
+        log.warning(
+            "request %s: engine %s (%s) unreachable: %s",
+            self.ctx.request_id,
+            call.spec.name,
+            call.spec.base_url,
+            exc,
+        )
+        raise UpstreamFailed("the engine could not be reached") from exc
 
     async def _engine_refused(self, reply: UpstreamReply) -> Outcome:
-        """An engine's non-200 answer: its own 4xx passes through (screened), else a 502/503."""
+        """An engine's non-200 answer: its own 4xx passes through (screened, no address in it),
+        else a 502/503 naming no engine (the log names it, by request id)."""
         error = (reply.body or {}).get("error")
         if 400 <= reply.status < 500 and reply.status != 429 and isinstance(error, dict):
             screened = screen(self._open_guard(), _engine_message(error))
             if isinstance(screened, Cut):
                 return await self._cut(screened)
-            raw_code, param = error.get("code"), error.get("param")
             raise PassThrough(
                 reply.status,
-                screened,
-                code=raw_code if isinstance(raw_code, str) else "upstream_rejected",
-                type_=str(error.get("type") or "invalid_request_error"),
-                param=param if isinstance(param, str) else None,
+                without_addresses(screened),
+                code=scrubbed(error.get("code")) or "upstream_rejected",
+                type_=scrubbed(error.get("type")) or "invalid_request_error",
+                param=scrubbed(error.get("param")),
             )
+        engine = self.ctx.engine
+        log.warning(  # the engine's message may hold content: its code only
+            "request %s: engine %s (%s) answered HTTP %s, code %r",
+            self.ctx.request_id,
+            engine.name if engine is not None else "?",
+            engine.spec.base_url if engine is not None else "?",
+            reply.status,
+            str(error.get("code"))[:64] if isinstance(error, dict) else None,
+        )
         if reply.status in (429, 503):
             raise NoHealthyEngine("the engine is overloaded; retry later", code="engine_overloaded")
         raise UpstreamFailed(f"the engine answered HTTP {reply.status}")
@@ -267,6 +289,9 @@ class Flight:
             raise HandoffMismatch()
 
     def _open_guard(self) -> StreamGuard:
+        return self.disclosure.open()
+
+    def _new_guard(self) -> StreamGuard:
         return self.deps.hooks.guards.open(self.ctx.info())
 
     async def _cut(self, verdict: Cut) -> Outcome:
@@ -288,8 +313,7 @@ class Flight:
         try:
             opened = await self.deps.upstream_for(call.spec).stream(call)
         except UpstreamUnreachable as exc:
-            log.warning("engine %s unreachable: %s", call.spec.name, exc)
-            raise UpstreamFailed("the engine could not be reached") from exc
+            self._unreachable(call, exc)
         if isinstance(opened, UpstreamReply):
             return await self._engine_refused(opened)
         self.ctx.answered = True
@@ -317,6 +341,7 @@ class Flight:
             screen_side=capabilities.screens_side,
             side_prefilter=capabilities.side_prefilter,
             hidden_prompt_tokens=self.ctx.hidden_prompt_tokens,
+            disclosure=self.disclosure,
         )
 
     async def _relay(self, opened: UpstreamStream, relay: RelayedStream) -> Outcome:

@@ -223,16 +223,21 @@ def _append_at(obj: Any, location: Location, text: str) -> None:
 def tail_chunk(template: dict[str, Any], tails: list[SideTail], *, chat: bool) -> dict[str, Any]:
     """One streaming chunk carrying the tails, shaped like the events they came from: on the way
     to each, every list holds elements that keep only their ``index`` (a choice, a tool call);
-    then completed to a valid chunk of OpenAI's schema (``_completed``)."""
+    the tails of one choice's logprobs share one token entry (the sampled tokens' tail, and in
+    its ``top_logprobs`` each rank's tail at its rank); then completed to a valid chunk of
+    OpenAI's schema (``_completed``)."""
     chunk: dict[str, Any] = {k: v for k, v in template.items() if k not in ("choices", "usage")}
     for tail in tails:
         node: Any = chunk
         identities = iter(tail.identities)
+        name: str | int = ""
         for step, following in zip(tail.location, tail.location[1:], strict=False):
             if isinstance(step, int):
-                node = _element(node, next(identities))
+                identity = next(identities)
+                node = _rank(node, step) if name == "top_logprobs" else _element(node, identity)
             else:
                 node = node.setdefault(step, [] if isinstance(following, int) else {})
+            name = step
         last = tail.location[-1]
         if isinstance(last, int):
             node.append(tail.text)  # a list of token strings (completions logprobs)
@@ -279,12 +284,25 @@ def _token_entry(entry: dict[str, Any]) -> None:
 
 
 def _element(items: list[Any], identity: int | None) -> dict[str, Any]:
-    if identity is not None:
-        for item in items:
-            if item.get("index") == identity:
-                return item
-    items.append({} if identity is None else {"index": identity})
+    """The tail's element of a list: the one with this ``index`` (a choice, a tool call), or
+    for a list of elements without one (a sequence: logprobs token entries) its one element."""
+    if identity is None:
+        if not items:
+            items.append({})
+        return items[-1]
+    for item in items:
+        if item.get("index") == identity:
+            return item
+    items.append({"index": identity})
     return items[-1]
+
+
+def _rank(items: list[Any], rank: int) -> dict[str, Any]:
+    """A rank's entry of a tail's ``top_logprobs``, at its rank (the ranks before it without a
+    tail of their own get an empty entry: a rank keeps its meaning)."""
+    while len(items) <= rank:
+        items.append({})
+    return items[rank]
 
 
 class SideScreen:

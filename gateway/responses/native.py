@@ -35,6 +35,7 @@ from typing import Any
 from contracts.plugins import Cut
 from contracts.sse import parse_event
 from gateway.lifecycle import Phase
+from gateway.proxy.disclosure import without_addresses
 from gateway.responses.events import EventWriter, Step
 from gateway.responses.objects import Envelope, dumps, usage
 from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, SideStrings, Streams, whole
@@ -308,7 +309,8 @@ class NativeStream(EventWriter):
         for value in screened:
             if isinstance(value, Cut):
                 return value
-        return self.fail("upstream_error", f"the engine failed ({screened[0]}): {screened[1]}")
+        failed = f"the engine failed ({screened[0]}): {screened[1]}"
+        return self.fail("upstream_error", without_addresses(failed))
 
     # -- items and parts ----------------------------------------------------------------------
 

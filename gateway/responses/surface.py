@@ -246,10 +246,7 @@ _PART_ROWS = frozenset({"input_image", "input_file", "refusal"})
 
 
 def refusal_for(
-    fields: dict[str, Any],
-    profile: Profile,
-    engine: str,
-    features: frozenset[str] = frozenset(),
+    fields: dict[str, Any], profile: Profile, features: frozenset[str] = frozenset()
 ) -> UnsupportedParameter | None:
     """Why this engine cannot take this request, or None when it can; ``features``: what the
     engine reports serving (chat's REPORTED cells need theirs)."""
@@ -259,7 +256,7 @@ def refusal_for(
         missing = decision is Decision.REPORTED and rule.feature not in features
         if (decision is Decision.REFUSE or missing) and not rule.inert(value):
             param = name.split(":")[0].split(" ")[0]
-            message = f"'{name}' is not supported by engine '{engine}' ({profile.value}): {why}."
+            message = f"'{name}' is not supported by this model's engine ({profile.value}): {why}."
             if missing:
                 message += f" (It does not report '{rule.feature}' in its capacity.)"
             if rule.inert_text:
@@ -270,7 +267,7 @@ def refusal_for(
 
 def refusal(fields: dict[str, Any], record: EngineRecord) -> UnsupportedParameter | None:
     features = record.snapshot.features if record.snapshot is not None else frozenset()
-    return refusal_for(fields, profile_of(record), record.name, features)
+    return refusal_for(fields, profile_of(record), features)
 
 
 def native(record: EngineRecord) -> bool:

@@ -354,3 +354,58 @@ def test_completions_tails_are_schema_valid_chunks() -> None:
         t for e in events for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])
     ]
     assert "".join(tokens) == "a C"
+
+
+def test_an_event_whose_text_is_all_held_back_still_delivers_its_other_fields() -> None:
+    """A chunk whose whole text the guard holds back (a possible marker start) used to be dropped
+    with everything else it carried: the role, a tool call's id and name, the logprobs of its
+    tokens. They go out with an empty text; the held text follows when it is decided."""
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}
+    other_token = {"content": [_logprob("<0x43>")], "refusal": None}  # a byte token's own name
+    chunks = [
+        _chat_chunk({"delta": {"role": "assistant", "content": "C"}}),
+        _chat_chunk({"delta": {"content": "N", "tool_calls": [call]}}),
+        _chat_chunk({"delta": {"content": "R"}, "logprobs": other_token}),
+        _chat_chunk({"delta": {"content": "Y"}, "finish_reason": "stop"}),
+    ]
+    events, cut, out = _stream(chunks)
+    assert cut is None
+    check_sse(out, "CreateChatCompletionStreamResponse")
+    choices = [c for e in events for c in e["choices"]]
+    assert choices[0]["delta"]["role"] == "assistant"
+    assert [c["delta"]["tool_calls"] for c in choices if "tool_calls" in c["delta"]] == [[call]]
+    logprobs = [c["logprobs"] for c in choices if c.get("logprobs")]
+    assert logprobs == [other_token]
+    assert _joined(events, "content") == "CNRY"  # not a marker: delivered at the finish
+    assert [c["finish_reason"] for c in choices][-1] == "stop"
+
+
+def test_a_tail_of_top_logprobs_ranks_keeps_each_rank_in_one_token_entry() -> None:
+    """The ranks' tails used to come out as entries of their own, rank 1's at rank 0: the tail
+    chunk now has one token entry whose ``top_logprobs`` hold each rank's tail at its rank, each
+    a proper entry (token, logprob, bytes)."""
+
+    def entry(token: str, alternatives: list[str]) -> dict[str, Any]:
+        plain = [{"token": a, "logprob": -1.0, "bytes": list(a.encode())} for a in alternatives]
+        return {**_logprob(token), "top_logprobs": plain}
+
+    chunks = [
+        _chat_chunk(
+            {
+                "delta": {"content": ch},
+                "logprobs": {"content": [entry(ch, [r0, r1])], "refusal": None},
+            }
+        )
+        for ch, r0, r1 in [("a", "a", "x"), ("b", "b", "y"), ("C", "C", "CN")]
+    ]
+    events, cut, out = _stream(chunks)
+    assert cut is None
+    check_sse(out, "CreateChatCompletionStreamResponse")
+    tail = events[-1]["choices"][0]["logprobs"]["content"]
+    assert len(tail) == 1, tail
+    assert tail[0]["token"] == "C" and tail[0]["bytes"] == [67]
+    ranks = tail[0]["top_logprobs"]
+    assert [r["token"] for r in ranks] == ["C", "CN"], ranks
+    for ranked in ranks:
+        assert set(ranked) == {"token", "logprob", "bytes"}
+        assert ranked["bytes"] == list(ranked["token"].encode())

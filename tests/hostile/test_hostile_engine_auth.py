@@ -109,7 +109,8 @@ def test_the_gateway_and_decode_present_it(
             timeout=60,
         )
         assert r.status_code == 200, r.text
-        assert r.json()["kvguard"]["handoff"]["outcome"] == "ok"  # decode -> prefill: credential
+        # decode -> prefill with the credential: the proof held (the gateway says so, not how)
+        assert r.json()["kvguard"]["isolation"] == "handoff_verified"
     without = gateway_settings(sqlite_url, decode.url, engines=[engine])
     with served_gateway(without, canary=False) as gw:
         listed = httpx.get(gw.url + "/admin/engines", headers=gw.admin, timeout=10).json()

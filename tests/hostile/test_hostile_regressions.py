@@ -6,6 +6,9 @@ overflowed and the route answered 500; and anyone who makes an engine fail insid
 reads the error for internals (Starlette's default answer was a plain-text 500 with no OpenAI
 shape).
 
+And a tenant whose assistant message carries a ``function_call``: a 400 naming it, not a 502
+blaming the engine.
+
 Proves: against the gateway as ``kvguard gateway`` serves it (uvicorn on 127.0.0.1, SQLite, the
 real engine behind it), such a lifetime is a 400 naming the field on both routes that take one
 (``key_expires_in_s`` when a tenant is created, ``expires_in_s`` for a new key), and the longest
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from hostile_harness import ServedGateway, openai_error
+from hostile_harness import ENGINE_MODEL, ServedGateway, openai_error
 
 from gateway.api.schemas_admin import MAX_KEY_LIFETIME_S
 
@@ -56,6 +59,42 @@ def test_the_longest_allowed_key_lifetime_works(gateway: ServedGateway) -> None:
     key = r.json()["key"]
     r = httpx.get(gateway.url + "/v1/usage", headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "function_call",
+    [
+        {},
+        {"name": "f"},
+        {"arguments": "{}"},
+        {"name": "f", "arguments": "{}", "extra": 1},
+        {"name": "", "arguments": ""},  # complete: the bundled engine takes no function_call
+        {"name": "f", "arguments": "{}"},
+    ],
+)
+def test_an_incomplete_function_call_is_400_naming_it(
+    gateway: ServedGateway, function_call: dict[str, object]
+) -> None:
+    """The fuzzer's find: an assistant message's ``function_call`` (OpenAI's deprecated function
+    calling; incomplete, or complete: the bundled engine's schema has no such field) passed the
+    door and the engine's tokenizer refused it: 502 ``token_count_unavailable``, as if the engine
+    had failed. Now: a 400 naming it (its field when incomplete; ``unsupported_parameter`` for the
+    bundled engine when complete)."""
+    _, key = gateway.create_tenant("caller")
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "function_call": function_call},
+        {"role": "user", "content": "go on"},
+    ]
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json={"model": ENGINE_MODEL, "messages": messages, "max_tokens": 2},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert r.status_code == 400, r.text
+    error = openai_error(r)
+    assert error["code"] != "token_count_unavailable"
+    assert "function_call" in f"{error['param']} {error['message']}", error
 
 
 async def test_an_engine_bug_is_an_openai_style_500_without_internals(tiny_checkpoint: str) -> None:

@@ -55,7 +55,7 @@ def test_the_readme_table_is_rendered_from_the_deciding_code() -> None:
     assert found.group(1) == surface.render_markdown(), "run: python -m gateway.openai.surface"
 
 
-async def test_a_refused_field_is_a_400_naming_field_and_engine_before_any_limit(
+async def test_a_refused_field_is_a_400_naming_field_and_engine_kind_before_any_limit(
     gateway: Gateway, standin: StandInEngine
 ) -> None:
     _, key = await gateway.create_tenant("acme", requests_per_minute=1)
@@ -71,7 +71,8 @@ async def test_a_refused_field_is_a_400_naming_field_and_engine_before_any_limit
         assert r.status_code == 400, r.text
         error = check("ErrorResponse", r.json())["error"]
         assert error["code"] == "unsupported_parameter"
-        assert "engine 'standin' (bundled)" in error["message"]
+        assert "this model's engine (bundled)" in error["message"]
+        assert "standin" not in error["message"] and "127.0.0.1" not in error["message"]
         assert error["param"] in body
     assert standin.controls.seen_bodies == []
     # None of the refusals took the one request this minute allows.

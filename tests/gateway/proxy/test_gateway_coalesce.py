@@ -78,6 +78,15 @@ async def test_events_of_one_upstream_read_leave_in_one_write_byte_for_byte(
         )
     assert r.status_code == 200, r.text
     # the three events of the first read in one socket write, as the engine sent them; the
-    # usage chunk (the client did not ask for it) is dropped and [DONE] leaves after the exit
+    # usage chunk (the client did not ask for it) is dropped; the final chunk (the gateway's
+    # kvguard object) and [DONE] leave after the exit
     assert writes == [FIRST_READ]
-    assert r.content == FIRST_READ + b"data: [DONE]\n\n"
+    done = b"data: [DONE]\n\n"
+    assert r.content.startswith(FIRST_READ) and r.content.endswith(done)
+    final = json.loads(r.content[len(FIRST_READ) : -len(done)].removeprefix(b"data: "))
+    assert final["choices"] == [] and "usage" not in final
+    assert final["kvguard"] == {
+        "request_id": r.headers["x-kvguard-request-id"],
+        "isolation": "no_handoff",
+        "redactions": 0,
+    }

@@ -1,9 +1,9 @@
 """The proxy path (component tests; upstream: the stand-in engine, a real HTTP server).
 
-Streaming passes the engine's bytes through untouched and as they arrive; the gateway adds only
-what the client asked for; errors keep OpenAI shapes; the tenant's key never reaches the engine;
-a response guard can hold back and cut; a request hook's text is counted; handoff proofs are
-checked and audited."""
+Streaming passes the engine's bytes through untouched and as they arrive (the gateway's final
+chunk with its kvguard object aside); the gateway adds only what the client asked for; errors
+keep OpenAI shapes; the tenant's key never reaches the engine; a response guard can hold back and
+cut; a request hook's text is counted; handoff proofs are checked and audited."""
 
 from __future__ import annotations
 
@@ -46,6 +46,19 @@ def _text(raw: bytes) -> str:
     return "".join(out)
 
 
+def _final_chunk(r: httpx.Response, passed: bytes, done: bytes) -> dict:
+    """The gateway's final chunk of a stream whose other bytes are the engine's, byte for byte:
+    the events ``passed``, the final chunk with the gateway's kvguard object, ``done``."""
+    assert r.content.startswith(passed) and r.content.endswith(done)
+    final = json.loads(r.content[len(passed) : -len(done)].removeprefix(b"data: "))
+    assert final["kvguard"] == {
+        "request_id": r.headers["x-kvguard-request-id"],
+        "isolation": "no_handoff",
+        "redactions": 0,
+    }
+    return final
+
+
 async def _audit_rows(gw) -> list[RequestAudit]:
     await gw.state.audit.flush()
     with session_scope(gw.state.sessions) as session:
@@ -61,7 +74,9 @@ async def test_stream_bytes_pass_through_untouched(gateway, standin) -> None:
     sent = standin.controls.sent_chunks
     usage_chunk = [c for c in sent if b'"usage"' in c]
     assert len(usage_chunk) == 1  # the gateway always asks the engine for usage ...
-    assert r.content == b"".join(c for c in sent if c not in usage_chunk)  # ... not the client
+    passed = [c for c in sent if c not in usage_chunk]  # ... not the client
+    final = _final_chunk(r, b"".join(passed[:-1]), passed[-1])
+    assert final["choices"] == [] and "usage" not in final
     assert _text(r.content) == WORDS
 
     standin.controls.sent_chunks.clear()
@@ -70,7 +85,10 @@ async def test_stream_bytes_pass_through_untouched(gateway, standin) -> None:
         json=_chat(stream=True, max_tokens=8, stream_options={"include_usage": True}),
         headers=bearer(key),
     )
-    assert r.content == b"".join(standin.controls.sent_chunks)  # asked for usage: all bytes
+    sent = standin.controls.sent_chunks  # asked for usage: all bytes, the usage chunk last
+    final = _final_chunk(r, b"".join(sent[:-2]), sent[-1])
+    usage = json.loads(sent[-2].removeprefix(b"data: "))
+    assert final == {**usage, "kvguard": final["kvguard"]}
     rows = await _audit_rows(gateway)
     assert [
         (row.outcome, row.prompt_tokens, row.completion_tokens, row.stream) for row in rows

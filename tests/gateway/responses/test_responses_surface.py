@@ -83,19 +83,19 @@ def test_translated_cells_are_chats() -> None:
 
 def test_a_refusal_names_the_field_the_engine_and_why() -> None:
     fields = surface.requested(_body({"input": "hi", "tools": [TOOL]}))
-    refused = surface.refusal_for(fields, Profile.BUNDLED, "tiny")
+    refused = surface.refusal_for(fields, Profile.BUNDLED)
     assert refused is not None and refused.status == 400 and refused.code == "unsupported_parameter"
     assert refused.param == "tools"
     assert refused.message == (
-        "'tools' is not supported by engine 'tiny' (bundled): this engine does not serve tool "
-        "calls. (It does not report 'tools' in its capacity.) Accepted values there: []."
+        "'tools' is not supported by this model's engine (bundled): this engine does not "
+        "serve tool calls. (It does not report 'tools' in its capacity.) Accepted values there: []."
     )
     # a bundled engine that reports tools in its capacity takes them, as chat does
-    assert surface.refusal_for(fields, Profile.BUNDLED, "tiny", frozenset({"tools"})) is None
-    assert surface.refusal_for(fields, Profile.VLLM, "v") is None
+    assert surface.refusal_for(fields, Profile.BUNDLED, frozenset({"tools"})) is None
+    assert surface.refusal_for(fields, Profile.VLLM) is None
     everywhere = surface.requested(_body({"input": "hi", "conversation": "conv_1"}))
     for profile in PROFILES:
-        refused = surface.refusal_for(everywhere, profile, "e")
+        refused = surface.refusal_for(everywhere, profile)
         assert refused is not None and refused.param == "conversation"
         assert "Conversations API" in refused.message
 
@@ -106,7 +106,7 @@ def test_inert_values_pass_everywhere() -> None:
          "top_logprobs": 0, "text": {"format": {"type": "text"}}, "service_tier": "auto"}
     )  # fmt: skip
     for profile in PROFILES:
-        assert surface.refusal_for(surface.requested(inert), profile, "e") is None
+        assert surface.refusal_for(surface.requested(inert), profile) is None
 
 
 def _chat_refusal(chat: Any, profile: Profile) -> str | None:
@@ -123,7 +123,7 @@ def test_what_a_translated_engine_accepts_chat_accepts_too(data) -> None:
     body = _body(data)
     fields = surface.requested(body)
     for profile in TRANSLATED:
-        if surface.refusal_for(fields, profile, "e") is None:
+        if surface.refusal_for(fields, profile) is None:
             assert _chat_refusal(chat_body(body), profile) is None, (profile, data)
 
 
