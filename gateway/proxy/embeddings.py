@@ -55,6 +55,7 @@ from gateway.openai.schemas import EmbeddingsBody
 from gateway.proxy.admission import route, take_lease
 from gateway.proxy.context import RequestContext
 from gateway.proxy.deps import ProxyDeps
+from gateway.proxy.disclosure import scrubbed, without_addresses
 from gateway.proxy.ending import CLIENT_GONE, COMPLETED, INTERNAL, Outcome, cut, refused
 from gateway.proxy.finish import finish
 from gateway.proxy.relay import screen
@@ -192,13 +193,13 @@ def _refusal(model: str, reply: UpstreamReply, guard: StreamGuard) -> GatewayErr
         screened = screen(guard, message or "the engine refused the request")
         if isinstance(screened, Cut):
             raise GuardCut(screened)
-        code, param = error.get("code"), error.get("param")
+        # the engine's words without its addresses (``gateway.proxy.disclosure``)
         return PassThrough(
             reply.status,
-            screened,
-            code=code if isinstance(code, str) else "upstream_rejected",
-            type_=str(error.get("type") or "invalid_request_error"),
-            param=param if isinstance(param, str) else None,
+            without_addresses(screened),
+            code=scrubbed(error.get("code")) or "upstream_rejected",
+            type_=scrubbed(error.get("type")) or "invalid_request_error",
+            param=scrubbed(error.get("param")),
         )
     if reply.status in (429, 503):
         return NoHealthyEngine("the engine is overloaded; retry later", code="engine_overloaded")

@@ -35,6 +35,7 @@ from typing import Any
 
 from contracts.plugins import Cut
 from gateway.lifecycle import Phase
+from gateway.proxy.disclosure import without_addresses
 from gateway.responses.events import EventWriter, Step
 from gateway.responses.objects import Envelope, dumps, new_id, usage
 from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, Streams, whole
@@ -387,7 +388,8 @@ class ChatToResponses(EventWriter):
             self.prompt_tokens = chat_usage["prompt_tokens"]
 
     def _engine_error(self, error: Any) -> Step:
-        """An engine's error event: its code and message, screened, end the stream as failed."""
+        """An engine's error event: its code and message, screened and without addresses
+        (``gateway.proxy.disclosure``), end the stream as failed."""
         error = error if isinstance(error, dict) else {}
         found = []
         for name, default in (("code", "upstream_error"), ("message", "the engine failed")):
@@ -395,7 +397,7 @@ class ChatToResponses(EventWriter):
             screened = whole(self._open(), value) if isinstance(value, str) and value else default
             if isinstance(screened, Cut):
                 return self.cut(screened)
-            found.append(screened)
+            found.append(without_addresses(screened))
         return self.fail(found[0], found[1])
 
 

@@ -416,3 +416,62 @@ def test_an_answer_emptied_by_the_firewall_says_so(stack: Stack, mode: str, stre
     assert text == ""
     assert final["usage"]["completion_tokens"] == 38
     assert final["kvguard"]["redactions"] == 1, final
+
+
+@pytest.mark.parametrize("mode", ["own_marker", "look_alike"])
+def test_a_responses_answer_emptied_by_the_firewall_says_so(stack: Stack, mode: str) -> None:
+    """The same through the Responses API (translated through chat for this provider): the
+    Response's text is empty, its usage counts the output tokens, and the header says 1."""
+    stack.provider.mode = mode
+    body = {"model": PROVIDER_MODEL, "input": "hi", "max_output_tokens": 16}
+    r = _post(stack, body, path="/v1/responses")
+    assert r.status_code == 200, r.text
+    assert "CNRY" not in r.text
+    answer = r.json()
+    [message] = [item for item in answer["output"] if item["type"] == "message"]
+    assert "".join(part["text"] for part in message["content"]) == ""
+    assert answer["usage"]["output_tokens"] == 38
+    assert r.headers["x-kvguard-redactions"] == "1"
+    assert_discloses_nothing(stack, r)
+
+
+# The same paths through the Responses API (translated through chat for these engines): a refusal
+# before the stream is the same error body; a stream ends in an ``error`` event and
+# ``response.failed``, whose texts name no engine either.
+RESPONSES_PATHS = [
+    ("context", ENGINE_MODEL, "ok", {"input": "x " * 600}, 400, "context_length_exceeded"),
+    ("dead engine", DEAD_MODEL, "ok", {}, 503, "no_healthy_engine"),
+    ("engine gone", FLAKY_MODEL, "ok", {}, 502, "upstream_error"),
+    ("5xx", PROVIDER_MODEL, "500", {}, 502, "upstream_error"),
+    ("4xx", PROVIDER_MODEL, "400", {}, 400, "bad_request"),
+    ("malformed", PROVIDER_MODEL, "malformed", {}, 502, "upstream_error"),
+    ("handoff mismatch", PROVIDER_MODEL, "mismatch", {}, 502, "handoff_mismatch"),
+    ("timeout", PROVIDER_MODEL, "slow", {}, 502, "upstream_error"),
+    ("stream error event", PROVIDER_MODEL, "stream_error", {"stream": True}, 200, "gone"),
+    ("stream break", PROVIDER_MODEL, "stream_break", {"stream": True}, 200, "upstream_error"),
+    ("stream garbage", PROVIDER_MODEL, "stream_garbage", {"stream": True}, 200, "upstream_error"),
+    ("stream mismatch", PROVIDER_MODEL, "mismatch", {"stream": True}, 200, "handoff_mismatch"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "mode", "extra", "status", "code"),
+    [p[1:] for p in RESPONSES_PATHS],
+    ids=[p[0] for p in RESPONSES_PATHS],
+)
+def test_no_responses_error_path_names_an_engine(
+    stack: Stack, model: str, mode: str, extra: dict[str, Any], status: int, code: str
+) -> None:
+    stack.provider.mode = mode
+    body = {"model": model, "input": "hi", "max_output_tokens": 16, **extra}
+    r = _post(stack, body, path="/v1/responses")
+    assert r.status_code == status, r.text
+    if status == 200:
+        events = [
+            json.loads(b.split("data: ", 1)[1]) for b in r.text.split("\n\n") if "data: " in b
+        ]
+        assert [e["type"] for e in events[-2:]] == ["error", "response.failed"], r.text
+        assert events[-2]["code"] == code, r.text
+    else:
+        assert r.json()["error"]["code"] == code, r.text
+    assert_discloses_nothing(stack, r)

@@ -235,6 +235,11 @@ async def test_an_engine_refusal_passes_through_screened(make_settings) -> None:
             worker.refuse = "input is not valid here"
             r = await gw.client.post(EMBEDDINGS, json=body, headers=bearer(key))
             assert (r.status_code, r.json()["error"]["message"]) == (400, worker.refuse)
+            # the engine's words pass on without an address in them (gateway.proxy.disclosure)
+            worker.refuse = f"input refused by worker {server.url.removeprefix('http://')}"
+            r = await gw.client.post(EMBEDDINGS, json=body, headers=bearer(key))
+            message = r.json()["error"]["message"]
+            assert (r.status_code, message) == (400, "input refused by worker <internal>"), r.text
             worker.refuse = "input echoes SECRET from elsewhere"
             r = await gw.client.post(EMBEDDINGS, json=body, headers=bearer(key))
             assert (r.status_code, r.json()["error"]["code"]) == (502, "isolation_violation")
@@ -242,7 +247,7 @@ async def test_an_engine_refusal_passes_through_screened(make_settings) -> None:
             assert [(i.tenant_id, i.engine, c.code) for i, c in guards.cuts] == [
                 (tenant_id, "vllm", "isolation_violation")
             ]
-            assert [a.outcome for a in await _audit(gw)] == ["rejected", "cut"]
+            assert [a.outcome for a in await _audit(gw)] == ["rejected", "rejected", "cut"]
     finally:
         await server.stop()
 
