@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import anyio
 from sqlalchemy import BigInteger, DateTime, Engine, Integer, MetaData, TypeDecorator
 from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
@@ -68,6 +69,20 @@ class Base(DeclarativeBase):
 
 class DatabaseTimeout(PoolTimeout):
     """The database did not answer within the bound (a pool timeout to every handler)."""
+
+
+DATABASE_ERRORS = (DBAPIError, PoolTimeout)
+"""What a call into the database can raise about the database (``is_outage`` tells which)."""
+
+
+def is_outage(exc: BaseException) -> bool:
+    """The database could not be reached (retry later: a 503 to a client, the same rows again for
+    a writer), as opposed to a refusal of something in the statement: refused, reset or closed
+    connections (the driver's operational and interface errors, a connection invalidated under
+    the call), an exhausted pool, a call past its bound."""
+    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout | OSError | TimeoutError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
 def make_session_factory(

@@ -15,12 +15,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contracts.http_edge import error_body, validation_message
 from contracts.plugins import Cut
+from contracts.sql import is_outage
 
 log = logging.getLogger("kvguard.gateway")
 
@@ -245,12 +246,14 @@ def install_error_handlers(app: FastAPI) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse(error_body(str(exc.detail), code=code), exc.status_code)
 
-    @app.exception_handler(OperationalError)
+    @app.exception_handler(DBAPIError)
     @app.exception_handler(PoolTimeout)
-    async def _database_down(request: Request, exc: Exception) -> JSONResponse:
-        # The database is unreachable (refused, reset, pool exhausted): the client's request is
-        # fine and may be retried, so a 503 with a stable code, not a 500 "gateway bug".
-        # The class name only: the message can hold SQL parameters (key prefixes, ids).
+    async def _database(request: Request, exc: Exception) -> JSONResponse:
+        # The database is unreachable (refused, reset, closed, pool exhausted: ``is_outage``):
+        # the client's request is fine and may be retried, so a 503 with a stable code, not a
+        # 500 "gateway bug". The class name only: the message can hold SQL parameters.
+        if not is_outage(exc):
+            return await _bug(request, exc)
         name = type(exc).__name__
         log.warning("database unavailable on %s %s: %s", request.method, request.url.path, name)
         return DatabaseDown("The gateway's database is unavailable; retry later.").response()

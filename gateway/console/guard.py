@@ -22,11 +22,9 @@ from urllib.parse import urlsplit
 
 from fastapi import Depends, Request
 from fastapi.routing import APIRoute
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.responses import RedirectResponse, Response
 
-from contracts.sql import run_in_session, utcnow
+from contracts.sql import DATABASE_ERRORS, is_outage, run_in_session, utcnow
 from gateway.console import render
 from gateway.console.forms import parse_form
 from gateway.console.sessions import SignedIn, find_session
@@ -194,7 +192,9 @@ class ConsoleRoute(APIRoute):
                 response = refusal(request, exc)
             except GatewayError as exc:
                 response = error_page(request, exc.status, exc.message, exc.headers)
-            except (OperationalError, PoolTimeout):
+            except DATABASE_ERRORS as exc:
+                if not is_outage(exc):
+                    raise
                 message = "The gateway's database is unavailable; retry later."
                 response = error_page(request, 503, message)
             response.headers.update(SECURITY_HEADERS)

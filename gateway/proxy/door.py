@@ -26,12 +26,11 @@ from typing import Any
 import orjson
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
 
 from contracts.http_edge import BodyGuardMiddleware, error_body, validation_message
+from contracts.sql import DATABASE_ERRORS, is_outage
 from gateway.api.request_ids import RequestIds
 from gateway.config import GatewaySettings
 from gateway.deps import address_of, bearer_of, principal_of
@@ -102,7 +101,9 @@ class CompletionRoutes:
         except GatewayError as err:
             await _error(reply, err)
             return
-        except (OperationalError, PoolTimeout) as exc:
+        except DATABASE_ERRORS as exc:
+            if not is_outage(exc):
+                raise
             log.warning("database unavailable on POST %s: %s", scope["path"], type(exc).__name__)
             await _error(reply, DatabaseDown("The gateway's database is unavailable; retry later."))
             return

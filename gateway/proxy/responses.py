@@ -38,14 +38,12 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.responses import Response
 
 from contracts.engine import HandoffProof, handoff_of
 from contracts.plugins import Cut
-from contracts.sql import run_in_session, utcnow
+from contracts.sql import DATABASE_ERRORS, is_outage, run_in_session, utcnow
 from contracts.sse import DONE, parse_event
 from gateway.domain import Principal
 from gateway.engines.isolation import isolate
@@ -423,6 +421,8 @@ def _first_error(exc: ValidationError) -> str:
 async def _db(sessions: sessionmaker[Session], work: Callable[[Session], T]) -> T:
     try:
         return await run_in_session(sessions, work)
-    except (OperationalError, PoolTimeout) as exc:
+    except DATABASE_ERRORS as exc:
+        if not is_outage(exc):
+            raise
         log.warning("database unavailable on /v1/responses: %s", type(exc).__name__)
         raise DatabaseDown("The gateway's database is unavailable; retry later.") from exc

@@ -36,12 +36,10 @@ from typing import Any
 
 import anyio
 from sqlalchemy import String, insert, select
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.spool import Record, Spool
-from contracts.sql import session_scope
+from contracts.sql import is_outage, session_scope
 from gateway.db.models import RequestAudit
 from gateway.db.text import storable
 from gateway.services.keys import touch_keys
@@ -103,14 +101,6 @@ def storable_record(record: AuditRecord) -> AuditRecord:
             if fixed != value:
                 changes[name] = fixed
     return replace(record, **changes) if changes else record
-
-
-def is_outage(exc: BaseException) -> bool:
-    """The database could not be reached (retry the same rows later), as opposed to a refusal
-    of something in them."""
-    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout | OSError | TimeoutError):
-        return True
-    return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
 class AuditWriter:

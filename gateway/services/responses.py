@@ -31,11 +31,9 @@ from typing import Any
 
 from sqlalchemy import delete as sql_delete
 from sqlalchemy import select, tuple_
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.sql import run_in_session, utcnow
+from contracts.sql import DATABASE_ERRORS, run_in_session, utcnow
 from gateway.db.models import StoredResponse
 from gateway.errors import NotFound
 from gateway.responses.objects import ID_HEX, is_response_id
@@ -160,7 +158,7 @@ async def purge_loop(
         try:
             while await run_in_session(sessions, _purge_batch) == PURGE_BATCH:
                 pass
-        except (OperationalError, PoolTimeout) as exc:
+        except DATABASE_ERRORS as exc:  # an outage, or a refusal: the next round tries again
             log.warning("stored responses not purged yet: %s", type(exc).__name__)
         await asyncio.sleep(interval_s)
 

@@ -3,7 +3,9 @@ requests, audit and usage."""
 
 from __future__ import annotations
 
+import psycopg
 from gateway_harness import bearer, running_gateway
+from sqlalchemy import event
 
 
 async def test_gateway_on_postgres(make_settings, standin, postgres_url, redis_url) -> None:
@@ -28,3 +30,43 @@ async def test_gateway_on_postgres(make_settings, standin, postgres_url, redis_u
         assert (usage["requests"], usage["prompt_tokens"], usage["completion_tokens"]) == (2, 6, 6)
         keys = (await gw.client.get(f"/admin/tenants/{tenant_id}/keys", headers=gw.admin)).json()
         assert keys[0]["revoked_at"] is not None and keys[0]["last_used_at"] is not None
+
+
+async def test_a_connection_closed_under_a_key_lookup_is_a_503(
+    make_settings, standin, postgres_url
+) -> None:
+    """The driver reports the connection closed under a key lookup (psycopg's InterfaceError, as
+    a call meets a connection the database or the watchdog closed while PostgreSQL goes away):
+    the data plane's door, the Responses route and FastAPI's routes answer the outage's 503
+    ``database_unavailable``, as for a refused connection -- never a 500. The fault is the
+    driver's own exception, raised on the real PostgreSQL connection before the statement."""
+    settings = make_settings(
+        database_url=postgres_url, engines=[{"name": "s", "base_url": standin.url}]
+    )
+    async with running_gateway(settings) as gw:
+        _, key = await gw.create_tenant("acme")
+        engine = gw.state.sessions.kw["bind"]
+
+        def closed(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]
+            if "api_keys" in statement:
+                raise psycopg.InterfaceError("the cursor is closed")
+
+        event.listen(engine, "before_cursor_execute", closed)
+        try:
+            body = {"model": "standin-model", "prompt": "one two three", "max_tokens": 3}
+            answers = [
+                await gw.client.post("/v1/completions", json=body, headers=bearer(key)),
+                await gw.client.post(
+                    "/v1/responses",
+                    json={"model": "standin-model", "input": "hi"},
+                    headers=bearer(key),
+                ),
+                await gw.client.get("/v1/models", headers=bearer(key)),
+            ]
+        finally:
+            event.remove(engine, "before_cursor_execute", closed)
+        for r in answers:
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "database_unavailable", r.text
+        # the database back: the same key works
+        assert (await gw.client.get("/v1/models", headers=bearer(key))).status_code == 200
