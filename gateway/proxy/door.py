@@ -107,6 +107,10 @@ class CompletionRoutes:
             log.warning("database unavailable on POST %s: %s", scope["path"], type(exc).__name__)
             await _error(reply, DatabaseDown("The gateway's database is unavailable; retry later."))
             return
+        except Exception:  # a bug: the JSON 500 of FastAPI's routes, never the server's bare one
+            log.exception("unhandled error on POST %s", scope["path"])
+            await _error(reply, GatewayError("internal gateway error"))
+            return
         if isinstance(body, CreateResponseBody):
             await serve_response(
                 state.proxy,

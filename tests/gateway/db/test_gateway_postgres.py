@@ -70,3 +70,28 @@ async def test_a_connection_closed_under_a_key_lookup_is_a_503(
             assert r.json()["error"]["code"] == "database_unavailable", r.text
         # the database back: the same key works
         assert (await gw.client.get("/v1/models", headers=bearer(key))).status_code == 200
+
+
+async def test_a_bug_under_the_door_is_a_json_500(make_settings, standin, postgres_url) -> None:
+    """Anything else raised while the door reads the key (here a RuntimeError before the lookup's
+    statement) is the gateway's JSON 500 ``internal_error``, as on FastAPI's routes: never the
+    server's bare 'Internal Server Error' without a code."""
+    settings = make_settings(
+        database_url=postgres_url, engines=[{"name": "s", "base_url": standin.url}]
+    )
+    async with running_gateway(settings) as gw:
+        _, key = await gw.create_tenant("acme")
+        engine = gw.state.sessions.kw["bind"]
+
+        def broken(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]
+            if "api_keys" in statement:
+                raise RuntimeError("a defect")
+
+        event.listen(engine, "before_cursor_execute", broken)
+        try:
+            body = {"model": "standin-model", "prompt": "one two three", "max_tokens": 3}
+            r = await gw.client.post("/v1/completions", json=body, headers=bearer(key))
+        finally:
+            event.remove(engine, "before_cursor_execute", broken)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["code"] == "internal_error", r.text
