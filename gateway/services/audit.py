@@ -30,7 +30,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from typing import Any
 
@@ -72,12 +72,20 @@ class AuditRecord:
     ttft_ms: float | None
     duration_ms: float
 
+    def params(self) -> dict[str, Any]:
+        """The record as an INSERT's parameters: its fields as they are (no deep copy, unlike
+        ``dataclasses.asdict``: every value is an immutable scalar)."""
+        return {name: getattr(self, name) for name in _FIELDS}
+
     def to_spool(self) -> Record:
-        return {**asdict(self), "started_at": self.started_at.isoformat()}
+        return {**self.params(), "started_at": self.started_at.isoformat()}
 
     @classmethod
     def from_spool(cls, raw: Record) -> AuditRecord:
         return cls(**{**raw, "started_at": datetime.fromisoformat(raw["started_at"])})
+
+
+_FIELDS = tuple(f.name for f in fields(AuditRecord))
 
 
 def _text_limits() -> dict[str, int | None]:
@@ -228,7 +236,7 @@ class AuditWriter:
             if uncertain and rows:
                 rows = _not_yet_written(session, rows, uncertain)
             if rows:  # one multi-row INSERT: no ORM objects (a flush holds the GIL briefly)
-                session.execute(insert(RequestAudit), [asdict(row) for row in rows])
+                session.execute(insert(RequestAudit), [row.params() for row in rows])
             if touched:
                 touch_keys(session, last_used=touched)
 
