@@ -32,10 +32,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import anyio
-from sqlalchemy import String, insert, select
+from sqlalchemy import String, Table, insert, select
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
@@ -48,6 +48,7 @@ from gateway.services.keys import touch_keys
 
 log = logging.getLogger("kvguard.gateway.audit")
 _ID_CHUNK = 500  # request ids per lookup (bounded statement size)
+_TABLE = cast(Table, RequestAudit.__table__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,8 +236,10 @@ class AuditWriter:
         with session_scope(self._factory) as session:
             if uncertain and rows:
                 rows = _not_yet_written(session, rows, uncertain)
-            if rows:  # one multi-row INSERT: no ORM objects (a flush holds the GIL briefly)
-                session.execute(insert(RequestAudit), [row.params() for row in rows])
+            if rows:  # one multi-row INSERT, Core on the table: no ORM objects, no ORM bulk path
+                # (a flush holds the GIL; this costs about a fifth less per row than the ORM's)
+                params = [row.params() for row in rows]
+                session.connection().execute(insert(_TABLE), params)
             if touched:
                 touch_keys(session, last_used=touched)
 
