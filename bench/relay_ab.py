@@ -62,6 +62,26 @@ async def measure(args: argparse.Namespace, systems: Systems) -> dict[str, dict[
     return found
 
 
+def tables(found: dict[str, dict[str, list[float]]]) -> str:
+    """A vs B (medians, spreads, the median of per-round B/A ratios); with a third system (the
+    floor), each version's per-round ratio to it, median and spread."""
+    lines = ["| CPU | A | B | B / A (median of rounds) |", "|---|---|---|---|"]
+    for unit, digits in (("request", 0), ("event", 1)):
+        a, b = found["A"][unit], found["B"][unit]
+        ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
+        lines.append(f"| µs per {unit} | {spread(a, digits)} | {spread(b, digits)} | {ratio:.3f} |")
+    floor = next((name for name in found if name not in ("A", "B")), None)
+    if floor is not None:
+        lines += ["", f"| CPU, per round / {floor} | {floor} | A | B |", "|---|---|---|---|"]
+        for unit, digits in (("request", 0), ("event", 1)):
+            base = found[floor][unit]
+            a, b = ([y / x for x, y in zip(base, found[v][unit], strict=True)] for v in "AB")
+            lines.append(
+                f"| per {unit} | {spread(base, digits)} µs | {spread(a, 2)}x | {spread(b, 2)}x |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a", type=Path)
@@ -83,18 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             systems.close()
     print(f"A = {args.a}, B = {args.b}; {args.rounds} rounds of {args.seconds:g} s")
-    print("| CPU | A | B | B / A (median of rounds) |\n|---|---|---|---|")
-    for unit, digits in (("request", 0), ("event", 1)):
-        a, b = found["A"][unit], found["B"][unit]
-        ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
-        print(f"| µs per {unit} | {spread(a, digits)} | {spread(b, digits)} | {ratio:.3f} |")
-    floor = next((name for name in found if name not in ("A", "B")), None)
-    if floor is not None:
-        print(f"\n| CPU, per round / {floor} | {floor} | A | B |\n|---|---|---|---|")
-        for unit, digits in (("request", 0), ("event", 1)):
-            base = found[floor][unit]
-            a, b = ([y / x for x, y in zip(base, found[v][unit], strict=True)] for v in "AB")
-            print(f"| per {unit} | {spread(base, digits)} µs | {spread(a, 2)}x | {spread(b, 2)}x |")
+    print(tables(found))
     return 0
 
 
