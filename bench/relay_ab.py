@@ -5,7 +5,10 @@ Run: ``python -m bench.relay_ab A_CHECKOUT B_CHECKOUT [--rounds 5] [--seconds 5]
 gateways run (pinned, production mode, every check on, as in ``bench.bench_relay``) in front of
 the same stand-in with the same Redis, PostgreSQL and tenants; each round measures both, in
 alternating order, at the same load, so a shared machine's noise falls on both alike. Prints the
-median and spread per version and the median of the per-round B/A ratios.
+median and spread per version and the median of the per-round B/A ratios; with ``--floor``, the
+aiohttp pass-through (``bench.relay_floors``, no checks) is measured in the same rounds too, and
+each version's per-round ratio to it (issue 33's goal: at most 2.0x per non-streaming request)
+is printed with its spread.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from bench.relay_systems import Relay, Systems, create_tenants, pin_self
 
 
 async def measure(args: argparse.Namespace, systems: Systems) -> dict[str, dict[str, list[float]]]:
-    systems.standin(engines=1, interval_s=INTERVAL_S)
+    standin = systems.standin(engines=1, interval_s=INTERVAL_S)
     redis_url, database_url = systems.services()
     keys = tuple(create_tenants(database_url, 10, canary_rate=args.canary_rate))
     pair = [
@@ -38,6 +41,8 @@ async def measure(args: argparse.Namespace, systems: Systems) -> dict[str, dict[
         )
         for label, source in (("A", args.a), ("B", args.b))
     ]
+    floors: list[Relay] = [systems.floor("aiohttp", standin)] if args.floor else []
+    pair = [*pair, *floors]
     bench = Bench(args, systems, pair, Relay("direct", systems.standin_ports[0], "", None))
     for relay in pair:
         await bench.run(relay, bench.workload(relay, stream=False), 50, 1)
@@ -57,6 +62,26 @@ async def measure(args: argparse.Namespace, systems: Systems) -> dict[str, dict[
     return found
 
 
+def tables(found: dict[str, dict[str, list[float]]]) -> str:
+    """A vs B (medians, spreads, the median of per-round B/A ratios); with a third system (the
+    floor), each version's per-round ratio to it, median and spread."""
+    lines = ["| CPU | A | B | B / A (median of rounds) |", "|---|---|---|---|"]
+    for unit, digits in (("request", 0), ("event", 1)):
+        a, b = found["A"][unit], found["B"][unit]
+        ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
+        lines.append(f"| µs per {unit} | {spread(a, digits)} | {spread(b, digits)} | {ratio:.3f} |")
+    floor = next((name for name in found if name not in ("A", "B")), None)
+    if floor is not None:
+        lines += ["", f"| CPU, per round / {floor} | {floor} | A | B |", "|---|---|---|---|"]
+        for unit, digits in (("request", 0), ("event", 1)):
+            base = found[floor][unit]
+            a, b = ([y / x for x, y in zip(base, found[v][unit], strict=True)] for v in "AB")
+            lines.append(
+                f"| per {unit} | {spread(base, digits)} µs | {spread(a, 2)}x | {spread(b, 2)}x |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a", type=Path)
@@ -66,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-rate", type=float, default=100.0)
     parser.add_argument("--stream-rate", type=float, default=10.0)
     parser.add_argument("--canary-rate", type=float, default=0.1)
+    parser.add_argument(
+        "--floor", action="store_true", help="also the aiohttp pass-through, and ratios to it"
+    )
     args = parser.parse_args(argv)
     pin_self()
     with tempfile.TemporaryDirectory(prefix="kvguard-relay-ab-") as tmp:
@@ -75,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             systems.close()
     print(f"A = {args.a}, B = {args.b}; {args.rounds} rounds of {args.seconds:g} s")
-    print("| CPU | A | B | B / A (median of rounds) |\n|---|---|---|---|")
-    for unit, digits in (("request", 0), ("event", 1)):
-        a, b = found["A"][unit], found["B"][unit]
-        ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
-        print(f"| µs per {unit} | {spread(a, digits)} | {spread(b, digits)} | {ratio:.3f} |")
+    print(tables(found))
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
@@ -102,6 +103,30 @@ class GapHistogram(Collector):
         yield family
 
 
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class Children(Generic[M]):
+    """A labelled metric's children by their label values (positional, in the metric's label
+    order), each asked of prometheus_client once. Its ``labels()`` validates the names, builds a
+    tuple of strings and takes a lock on every call -- several times per request on the request
+    path; a repeated lookup here is one dict hit and returns the very child ``labels()`` does. It
+    holds one entry per child the metric itself holds (the metric keeps every label set it has
+    seen), so it grows no further; the gateway never ``remove``s a child of these metrics."""
+
+    __slots__ = ("_metric", "_children")
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+
 def _bound(value: float) -> str:
     return "+Inf" if value == float("inf") else repr(float(value))
 
@@ -168,6 +193,14 @@ class GatewayMetrics:
             registry=r,
         )
         self.in_flight = Gauge(IN_FLIGHT, "Requests in flight", ["tenant"], registry=r)
+        # the request path's metrics, by label values in the order declared above (``Children``)
+        self.requests_of = Children(self.requests)  # tenant, endpoint, outcome, code
+        self.request_seconds_of = Children(self.request_seconds)  # endpoint
+        self.ttft_seconds_of = Children(self.ttft_seconds)  # engine
+        self.tenant_ttft_seconds_of = Children(self.tenant_ttft_seconds)  # tenant, stream
+        self.overhead_seconds_of = Children(self.overhead_seconds)  # endpoint
+        self.tokens_of = Children(self.tokens)  # tenant, kind
+        self.in_flight_of = Children(self.in_flight)  # tenant
         self.limiter_up = Gauge(LIMITER_UP, "1 when the limiter backend answers", registry=r)
         self.limiter_fail_open = Counter(
             _name(LIMITER_FAIL_OPEN_TOTAL),

@@ -134,7 +134,7 @@ class Tracing:
         if not request_span.is_recording():
             child = self._unexported(request_span.get_span_context().trace_id)
             headers.pop("tracestate", None)
-            self._propagator.inject(headers, context=trace.set_span_in_context(child))
+            headers["traceparent"] = _traceparent(child.get_span_context())
             return child
         url = urlsplit(base_url.rstrip("/") + route)
         operation = OPERATIONS.get(route, route)
@@ -198,3 +198,10 @@ class Tracing:
 
     def shutdown(self) -> None:
         self.provider.shutdown()
+
+
+def _traceparent(context: SpanContext) -> str:
+    """The W3C ``traceparent`` of ``context``, as ``TraceContextTextMapPropagator.inject`` writes
+    it (opentelemetry-api 1.45, ``trace/propagation/tracecontext.py``) without building a
+    ``Context`` per request; an unexported span has no tracestate to add."""
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"

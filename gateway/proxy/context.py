@@ -50,6 +50,8 @@ class RequestContext:
     clock: TokenClock | None = None  # a relayed stream's text events (gateway.proxy.latency)
     finish_reasons: tuple[str, ...] = ()  # each choice's, as the engine ended it
     rate_limit_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*, at admission
+    # ``info()`` as last built: the guards, the hooks and the report each ask for it
+    _info: RequestInfo | None = field(default=None, init=False, repr=False, compare=False)
 
     def advance(self, phase: Phase) -> None:
         self.phase = check_transition(self.phase, phase)
@@ -58,15 +60,21 @@ class RequestContext:
         return time.perf_counter() - self.started_mono
 
     def info(self) -> RequestInfo:
-        return RequestInfo(
-            request_id=self.request_id,
-            tenant_id=self.principal.tenant_id,
-            model=self.model,
-            endpoint=self.endpoint.value,
-            synthetic=self.principal.synthetic,
-            canary_sample_rate=self.principal.canary_sample_rate,
-            engine=None if self.engine is None else self.engine.name,
-        )
+        """The request as plug-ins see it; built again only once the engine is chosen (every
+        other field is fixed when the context is made, and ``RequestInfo`` is frozen)."""
+        engine = None if self.engine is None else self.engine.name
+        info = self._info
+        if info is None or info.engine != engine:
+            info = self._info = RequestInfo(
+                request_id=self.request_id,
+                tenant_id=self.principal.tenant_id,
+                model=self.model,
+                endpoint=self.endpoint.value,
+                synthetic=self.principal.synthetic,
+                canary_sample_rate=self.principal.canary_sample_rate,
+                engine=engine,
+            )
+        return info
 
     def report(self, *, status: int) -> RequestReport:
         return RequestReport(

@@ -51,7 +51,7 @@ async def finish(deps: ProxyDeps, ctx: RequestContext, ending: Ending) -> None:
             await deps.limiter.release(ctx.lease, unused_tokens=_refund(ctx, ending.refund))
         if ctx.engine is not None:
             ctx.engine.in_flight -= 1
-            deps.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).dec()
+            deps.metrics.in_flight_of(ctx.principal.tenant_id).dec()
         _record(deps, ctx, status=status, code=code)
         if deps.hooks.on_finish is not None:
             try:
@@ -64,17 +64,16 @@ def _record(deps: ProxyDeps, ctx: RequestContext, *, status: int, code: str | No
     tenant = ctx.principal.tenant_id
     m = deps.metrics
     duration = ctx.elapsed_s()
-    m.requests.labels(
-        tenant=tenant, endpoint=ctx.endpoint.value, outcome=ctx.phase.value, code=code or ""
-    ).inc()
-    m.request_seconds.labels(endpoint=ctx.endpoint.value).observe(duration)
+    endpoint = ctx.endpoint.value
+    m.requests_of(tenant, endpoint, ctx.phase.value, code or "").inc()
+    m.request_seconds_of(endpoint).observe(duration)
     if ctx.engine is not None and ctx.first_byte_s is not None and ctx.stream:
-        m.ttft_seconds.labels(engine=ctx.engine.name).observe(ctx.first_byte_s)
+        m.ttft_seconds_of(ctx.engine.name).observe(ctx.first_byte_s)
     if ctx.phase is not Phase.REJECTED and ctx.engine is not None:
         if ctx.prompt_tokens is not None:
-            m.tokens.labels(tenant=tenant, kind="prompt").inc(ctx.prompt_tokens)
+            m.tokens_of(tenant, "prompt").inc(ctx.prompt_tokens)
         if ctx.completion_tokens is not None:
-            m.tokens.labels(tenant=tenant, kind="completion").inc(ctx.completion_tokens)
+            m.tokens_of(tenant, "completion").inc(ctx.completion_tokens)
     latency.record(deps, ctx)
     handoff = ctx.handoff
     deps.audit.record(

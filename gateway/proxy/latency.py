@@ -25,7 +25,7 @@ def record(deps: ProxyDeps, ctx: RequestContext) -> None:
         return
     tenant = ctx.principal.tenant_id
     ttft = clock.first_s - ctx.started_mono
-    deps.metrics.tenant_ttft_seconds.labels(tenant=tenant, stream="true").observe(ttft)
+    deps.metrics.tenant_ttft_seconds_of(tenant, "true").observe(ttft)
     if clock.gaps:
         deps.metrics.inter_token_seconds.record(tenant, clock.counts, clock.gap_sum)
 
@@ -33,4 +33,4 @@ def record(deps: ProxyDeps, ctx: RequestContext) -> None:
 def answered(deps: ProxyDeps, ctx: RequestContext) -> None:
     """A whole (non-streamed) answer is about to be sent: its first token arrives with it."""
     tenant = ctx.principal.tenant_id
-    deps.metrics.tenant_ttft_seconds.labels(tenant=tenant, stream="false").observe(ctx.elapsed_s())
+    deps.metrics.tenant_ttft_seconds_of(tenant, "false").observe(ctx.elapsed_s())

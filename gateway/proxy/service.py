@@ -166,10 +166,10 @@ class Flight:
         endpoint = endpoint or ctx.endpoint
         ctx.engine = admitted.engine
         ctx.engine.in_flight += 1
-        deps.metrics.in_flight.labels(tenant=ctx.principal.tenant_id).inc()
+        deps.metrics.in_flight_of(ctx.principal.tenant_id).inc()
         ctx.advance(Phase.FORWARDED)
         ctx.forwarded_s = ctx.elapsed_s()
-        deps.metrics.overhead_seconds.labels(endpoint=ctx.endpoint.value).observe(ctx.forwarded_s)
+        deps.metrics.overhead_seconds_of(ctx.endpoint.value).observe(ctx.forwarded_s)
         ctx.span.set_attribute("kvguard.engine", admitted.engine.name)
         ctx.span.set_attribute("kvguard.prompt_tokens", admitted.size.prompt_tokens)
         ctx.span.set_attribute("gen_ai.request.max_tokens", admitted.size.max_tokens)

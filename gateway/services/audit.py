@@ -30,12 +30,12 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import anyio
-from sqlalchemy import String, insert, select
+from sqlalchemy import String, Table, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.spool import Record, Spool
@@ -46,6 +46,7 @@ from gateway.services.keys import touch_keys
 
 log = logging.getLogger("kvguard.gateway.audit")
 _ID_CHUNK = 500  # request ids per lookup (bounded statement size)
+_TABLE = cast(Table, RequestAudit.__table__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +71,20 @@ class AuditRecord:
     ttft_ms: float | None
     duration_ms: float
 
+    def params(self) -> dict[str, Any]:
+        """The record as an INSERT's parameters: its fields as they are (no deep copy, unlike
+        ``dataclasses.asdict``: every value is an immutable scalar)."""
+        return {name: getattr(self, name) for name in _FIELDS}
+
     def to_spool(self) -> Record:
-        return {**asdict(self), "started_at": self.started_at.isoformat()}
+        return {**self.params(), "started_at": self.started_at.isoformat()}
 
     @classmethod
     def from_spool(cls, raw: Record) -> AuditRecord:
         return cls(**{**raw, "started_at": datetime.fromisoformat(raw["started_at"])})
+
+
+_FIELDS = tuple(f.name for f in fields(AuditRecord))
 
 
 def _text_limits() -> dict[str, int | None]:
@@ -217,8 +226,10 @@ class AuditWriter:
         with session_scope(self._factory) as session:
             if uncertain and rows:
                 rows = _not_yet_written(session, rows, uncertain)
-            if rows:  # one multi-row INSERT: no ORM objects (a flush holds the GIL briefly)
-                session.execute(insert(RequestAudit), [asdict(row) for row in rows])
+            if rows:  # one multi-row INSERT, Core on the table: no ORM objects, no ORM bulk path
+                # (a flush holds the GIL; this costs about a fifth less per row than the ORM's)
+                params = [row.params() for row in rows]
+                session.connection().execute(insert(_TABLE), params)
             if touched:
                 touch_keys(session, last_used=touched)
 

@@ -309,3 +309,20 @@ def test_the_benchmarked_gateway_settings_pass_production_checks(
     settings = GatewaySettings()
     assert settings.mode.value == "production" and settings.redis_url
     assert CanarySettings().canary_enabled
+
+
+def test_ab_tables_give_each_version_its_per_round_ratio_to_the_floor() -> None:
+    from bench.relay_ab import tables
+
+    found = {
+        "A": {"request": [2000.0, 1800.0, 1900.0], "event": [100.0, 90.0, 95.0]},
+        "B": {"request": [1000.0, 1800.0, 1710.0], "event": [50.0, 90.0, 95.0]},
+        "aiohttp pass-through": {"request": [500.0, 600.0, 450.0], "event": [50.0, 45.0, 50.0]},
+    }
+    text = tables(found)
+    # B / A per round: 0.5, 1.0, 0.9 -> median 0.9
+    assert "| µs per request | 1,900 (1,800-2,000) | 1,710 (1,000-1,800) | 0.900 |" in text
+    # per round / floor: A 4.0, 3.0, 4.22; B 2.0, 3.0, 3.8
+    assert "| per request | 500 (450-600) µs | 4.00 (3.00-4.22)x | 3.00 (2.00-3.80)x |" in text
+    assert "| per event | 50.0 (45.0-50.0) µs | 2.00 (1.90-2.00)x | 1.90 (1.00-2.00)x |" in text
+    assert "pass-through" not in tables({k: found[k] for k in "AB"})

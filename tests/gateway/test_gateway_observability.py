@@ -144,3 +144,32 @@ async def test_a_clients_trace_context_never_reaches_the_engine(make_settings, s
     assert format(link.context.trace_id, "032x") == CLIENT_TRACE
     assert format(link.context.span_id, "016x") == CLIENT_SPAN
     assert not link.context.trace_state
+
+
+def test_an_unexported_engine_call_carries_the_traceparent_the_propagator_writes() -> None:
+    """Without an exporter the engine's ``traceparent`` is formatted directly (no ``Context``
+    per request): the same header OpenTelemetry's propagator writes, and the client's
+    ``tracestate`` is never passed on."""
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from gateway.tracing import Tracing
+
+    tracing = Tracing(service_name="t", otlp_endpoint=None)
+    request = tracing.start_request("/v1/chat/completions", MODEL, {})
+    headers = {"tracestate": "theirs=1"}
+    child = tracing.start_upstream(
+        request,
+        base_url="http://127.0.0.1:1",
+        route="/v1/chat/completions",
+        provider="vllm",
+        model=MODEL,
+        max_tokens=3,
+        headers=headers,
+    )
+    expected: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(expected, context=trace.set_span_in_context(child))
+    assert headers == expected
+    context = child.get_span_context()
+    assert context.trace_id == request.get_span_context().trace_id
+    assert context.span_id != request.get_span_context().span_id
