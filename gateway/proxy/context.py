@@ -7,6 +7,7 @@ holds ids, counts and timings only (the prompt lives in the body, which it never
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -20,6 +21,7 @@ from gateway.engines.registry import EngineRecord
 from gateway.lifecycle import Phase, check_transition
 from gateway.limits.base import Lease
 from gateway.proxy.stream import TokenClock
+from gateway.tracing import Tracing
 from gateway.upstream.base import Endpoint
 
 
@@ -90,3 +92,27 @@ class RequestContext:
             exact_count=self.engine is not None and self.engine.spec.introspected,
             first_token_s=self.first_token_s,
         )
+
+
+def open_request(
+    tracing: Tracing,
+    *,
+    request_id: str,
+    principal: Principal,
+    endpoint: Endpoint,
+    model: str,
+    stream: bool,
+    incoming_headers: Mapping[str, str],
+) -> RequestContext:
+    """A tenant request's context, its SERVER span open (how every data-plane route starts)."""
+    span = tracing.start_request(endpoint.path, model, incoming_headers)
+    span.set_attribute("kvguard.tenant_id", principal.tenant_id)
+    span.set_attribute("kvguard.request_id", request_id)
+    return RequestContext(
+        request_id=request_id,
+        principal=principal,
+        endpoint=endpoint,
+        model=model,
+        stream=stream,
+        span=span,
+    )

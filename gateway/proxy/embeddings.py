@@ -53,7 +53,7 @@ from gateway.errors import (
 from gateway.lifecycle import Phase
 from gateway.openai.schemas import EmbeddingsBody
 from gateway.proxy.admission import route, take_lease
-from gateway.proxy.context import RequestContext
+from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.disclosure import scrubbed, without_addresses
 from gateway.proxy.ending import CLIENT_GONE, COMPLETED, INTERNAL, Outcome, cut, refused
@@ -92,17 +92,14 @@ async def serve_embeddings(
     request_id: str,
     incoming_headers: Mapping[str, str],
 ) -> Response:
-    endpoint = Endpoint.EMBEDDINGS
-    span = deps.tracing.start_request(endpoint.path, body.model, incoming_headers)
-    span.set_attribute("kvguard.tenant_id", principal.tenant_id)
-    span.set_attribute("kvguard.request_id", request_id)
-    ctx = RequestContext(
+    ctx = open_request(
+        deps.tracing,
         request_id=request_id,
         principal=principal,
-        endpoint=endpoint,
+        endpoint=Endpoint.EMBEDDINGS,
         model=body.model,
         stream=False,
-        span=span,
+        incoming_headers=incoming_headers,
     )
     outcome = Outcome(CLIENT_GONE)  # what a cancelled request leaves
     try:

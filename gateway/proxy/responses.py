@@ -60,7 +60,7 @@ from gateway.openai.schemas import ChatCompletionBody
 from gateway.openai.surface import profile_of
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, ParamNames, admit, route
-from gateway.proxy.context import RequestContext
+from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.ending import COMPLETED, Answer, Outcome
 from gateway.proxy.reply import AsgiReply
@@ -94,17 +94,14 @@ async def serve_response(
     sessions: sessionmaker[Session],
     retention: timedelta,
 ) -> None:
-    endpoint = Endpoint.RESPONSES
-    span = deps.tracing.start_request(endpoint.path, body.model, incoming_headers)
-    span.set_attribute("kvguard.tenant_id", principal.tenant_id)
-    span.set_attribute("kvguard.request_id", request_id)
-    ctx = RequestContext(
+    ctx = open_request(
+        deps.tracing,
         request_id=request_id,
         principal=principal,
-        endpoint=endpoint,
+        endpoint=Endpoint.RESPONSES,
         model=body.model,
         stream=body.stream,
-        span=span,
+        incoming_headers=incoming_headers,
     )
     flight = ResponsesFlight(deps, ctx, body, reply, sessions=sessions, retention=retention)
     await flight.run()

@@ -40,7 +40,7 @@ from gateway.errors import (
 from gateway.lifecycle import Phase
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
-from gateway.proxy.context import RequestContext
+from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.disclosure import Disclosure, scrubbed, without_addresses
 from gateway.proxy.ending import (
@@ -86,16 +86,14 @@ async def serve_completion(
     request_id: str,
     incoming_headers: Mapping[str, str],
 ) -> None:
-    span = deps.tracing.start_request(endpoint.path, body.model, incoming_headers)
-    span.set_attribute("kvguard.tenant_id", principal.tenant_id)
-    span.set_attribute("kvguard.request_id", request_id)
-    ctx = RequestContext(
+    ctx = open_request(
+        deps.tracing,
         request_id=request_id,
         principal=principal,
         endpoint=endpoint,
         model=body.model,
         stream=body.stream,
-        span=span,
+        incoming_headers=incoming_headers,
     )
     await Flight(deps, ctx, body, reply).run()
 

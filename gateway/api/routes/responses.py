@@ -18,9 +18,11 @@ from fastapi import APIRouter, Query
 
 from contracts.sql import run_in_session, utcnow
 from gateway.deps import CurrentTenant, StateDep
+from gateway.domain import Principal
 from gateway.errors import InvalidRequest
 from gateway.responses import items
 from gateway.services import responses as store
+from gateway.state import GatewayState
 
 router = APIRouter(prefix="/responses", tags=["openai"])  # under /v1 (routes.openai)
 
@@ -42,16 +44,7 @@ async def retrieve_response(
 ) -> dict[str, Any]:
     """The Response as its client got it."""
     _plain(stream=stream, include=[*(include or ()), *(include_repeated or ())])
-    tenant_id = principal.tenant_id
-    stored = await run_in_session(
-        state.sessions,
-        lambda session: store.get(
-            session, tenant_id=tenant_id, response_id=response_id, now=utcnow()
-        ),
-    )
-    if stored is None:
-        raise store.not_found(response_id)
-    return stored.response
+    return (await _stored(state, principal, response_id)).response
 
 
 @router.delete("/{response_id}")
@@ -83,15 +76,7 @@ async def list_input_items(
 ) -> dict[str, Any]:
     """This turn's input items, one page of OpenAI's ``ResponseItemList``."""
     _plain(stream=False, include=[*(include or ()), *(include_repeated or ())])
-    tenant_id = principal.tenant_id
-    stored = await run_in_session(
-        state.sessions,
-        lambda session: store.get(
-            session, tenant_id=tenant_id, response_id=response_id, now=utcnow()
-        ),
-    )
-    if stored is None:
-        raise store.not_found(response_id)
+    stored = await _stored(state, principal, response_id)
     return items.page(stored.input_items, limit=limit, after=after, order=order)
 
 
@@ -101,6 +86,12 @@ async def cancel_response(
 ) -> dict[str, Any]:
     """Only a background response can be cancelled; the gateway runs none, so a stored one is a
     400 (as vLLM and OpenAI answer for a synchronous response) and any other id the 404."""
+    await _stored(state, principal, response_id)
+    raise InvalidRequest("Cannot cancel a synchronous response.", param="response_id")
+
+
+async def _stored(state: GatewayState, principal: Principal, response_id: str) -> store.Stored:
+    """The tenant's stored response by id, or the one 404 (``not_found``) for every other id."""
     tenant_id = principal.tenant_id
     stored = await run_in_session(
         state.sessions,
@@ -110,7 +101,7 @@ async def cancel_response(
     )
     if stored is None:
         raise store.not_found(response_id)
-    raise InvalidRequest("Cannot cancel a synchronous response.", param="response_id")
+    return stored
 
 
 def _plain(*, stream: bool, include: list[str] | None) -> None:
