@@ -122,6 +122,11 @@ async def test_unknown_routes_and_methods(gateway) -> None:
         "POST /v1/chat/completions",
         "POST /v1/completions",
         "POST /v1/embeddings",
+        "POST /v1/responses",
+        "GET /v1/responses/{response_id}",
+        "DELETE /v1/responses/{response_id}",
+        "GET /v1/responses/{response_id}/input_items",
+        "POST /v1/responses/{response_id}/cancel",
         "GET /v1/models",
         "GET /v1/models/{model}",
     ):
