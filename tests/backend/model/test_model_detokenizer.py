@@ -52,6 +52,25 @@ def test_byte_fallback_run_regrouped_by_an_invalid_byte_does_not_raise(family_ch
     assert pieces[0] == ""  # the apostrophe was held: the next byte could still regroup it
 
 
+def test_a_cut_character_with_special_tokens_inside_is_left_out_whole(family_checkpoint):
+    """Two of the three bytes of a character with two ``<unk>`` between them, then the end:
+    decode drops the specials before regrouping, so the run is one character cut short and
+    nothing of it goes out (transformers shows one U+FFFD per byte piece of it). The property
+    test's oracle once allowed only the last 3 tokens to make up the cut character."""
+    tok, hf = engine_and_hf(family_checkpoint("mistral"))
+    vocab = hf.get_vocab()
+    ids = [vocab["<0xE1>"], hf.unk_token_id, hf.unk_token_id, vocab["<0x80>"]]
+
+    pieces, tail = stream(tok, ids, [hf.bos_token_id])
+
+    assert pieces == ["", "", "", ""] and tail == ""
+    assert completion_text(hf, [hf.bos_token_id], ids) == "\ufffd\ufffd"
+    assert_honest("", hf, [hf.bos_token_id], ids)
+    # with its last byte the character is whole: the specials inside it show nothing
+    pieces, tail = stream(tok, [*ids, vocab["<0x81>"]], [hf.bos_token_id])
+    assert "".join(pieces) + tail == "\u1001"
+
+
 def test_byte_tokenizer_cut_inside_a_character_sends_no_replacement():
     tok = ByteTokenizer()
     pieces, tail = stream(tok, [0x41, 0xE2, 0x82])  # "A" then two of the three bytes of "€"
