@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from types import MappingProxyType
+
+from ahocorasick_rs import AhoCorasick
 
 from canary.folding import ANCHOR, Folded
 from canary.kinds import Evidence, FindingKind
@@ -144,18 +147,13 @@ class CandidateReader:
         if reading is Reading.LITERAL:
             return self._first_literal(view, lo, final)
         chars, end = view.chars, len(view.chars) - UNDECIDED
-        known, mine = self._known(), self._own_windows()
         # Where a candidate can start: a window that is a tag or an own fragment (found in bulk,
         # up to the next anchor), or an anchor. Everything else is ordinary text.
         start = lo
         while True:
             at = chars.find(ANCHOR, start)
             stop = end if at == -1 else min(at, end)
-            for i in [
-                i
-                for i in range(start, stop)
-                if (w := chars[i : i + TAG_CHARS]) in known or w in mine
-            ]:
+            for i in self._window_starts(chars, start, stop):
                 verdict = self._at(view, i, final)
                 if verdict is not None:
                     return verdict
@@ -170,13 +168,27 @@ class CandidateReader:
     def quiet(self, chars: str) -> bool:
         """Whether no candidate can start in the folded characters ``chars`` (no anchor, no window
         that is a tag or an own fragment): the scanner's fast path for ordinary text."""
-        if ANCHOR in chars:
+        if ANCHOR in chars or any(window in chars for window in self._own_windows()):
             return False
-        known, mine = self._known(), self._own_windows()
-        return not any(
-            (w := chars[i : i + TAG_CHARS]) in known or w in mine
-            for i in range(len(chars) - UNDECIDED)
-        )
+        index = known_windows(self._known())
+        return index is None or not index.find_matches_as_indexes(chars)
+
+    def _window_starts(self, chars: str, start: int, stop: int) -> list[int]:
+        """Where in ``chars[start:stop]`` a window begins that is a known tag or an own window
+        (a whole window: it may reach ``UNDECIDED`` characters past ``stop``), in order."""
+        if start >= stop:
+            return []
+        span = chars[start : stop + UNDECIDED]
+        starts: set[int] = set()
+        index = known_windows(self._known())
+        if index is not None:
+            starts.update(s for _, s, _ in index.find_matches_as_indexes(span, overlapping=True))
+        for window in self._own_windows():
+            at = span.find(window)
+            while at != -1:
+                starts.add(at)
+                at = span.find(window, at + 1)
+        return [start + i for i in sorted(starts)]
 
     def _first_literal(self, view: Folded, lo: int, final: bool) -> Verdict | None:
         text = view.text
@@ -351,6 +363,29 @@ class CandidateReader:
         if self._fragments is None:
             self._fragments = _own_windows(self._codec, self._owner, self._own_nonces)[1]
         return self._fragments
+
+
+_KNOWN_INDEXES: dict[int, tuple[Mapping[str, object], int, AhoCorasick]] = {}
+_KNOWN_INDEXES_MAX = 4
+_KNOWN_LOCK = threading.Lock()
+
+
+def known_windows(known: Mapping[str, object]) -> AhoCorasick | None:
+    """An automaton finding every known tag in folded text (None: no tag is known), built once per
+    mapping: a ``canary.firewall.TagIndex`` replaces its mapping, never changes it (a mapping
+    changed in place in its size is built again). The few kept are a handful of dict entries;
+    ``TagIndex`` builds a new index's automaton in the worker thread that builds the mapping."""
+    if not known:
+        return None
+    cached = _KNOWN_INDEXES.get(id(known))
+    if cached is not None and cached[0] is known and cached[1] == len(known):
+        return cached[2]
+    with _KNOWN_LOCK:
+        index = AhoCorasick(list(known))
+        if len(_KNOWN_INDEXES) >= _KNOWN_INDEXES_MAX:
+            del _KNOWN_INDEXES[next(iter(_KNOWN_INDEXES))]
+        _KNOWN_INDEXES[id(known)] = (known, len(known), index)
+    return index
 
 
 OwnWindows = tuple[Mapping[str, KnownTag], Mapping[str, tuple[str, int]], Mapping[str, object]]

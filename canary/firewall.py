@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from canary.candidates import known_windows
 from canary.folding import has_marker_characters
 from canary.injection import MarkerLedger
 from canary.markers import KnownTag, MarkerCodec, encode_tag
@@ -79,6 +80,7 @@ class TagIndex:
         if tenant_id not in self._tenants:
             texts = dict(self._texts)
             _add(texts, self._codec, tenant_id)
+            known_windows(texts)
             self._texts, self._tenants = texts, self._tenants | {tenant_id}
 
     def replace(self, tenant_ids: Iterable[str]) -> None:
@@ -87,6 +89,7 @@ class TagIndex:
         tenants = frozenset(tenant_ids)
         for tenant_id in sorted(tenants):
             _add(texts, self._codec, tenant_id)
+        known_windows(texts)  # the scanners' automaton, built here rather than on the loop
         self._texts, self._tenants = texts, tenants
 
 

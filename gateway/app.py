@@ -35,6 +35,7 @@ from gateway.api.routes import admin, embeddings, health, openai, tenant
 from gateway.config import GatewaySettings
 from gateway.console import mount_console
 from gateway.db.session import make_engine, upgrade_database
+from gateway.deps import renew_verified_keys
 from gateway.engines.poller import CapacityPoller
 from gateway.engines.registry import EngineRegistry
 from gateway.errors import install_error_handlers
@@ -157,6 +158,7 @@ async def start(state: GatewayState) -> list[asyncio.Task[None]]:
         asyncio.create_task(state.poller.run(), name="capacity-poller"),
         asyncio.create_task(state.poller.run_reload(), name="engine-reload"),
         asyncio.create_task(state.audit.run(), name="audit-writer"),
+        asyncio.create_task(renew_verified_keys(state), name="key-renewal"),
         asyncio.create_task(state.quarantines.run(), name="quarantines"),
         asyncio.create_task(stored_responses.purge_loop(state.sessions), name="responses-purge"),
     ]

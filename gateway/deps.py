@@ -6,13 +6,16 @@ only the separate admin token (a tenant key there is refused, whatever tenant it
 Wrong credentials -- operator tokens and tenant keys, in separate budgets -- are throttled per
 client address (``gateway.limits.auth_throttle``), the address ``client_address`` derives: the
 real peer, or what a proxy the operator lists (``KVGUARD_TRUSTED_PROXIES``) forwarded. A tenant
-key is looked up in the database at most once per flight and lane (``gateway.services.auth_cache``).
+key is looked up in the database at most once per flight and lane (``gateway.services.auth_cache``),
+and the keys in use are verified again in the background (``renew_verified_keys``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
+import logging
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from functools import partial
@@ -27,14 +30,18 @@ from gateway.config import GatewaySettings, IPNetwork
 from gateway.domain import Principal
 from gateway.errors import AuthenticationFailed, PermissionDenied, RateLimited
 from gateway.limits.auth_throttle import Bucket
+from gateway.services.auth_cache import Verdict
 from gateway.services.keys import (
     AuthFailure,
     authenticate,
     looks_like_tenant_key,
     parse_key,
     prefixes_after,
+    renew,
 )
 from gateway.state import GatewayState
+
+log = logging.getLogger("kvguard.gateway.auth")
 
 _AUTH_MESSAGES = {
     AuthFailure.MALFORMED: "Invalid API key format: expected kvg_<prefix>_<secret>.",
@@ -143,6 +150,35 @@ async def _lookup(state: GatewayState, token: str, now: datetime) -> Principal |
         if result.key_last_used_at is None or now - result.key_last_used_at >= interval:
             state.audit.touch_key(result.key_id, now)
     return result
+
+
+async def renew_verified_keys(state: GatewayState) -> None:
+    """The replica's renewal loop (``AuthCache.renew``): every half ``auth_cache_ttl_s``, the keys
+    served from the cache since the last round are verified again in one read, and their last
+    use stamped as ``_lookup`` does. A round that fails is logged; its keys expire and the
+    request path verifies them. Nothing to do when the ttl is 0 (nothing is cached)."""
+    cache = state.auth_cache
+    interval = cache.renewal_interval_s
+    if interval is None:
+        return
+    while True:
+        await asyncio.sleep(interval)
+        now = state.clock()
+        try:
+            renewed = await cache.renew(partial(_renew, state, now), now=now)
+        except Exception:
+            log.warning("renewing verified keys failed; they are verified on their next use")
+            continue
+        stale = timedelta(seconds=state.settings.key_last_used_interval_s)
+        for principal in renewed:
+            if principal.key_last_used_at is None or now - principal.key_last_used_at >= stale:
+                state.audit.touch_key(principal.key_id, now)
+
+
+async def _renew(state: GatewayState, now: datetime, key_ids: list[int]) -> dict[int, Verdict]:
+    return await run_in_session(
+        state.sessions, lambda session: renew(session, key_ids=key_ids, now=now)
+    )
 
 
 CurrentTenant = Annotated[Principal, Depends(current_principal)]

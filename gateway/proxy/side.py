@@ -46,6 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from contracts.plugins import Cut, Emit, Prefilter, StreamGuard
 
 MAX_PATHS = 256  # 16 choices x a dozen per-choice fields, with room
@@ -202,6 +204,20 @@ def _identities(obj: Any, location: Location) -> tuple[int | None, ...]:
     return tuple(found)
 
 
+def skeleton(obj: dict[str, Any], owner: dict[str, Any], name: str) -> bytes | None:
+    """``obj`` serialised with its one choice's text (``owner[name]``: a chat delta's
+    ``content``, a completion choice's ``text``) empty: what ``SideScreen.feed`` compares. None
+    when orjson cannot write the event (an integer past 64 bits: not compared)."""
+    text = owner[name]
+    owner[name] = ""
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError:
+        return None
+    finally:
+        owner[name] = text
+
+
 def set_at(obj: Any, location: Location, text: str) -> None:
     """Put ``text`` at ``location``; a logprobs token's ``bytes`` follow its new text."""
     container = obj
@@ -341,10 +357,30 @@ class SideScreen:
         self.holding: set[str] = set()  # keys whose guard may hold text back
         self._rewritten: set[str] = set()  # keys of rewritable fields
         self._last: dict[str, tuple[Location, tuple[int | None, ...]]] = {}  # rewrite keys
+        self._stirs = 0  # guards opened or found holding text: a guard's state moved
+        self._quiet: bytes | None = None  # the skeleton of the last event that moved nothing
 
-    def feed(self, obj: dict[str, Any], *, raw: str | None = None) -> Cut | Rewritten | None:
-        """A Cut, the event rewritten (only when a rewritable field changed), or None."""
-        return self._screen(obj, raw, streamed=True)
+    def feed(
+        self, obj: dict[str, Any], *, raw: str | None = None, skeleton: bytes | None = None
+    ) -> Cut | Rewritten | None:
+        """A Cut, the event rewritten (only when a rewritable field changed), or None.
+
+        ``skeleton``: the event serialised with its choice's text left out (``skeleton``), when
+        it has one text. An event whose skeleton is the last quiet event's, while no guard holds
+        text, is not walked: its side strings are that event's, in the same order, and those
+        were fed to guards holding nothing and left every one of them holding nothing, with no
+        guard opened and none switched to reading the literal prefix (``_stirs`` did not move);
+        a scanner holding nothing reads a string the same way each time, so feeding them again
+        would change nothing but the delivered-character counts. The usual stream repeats its
+        id, object, model and creation time in every chunk: one comparison instead of a dozen
+        guard calls."""
+        if skeleton is not None and skeleton == self._quiet and not self.holding:
+            return None
+        idle, stirs = not self.holding, self._stirs
+        verdict = self._screen(obj, raw, streamed=True)
+        quiet = verdict is None and idle and not self.holding and self._stirs == stirs
+        self._quiet = skeleton if quiet else None
+        return verdict
 
     def _screen(
         self, obj: dict[str, Any], raw: str | None, *, streamed: bool
@@ -381,8 +417,11 @@ class SideScreen:
     def _exposed(self) -> Cut | None:
         """The Cut of a cut-only field's guard whose held-back text must not go out, or None."""
         for key in sorted(self.holding - self._rewritten):
-            if (cut := self._guards[key].exposed()) is not None:
+            guard = self._guards[key]
+            if (cut := guard.exposed()) is not None:
                 return cut
+            if guard.skippable(""):  # it reads the literal prefix only now, and holds nothing
+                self.holding.discard(key)
         return None
 
     def _feed(self, key: str, value: str, *, rewrite: bool = False) -> Emit | Cut | None:
@@ -396,6 +435,7 @@ class SideScreen:
         if isinstance(verdict, Emit):
             if not guard.skippable(""):
                 self.holding.add(key)
+                self._stirs += 1
             else:
                 self.holding.discard(key)
         return verdict
@@ -406,6 +446,7 @@ class SideScreen:
             if len(self._guards) >= self._max:
                 raise InvalidSide("too many distinct fields in one answer")
             guard = self._guards[key] = self._open()
+            self._stirs += 1
         return guard
 
     def finish(self) -> Cut | list[SideTail]:

@@ -5,6 +5,12 @@ Entries are keyed by the SHA-256 of the whole token; the clock is passed in.
 - A *verified* key is trusted until ``min(now + ttl, key expiry)``; then it is verified again.
   A key revoked through this replica's admin API stops working at once (any admin change clears
   the cache), through another replica or the CLI within ``ttl`` seconds.
+- *Renewal*: every ``ttl / 2`` the keys used since the last renewal are verified again in the
+  background, all in one read (``renew``: by key id -- a key's secret was checked when it was
+  first verified and never changes), each trusted anew until ``min(read start + ttl, expiry)``.
+  A key in use thus never waits for the database on the request path, and a replica serving
+  10,000 tenants makes one read per renewal, not one per key and ``ttl``. A renewal that fails
+  or runs late changes nothing: its entries expire as before and the request path verifies them.
 - A *refused* token costs no database round trip again: unknown (no such key, or a wrong
   secret), revoked and expired for ``negative_ttl_s`` (default 600 s), a key of a disabled tenant
   for ``ttl`` (an enable through another replica applies within it, like a revocation).
@@ -56,6 +62,8 @@ Verdict = Principal | AuthFailure
 T = TypeVar("T")
 # keys stored after an id, at most so many: (id, prefix)
 Fetch = Callable[[int, int], Awaitable[list[tuple[int, str]]]]
+# the verdicts on these key ids now (a key the database no longer has is left out)
+Renew = Callable[[list[int]], Awaitable[dict[int, Verdict]]]
 
 
 class AuthCache:
@@ -71,6 +79,8 @@ class AuthCache:
         self._negative_ttl = timedelta(seconds=negative_ttl_s)
         self._max = max_entries
         self._verified: dict[str, tuple[Principal, datetime]] = {}  # kept past expiry: "known"
+        self._used: set[str] = set()  # verified entries served since the last renewal
+        self._generation = 0  # moved by ``clear``: a renewal begun before it writes nothing
         self._refused: dict[str, tuple[AuthFailure, datetime]] = {}
         self._flights: dict[str, asyncio.Future[Verdict]] = {}
         self._known_lane = asyncio.Semaphore(lane_lookups)
@@ -88,6 +98,7 @@ class AuthCache:
         key = self._key(token)
         verified = self._verified.get(key)
         if verified is not None and now < verified[1]:
+            self._used.add(key)
             return verified[0]
         refused = self._refused.get(key)
         if refused is not None and now < refused[1]:
@@ -95,7 +106,9 @@ class AuthCache:
         return None
 
     def put(self, token: str, verdict: Verdict, *, now: datetime) -> None:
-        key = self._key(token)
+        self._put(self._key(token), verdict, now=now)
+
+    def _put(self, key: str, verdict: Verdict, *, now: datetime) -> None:
         if isinstance(verdict, Principal):
             if not self._ttl:
                 return
@@ -105,9 +118,40 @@ class AuthCache:
             _bounded_put(self._verified, key, (verdict, until), self._max)
             self._refused.pop(key, None)
             return
+        self._verified.pop(key, None)
         ttl = self._negative_ttl if verdict in _FINAL else self._ttl
         if verdict is not AuthFailure.MALFORMED and ttl:
             _bounded_put(self._refused, key, (verdict, now + ttl), self._max)
+
+    @property
+    def renewal_interval_s(self) -> float | None:
+        """How often ``renew`` runs (half the ttl), or None when verified keys are not kept."""
+        ttl = self._ttl.total_seconds()
+        return ttl / 2 if ttl else None
+
+    async def renew(self, fetch: Renew, *, now: datetime) -> list[Principal]:
+        """Verify again, in one ``fetch``, every key served from the cache since the last renewal
+        (``now``: taken before the read, so an entry is never trusted past ``now + ttl`` of a
+        read that began later than the database's answer). A key the database no longer holds
+        is refused as unknown; a revoked, expired or disabled one as the request path would.
+        Returns the principals renewed (their keys were in use: the caller stamps last use)."""
+        used, self._used = self._used, set()
+        entries = {key: self._verified[key][0] for key in used if key in self._verified}
+        if not entries:
+            return []
+        generation = self._generation
+        verdicts = await fetch(sorted({p.key_id for p in entries.values()}))
+        if generation != self._generation:
+            return []  # an admin change cleared the cache meanwhile: nothing read before it counts
+        renewed: list[Principal] = []
+        for key, principal in entries.items():
+            if self._verified.get(key, (None,))[0] is not principal:
+                continue  # verified again (or dropped) meanwhile: that answer is newer
+            verdict = verdicts.get(principal.key_id, AuthFailure.UNKNOWN)
+            self._put(key, verdict, now=now)
+            if isinstance(verdict, Principal):
+                renewed.append(verdict)
+        return renewed
 
     async def verify(
         self,
@@ -155,6 +199,8 @@ class AuthCache:
     def clear(self) -> None:
         self._verified.clear()
         self._refused.clear()
+        self._used.clear()
+        self._generation += 1
 
 
 def _bounded_put(entries: dict[str, T], key: str, value: T, max_entries: int) -> None:

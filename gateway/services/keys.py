@@ -31,6 +31,7 @@ from gateway.lifecycle import TenantStatus
 KEY_SCHEME = "kvg"
 PREFIX_HEX = 12
 SECRET_HEX = 64
+RENEW_CHUNK = 500  # key ids per renewal statement (bounded statement size)
 _KEY_RE = re.compile(rf"{KEY_SCHEME}_([0-9a-f]{{{PREFIX_HEX}}})_([0-9a-f]{{{SECRET_HEX}}})")
 
 
@@ -129,6 +130,29 @@ def authenticate(session: Session, *, token: str, now: datetime) -> Principal | 
     key, tenant = found
     if not hmac.compare_digest(hash_secret(parsed.secret), key.secret_hash):
         return AuthFailure.UNKNOWN
+    return _verdict(key, tenant, now)
+
+
+def renew(
+    session: Session, *, key_ids: list[int], now: datetime
+) -> dict[int, Principal | AuthFailure]:
+    """What ``authenticate`` would say now about keys whose secrets were checked before, by id (a
+    key's secret never changes): the replica's renewal of the keys it trusts
+    (``gateway.services.auth_cache``). A key the database no longer holds is left out."""
+    verdicts: dict[int, Principal | AuthFailure] = {}
+    for start in range(0, len(key_ids), RENEW_CHUNK):
+        query = (
+            select(ApiKey, Tenant)
+            .join(Tenant, Tenant.id == ApiKey.tenant_id)
+            .where(ApiKey.id.in_(key_ids[start : start + RENEW_CHUNK]))
+        )
+        for key, tenant in session.execute(query).tuples():
+            verdicts[key.id] = _verdict(key, tenant, now)
+    return verdicts
+
+
+def _verdict(key: ApiKey, tenant: Tenant, now: datetime) -> Principal | AuthFailure:
+    """A key whose secret matched: its tenant, or why it is refused now."""
     if key.revoked_at is not None and key.revoked_at <= now:
         return AuthFailure.REVOKED
     if key.expires_at is not None and key.expires_at <= now:

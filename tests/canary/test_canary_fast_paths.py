@@ -174,3 +174,128 @@ def test_the_fast_paths_deliver_ordinary_text_as_feed_would() -> None:
     assert scanner.finish().text == ""
     with pytest.raises(ScannerStateError):
         scanner.pass_through("late")
+
+
+def relay_memo(raw: bytes, *, memo: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, Any]:
+    """``relay`` with the side screen's skeleton comparison on (the gateway) or off (every event
+    walked and fed: the reference)."""
+    with monkeypatch.context() as patch:
+        if not memo:
+            patch.setattr(StreamRelay, "_skeleton", lambda self, obj: None)
+        return relay(raw, skips=True)
+
+
+@pytest.mark.parametrize("field", ["id", "model", "ext"])
+def test_events_that_repeat_their_side_fields_are_screened_as_if_each_were_walked(
+    field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An event whose fields but its text are the last quiet event's is not walked again: the
+    stream's bytes, cut and findings are those of walking every event -- for a repeated value
+    that is a marker, a piece of one, one whose repetition spells one (a rotation: v + v holds
+    the marker), and for a value that changes to a marker after many quiet events."""
+    rng = random.Random(field)
+    cuts = 0
+    for _ in range(120):
+        marker = rng.choice([VICTIM.text, OWN.text, VICTIM.text[5:].lower()])
+        turn = rng.randrange(1, len(marker))
+        value = rng.choice(
+            [
+                marker,
+                marker[turn:] + marker[:turn],  # a rotation: two in a row spell the marker
+                marker[: rng.randint(3, 12)],
+                "chatcmpl-" + "".join(rng.choice("abcCN0") for _ in range(8)),
+                "Cache",
+            ]
+        )
+        events = []
+        switch = rng.randrange(2, 12)
+        for i in range(14):
+            content = rng.choice(["the", " C", "x", " Node", "CN"])
+            event: dict[str, Any] = {"id": "c1", "object": "chat.completion.chunk"}
+            event[field] = value if i < switch or rng.random() < 0.5 else marker
+            event["choices"] = [{"index": 0, "delta": {"content": content}, "logprobs": None}]
+            events.append(event)
+        raw = sse(events, rng)
+        fast, fast_cut = relay_memo(raw, memo=True, monkeypatch=monkeypatch)
+        full, full_cut = relay_memo(raw, memo=False, monkeypatch=monkeypatch)
+        assert fast == full, raw
+        assert _findings(fast_cut) == _findings(full_cut)
+        assert (fast_cut and fast_cut.code) == (full_cut and full_cut.code)
+        cuts += fast_cut is not None
+    assert cuts > 20
+
+
+class Counting(StreamGuard):
+    """A guard that counts what is fed to it (the firewall's guard underneath)."""
+
+    feeds = 0
+
+    def __init__(self, guard: StreamGuard) -> None:
+        self._guard = guard
+
+    def feed(self, text: str) -> Emit | Cut:
+        Counting.feeds += 1
+        return self._guard.feed(text)
+
+    def finish(self) -> Emit | Cut:
+        return self._guard.finish()
+
+    def exposed(self) -> Cut | None:
+        return self._guard.exposed()
+
+    def skippable(self, text: str) -> bool:
+        return self._guard.skippable(text)
+
+
+def test_a_stream_that_repeats_its_side_fields_feeds_them_only_in_its_first_events() -> None:
+    """The usual stream (vLLM's chunk: id, object, created, model, one choice with a text) costs
+    its side guards a few feeds in its first events, then one comparison per event; the guards
+    that were asked ``exposed`` and read the literal prefix only stop counting as holding."""
+    fw = LeakFirewall(CODEC, ledger=MarkerLedger(), tags=TagIndex(CODEC))
+    info = RequestInfo("r1", OWNER, "m", "chat.completions", True, 0.0, engine="e1")
+    stream = StreamRelay(
+        endpoint=Endpoint.CHAT, open_guard=lambda: Counting(fw.open(info)), wants_usage=False
+    )
+    base = {"id": "chatcmpl-9fC3", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    words = ["The", " Cache", " node", " holds", " CN", " pages"] * 20
+    Counting.feeds = 0
+    for word in words:
+        choice = {"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": None}
+        data = json.dumps({**base, "choices": [choice]})
+        assert stream.on_event(f"data: {data}\n\n".encode()).end is None
+    side = stream._side
+    assert side is not None and not side.holding
+    # the text guard is fed every event; the side guards only while the first events set them up
+    assert len(words) <= Counting.feeds <= len(words) + 15
+
+
+def test_the_tag_automaton_finds_the_windows_the_window_loop_finds() -> None:
+    """``CandidateReader.quiet`` and the window starts of ``first`` (Aho-Corasick over the known
+    tags, substring search for the request's own windows) are the plain definition: every
+    8-character window that is a known tag or an own window, at every position."""
+    from canary.candidates import ANCHOR, TAG_CHARS, CandidateReader
+
+    tags = TagIndex(CODEC)
+    tags.replace(TENANTS)
+    reader = CandidateReader(
+        CODEC,
+        owner=OWNER,
+        own_nonces=frozenset({OWN.nonce}),
+        carried_nonces=frozenset(),
+        known_tags=tags.texts,
+    )
+    known, mine = tags.texts(), reader._own_windows()
+    words = [*known, *mine, ANCHOR, "ABCDEFGH", "Q2Z7", "X"]
+    rng = random.Random(7)
+    for _ in range(3000):
+        chars = "".join(rng.choice(words)[rng.randrange(0, 4) :] for _ in range(rng.randint(0, 6)))
+        windows = [
+            i
+            for i in range(len(chars) - TAG_CHARS + 1)
+            if chars[i : i + TAG_CHARS] in known or chars[i : i + TAG_CHARS] in mine
+        ]
+        assert reader.quiet(chars) == (ANCHOR not in chars and not windows), chars
+        start = rng.randint(0, max(0, len(chars) - TAG_CHARS))
+        stop = rng.randint(start, max(start, len(chars) - TAG_CHARS + 1))
+        expected = [i for i in windows if start <= i < stop]
+        assert reader._window_starts(chars, start, stop) == expected, (chars, start, stop)

@@ -3,11 +3,13 @@ and OpenAI-style bodies."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
-from gateway_harness import bearer
+from gateway_harness import bearer, running_gateway
 
-from contracts.sql import utcnow
+from contracts.sql import session_scope, utcnow
+from gateway.services.keys import revoke_key
 
 ROUTES = [
     ("GET", "/v1/models", None),
@@ -97,3 +99,44 @@ async def test_last_used_is_recorded(gateway) -> None:
     await gateway.state.audit.flush()
     keys = await gateway.client.get(f"/admin/tenants/{tenant_id}/keys", headers=gateway.admin)
     assert keys.json()[0]["last_used_at"] is not None
+
+
+async def test_a_key_in_use_is_renewed_off_the_request_path_and_a_revocation_elsewhere_applies_within_the_ttl(  # noqa: E501
+    make_settings, standin
+) -> None:
+    """A key used across many ttls is verified again in the background (``renew_verified_keys``):
+    after its first lookup, no request waits for the database. A revocation written by another
+    replica (straight to the database: this replica's cache is not cleared) refuses the key
+    within the ttl: no request sent later than the revocation plus the ttl is answered 200."""
+    ttl = 1.0
+    settings = make_settings(
+        engines=[{"name": "standin", "kind": "bundled", "base_url": standin.url}],
+        auth_cache_ttl_s=ttl,
+    )
+    async with running_gateway(settings) as gw:
+        _, key = await gw.create_tenant("acme")
+        cache = gw.state.auth_cache
+        assert (await gw.client.get("/v1/models", headers=bearer(key))).status_code == 200
+        lookups = cache.lookups
+        until = utcnow() + timedelta(seconds=ttl * 4)
+        while utcnow() < until:  # four ttls of use
+            assert (await gw.client.get("/v1/models", headers=bearer(key))).status_code == 200
+            await asyncio.sleep(0.02)
+        assert cache.lookups == lookups  # renewed in the background, never on a request
+
+        revoked = utcnow()
+        with session_scope(gw.state.sessions) as session:
+            revoke_key(session, prefix=key.split("_")[1], now=revoked)
+        late_200s = []
+        for _ in range(500):
+            sent = utcnow()
+            status = (await gw.client.get("/v1/models", headers=bearer(key))).status_code
+            if status == 401:
+                break
+            assert status == 200
+            if sent > revoked + timedelta(seconds=ttl):
+                late_200s.append(sent - revoked)
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the revoked key was never refused")
+        assert late_200s == []

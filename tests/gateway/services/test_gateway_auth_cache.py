@@ -6,6 +6,7 @@ the same cache in the real gateway against PostgreSQL)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -188,3 +189,73 @@ async def test_a_large_table_is_read_in_batches_each_keeping_its_gain(
     prefixes = KnownPrefixes()
     assert await prefixes.holds(f"{7:012x}", fetch=fetch, timeout_s=5)
     assert asked == [0, 3, 6] and len(prefixes) == 7
+
+
+BOB = Principal(
+    tenant_id="t2",
+    tenant_name="bob",
+    key_id=2,
+    key_prefix="p2",
+    plan=TenantPlan(),
+    synthetic=False,
+    canary_sample_rate=0.0,
+    key_last_used_at=None,
+)
+
+
+async def test_renewal_verifies_the_keys_in_use_in_one_read_and_trusts_them_anew() -> None:
+    """``renew``: the keys served since the last round, all in one read; each trusted for a
+    ttl from the read's start; a key the database refuses now is refused from then on; a key
+    not used since the last round is not read (it expires as before)."""
+    cache = AuthCache(ttl_s=1.0)
+    assert cache.renewal_interval_s == 0.5
+    cache.put("alice", ALICE, now=NOW)
+    cache.put("bob", BOB, now=NOW)
+    cache.put("carol", replace(BOB, key_id=3), now=NOW)
+    assert cache.get("alice", now=NOW) is ALICE and cache.get("bob", now=NOW) is BOB
+    reads: list[list[int]] = []
+
+    async def fetch(key_ids: list[int]) -> dict[int, Principal | AuthFailure]:
+        reads.append(key_ids)
+        return {1: ALICE, 2: AuthFailure.REVOKED}
+
+    later = NOW + timedelta(seconds=0.9)
+    assert await cache.renew(fetch, now=later) == [ALICE]
+    assert reads == [[1, 2]]  # carol was not used: not read
+    assert await cache.renew(fetch, now=later) == [] and len(reads) == 1  # nothing used since
+    assert cache.get("alice", now=NOW + timedelta(seconds=1.8)) is ALICE  # trusted from 0.9
+    assert cache.get("alice", now=NOW + timedelta(seconds=1.9)) is None
+    assert cache.get("bob", now=later) is AuthFailure.REVOKED  # at once, not at NOW + 1
+    assert cache.get("carol", now=NOW + timedelta(seconds=1)) is None  # expired as before
+
+
+async def test_a_renewal_begun_before_an_admin_change_writes_nothing() -> None:
+    """``clear`` (any admin change on this replica: a revocation applies at once) while a
+    renewal's read is in flight: what that read says is older than the change, so it is not
+    kept; an entry verified again meanwhile keeps the newer answer."""
+    cache = AuthCache(ttl_s=1.0)
+    cache.put("alice", ALICE, now=NOW)
+    cache.get("alice", now=NOW)
+    release = asyncio.Event()
+
+    async def fetch(key_ids: list[int]) -> dict[int, Principal | AuthFailure]:
+        await release.wait()
+        return {1: ALICE}
+
+    renewal = asyncio.ensure_future(cache.renew(fetch, now=NOW))
+    await asyncio.sleep(0)
+    cache.clear()
+    release.set()
+    assert await renewal == []
+    assert cache.get("alice", now=NOW) is None
+
+    cache.put("alice", ALICE, now=NOW)
+    cache.get("alice", now=NOW)
+    newer = replace(ALICE, plan=TenantPlan(requests_per_minute=7))
+    release.clear()
+    renewal = asyncio.ensure_future(cache.renew(fetch, now=NOW))
+    await asyncio.sleep(0)
+    cache.put("alice", newer, now=NOW)  # the request path verified it again meanwhile
+    release.set()
+    assert await renewal == []
+    assert cache.get("alice", now=NOW) is newer

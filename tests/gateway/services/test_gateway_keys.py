@@ -10,7 +10,7 @@ from sqlalchemy import text
 
 from contracts.sql import make_session_factory, session_scope, utcnow
 from gateway.db.session import make_engine, upgrade_database
-from gateway.domain import TenantPlan
+from gateway.domain import Principal, TenantPlan
 from gateway.lifecycle import TenantStatus
 from gateway.services.keys import (
     AuthFailure,
@@ -18,6 +18,7 @@ from gateway.services.keys import (
     hash_secret,
     issue_key,
     parse_key,
+    renew,
     revoke_key,
 )
 from gateway.services.tenants import create_tenant, get_tenant, set_status
@@ -144,3 +145,27 @@ def test_auth_cache_bounds() -> None:
     assert off.get("tok", now=now) is None
     cache.clear()
     assert cache.get("tok", now=now) is None
+
+
+def test_renewal_says_what_authenticate_says_by_key_id(sessions) -> None:
+    """``renew``: the verdict ``authenticate`` gives each key now, read by id (the secrets were
+    checked before); a key the database no longer holds is left out."""
+    tenant_id, key = _tenant(sessions, "acme")
+    _, other = _tenant(sessions, "globex")
+    now = utcnow()
+    with session_scope(sessions) as session:
+        soon = issue_key(session, tenant_id=tenant_id, expires_at=now + timedelta(seconds=60))
+    with session_scope(sessions) as session:
+        live = [authenticate(session, token=k.key, now=now) for k in (key, soon, other)]
+        assert all(isinstance(p, Principal) for p in live)
+        ids = [p.key_id for p in live if isinstance(p, Principal)]
+        assert renew(session, key_ids=[*ids, 10**9], now=now) == dict(zip(ids, live, strict=True))
+        revoke_key(session, prefix=key.prefix, now=now)
+        set_status(session, tenant=get_tenant(session, ref="globex"), status=TenantStatus.DISABLED)
+    with session_scope(sessions) as session:
+        later = renew(session, key_ids=ids, now=now + timedelta(seconds=61))
+    assert later == {
+        ids[0]: AuthFailure.REVOKED,
+        ids[1]: AuthFailure.EXPIRED,
+        ids[2]: AuthFailure.TENANT_DISABLED,
+    }
