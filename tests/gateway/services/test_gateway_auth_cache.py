@@ -191,16 +191,7 @@ async def test_a_large_table_is_read_in_batches_each_keeping_its_gain(
     assert asked == [0, 3, 6] and len(prefixes) == 7
 
 
-BOB = Principal(
-    tenant_id="t2",
-    tenant_name="bob",
-    key_id=2,
-    key_prefix="p2",
-    plan=TenantPlan(),
-    synthetic=False,
-    canary_sample_rate=0.0,
-    key_last_used_at=None,
-)
+BOB = replace(ALICE, tenant_id="t2", tenant_name="bob", key_id=2, key_prefix="p2")
 
 
 async def test_renewal_verifies_the_keys_in_use_in_one_read_and_trusts_them_anew() -> None:
