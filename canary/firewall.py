@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from canary.candidates import known_windows
 from canary.folding import has_marker_characters
-from canary.injection import MarkerLedger
+from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import KnownTag, MarkerCodec, encode_tag
-from canary.scanner import NOTHING, Finding, ScanResult, StreamScanner
+from canary.scanner import NOTHING, Finding, ScanResult, StreamScanner, reader_for
 from contracts.plugins import Cut, Emit, GuardCapabilities, RequestInfo, StreamGuard
 
 log = logging.getLogger("kvguard.canary")
@@ -46,6 +46,7 @@ CUT_MESSAGE = (
 )
 UNDECIDED_CODE = "upstream_error"
 UNDECIDED_MESSAGE = "the engine sent a field the gateway cannot vouch for"
+MAX_READERS = 1024  # requests whose scanner factory is kept (a request opens a dozen guards)
 _NOTHING = Emit("")  # shared: an Emit is immutable, and most held-back feeds deliver nothing
 
 
@@ -189,18 +190,29 @@ class LeakFirewall:
         self._ledger = ledger
         self._tags = tags
         self.capabilities = GuardCapabilities()
+        self._makers: dict[str, tuple[RequestMarkers, str, Callable[[], StreamScanner]]] = {}
 
     def open(self, info: RequestInfo) -> FirewallGuard:
-        self._tags.add(info.tenant_id)
+        """A guard for one text of the request's answer. The request's guards (a dozen: its
+        choices and side fields) share one scanner factory and ``CandidateReader``, built on
+        the first ``open`` (the last ``MAX_READERS`` requests are kept)."""
         markers = self._ledger.get(info.request_id)
+        cached = self._makers.get(info.request_id)
+        if cached is not None and cached[0] is markers and cached[1] == info.tenant_id:
+            return FirewallGuard(cached[2])
+        self._tags.add(info.tenant_id)
+        reader = reader_for(
+            self._codec,
+            owner_tenant_id=info.tenant_id,
+            own_nonces=markers.own,
+            carried_nonces=markers.carried,
+            known_tags=self._tags.texts,
+        )
 
         def make() -> StreamScanner:
-            return StreamScanner(
-                self._codec,
-                owner_tenant_id=info.tenant_id,
-                own_nonces=markers.own,
-                carried_nonces=markers.carried,
-                known_tags=self._tags.texts,
-            )
+            return StreamScanner.reading_with(reader)
 
+        if len(self._makers) >= MAX_READERS:
+            del self._makers[next(iter(self._makers))]
+        self._makers[info.request_id] = (markers, info.tenant_id, make)
         return FirewallGuard(make)

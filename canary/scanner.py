@@ -119,6 +119,31 @@ candidate looks forward). A full pass keeps exactly those characters."""
 _LITERAL_ENDS = tuple(PREFIX[:k] for k in range(1, len(PREFIX) + 1))
 
 
+def reader_for(
+    codec: MarkerCodec,
+    *,
+    owner_tenant_id: str,
+    own_nonces: Iterable[bytes],
+    known_tags: KnownTags | None = None,
+    carried_nonces: Iterable[bytes] = (),
+) -> CandidateReader:
+    """The candidate rules for streams of ``owner_tenant_id``'s request with these markers
+    (checked: nonces of ``NONCE_BYTES``, an owner)."""
+    own = frozenset(own_nonces)
+    carried = frozenset(carried_nonces) - own
+    if any(len(n) != NONCE_BYTES for n in own | carried):
+        raise ValueError(f"own and carried nonces must be {NONCE_BYTES} bytes each")
+    if not owner_tenant_id:
+        raise ValueError("owner_tenant_id must be a non-empty string")
+    return CandidateReader(
+        codec,
+        owner=owner_tenant_id,
+        own_nonces=own,
+        carried_nonces=carried,
+        known_tags=known_tags,
+    )
+
+
 class ScannerState(StrEnum):
     OPEN = "open"
     CUT = "cut"
@@ -178,19 +203,27 @@ class StreamScanner:
         known_tags: KnownTags | None = None,
         carried_nonces: Iterable[bytes] = (),
     ) -> None:
-        own = frozenset(own_nonces)
-        carried = frozenset(carried_nonces) - own
-        if any(len(n) != NONCE_BYTES for n in own | carried):
-            raise ValueError(f"own and carried nonces must be {NONCE_BYTES} bytes each")
-        if not owner_tenant_id:
-            raise ValueError("owner_tenant_id must be a non-empty string")
-        self._reader = CandidateReader(
-            codec,
-            owner=owner_tenant_id,
-            own_nonces=own,
-            carried_nonces=carried,
-            known_tags=known_tags,
+        self._start(
+            reader_for(
+                codec,
+                owner_tenant_id=owner_tenant_id,
+                own_nonces=own_nonces,
+                known_tags=known_tags,
+                carried_nonces=carried_nonces,
+            )
         )
+
+    @classmethod
+    def reading_with(cls, reader: CandidateReader) -> StreamScanner:
+        """A scanner that reads with ``reader`` (``reader_for``): the scanners of one request's
+        answer (its choices and side fields) share one, built once. A reader keeps nothing of a
+        read but the ``origin`` every read sets first, and reads run one at a time."""
+        scanner = cls.__new__(cls)
+        scanner._start(reader)
+        return scanner
+
+    def _start(self, reader: CandidateReader) -> None:
+        self._reader = reader
         self._reading = Reading.FOLDED
         self._pending = ""  # undecided text (never more than MAX_HOLDBACK)
         self._context = ""  # the delivered text a marker may still continue (FOLDED)

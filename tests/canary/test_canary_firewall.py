@@ -17,7 +17,7 @@ from canary.folding import fold_flat
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.kinds import Evidence, FindingKind
 from canary.markers import MarkerCodec, MarkerKeyring, decode_tag
-from contracts.plugins import RequestInfo
+from contracts.plugins import Emit, RequestInfo
 from contracts.sse import SseSplitter
 from gateway.lifecycle import Phase
 from gateway.proxy.relay import KEEP_ALIVE, InvalidUpstream, Step, StreamRelay, relay_body
@@ -450,3 +450,21 @@ def test_corpus_recall_and_false_positives() -> None:
     print(f"recall {caught}/{leaked}; false positives {flagged}/80 responses ({clean_chars} chars)")
     assert (caught, leaked) == (150, 150)
     assert flagged == 0 and clean_chars > 400_000
+
+
+def test_a_requests_guards_share_one_reader_built_with_its_current_markers() -> None:
+    """``LeakFirewall.open``: the guards of one request (its choices and side fields) read with
+    one ``CandidateReader``, built once; markers put for the request after that (a new ledger
+    entry) get a reader of their own, so no guard strips with a stale set of own nonces."""
+    ledger = MarkerLedger()
+    fw = LeakFirewall(CODEC, ledger=ledger, tags=TagIndex(CODEC))
+    info = RequestInfo("r1", "tn_a", "m", "chat.completions", True, 0.0, engine="e1")
+    first, second = fw.open(info), fw.open(info)
+    assert first.feed("hello") and second.feed("world")
+    assert first._scanner is not None and second._scanner is not None
+    assert first._scanner._reader is second._scanner._reader
+    own = CODEC.issue("tn_a", nonce=b"own-req1")
+    ledger.put("r1", RequestMarkers(own=frozenset({own.nonce})))
+    third = fw.open(info)
+    assert third.feed(f"a {own.text} b") == Emit("a  b")  # the new own marker is stripped
+    assert third._scanner is not None and third._scanner._reader is not first._scanner._reader
