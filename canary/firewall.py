@@ -26,11 +26,11 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from canary.candidates import known_windows
+from canary.candidates import CandidateReader, known_windows
 from canary.folding import has_marker_characters
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import KnownTag, MarkerCodec, encode_tag
-from canary.scanner import NOTHING, Finding, ScanResult, StreamScanner, reader_for
+from canary.scanner import NOTHING, Finding, ScanResult, StreamScanner, passes, reader_for
 from contracts.plugins import Cut, Emit, GuardCapabilities, RequestInfo, StreamGuard
 
 log = logging.getLogger("kvguard.canary")
@@ -112,16 +112,22 @@ class FirewallGuard(StreamGuard):
     out as the engine sent it) reads the literal prefix only from then on
     (``StreamScanner.cut_only``)."""
 
-    __slots__ = ("_make", "_scanner")
+    __slots__ = ("_literal", "_make", "_reader", "_scanner")
 
-    def __init__(self, make: Callable[[], StreamScanner]) -> None:
+    def __init__(
+        self, make: Callable[[], StreamScanner], reader: CandidateReader | None = None
+    ) -> None:
         self._make = make
+        self._reader = reader  # the request's (``LeakFirewall.open``): for ``passes_whole``
         self._scanner: StreamScanner | None = None
+        self._literal = False  # ``expose_whole`` passed: the scanner, once made, reads literally
 
     def feed(self, text: str) -> Emit | Cut:
         scanner = self._scanner
         if scanner is None:
             scanner = self._scanner = self._make()
+            if self._literal:
+                scanner.cut_only()
         if scanner.pass_through(text):  # nothing held or watched, nothing a marker is made of
             return Emit(text)
         return _verdict(scanner.feed(text))
@@ -157,10 +163,28 @@ class FirewallGuard(StreamGuard):
         text (the relay then asks ``exposed`` of a cut-only field)."""
         scanner = self._scanner
         if scanner is None:
-            return not has_marker_characters(text)
+            return "C" not in text if self._literal else not has_marker_characters(text)
         if scanner.watching:
             return False
         return "C" not in text if scanner.literal_only else not has_marker_characters(text)
+
+    def passes_whole(self, text: str) -> bool:
+        """A whole text (a side field of a non-streaming answer: fed, then finished) goes out
+        unchanged and finds nothing when no candidate can start in it (``canary.scanner.passes``):
+        one check instead of a scanner's pass and its final pass."""
+        reader = self._reader
+        return self._scanner is None and reader is not None and passes(reader, text)
+
+    def expose_whole(self, text: str) -> bool:
+        """A cut-only field's first text in a stream, in which no candidate can start
+        (``canary.scanner.passes``): fed, it would be delivered and leave only context, which
+        ``exposed`` drops when it switches the scanner to the literal prefix (``cut_only``). So
+        the guard starts there: no scanner until a text with a ``C`` comes."""
+        reader = self._reader
+        if self._scanner is not None or reader is None or not passes(reader, text):
+            return False
+        self._literal = True
+        return True
 
     def redactions(self) -> int:
         """How many candidates this guard removed from what it delivered (each counts one,
@@ -182,6 +206,9 @@ def _verdict(result: ScanResult) -> Emit | Cut:
     return Emit(result.text)
 
 
+_Maker = tuple[RequestMarkers, str, Callable[[], StreamScanner], CandidateReader]
+
+
 class LeakFirewall:
     """``GuardFactory`` of the gateway: every response of every tenant is scanned."""
 
@@ -190,7 +217,7 @@ class LeakFirewall:
         self._ledger = ledger
         self._tags = tags
         self.capabilities = GuardCapabilities()
-        self._makers: dict[str, tuple[RequestMarkers, str, Callable[[], StreamScanner]]] = {}
+        self._makers: dict[str, _Maker] = {}
 
     def open(self, info: RequestInfo) -> FirewallGuard:
         """A guard for one text of the request's answer. The request's guards (a dozen: its
@@ -199,7 +226,7 @@ class LeakFirewall:
         markers = self._ledger.get(info.request_id)
         cached = self._makers.get(info.request_id)
         if cached is not None and cached[0] is markers and cached[1] == info.tenant_id:
-            return FirewallGuard(cached[2])
+            return FirewallGuard(cached[2], cached[3])
         self._tags.add(info.tenant_id)
         reader = reader_for(
             self._codec,
@@ -214,5 +241,5 @@ class LeakFirewall:
 
         if len(self._makers) >= MAX_READERS:
             del self._makers[next(iter(self._makers))]
-        self._makers[info.request_id] = (markers, info.tenant_id, make)
-        return FirewallGuard(make)
+        self._makers[info.request_id] = (markers, info.tenant_id, make, reader)
+        return FirewallGuard(make, reader)

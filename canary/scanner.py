@@ -144,6 +144,15 @@ def reader_for(
     )
 
 
+def passes(reader: CandidateReader, text: str) -> bool:
+    """Whether a fresh scanner reading with ``reader``, fed ``text`` and finished, delivers it
+    unchanged and finds nothing: an ASCII text in which no candidate can start (no anchor, no
+    tag or own window, folded: ``CandidateReader.quiet``) and that does not end as the literal
+    prefix begins. (Both passes read the same folded characters; the final one decides nothing
+    where no candidate starts.)"""
+    return text.isascii() and reader.quiet(fold_ascii(text)) and not text.endswith(_LITERAL_ENDS)
+
+
 class ScannerState(StrEnum):
     OPEN = "open"
     CUT = "cut"

@@ -94,6 +94,19 @@ class StreamGuard(Protocol):
         first, or None when that is safe."""
         return None
 
+    def passes_whole(self, text: str) -> bool:
+        """Asked of a guard nothing was fed yet, for a whole text it would be fed and then
+        finished on: True when that would deliver ``text`` unchanged and report nothing (the
+        caller then feeds nothing; ``finish`` still answers)."""
+        return False
+
+    def expose_whole(self, text: str) -> bool:
+        """Asked of a guard nothing was fed yet, for the whole text a streamed event carries in a
+        field that goes out as the engine sent it: True when feeding it and then asking
+        ``exposed`` would cut nothing and leave the guard holding nothing -- the guard is then in
+        that state, and the caller feeds nothing."""
+        return False
+
     def redactions(self) -> int:
         """How many pieces of text this guard removed from what it delivered so far (the leak
         firewall: marker-like candidates, each counting one whatever its kind, so the count tells

@@ -418,7 +418,10 @@ def own_usage(obj: dict[str, Any], hidden: int) -> dict[str, Any]:
 
 
 def screen(guard: StreamGuard, text: str) -> str | Cut:
-    """A whole text through a fresh guard: what may be delivered, or the Cut."""
+    """A whole text through a fresh guard: what may be delivered, or the Cut (nothing fed when
+    the guard says the text passes whole, ``StreamGuard.passes_whole``)."""
+    if guard.passes_whole(text):
+        return text
     first = guard.feed(text) if text else Emit("")
     if isinstance(first, Cut):
         return first

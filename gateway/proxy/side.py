@@ -341,6 +341,12 @@ class SideScreen:
       while the guard holds text back (which goes out with the event anyway); a Cut ends the
       stream before the event is sent (the firewall: an undecided marker longer than ``CNRY-``
       and 7 characters).
+
+    And two for a field's first values (a new guard), which the firewall answers with one check
+    of the joined values (no candidate can start in them, ``canary.scanner.passes``):
+    ``passes_whole`` (a whole answer: fed and finished, they would pass unchanged) and
+    ``expose_whole`` (a streamed event: fed and then exposed, they would leave the guard reading
+    the literal prefix only and holding nothing; the guard starts in that state).
     """
 
     def __init__(
@@ -390,6 +396,10 @@ class SideScreen:
         if idle and raw is not None and prefilter is not None and not prefilter(raw, obj):
             return None
         for key, values in side_fields(obj).items():
+            if key not in self._guards:  # a field's first values: they may pass at once
+                guard, whole = self._guard(key), "".join(values)
+                if guard.expose_whole(whole) if streamed else guard.passes_whole(whole):
+                    continue
             for value in values:
                 verdict = self._feed(key, value)
                 if isinstance(verdict, Cut):

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from canary.firewall import CanaryCut, LeakFirewall, TagIndex
+from canary.firewall import CanaryCut, FirewallGuard, LeakFirewall, TagIndex
 from canary.folding import fold_flat
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
@@ -177,11 +177,12 @@ def test_the_fast_paths_deliver_ordinary_text_as_feed_would() -> None:
 
 
 def relay_memo(raw: bytes, *, memo: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, Any]:
-    """``relay`` with the side screen's skeleton comparison on (the gateway) or off (every event
-    walked and fed: the reference)."""
+    """``relay`` with the side screen's skeleton comparison and the guards' ``expose_whole`` on
+    (the gateway) or off (every event walked and every value fed: the reference)."""
     with monkeypatch.context() as patch:
         if not memo:
             patch.setattr(StreamRelay, "_skeleton", lambda self, obj: None)
+            patch.setattr(FirewallGuard, "expose_whole", lambda self, text: False)
         return relay(raw, skips=True)
 
 
@@ -290,3 +291,55 @@ def test_the_tag_automaton_finds_the_windows_the_window_loop_finds() -> None:
         stop = rng.randint(start, max(start, len(chars) - TAG_CHARS + 1))
         expected = [i for i in windows if start <= i < stop]
         assert reader._window_starts(chars, start, stop) == expected, (chars, start, stop)
+
+
+@pytest.mark.parametrize("field", ["id", "model", "ext", "name", "content"])
+def test_a_whole_answer_whose_fields_pass_at_once_is_screened_as_if_each_were_fed(
+    field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``relay_body``: a side field or a text of a non-streaming answer in which no candidate can
+    start (``FirewallGuard.passes_whole``) is not fed to a scanner; the answer, its cut and
+    findings are those of feeding every value and finishing (the reference: ``passes_whole``
+    always False), own markers stripped alike."""
+    from gateway.proxy.relay import relay_body
+
+    ledger = MarkerLedger()
+    ledger.put("r1", RequestMarkers(own=frozenset({OWN.nonce})))
+    tags = TagIndex(CODEC)
+    tags.replace(TENANTS)
+    fw = LeakFirewall(CODEC, ledger=ledger, tags=tags)
+    info = RequestInfo("r1", OWNER, "m", "chat.completions", False, 0.0, engine="e1")
+    rng = random.Random(field)
+    cuts = 0
+    for _ in range(200):
+        marker = rng.choice([VICTIM.text, OWN.text, VICTIM.text[5:].lower(), "CNRY-"])
+        value = rng.choice(
+            [
+                marker,
+                f"x {marker[: rng.randint(3, len(marker))]}",
+                "chatcmpl-" + "".join(rng.choice("abcCNRY0-") for _ in range(12)),
+                "plain words",
+                "ends with CNR",
+                "ünïcode " + marker[:9],
+            ]
+        )
+        message: dict[str, Any] = {"role": "assistant", "content": "an answer"}
+        body: dict[str, Any] = {"id": "c1", "choices": [{"index": 0, "message": message}]}
+        if field in ("name", "content"):
+            message[field] = value
+        else:
+            body[field] = value
+        outcomes = []
+        for whole in (True, False):
+            with monkeypatch.context() as patch:
+                if not whole:
+                    patch.setattr(FirewallGuard, "passes_whole", lambda self, text: False)
+                screened = relay_body(
+                    Endpoint.CHAT, json.loads(json.dumps(body)), lambda: fw.open(info)
+                )
+            outcomes.append(
+                (screened.code, _findings(screened)) if isinstance(screened, Cut) else screened
+            )
+        assert outcomes[0] == outcomes[1], body
+        cuts += isinstance(outcomes[0], tuple)
+    assert cuts > 20
