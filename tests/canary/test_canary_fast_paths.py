@@ -66,13 +66,19 @@ class NeverSkips(StreamGuard):
         return False
 
 
-def relay(raw: bytes, *, skips: bool) -> tuple[bytes, Cut | None]:
+def owners_firewall() -> tuple[LeakFirewall, RequestInfo]:
+    """The firewall with every tenant indexed, and the owner's request r1 (its own marker put)."""
     ledger = MarkerLedger()
     ledger.put("r1", RequestMarkers(own=frozenset({OWN.nonce})))
     tags = TagIndex(CODEC)
     tags.replace(TENANTS)
     fw = LeakFirewall(CODEC, ledger=ledger, tags=tags)
     info = RequestInfo("r1", OWNER, "m", "chat.completions", False, 0.0, engine="e1")
+    return fw, info
+
+
+def relay(raw: bytes, *, skips: bool) -> tuple[bytes, Cut | None]:
+    fw, info = owners_firewall()
     stream = StreamRelay(
         endpoint=Endpoint.CHAT,
         open_guard=(lambda: fw.open(info)) if skips else (lambda: NeverSkips(fw.open(info))),
@@ -303,12 +309,7 @@ def test_a_whole_answer_whose_fields_pass_at_once_is_screened_as_if_each_were_fe
     always False), own markers stripped alike."""
     from gateway.proxy.relay import relay_body
 
-    ledger = MarkerLedger()
-    ledger.put("r1", RequestMarkers(own=frozenset({OWN.nonce})))
-    tags = TagIndex(CODEC)
-    tags.replace(TENANTS)
-    fw = LeakFirewall(CODEC, ledger=ledger, tags=tags)
-    info = RequestInfo("r1", OWNER, "m", "chat.completions", False, 0.0, engine="e1")
+    fw, info = owners_firewall()
     rng = random.Random(field)
     cuts = 0
     for _ in range(200):
