@@ -146,10 +146,15 @@ async def _lookup(state: GatewayState, token: str, now: datetime) -> Principal |
         state.sessions, lambda session: authenticate(session, token=token, now=now)
     )
     if isinstance(result, Principal):
-        interval = timedelta(seconds=state.settings.key_last_used_interval_s)
-        if result.key_last_used_at is None or now - result.key_last_used_at >= interval:
-            state.audit.touch_key(result.key_id, now)
+        _stamp_use(state, result, now)
     return result
+
+
+def _stamp_use(state: GatewayState, principal: Principal, now: datetime) -> None:
+    """Record the key's last use (batched), at most once per ``key_last_used_interval_s``."""
+    interval = timedelta(seconds=state.settings.key_last_used_interval_s)
+    if principal.key_last_used_at is None or now - principal.key_last_used_at >= interval:
+        state.audit.touch_key(principal.key_id, now)
 
 
 async def renew_verified_keys(state: GatewayState) -> None:
@@ -169,10 +174,8 @@ async def renew_verified_keys(state: GatewayState) -> None:
         except Exception:
             log.warning("renewing verified keys failed; they are verified on their next use")
             continue
-        stale = timedelta(seconds=state.settings.key_last_used_interval_s)
         for principal in renewed:
-            if principal.key_last_used_at is None or now - principal.key_last_used_at >= stale:
-                state.audit.touch_key(principal.key_id, now)
+            _stamp_use(state, principal, now)
 
 
 async def _renew(state: GatewayState, now: datetime, key_ids: list[int]) -> dict[int, Verdict]:

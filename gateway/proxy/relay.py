@@ -169,7 +169,7 @@ class StreamRelay:
         # most events: no guard holds text back and the prefilter clears them: not walked
         if side is not None and (side.holding or not side.prefilter or side.prefilter(data, obj)):
             try:
-                verdict = side.feed(obj, raw=data, skeleton=self._skeleton(obj))
+                verdict = side.feed(obj, raw=data, skeleton=skeleton(obj, chat=self._chat))
             except InvalidSide:
                 return self.invalid(out)
             if isinstance(verdict, Cut):
@@ -215,17 +215,6 @@ class StreamRelay:
         elif released.text or more_than_text(self.endpoint, choice):
             out.append(encode_event(with_texts(self.endpoint, obj, [released.text])))
         return False
-
-    def _skeleton(self, obj: dict[str, Any]) -> bytes | None:
-        """The event without its text, when it has one choice with a text (``side.skeleton``)."""
-        choices = obj.get("choices")
-        if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
-            return None
-        owner = choices[0].get("delta") if self._chat else choices[0]
-        name = "content" if self._chat else "text"
-        if type(owner) is not dict or type(owner.get(name)) is not str:
-            return None
-        return skeleton(obj, owner, name)
 
     def _general(
         self, raw: bytes | None, obj: dict[str, Any], out: list[bytes], *, rewritten: bool = False

@@ -204,11 +204,17 @@ def _identities(obj: Any, location: Location) -> tuple[int | None, ...]:
     return tuple(found)
 
 
-def skeleton(obj: dict[str, Any], owner: dict[str, Any], name: str) -> bytes | None:
-    """``obj`` serialised with its one choice's text (``owner[name]``: a chat delta's
-    ``content``, a completion choice's ``text``) empty: what ``SideScreen.feed`` compares. None
-    when orjson cannot write the event (an integer past 64 bits: not compared)."""
-    text = owner[name]
+def skeleton(obj: dict[str, Any], *, chat: bool) -> bytes | None:
+    """``obj`` serialised with its one choice's text (a chat delta's ``content``, a completion
+    choice's ``text``) empty: what ``SideScreen.feed`` compares. None for an event without
+    exactly one choice with a text, or one orjson cannot write (an integer past 64 bits)."""
+    choices = obj.get("choices")
+    if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
+        return None
+    owner = choices[0].get("delta") if chat else choices[0]
+    name = "content" if chat else "text"
+    if type(owner) is not dict or type(text := owner.get(name)) is not str:
+        return None
     owner[name] = ""
     try:
         return orjson.dumps(obj)

@@ -118,7 +118,7 @@ class AuthCache:
             _bounded_put(self._verified, key, (verdict, until), self._max)
             self._refused.pop(key, None)
             return
-        self._verified.pop(key, None)
+        self._verified.pop(key, None)  # a refusal ends the trust at once (a renewal's too)
         ttl = self._negative_ttl if verdict in _FINAL else self._ttl
         if verdict is not AuthFailure.MALFORMED and ttl:
             _bounded_put(self._refused, key, (verdict, now + ttl), self._max)
@@ -131,9 +131,9 @@ class AuthCache:
 
     async def renew(self, fetch: Renew, *, now: datetime) -> list[Principal]:
         """Verify again, in one ``fetch``, every key served from the cache since the last renewal
-        (``now``: taken before the read, so an entry is never trusted past ``now + ttl`` of a
-        read that began later than the database's answer). A key the database no longer holds
-        is refused as unknown; a revoked, expired or disabled one as the request path would.
+        (``now``: taken before the read starts, so a renewed entry is trusted at most ``ttl``
+        past a moment before the database answered). A key the database no longer holds is
+        refused as unknown; a revoked, expired or disabled one as the request path would.
         Returns the principals renewed (their keys were in use: the caller stamps last use)."""
         used, self._used = self._used, set()
         entries = {key: self._verified[key][0] for key in used if key in self._verified}

@@ -26,6 +26,7 @@ from canary.markers import MarkerCodec, MarkerKeyring
 from canary.scanner import ScannerStateError, StreamScanner
 from contracts.plugins import Cut, Emit, RequestInfo, StreamGuard
 from contracts.sse import SseSplitter
+from gateway.proxy import relay as relay_module
 from gateway.proxy.relay import StreamRelay
 from gateway.upstream.base import Endpoint
 
@@ -187,7 +188,7 @@ def relay_memo(raw: bytes, *, memo: bool, monkeypatch: pytest.MonkeyPatch) -> tu
     (the gateway) or off (every event walked and every value fed: the reference)."""
     with monkeypatch.context() as patch:
         if not memo:
-            patch.setattr(StreamRelay, "_skeleton", lambda self, obj: None)
+            patch.setattr(relay_module, "skeleton", lambda obj, chat: None)
             patch.setattr(FirewallGuard, "expose_whole", lambda self, text: False)
         return relay(raw, skips=True)
 

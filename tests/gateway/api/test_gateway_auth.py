@@ -124,9 +124,9 @@ async def test_a_key_in_use_is_renewed_off_the_request_path_and_a_revocation_els
             await asyncio.sleep(0.02)
         assert cache.lookups == lookups  # renewed in the background, never on a request
 
-        revoked = utcnow()
         with session_scope(gw.state.sessions) as session:
-            revoke_key(session, prefix=key.split("_")[1], now=revoked)
+            revoke_key(session, prefix=key.split("_")[1], now=utcnow())
+        revoked = utcnow()  # committed: every read that starts from now on sees it
         late_200s = []
         for _ in range(500):
             sent = utcnow()

@@ -227,14 +227,15 @@ async def test_a_renewal_begun_before_an_admin_change_writes_nothing() -> None:
     cache = AuthCache(ttl_s=1.0)
     cache.put("alice", ALICE, now=NOW)
     cache.get("alice", now=NOW)
-    release = asyncio.Event()
+    reading, release = asyncio.Event(), asyncio.Event()
 
     async def fetch(key_ids: list[int]) -> dict[int, Principal | AuthFailure]:
+        reading.set()
         await release.wait()
         return {1: ALICE}
 
     renewal = asyncio.ensure_future(cache.renew(fetch, now=NOW))
-    await asyncio.sleep(0)
+    await reading.wait()  # the read is in flight
     cache.clear()
     release.set()
     assert await renewal == []
@@ -243,9 +244,10 @@ async def test_a_renewal_begun_before_an_admin_change_writes_nothing() -> None:
     cache.put("alice", ALICE, now=NOW)
     cache.get("alice", now=NOW)
     newer = replace(ALICE, plan=TenantPlan(requests_per_minute=7))
+    reading.clear()
     release.clear()
     renewal = asyncio.ensure_future(cache.renew(fetch, now=NOW))
-    await asyncio.sleep(0)
+    await reading.wait()
     cache.put("alice", newer, now=NOW)  # the request path verified it again meanwhile
     release.set()
     assert await renewal == []
