@@ -6,8 +6,8 @@ below FastAPI (``gateway.proxy.door``), the rest of the API on it.
 Lifespan, in order: database (upgrade to head when ``migrate_on_start``) -> limiter (Redis when
 ``KVGUARD_REDIS_URL`` is set, else in-process) -> one shared HTTP client -> engine registry
 (configured + admin-registered engines) and a first capacity poll -> background tasks (poller,
-audit writer, lease refresh) -> hook services (the canary). Shutdown runs the same list
-backwards, flushing audit rows last.
+audit writer, lease refresh) -> hook services (the canary) -> for the process that serves, the
+heap settled (``contracts.heap``). Shutdown runs the same list backwards, flushing audit rows last.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from contracts.heap import settle_heap
 from contracts.http_edge import BodyGuardMiddleware
 from contracts.http_edge import server_config as edge_config
 from contracts.plugins import GatewayHooks
@@ -229,7 +230,11 @@ def create_app(
     *,
     hooks: GatewayHooks | None = None,
     span_exporter: SpanExporter | None = None,
+    settle: bool = False,
 ) -> GatewayApp:
+    """``settle``: once started, freeze the heap (``contracts.heap``): for the process that serves
+    (``kvguard gateway``), not for a test process that builds many apps."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await build_state(
@@ -242,6 +247,8 @@ def create_app(
             for service in state.hooks.services:
                 await service.start(state.service_context())
                 started.append(service)
+            if settle:
+                log.info("start-up heap settled: %d objects frozen", settle_heap())
             yield
         finally:
             for service in reversed(started):

@@ -76,7 +76,7 @@ def _serve_gateway(settings: Any, canary: Any, *, log_level: str) -> int:
 
     hooks = build_hooks(canary)  # the leak firewall: on unless KVGUARD_CANARY_ENABLED=0
     config = server_config(
-        create_app(settings, hooks=hooks),
+        create_app(settings, hooks=hooks, settle=True),
         host=settings.host,
         port=settings.port,
         log_level=log_level,
