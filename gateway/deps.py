@@ -159,9 +159,10 @@ def _stamp_use(state: GatewayState, principal: Principal, now: datetime) -> None
 
 async def renew_verified_keys(state: GatewayState) -> None:
     """The replica's renewal loop (``AuthCache.renew``): every half ``auth_cache_ttl_s``, the keys
-    served from the cache since the last round are verified again in one read, and their last
-    use stamped as ``_lookup`` does. A round that fails is logged; its keys expire and the
-    request path verifies them. Nothing to do when the ttl is 0 (nothing is cached)."""
+    used since the last round (served from the cache or looked up) are verified again in one
+    read, and their last use stamped as ``_lookup`` does. A round that fails is logged; its keys
+    expire and the request path verifies them. Nothing to do when the ttl is 0 (nothing is
+    cached)."""
     cache = state.auth_cache
     interval = cache.renewal_interval_s
     if interval is None:

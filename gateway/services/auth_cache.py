@@ -79,7 +79,7 @@ class AuthCache:
         self._negative_ttl = timedelta(seconds=negative_ttl_s)
         self._max = max_entries
         self._verified: dict[str, tuple[Principal, datetime]] = {}  # kept past expiry: "known"
-        self._used: set[str] = set()  # verified entries served since the last renewal
+        self._used: set[str] = set()  # verified entries used since the last renewal
         self._generation = 0  # moved by ``clear``: a renewal begun before it writes nothing
         self._refused: dict[str, tuple[AuthFailure, datetime]] = {}
         self._flights: dict[str, asyncio.Future[Verdict]] = {}
@@ -130,7 +130,7 @@ class AuthCache:
         return ttl / 2 if ttl else None
 
     async def renew(self, fetch: Renew, *, now: datetime) -> list[Principal]:
-        """Verify again, in one ``fetch``, every key served from the cache since the last renewal
+        """Verify again, in one ``fetch``, every key used since the last renewal
         (``now``: taken before the read starts, so a renewed entry is trusted at most ``ttl``
         past a moment before the database answered). A key the database no longer holds is
         refused as unknown; a revoked, expired or disabled one as the request path would.
@@ -189,7 +189,10 @@ class AuthCache:
                 verdict = await lookup()
         except TimeoutError as exc:
             raise DatabaseTimeout(f"the database did not answer within {timeout_s:.1f} s") from exc
-        self.put(token, verdict, now=now)
+        key = self._key(token)
+        self._put(key, verdict, now=now)
+        if key in self._verified:
+            self._used.add(key)  # verified for a request: in use, renewed in the next round
         return verdict
 
     def _landed(self, key: str, flight: asyncio.Future[Verdict]) -> None:

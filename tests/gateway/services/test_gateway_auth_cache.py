@@ -220,6 +220,32 @@ async def test_renewal_verifies_the_keys_in_use_in_one_read_and_trusts_them_anew
     assert cache.get("carol", now=NOW + timedelta(seconds=1)) is None  # expired as before
 
 
+async def test_a_key_verified_on_the_request_path_is_renewed_in_the_next_round() -> None:
+    """A key looked up for a request is in use as much as one served from the cache: the next
+    round reads it again, so a key used about once per ttl is not looked up on every request
+    (each use landing just past the last lookup's ttl)."""
+    cache = AuthCache(ttl_s=1.0)
+    lookups: list[str] = []
+
+    async def lookup() -> Principal:
+        lookups.append("alice")
+        return ALICE
+
+    verdict = await cache.verify("alice", now=NOW, lookup=lookup, timeout_s=1.0)
+    assert verdict is ALICE and lookups == ["alice"]
+    reads: list[list[int]] = []
+
+    async def fetch(key_ids: list[int]) -> dict[int, Principal | AuthFailure]:
+        reads.append(key_ids)
+        return {1: ALICE}
+
+    assert await cache.renew(fetch, now=NOW + timedelta(seconds=0.5)) == [ALICE]
+    assert reads == [[1]]
+    next_use = NOW + timedelta(seconds=1.05)  # past the lookup's ttl, within the renewal's
+    assert await cache.verify("alice", now=next_use, lookup=lookup, timeout_s=1.0) is ALICE
+    assert lookups == ["alice"]  # served from the cache, no second lookup
+
+
 async def test_a_renewal_begun_before_an_admin_change_writes_nothing() -> None:
     """``clear`` (any admin change on this replica: a revocation applies at once) while a
     renewal's read is in flight: what that read says is older than the change, so it is not
