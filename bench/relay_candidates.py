@@ -201,7 +201,8 @@ async def _pump_no_checks(
 ) -> None:
     from contracts.plugins import PassThroughGuard
     from gateway.metrics import LATENCY_BUCKETS
-    from gateway.proxy.relay import StreamRelay, relay_body
+    from gateway.proxy.body import relay_body
+    from gateway.proxy.relay import StreamRelay
     from gateway.proxy.reply import reply_for
     from gateway.proxy.stream import StreamPump, TokenClock
     from gateway.upstream.base import Endpoint

@@ -53,7 +53,7 @@ AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("SSE split (contracts/sse.py)", ("contracts/sse.py",)),
     ("JSON (orjson)", ("orjson",)),
     ("JSON (stdlib json)", ("json/",)),
-    ("relay: StreamRelay/relay_body", ("proxy/relay.py",)),
+    ("relay: StreamRelay/relay_body", ("proxy/relay.py", "proxy/body.py", "proxy/chunks.py")),
     ("relay: side-field screening", ("proxy/side.py",)),
     ("leak firewall + scanner", ("canary/firewall.py", "canary/scanner.py")),
     ("engine client (upstream/wire.py, direct.py)", ("upstream/wire.py", "upstream/direct.py")),

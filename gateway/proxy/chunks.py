@@ -1,7 +1,8 @@
-"""The shapes of OpenAI's answers and chunks that the relay (``gateway.proxy.relay``) reads and
-writes: a choice's text in a chunk or a whole answer, a chunk with its texts replaced, the chunk
-that carries a choice's held-back tail, and the keys OpenAI's published schemas require that an
-engine left out."""
+"""The shapes of OpenAI's answers and chunks that the relays (``gateway.proxy.relay``, ``.body``)
+read and write: how many choices and which indexes an answer may have, usage counts and the usage
+a tenant is shown, a choice's text in a chunk or a whole answer, a chunk with its texts replaced,
+the chunk that carries a choice's held-back tail, and the keys OpenAI's published schemas require
+that an engine left out."""
 
 from __future__ import annotations
 
@@ -9,6 +10,39 @@ from typing import Any
 
 from contracts.plugins import Emit
 from gateway.upstream.base import Endpoint
+
+MAX_CHOICES = 16
+
+
+class InvalidUpstream(ValueError):
+    """An engine answer the gateway cannot vouch for (the message names no content)."""
+
+
+def choice_index(choice: Any, position: int) -> int:
+    """A choice's ``index`` (its position when it has none), checked: ``InvalidUpstream`` if not
+    a number below ``MAX_CHOICES``."""
+    if not isinstance(choice, dict):
+        raise InvalidUpstream("a choice is not an object")
+    index = choice.get("index", position)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < MAX_CHOICES:
+        raise InvalidUpstream("a choice index is out of range")
+    return index
+
+
+def own_usage(obj: dict[str, Any], hidden: int) -> dict[str, Any]:
+    """``obj`` (an answer or a chunk) with its ``usage`` as the tenant's own: the ``hidden`` prompt
+    tokens the gateway's hooks added (a canary marker) taken out of ``prompt_tokens`` and
+    ``total_tokens``. A copy; ``obj`` is left as it is."""
+    usage = dict(obj["usage"])
+    for name in ("prompt_tokens", "total_tokens"):
+        if (count := token_count(usage.get(name))) is not None:
+            usage[name] = max(0, count - hidden)
+    return {**obj, "usage": usage}
+
+
+def token_count(value: Any) -> int | None:
+    """A usage count as an engine sent it: an integer (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def fill_required(endpoint: Endpoint, choices: list[dict[str, Any]]) -> None:

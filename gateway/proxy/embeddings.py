@@ -53,12 +53,12 @@ from gateway.errors import (
 from gateway.lifecycle import Phase
 from gateway.openai.schemas import EmbeddingsBody
 from gateway.proxy.admission import route, take_lease
+from gateway.proxy.body import screen
 from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.disclosure import scrubbed, without_addresses
 from gateway.proxy.ending import CLIENT_GONE, COMPLETED, INTERNAL, Outcome, cut, refused
 from gateway.proxy.finish import finish
-from gateway.proxy.relay import screen
 from gateway.upstream.base import Endpoint, UpstreamCall, UpstreamReply, UpstreamUnreachable
 
 log = logging.getLogger("kvguard.gateway.proxy")

@@ -35,17 +35,12 @@
   one wins in JavaScript, Python, Go and Jackson; serde refuses them), so they are not checked:
   the check doubled the cost of parsing every event.
 
-``relay_body`` does the same for a non-streaming answer, and fills in as null the keys OpenAI's
-published schemas require that an engine left out (a choice's ``logprobs``, a message's
-``refusal``, the ``content`` and ``refusal`` lists of a chat ``logprobs`` object; the stream relay
-fills in the last two too, re-serialising such an event). The shapes it reads and writes are in
-``gateway.proxy.chunks``; the gateway's ``kvguard`` object of a whole answer is put in by the
-flight (``Disclosure.on_answer``).
+The shapes it reads and writes are in ``gateway.proxy.chunks``; a whole (non-streamed) answer
+goes through the same guards in ``gateway.proxy.body``.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,26 +55,23 @@ from gateway.errors import HandoffMismatch, error_body
 from gateway.lifecycle import Phase
 from gateway.proxy.chunks import (
     CHUNK_OBJECT,
+    MAX_CHOICES,
+    InvalidUpstream,
+    choice_index,
     chunk_text,
     fill_logprobs,
-    fill_required,
-    message_text,
     more_than_text,
-    set_message_text,
+    own_usage,
     text_tail_chunk,
+    token_count,
     with_texts,
 )
 from gateway.proxy.disclosure import Disclosure, scrubbed, without_engine_object
 from gateway.proxy.side import InvalidSide, SideScreen, skeleton, tail_chunk
 from gateway.upstream.base import Endpoint
 
-MAX_CHOICES = 16
 KEEP_ALIVE = b": keep-alive\n\n"
 OpenGuard = Callable[[], StreamGuard]
-
-
-class InvalidUpstream(ValueError):
-    """An engine answer the gateway cannot vouch for (the message names no content)."""
 
 
 def error_event(message: str, code: str, type_: str = "server_error") -> bytes:
@@ -285,9 +277,9 @@ class StreamRelay:
     def _note(self, obj: dict[str, Any]) -> None:
         usage = obj.get("usage")
         if isinstance(usage, dict):
-            if _count(usage.get("completion_tokens")) is not None:
+            if token_count(usage.get("completion_tokens")) is not None:
                 self.completion_tokens = usage["completion_tokens"]
-            if _count(usage.get("prompt_tokens")) is not None:
+            if token_count(usage.get("prompt_tokens")) is not None:
                 self.prompt_tokens = usage["prompt_tokens"]
         self.handoff = handoff_of(obj) or self.handoff
 
@@ -314,7 +306,7 @@ class StreamRelay:
         released: list[str] = []
         finishing = filled = False
         for position, choice in enumerate(choices):
-            index = _choice_index(choice, position)
+            index = choice_index(choice, position)
             filled = fill_logprobs(self.endpoint, choice) or filled
             text = chunk_text(self.endpoint, choice)
             reason = choice.get("finish_reason")
@@ -395,74 +387,6 @@ class StreamRelay:
         return {**base, "choices": [], EXTENSION: disclosure.extension(self.handoff)}
 
 
-def own_usage(obj: dict[str, Any], hidden: int) -> dict[str, Any]:
-    """``obj`` (an answer or a chunk) with its ``usage`` as the tenant's own: the ``hidden`` prompt
-    tokens the gateway's hooks added (a canary marker) taken out of ``prompt_tokens`` and
-    ``total_tokens``. A copy; ``obj`` is left as it is."""
-    usage = dict(obj["usage"])
-    for name in ("prompt_tokens", "total_tokens"):
-        if _count(usage.get(name)) is not None:
-            usage[name] = max(0, usage[name] - hidden)
-    return {**obj, "usage": usage}
-
-
-def screen(guard: StreamGuard, text: str) -> str | Cut:
-    """A whole text through a fresh guard: what may be delivered, or the Cut (nothing fed when
-    the guard says the text passes whole, ``StreamGuard.passes_whole``)."""
-    if guard.passes_whole(text):
-        return text
-    first = guard.feed(text) if text else Emit("")
-    if isinstance(first, Cut):
-        return first
-    rest = guard.finish()
-    return rest if isinstance(rest, Cut) else first.text + rest.text
-
-
-def relay_body(
-    endpoint: Endpoint,
-    body: dict[str, Any],
-    open_guard: OpenGuard,
-    *,
-    screen_side: bool = True,
-    side_prefilter: Prefilter | None = None,
-    raw: str | None = None,
-) -> dict[str, Any] | Cut:
-    """A non-streaming answer through the guards: the body (texts replaced if changed) or a Cut.
-
-    ``raw`` is the answer's JSON text as the engine sent it; with it, ``side_prefilter`` may clear
-    the side fields without walking them (as for a streamed event). Raises ``InvalidUpstream``
-    for an answer the gateway cannot vouch for.
-    """
-    if screen_side:
-        try:
-            screened = SideScreen(open_guard, prefilter=side_prefilter).screen_body(body, raw=raw)
-        except InvalidSide as exc:
-            raise InvalidUpstream(str(exc)) from exc
-        if isinstance(screened, Cut):
-            return screened
-        body = screened
-    choices = body.get("choices")
-    if not isinstance(choices, list):
-        return body
-    if len(choices) > MAX_CHOICES:
-        raise InvalidUpstream("too many choices")
-    changed: dict[str, Any] | None = None
-    for position, choice in enumerate(choices):
-        _choice_index(choice, position)
-        text = message_text(endpoint, choice)
-        if not text:
-            continue
-        released = screen(open_guard(), text)
-        if isinstance(released, Cut):
-            return released
-        if released != text:
-            changed = changed if changed is not None else copy.deepcopy(body)
-            set_message_text(endpoint, changed["choices"][position], released)
-    out = body if changed is None else changed
-    fill_required(endpoint, out["choices"])
-    return out
-
-
 # -- event parsing ---------------------------------------------------------------------------
 
 
@@ -477,19 +401,6 @@ def parse_json(data: str | bytes) -> Any:
         return json.loads(data)
     except RecursionError as exc:
         raise ValueError("JSON nested too deeply") from exc
-
-
-def _choice_index(choice: Any, position: int) -> int:
-    if not isinstance(choice, dict):
-        raise InvalidUpstream("a choice is not an object")
-    index = choice.get("index", position)
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < MAX_CHOICES:
-        raise InvalidUpstream("a choice index is out of range")
-    return index
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _join(first: Emit, second: Emit | Cut) -> Emit | Cut:

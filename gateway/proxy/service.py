@@ -40,6 +40,8 @@ from gateway.errors import (
 from gateway.lifecycle import Phase
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
+from gateway.proxy.body import relay_body, screen
+from gateway.proxy.chunks import MAX_CHOICES, InvalidUpstream, own_usage, token_count
 from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.disclosure import Disclosure, scrubbed, without_addresses
@@ -54,15 +56,7 @@ from gateway.proxy.ending import (
     stream_ended,
 )
 from gateway.proxy.finish import finish
-from gateway.proxy.relay import (
-    MAX_CHOICES,
-    InvalidUpstream,
-    StreamRelay,
-    error_event,
-    own_usage,
-    relay_body,
-    screen,
-)
+from gateway.proxy.relay import StreamRelay, error_event
 from gateway.proxy.reply import AsgiReply, ClientGone, DirectReply
 from gateway.proxy.stream import RelayedStream, StreamPump, TokenClock
 from gateway.upstream.base import (
@@ -213,8 +207,8 @@ class Flight:
         ctx.answered = True
         usage = body.get("usage")
         if isinstance(usage, dict):
-            ctx.completion_tokens = _count(usage.get("completion_tokens"))
-            ctx.engine_prompt_tokens = _count(usage.get("prompt_tokens"))
+            ctx.completion_tokens = token_count(usage.get("completion_tokens"))
+            ctx.engine_prompt_tokens = token_count(usage.get("prompt_tokens"))
         ctx.finish_reasons = _finish_reasons(body)
         self._check_handoff(handoff_of(body))
         capabilities = self.deps.hooks.guards.capabilities
@@ -416,7 +410,3 @@ def _finish_reasons(body: dict[str, Any]) -> tuple[str, ...]:
         return ()
     reasons = (c.get("finish_reason") for c in choices[:MAX_CHOICES] if isinstance(c, dict))
     return tuple(r[:64] for r in reasons if isinstance(r, str))
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None

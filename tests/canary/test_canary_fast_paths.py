@@ -308,7 +308,7 @@ def test_a_whole_answer_whose_fields_pass_at_once_is_screened_as_if_each_were_fe
     start (``FirewallGuard.passes_whole``) is not fed to a scanner; the answer, its cut and
     findings are those of feeding every value and finishing (the reference: ``passes_whole``
     always False), own markers stripped alike."""
-    from gateway.proxy.relay import relay_body
+    from gateway.proxy.body import relay_body
 
     fw, info = owners_firewall()
     rng = random.Random(field)

@@ -20,7 +20,9 @@ from canary.markers import MarkerCodec, MarkerKeyring, decode_tag
 from contracts.plugins import Emit, RequestInfo
 from contracts.sse import SseSplitter
 from gateway.lifecycle import Phase
-from gateway.proxy.relay import KEEP_ALIVE, InvalidUpstream, Step, StreamRelay, relay_body
+from gateway.proxy.body import relay_body
+from gateway.proxy.chunks import InvalidUpstream
+from gateway.proxy.relay import KEEP_ALIVE, Step, StreamRelay
 from gateway.upstream.base import Endpoint
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32)), 2: bytes(range(40, 80))}, current=2))

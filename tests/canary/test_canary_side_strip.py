@@ -21,7 +21,8 @@ from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
 from contracts.plugins import RequestInfo
 from contracts.sse import SseSplitter
-from gateway.proxy.relay import StreamRelay, relay_body
+from gateway.proxy.body import relay_body
+from gateway.proxy.relay import StreamRelay
 from gateway.upstream.base import Endpoint
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))

@@ -19,7 +19,8 @@ from gateway.lifecycle import (
     check_tenant_transition,
     check_transition,
 )
-from gateway.proxy.relay import StreamRelay, relay_body
+from gateway.proxy.body import relay_body
+from gateway.proxy.relay import StreamRelay
 from gateway.upstream.base import Endpoint
 
 STREAM = (

@@ -1,0 +1,86 @@
+"""A whole (non-streamed) answer through the response guards: ``relay_body``, and ``screen`` for
+one text.
+
+The same checks as the stream relay (``gateway.proxy.relay``), on an answer that is all there:
+the side fields through ``gateway.proxy.side``'s screen, each choice's text through a fresh guard
+(a text the guard says passes whole is not fed, ``StreamGuard.passes_whole``), the texts
+replaced where a guard changed them, and the keys OpenAI's published schemas require that an
+engine left out filled in as null (a choice's ``logprobs``, a message's ``refusal``, the
+``content`` and ``refusal`` lists of a chat ``logprobs`` object). The gateway's ``kvguard``
+object of a whole answer is put in by the flight (``Disclosure.on_answer``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from contracts.plugins import Cut, Emit, Prefilter, StreamGuard
+from gateway.proxy.chunks import (
+    MAX_CHOICES,
+    InvalidUpstream,
+    choice_index,
+    fill_required,
+    message_text,
+    set_message_text,
+)
+from gateway.proxy.relay import OpenGuard
+from gateway.proxy.side import InvalidSide, SideScreen
+from gateway.upstream.base import Endpoint
+
+
+def screen(guard: StreamGuard, text: str) -> str | Cut:
+    """A whole text through a fresh guard: what may be delivered, or the Cut (nothing fed when
+    the guard says the text passes whole, ``StreamGuard.passes_whole``)."""
+    if guard.passes_whole(text):
+        return text
+    first = guard.feed(text) if text else Emit("")
+    if isinstance(first, Cut):
+        return first
+    rest = guard.finish()
+    return rest if isinstance(rest, Cut) else first.text + rest.text
+
+
+def relay_body(
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    open_guard: OpenGuard,
+    *,
+    screen_side: bool = True,
+    side_prefilter: Prefilter | None = None,
+    raw: str | None = None,
+) -> dict[str, Any] | Cut:
+    """A non-streaming answer through the guards: the body (texts replaced if changed) or a Cut.
+
+    ``raw`` is the answer's JSON text as the engine sent it; with it, ``side_prefilter`` may clear
+    the side fields without walking them (as for a streamed event). Raises ``InvalidUpstream``
+    for an answer the gateway cannot vouch for.
+    """
+    if screen_side:
+        try:
+            screened = SideScreen(open_guard, prefilter=side_prefilter).screen_body(body, raw=raw)
+        except InvalidSide as exc:
+            raise InvalidUpstream(str(exc)) from exc
+        if isinstance(screened, Cut):
+            return screened
+        body = screened
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return body
+    if len(choices) > MAX_CHOICES:
+        raise InvalidUpstream("too many choices")
+    changed: dict[str, Any] | None = None
+    for position, choice in enumerate(choices):
+        choice_index(choice, position)
+        text = message_text(endpoint, choice)
+        if not text:
+            continue
+        released = screen(open_guard(), text)
+        if isinstance(released, Cut):
+            return released
+        if released != text:
+            changed = changed if changed is not None else copy.deepcopy(body)
+            set_message_text(endpoint, changed["choices"][position], released)
+    out = body if changed is None else changed
+    fill_required(endpoint, out["choices"])
+    return out
