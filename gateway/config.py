@@ -191,7 +191,8 @@ class GatewaySettings(KvguardSettings):
     audit_flush_interval_s: float = Field(
         default=0.5,
         gt=0,
-        description="how often audit rows are written to the database in one batch",
+        description="how often audit rows are written to the database in one batch (sooner "
+        "when 64 rows wait)",
     )
     responses_retention_days: float = Field(
         default=30.0,

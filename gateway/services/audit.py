@@ -1,11 +1,15 @@
 """Request audit rows and key last-use stamps, written in batches off the request path.
 
 Lifecycle: the request path calls ``record()``/``touch_key()`` (no I/O, never blocks) -> a
-background task flushes every ``flush_interval_s`` in a worker thread -> ``close()`` flushes what
+background task flushes every ``flush_interval_s``, or as soon as ``FULL_BATCH`` rows wait, in a
+worker thread -> ``close()`` flushes what
 is left at shutdown, and spools to local disk what it could not write (``contracts.spool``),
 to be written by the next start. A flush is one bulk INSERT (Core, not ORM objects): the worker
 thread holds the GIL while it builds the statement, and the event loop waits for it, so a slow
-flush shows up in every request's tail latency.
+flush shows up in every request's tail latency. That is why a full batch does not wait for the
+interval: at 500 requests/s a half-second batch (250 rows, about 4 ms of CPU) set the gateway's
+p99; batches of ``FULL_BATCH`` keep each flush near 1 ms. After a failed flush the next one waits
+the whole interval, however many rows wait.
 
 Failures, by kind:
 
@@ -46,6 +50,7 @@ from gateway.services.keys import touch_keys
 
 log = logging.getLogger("kvguard.gateway.audit")
 _ID_CHUNK = 500  # request ids per lookup (bounded statement size)
+FULL_BATCH = 64  # rows: a flush starts as soon as so many wait
 _TABLE = cast(Table, RequestAudit.__table__)
 
 
@@ -129,6 +134,7 @@ class AuditWriter:
         self._touched: dict[int, datetime] = {}
         self._uncertain: set[str] = set()  # request ids whose failed flush may have committed
         self._lock = asyncio.Lock()
+        self._full = asyncio.Event()  # FULL_BATCH rows wait
         self._on_drop = on_drop
         self._on_set_aside = on_set_aside
         self._spool = spool
@@ -137,6 +143,8 @@ class AuditWriter:
         if len(self._pending) == self._pending.maxlen and self._on_drop is not None:
             self._on_drop()
         self._pending.append(storable_record(record))
+        if len(self._pending) >= FULL_BATCH:
+            self._full.set()
 
     def touch_key(self, key_id: int, at: datetime) -> None:
         self._touched[key_id] = at
@@ -146,13 +154,28 @@ class AuditWriter:
         return len(self._pending)
 
     async def run(self) -> None:
+        early = True
         while True:
-            await asyncio.sleep(self._interval)
+            await self._due(early=early)
             try:
                 await self.flush()
                 await self.drain_spool()
+                early = True
             except Exception:  # keep the loop alive; the rows stay pending
+                early = False  # a failing database is tried again after the whole interval
                 log.exception("audit flush failed; will retry")
+
+    async def _due(self, *, early: bool) -> None:
+        """The flush interval, cut short (when ``early``) by a full batch waiting."""
+        if early:
+            try:
+                async with asyncio.timeout(self._interval):
+                    await self._full.wait()
+            except TimeoutError:
+                pass
+        else:
+            await asyncio.sleep(self._interval)
+        self._full.clear()
 
     async def flush(self) -> None:
         async with self._lock:
