@@ -7,7 +7,6 @@ rows are spooled locally and written by the next start)."""
 from __future__ import annotations
 
 from dataclasses import asdict, replace
-from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy import select
@@ -19,31 +18,8 @@ from contracts.spool import Spool
 from contracts.sql import make_session_factory, session_scope
 from gateway.db.models import RequestAudit
 from gateway.db.session import make_engine, upgrade_database
-from gateway.services.audit import AuditRecord, AuditWriter
-
-
-def _record(request_id: str) -> AuditRecord:
-    return AuditRecord(
-        request_id=request_id,
-        tenant_id="tn_1",
-        key_prefix=None,
-        endpoint="chat",
-        model="m",
-        engine="e",
-        stream=True,
-        prompt_tokens=10,
-        max_tokens=4,
-        completion_tokens=4,
-        outcome="completed",
-        http_status=200,
-        error_code=None,
-        handoff_outcome=None,
-        reserved_tokens=None,
-        transferred_tokens=None,
-        started_at=datetime.now(UTC),
-        ttft_ms=1.0,
-        duration_ms=2.0,
-    )
+from gateway.services.audit import AuditWriter
+from tests.gateway.audit_rows import audit_record
 
 
 async def test_a_flush_that_committed_before_its_connection_broke_is_not_written_twice(
@@ -57,14 +33,14 @@ async def test_a_flush_that_committed_before_its_connection_broke_is_not_written
     linked = make_engine(url.set(port=link.port).render_as_string(hide_password=False))
     writer = AuditWriter(session_factory=make_session_factory(linked), flush_interval_s=60)
     try:
-        writer.record(_record("landed"))
+        writer.record(audit_record("landed"))
         link.cut()
         with pytest.raises(OperationalError):
             await writer.flush()
         # That flush's commit landed after all (only its answer was lost): the row is there.
         with session_scope(make_session_factory(direct)) as session:
-            session.add(RequestAudit(**asdict(_record("landed"))))
-        writer.record(_record("during"))
+            session.add(RequestAudit(**asdict(audit_record("landed"))))
+        writer.record(audit_record("during"))
         link.restore()
         await writer.flush()
         with session_scope(make_session_factory(direct)) as session:
@@ -99,7 +75,7 @@ async def test_a_row_the_database_refuses_is_set_aside_and_the_rest_land(
     )
     try:
         for n in range(100):
-            record = _record(f"row{n:03d}")
+            record = audit_record(f"row{n:03d}")
             if n == 37:
                 record = replace(record, completion_tokens=2**40)
             writer.record(record)
@@ -108,7 +84,7 @@ async def test_a_row_the_database_refuses_is_set_aside_and_the_rest_land(
         assert _ids(factory) == [f"row{n:03d}" for n in range(100) if n != 37]
         assert aside == [1]
         assert "audit row of request row037" in caplog.text and "set aside" in caplog.text
-        writer.record(_record("after"))
+        writer.record(audit_record("after"))
         await writer.flush()
         assert "after" in _ids(factory)
     finally:
@@ -123,7 +99,7 @@ async def test_text_postgresql_refuses_is_neutralised_when_recorded(postgres_url
     factory = make_session_factory(engine)
     writer = AuditWriter(session_factory=factory, flush_interval_s=60)
     try:
-        writer.record(replace(_record("nul"), model="tiny\x00", error_code="x\ud800" + "y" * 99))
+        writer.record(audit_record("nul", model="tiny\x00", error_code="x\ud800" + "y" * 99))
         await writer.flush()
         with session_scope(factory) as session:
             row = session.scalars(select(RequestAudit)).one()
@@ -150,7 +126,7 @@ async def test_rows_pending_at_shutdown_are_spooled_and_written_by_the_next_star
     )
     try:
         for name in ("a", "b", "c"):
-            writer.record(_record(name))
+            writer.record(audit_record(name))
         link.cut()
         await writer.close()  # the final flush fails: spooled
         assert writer.pending == 0 and len(spool.pending()) == 1

@@ -5,39 +5,15 @@ its p99), except after a failed flush: then it waits the interval, however many 
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
 
 from sqlalchemy import func, select
 
 from contracts.sql import make_session_factory, session_scope
 from gateway.db.models import RequestAudit
 from gateway.db.session import make_engine, upgrade_database
-from gateway.services.audit import FULL_BATCH, AuditRecord, AuditWriter
+from gateway.services.audit import FULL_BATCH, AuditWriter
 from kvguard.localservices import free_port
-
-
-def _record(n: int) -> AuditRecord:
-    return AuditRecord(
-        request_id=f"req-{n}",
-        tenant_id="tn_1",
-        key_prefix=None,
-        endpoint="chat",
-        model="m",
-        engine="e",
-        stream=False,
-        prompt_tokens=10,
-        max_tokens=4,
-        completion_tokens=4,
-        outcome="completed",
-        http_status=200,
-        error_code=None,
-        handoff_outcome=None,
-        reserved_tokens=None,
-        transferred_tokens=None,
-        started_at=datetime.now(UTC),
-        ttft_ms=1.0,
-        duration_ms=2.0,
-    )
+from tests.gateway.audit_rows import audit_record
 
 
 class Flushes:
@@ -67,7 +43,7 @@ async def test_a_full_batch_is_written_without_waiting_for_the_interval(postgres
     task = asyncio.create_task(writer.run())
     try:
         for n in range(FULL_BATCH):
-            writer.record(_record(n))
+            writer.record(audit_record(f"req-{n}"))
         await asyncio.wait_for(flushes.ended.wait(), timeout=30)  # not 600 s
         with session_scope(factory) as session:
             assert session.scalar(select(func.count()).select_from(RequestAudit)) == FULL_BATCH
@@ -84,11 +60,11 @@ async def test_after_a_failed_flush_a_full_batch_waits_the_interval() -> None:
     task = asyncio.create_task(writer.run())
     try:
         for n in range(FULL_BATCH):
-            writer.record(_record(n))
+            writer.record(audit_record(f"req-{n}"))
         await asyncio.wait_for(flushes.ended.wait(), timeout=30)  # refused: nothing listens
         assert flushes.started == 1 and writer.pending == FULL_BATCH  # kept for the retry
         for n in range(FULL_BATCH, 2 * FULL_BATCH):
-            writer.record(_record(n))
+            writer.record(audit_record(f"req-{n}"))
         for _ in range(100):  # a flush begun early would have started within these turns
             await asyncio.sleep(0)
         assert flushes.started == 1

@@ -9,23 +9,15 @@ from datetime import UTC, datetime
 
 from gateway.db.models import RequestAudit
 from gateway.services.audit import AuditRecord
+from tests.gateway.audit_rows import audit_record
 
 
 def _record() -> AuditRecord:
-    return AuditRecord(
-        request_id="r1",
-        tenant_id="tn_1",
+    return audit_record(
+        "r1",
         key_prefix="kvg_0123456789ab",
-        endpoint="chat",
-        model="m",
-        engine="e",
         stream=False,
-        prompt_tokens=10,
-        max_tokens=4,
         completion_tokens=3,
-        outcome="completed",
-        http_status=200,
-        error_code=None,
         handoff_outcome="ok",
         reserved_tokens=7,
         transferred_tokens=7,
