@@ -326,3 +326,24 @@ def test_ab_tables_give_each_version_its_per_round_ratio_to_the_floor() -> None:
     assert "| per request | 500 (450-600) µs | 4.00 (3.00-4.22)x | 3.00 (2.00-3.80)x |" in text
     assert "| per event | 50.0 (45.0-50.0) µs | 2.00 (1.90-2.00)x | 1.90 (1.00-2.00)x |" in text
     assert "pass-through" not in tables({k: found[k] for k in "AB"})
+
+
+def test_slope_tables_split_a_stream_into_its_events_and_the_rest() -> None:
+    from bench.relay_slope import IDLE, Case, tables
+
+    cases = [Case.of("s:1:10"), Case.of("s:65:10"), Case.of("p:1:100")]
+    found = {
+        "gw": {IDLE: [3.0, 2.0, 4.0], "s:1:10": [3000.0, 3100.0, 2900.0]},
+        "floor": {IDLE: [0.0, 0.0, 0.0], "s:1:10": [800.0, 800.0, 800.0]},
+    }
+    found["gw"]["s:65:10"] = [5200.0, 5100.0, 5000.0]
+    found["floor"]["s:65:10"] = [2400.0, 2400.0, 2400.0]
+    found["gw"]["p:1:100"] = found["floor"]["p:1:100"] = [1000.0]
+    text = tables(found, cases)
+    assert (
+        "| gw | 3 (2-4) | 3,000 (2,900-3,100) | 5,100 (5,000-5,200) | 1,000 (1,000-1,000) |" in text
+    )
+    # (5100 - 3000) / 64 = 32.8 µs per event; 3000 - 32.8 x 4 events = 2,869 besides them
+    assert "| gw | s:1:10 vs s:65:10 | 32.8 | 2,869 |" in text
+    assert "| floor | s:1:10 vs s:65:10 | 25.0 | 700 |" in text
+    assert "p:1:100 vs" not in text  # only streamed cases at one rate pair up
