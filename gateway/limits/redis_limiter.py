@@ -3,11 +3,7 @@
 One Lua script admits (checks all three limits, then takes all or nothing) and one releases
 (removes the lease, refunds tokens). Both read the clock with Redis ``TIME``, so gateway clocks
 never disagree. Commands go over ``gateway.limits.resp`` (one pipelined connection: a request's
-admit and release cost a write and a reply each). A release is written and not waited for: the
-request's answer leaves without that round trip, and every later command of this process (the
-next admit of the same tenant) runs after it, since Redis answers a connection in order. It is
-sent with its script's source (``EVAL``), so a Redis that lost its script cache cannot refuse it
-(NOSCRIPT) after a later admit already ran. A tenant's keys share a hash tag
+admit and release cost a write and a reply each). A tenant's keys share a hash tag
 (``{tenant}``), so the scripts stay valid on a Redis Cluster. Buckets expire after two idle
 windows (a full bucket needs no state). The admit script also returns the buckets' levels
 (``gateway.limits.base.Levels``: the rate-limit headers) in the same reply.
@@ -34,7 +30,6 @@ import asyncio
 import contextlib
 import logging
 import os
-from functools import partial
 
 from gateway.domain import TenantPlan
 from gateway.limits.base import (
@@ -47,7 +42,7 @@ from gateway.limits.base import (
     Refusal,
     levels_of,
 )
-from gateway.limits.resp import Arg, RespClient, RespError, Script
+from gateway.limits.resp import RespClient, RespError, Script
 
 log = logging.getLogger("kvguard.gateway.limits")
 MAX_UNRELEASED = 10_000  # releases kept for a retry; beyond, the oldest expire on their own
@@ -229,42 +224,21 @@ class RedisLimiter(Limiter):
         return Refusal(LimitKind(kind_text), retry, _levels(plan, result[3], result[4]))
 
     async def release(self, lease: Lease, *, unused_tokens: int) -> None:
-        """Written at once, its reply not waited for: the request's answer need not wait a round
-        trip, and every later command of this process (the next admit) runs after it. A release
-        that cannot be written, or that fails, is kept for a retry."""
         self._held.pop(lease.lease_id, None)
         try:
-            reply = self._release.send_now(
-                *self._release_call(lease, unused_tokens, abandoned=False)
+            await self._release_one(lease, unused_tokens, abandoned=False)
+        except _FAILURES:
+            # Kept for a retry: without it the slot stays taken until the lease's deadline.
+            self._keep_unreleased(lease, unused_tokens, abandoned=False)
+            log.warning(
+                "lease release failed for tenant %s; retrying when Redis answers", lease.tenant_id
             )
-        except ConnectionError:
-            self._release_failed(lease, unused_tokens)
-            return
-        reply.add_done_callback(partial(self._released, lease, unused_tokens))
-
-    def _released(self, lease: Lease, unused_tokens: int, reply: asyncio.Future[object]) -> None:
-        failed = reply.cancelled() or reply.exception() is not None
-        if failed or isinstance(reply.result(), RespError):  # a NOSCRIPT too: the retry loads it
-            self._release_failed(lease, unused_tokens)
-
-    def _release_failed(self, lease: Lease, unused_tokens: int) -> None:
-        # Kept for a retry: without it the slot stays taken until the lease's deadline.
-        self._keep_unreleased(lease, unused_tokens, abandoned=False)
-        log.warning(
-            "lease release failed for tenant %s; retrying when Redis answers", lease.tenant_id
-        )
 
     async def _release_one(self, lease: Lease, unused_tokens: int, *, abandoned: bool) -> None:
-        await self._release(*self._release_call(lease, unused_tokens, abandoned=abandoned))
-
-    def _release_call(
-        self, lease: Lease, unused_tokens: int, *, abandoned: bool
-    ) -> tuple[list[Arg], list[Arg]]:
-        """The release script's keys and arguments."""
         _, tokens_key, leases_key = _keys(lease.tenant_id)
-        args: list[Arg] = [_arg(lease.plan.tokens_per_minute), str(max(0, unused_tokens))]
-        args += [lease.lease_id, str(WINDOW_MS), str(self._lease_ms) if abandoned else ""]
-        return [tokens_key, leases_key, _tombstone(lease)], args
+        args = [_arg(lease.plan.tokens_per_minute), str(max(0, unused_tokens)), lease.lease_id]
+        args += [str(WINDOW_MS), str(self._lease_ms) if abandoned else ""]
+        await self._release([tokens_key, leases_key, _tombstone(lease)], args)
 
     def _keep_unreleased(self, lease: Lease, unused_tokens: int, *, abandoned: bool) -> None:
         self._unreleased[lease.lease_id] = (lease, unused_tokens, abandoned)
@@ -317,6 +291,4 @@ class RedisLimiter(Limiter):
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
-        with contextlib.suppress(*_FAILURES):  # releases written, not answered yet: let them land
-            await self._client.execute("PING")  # (a connection answers in order)
         await self._client.close()

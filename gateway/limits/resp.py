@@ -230,16 +230,6 @@ class RespClient:
             raise reply
         return reply
 
-    def send_now(self, *args: Arg) -> asyncio.Future[Reply | RespError]:
-        """Write one command on the open connection without waiting: the future of its reply (an
-        error reply is its result, a broken connection or a timeout its exception). Raises
-        ``ConnectionError`` when no connection is open: the caller keeps the command for later.
-        A command written after it on this client runs after it."""
-        conn = self._conn
-        if conn is None or conn.closed:
-            raise ConnectionError("no open Redis connection")
-        return conn.send(encode(args))[0]
-
     async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Reply | RespError]:
         """Several commands in one write; each reply (or ``RespError``) in order."""
         payload = b"".join(encode(command) for command in commands)
@@ -331,14 +321,6 @@ class Script:
                 raise
         await self.load()
         return await self._client.execute(*command)
-
-    def send_now(
-        self, keys: Sequence[Arg], args: Sequence[Arg]
-    ) -> asyncio.Future[Reply | RespError]:
-        """``RespClient.send_now`` of this script, with its source (``EVAL``): a command nobody
-        waits for cannot be sent again after a NOSCRIPT (Redis restarted, its script cache
-        empty) without the commands written after it running first."""
-        return self._client.send_now("EVAL", self._source, len(keys), *keys, *args)
 
     async def load(self) -> None:
         await self._client.execute("SCRIPT", "LOAD", self._source)
