@@ -29,7 +29,7 @@ import uvloop
 
 from bench.bench_relay import INTERVAL_S
 from bench.relay_load import Driver, Workload, chat_request, cpu_between, cpu_snapshot
-from bench.relay_systems import Relay, Systems, create_tenants, pin_self
+from bench.relay_systems import Relay, Systems, create_tenants, pin_self, started
 
 DEFAULT_CASES = ("s:1:10", "s:64:10", "s:1:100", "p:1:10", "p:1:100")
 IDLE = "idle ms/s"
@@ -159,12 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     pin_self()
-    with tempfile.TemporaryDirectory(prefix="kvguard-relay-slope-") as tmp:
-        systems = Systems(Path(tmp))
-        try:
-            found = uvloop.run(measure(args, systems))
-        finally:
-            systems.close()
+    with (
+        tempfile.TemporaryDirectory(prefix="kvguard-relay-slope-") as tmp,
+        started(Path(tmp)) as systems,
+    ):
+        found = uvloop.run(measure(args, systems))
     print(f"python -m bench.relay_slope; {args.rounds} rounds of {args.seconds:g} s per case")
     print(tables(found, args.cases))
     return 0

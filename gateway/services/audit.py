@@ -2,14 +2,13 @@
 
 Lifecycle: the request path calls ``record()``/``touch_key()`` (no I/O, never blocks) -> a
 background task flushes every ``flush_interval_s``, or as soon as ``FULL_BATCH`` rows wait, in a
-worker thread -> ``close()`` flushes what
-is left at shutdown, and spools to local disk what it could not write (``contracts.spool``),
-to be written by the next start. A flush is one bulk INSERT (Core, not ORM objects): the worker
-thread holds the GIL while it builds the statement, and the event loop waits for it, so a slow
-flush shows up in every request's tail latency. That is why a full batch does not wait for the
-interval: at 500 requests/s a half-second batch (250 rows, about 4 ms of CPU) set the gateway's
-p99; batches of ``FULL_BATCH`` keep each flush near 1 ms. After a failed flush the next one waits
-the whole interval, however many rows wait.
+worker thread -> ``close()`` flushes what is left at shutdown, and spools to local disk what it
+could not write (``contracts.spool``), to be written by the next start. A flush is one bulk INSERT
+(Core, not ORM objects): the worker thread holds the GIL while it builds the statement, and the
+event loop waits for it, so a slow flush shows up in every request's tail latency. That is why a
+full batch does not wait for the interval: at 500 requests/s a half-second batch (250 rows, about 4
+ms of CPU) set the gateway's p99; batches of ``FULL_BATCH`` keep each flush near 1 ms. After a
+failed flush the next one waits the whole interval, however many rows wait.
 
 Failures, by kind:
 
