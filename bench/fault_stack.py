@@ -46,9 +46,10 @@ class TcpLink:
     """127.0.0.1:port -> target, forwarding bytes both ways until ``cut()``.
 
     ``cut`` stops listening (new connections are refused) and resets every open connection, as
-    a dead host or a partition would; ``restore`` listens again on the same port. The forwarder
-    runs its own event loop in a daemon thread, so it keeps working while the caller's loop is
-    busy or blocked.
+    a dead host or a partition would; ``restore`` listens again on the same port. ``freeze``
+    holds every byte, both ways, with the connections open, as a stopped server whose kernel
+    still acknowledges would; ``thaw`` forwards again. The forwarder runs its own event loop in a
+    daemon thread, so it keeps working while the caller's loop is busy or blocked.
     """
 
     def __init__(self, target_host: str, target_port: int) -> None:
@@ -58,6 +59,8 @@ class TcpLink:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self._thread.start()
         self.restore()
 
@@ -69,6 +72,12 @@ class TcpLink:
 
     def cut(self) -> None:
         self._call(self._cut())
+
+    def freeze(self) -> None:
+        self._call(self._flow(False))  # in effect when this returns
+
+    def thaw(self) -> None:
+        self._call(self._flow(True))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -86,6 +95,12 @@ class TcpLink:
     async def _listen(self) -> None:
         if self._server is None:
             self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+
+    async def _flow(self, flowing: bool) -> None:
+        if flowing:
+            self._flowing.set()
+        else:
+            self._flowing.clear()
 
     async def _cut(self) -> None:
         if self._server is not None:
@@ -106,13 +121,18 @@ class TcpLink:
             up_writer.transport.abort()
             return
         self._writers |= {writer, up_writer}
-        await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+        await asyncio.gather(
+            _pump(reader, up_writer, self._flowing), _pump(up_reader, writer, self._flowing)
+        )
         self._writers -= {writer, up_writer}
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pump(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, flowing: asyncio.Event
+) -> None:
     try:
         while data := await reader.read(65536):
+            await flowing.wait()
             writer.write(data)
             await writer.drain()
     except (OSError, asyncio.IncompleteReadError):

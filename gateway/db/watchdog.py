@@ -15,7 +15,8 @@ kernel. So the gateway bounds each operation from its side:
 
 Lifecycle: ``install(engine, budget_s)`` once per engine (PostgreSQL only) -> the events arm and
 disarm around each operation -> the monitor thread (daemon, started on first use) sleeps while
-nothing is armed.
+nothing is armed. Work on a raw driver cursor (``gateway.db.copy``: COPY) runs outside the events:
+it arms the engine's watchdog (``of(engine)``) itself.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 from sqlalchemy import Engine, event
@@ -32,6 +34,7 @@ from sqlalchemy.exc import DisconnectionError
 
 log = logging.getLogger("kvguard.gateway.db")
 _TICK_S = 0.05
+_INSTALLED: weakref.WeakKeyDictionary[Engine, Watchdog] = weakref.WeakKeyDictionary()
 
 
 class Watchdog:
@@ -100,7 +103,7 @@ class Watchdog:
 def install(engine: Engine, budget_s: float) -> Watchdog:
     """Arm every operation of ``engine``'s connections with ``budget_s`` (PostgreSQL engines made
     without ``pool_pre_ping``: the checkout ping here is the armed one)."""
-    watchdog = Watchdog(budget_s)
+    watchdog = _INSTALLED[engine] = Watchdog(budget_s)
 
     @event.listens_for(engine, "checkout")
     def _ping(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
@@ -116,11 +119,15 @@ def install(engine: Engine, budget_s: float) -> Watchdog:
         finally:
             watchdog.disarm(dbapi_connection)
 
+    # An invalidated connection (cut, or broken under a statement) has no driver connection to
+    # arm: asking for it raises. Its rollback still fires the event; checkin disarms.
     def arm_connection(conn: Any, *_args: Any) -> None:
-        watchdog.arm(conn.connection.dbapi_connection)
+        if not conn.invalidated:
+            watchdog.arm(conn.connection.dbapi_connection)
 
     def disarm_connection(conn: Any, *_args: Any) -> None:
-        watchdog.disarm(conn.connection.dbapi_connection)
+        if not conn.invalidated:
+            watchdog.disarm(conn.connection.dbapi_connection)
 
     def arm_raw(dbapi_connection: Any, *_args: Any) -> None:
         watchdog.arm(dbapi_connection)
@@ -144,3 +151,8 @@ def install(engine: Engine, budget_s: float) -> Watchdog:
     event.listen(engine, "reset", arm_raw)  # the pool's rollback when a connection returns
     event.listen(engine, "checkin", disarm_raw)
     return watchdog
+
+
+def of(engine: Engine) -> Watchdog | None:
+    """The watchdog ``install`` put on ``engine`` (None: unbounded, or not PostgreSQL)."""
+    return _INSTALLED.get(engine)

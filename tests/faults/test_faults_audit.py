@@ -1,21 +1,24 @@
 """Audit rows against a real PostgreSQL: across an outage (a server behind a cuttable link: a flush
 whose connection broke may still have committed, and its retry must not write those rows again,
 found under load), with a row the database refuses (set aside, the rest land: one bad row used to
-stop every audit write of a replica), and at a shutdown while the database is unreachable (the
-rows are spooled locally and written by the next start)."""
+stop every audit write of a replica), at a shutdown while the database is unreachable (the rows
+are spooled locally and written by the next start), and into a server that froze mid-flush (cut
+within the database bound)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import asdict, replace
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from bench.fault_stack import TcpLink
 from contracts.spool import Spool
-from contracts.sql import make_session_factory, session_scope
+from contracts.sql import is_outage, make_session_factory, session_scope
 from gateway.db.models import RequestAudit
 from gateway.db.session import make_engine, upgrade_database
 from gateway.services.audit import AuditWriter
@@ -139,6 +142,53 @@ async def test_rows_pending_at_shutdown_are_spooled_and_written_by_the_next_star
         assert _ids(make_session_factory(direct)) == ["a", "b", "c"]
         assert spool.pending() == []
     finally:
+        link.close()
+        linked.dispose()
+        direct.dispose()
+
+
+async def test_a_flush_into_a_database_that_froze_is_cut_within_the_bound(
+    postgres_url: str,
+) -> None:
+    """The flush's COPY runs on the driver's cursor, below the statement events that arm the
+    database watchdog, so it arms it itself. The server stops answering once the connection is
+    lent (its checkout ping answered): the flush fails as an outage within the bound instead of
+    blocking its worker thread for ever, the row stays pending, and once the server answers
+    again the next flush writes it, once."""
+    direct = make_engine(postgres_url)
+    upgrade_database(direct)
+    url = make_url(postgres_url)
+    assert url.host is not None and url.port is not None
+    link = TcpLink(url.host, url.port)
+    bound_s = 1.0
+    linked = make_engine(
+        url.set(port=link.port).render_as_string(hide_password=False), timeout_s=bound_s
+    )
+    frozen: list[bool] = []
+
+    def freeze_once_lent(*_args: object) -> None:  # after the watchdog's checkout ping
+        if not frozen:
+            frozen.append(True)
+            link.freeze()
+
+    event.listen(linked, "checkout", freeze_once_lent)
+    backstop = threading.Timer(bound_s + 5, link.cut)  # an unbounded COPY fails the test, late
+    writer = AuditWriter(session_factory=make_session_factory(linked), flush_interval_s=60)
+    try:
+        writer.record(audit_record("frozen"))
+        backstop.start()
+        started = time.monotonic()
+        with pytest.raises(OperationalError) as raised:
+            await writer.flush()
+        waited = time.monotonic() - started
+        assert is_outage(raised.value)
+        assert frozen and waited < bound_s + 2, waited
+        assert writer.pending == 1
+        link.thaw()
+        await writer.flush()
+        assert _ids(make_session_factory(direct)) == ["frozen"]
+    finally:
+        backstop.cancel()
         link.close()
         linked.dispose()
         direct.dispose()
