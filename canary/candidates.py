@@ -349,19 +349,24 @@ class CandidateReader:
     def _own_windows(self) -> Mapping[str, object]:
         """The owner's tags and this request's own fragments: windows that start a candidate."""
         if self._mine is None:
-            self._mine = _own_windows(self._codec, self._owner, self._own_nonces)[2]
+            tags, fragments = self._owner_tag_texts(), self._own_fragments()
+            self._mine = MappingProxyType({**tags, **fragments}) if fragments else tags
         return self._mine
 
     def _owner_tag_texts(self) -> Mapping[str, KnownTag]:
         if self._owner_tags is None:
-            self._owner_tags = _own_windows(self._codec, self._owner, frozenset())[0]
+            self._owner_tags = _owner_tags(self._codec, self._owner)
         return self._owner_tags
 
     def _own_fragments(self) -> Mapping[str, tuple[str, int]]:
         """Every 8 folded characters of this request's own markers but their tags: text ->
-        (the marker's body, the offset). A nonce names no key id, so every id's body counts."""
+        (the marker's body, the offset). A nonce names no key id, so every id's body counts.
+        Computed once per request (its guards share this reader), kept by no cache: a marked
+        request's nonces are its own, and a cache of them would only grow the long-lived heap
+        that every full garbage collection walks."""
         if self._fragments is None:
-            self._fragments = _own_windows(self._codec, self._owner, self._own_nonces)[1]
+            fragments = dict(_fragments(self._codec, self._owner, self._own_nonces))
+            self._fragments = MappingProxyType(fragments)
         return self._fragments
 
 
@@ -388,20 +393,14 @@ def known_windows(known: Mapping[str, object]) -> AhoCorasick | None:
     return index
 
 
-OwnWindows = tuple[Mapping[str, KnownTag], Mapping[str, tuple[str, int]], Mapping[str, object]]
-
-
 @functools.lru_cache(maxsize=1024)
-def _own_windows(codec: MarkerCodec, owner: str, nonces: frozenset[bytes]) -> OwnWindows:
-    """(the owner's tag texts, its own fragments, both merged) for one request: every guard of a
-    request (its choices and side fields) reads with the same ones, computed once (HMACs)."""
+def _owner_tags(codec: MarkerCodec, owner: str) -> Mapping[str, KnownTag]:
+    """The owner's tag texts (HMACs, one per key id): the same for every request of the tenant."""
     tags = {
         encode_tag(codec.tenant_tag(owner, key_id=kid)): KnownTag(owner, kid)
         for kid in codec.keyring.key_ids
     }
-    fragments = dict(_fragments(codec, owner, nonces))
-    merged: dict[str, object] = {**tags, **fragments}
-    return MappingProxyType(tags), MappingProxyType(fragments), MappingProxyType(merged)
+    return MappingProxyType(tags)
 
 
 def _literal_start(text: str, cursor: int) -> Verdict | None:

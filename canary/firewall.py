@@ -46,7 +46,9 @@ CUT_MESSAGE = (
 )
 UNDECIDED_CODE = "upstream_error"
 UNDECIDED_MESSAGE = "the engine sent a field the gateway cannot vouch for"
-MAX_READERS = 1024  # requests whose scanner factory is kept (a request opens a dozen guards)
+# requests in flight whose scanner factory is kept (a request opens a dozen guards); each entry
+# goes at the request's end (``forget``), the bound is for requests that never reach it
+MAX_READERS = 1024
 _NOTHING = Emit("")  # shared: an Emit is immutable, and most held-back feeds deliver nothing
 
 
@@ -225,7 +227,7 @@ class LeakFirewall:
     def open(self, info: RequestInfo) -> FirewallGuard:
         """A guard for one text of the request's answer. The request's guards (a dozen: its
         choices and side fields) share one scanner factory and ``CandidateReader``, built on
-        the first ``open`` (the last ``MAX_READERS`` requests are kept)."""
+        the first ``open`` and kept until ``forget``."""
         markers = self._ledger.get(info.request_id)
         cached = self._makers.get(info.request_id)
         if cached is not None and cached[0] is markers and cached[1] == info.tenant_id:
@@ -246,3 +248,8 @@ class LeakFirewall:
             del self._makers[next(iter(self._makers))]
         self._makers[info.request_id] = (markers, info.tenant_id, make, reader)
         return FirewallGuard(make, reader)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: its scanner factory goes (its reader holds the request's markers,
+        and what stays lives in the heap every full garbage collection walks)."""
+        self._makers.pop(request_id, None)

@@ -10,8 +10,8 @@
    set, else in-process), the tag index is loaded from the tenants table and refreshed every
    ``canary_tag_refresh_s``;
 3. per request: ``MarkerInjector.prepare`` -> ``LeakFirewall.open`` (per choice) ->
-   ``on_cut`` (a firewall cut, see below) -> ``on_finish`` (ledger entry dropped, record
-   completed with the engine, lower-severity checks);
+   ``on_cut`` (a firewall cut, see below) -> ``on_finish`` (ledger entry and scanner factory
+   dropped, record completed with the engine, lower-severity checks);
 4. ``stop()``: record writes drained, background tasks stopped, store closed.
 
 A cut always stops the answer; a quarantine needs evidence that the engine produced the marker
@@ -292,6 +292,7 @@ class CanaryRuntime:
     async def on_finish(self, report: RequestReport) -> None:
         info = report.info
         markers = self.ledger.pop(info.request_id)
+        self.firewall.forget(info.request_id)
         if info.engine is None:
             return
         for nonce in markers.own | markers.carried:

@@ -345,3 +345,24 @@ def test_a_whole_answer_whose_fields_pass_at_once_is_screened_as_if_each_were_fe
         assert outcomes[0] == outcomes[1], body
         cuts += isinstance(outcomes[0], tuple)
     assert cuts > 20
+
+
+def test_a_marked_requests_windows_stay_with_its_reader() -> None:
+    """The owner's tag texts (HMACs) are kept once per tenant for all of its requests; a marked
+    request's own fragments are computed by its reader and go with it. They used to be kept in a
+    module cache keyed by the request's nonces (1,024 entries, one per marked request): a
+    long-lived heap each full garbage collection of the serving gateway walked."""
+    from canary.candidates import CandidateReader, _owner_tags
+
+    _owner_tags.cache_clear()
+    for n in range(50):
+        nonce = CODEC.issue(OWNER, nonce=b"req-%04d" % n).nonce
+        reader = CandidateReader(
+            CODEC,
+            owner=OWNER,
+            own_nonces=frozenset({nonce}),
+            carried_nonces=frozenset(),
+            known_tags=None,
+        )
+        assert not reader.quiet(CODEC.body_of(CODEC.tenant_tag(OWNER, key_id=2), 2, nonce)[1:9])
+    assert _owner_tags.cache_info().currsize == 1

@@ -11,13 +11,16 @@ import string
 from collections.abc import Callable
 
 import pytest
+from canary_harness import TEST_CANARY_KEY
 
+from canary.config import CanarySettings
 from canary.firewall import CanaryCut, LeakFirewall, TagIndex
 from canary.folding import fold_flat
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.kinds import Evidence, FindingKind
 from canary.markers import MarkerCodec, MarkerKeyring, decode_tag
-from contracts.plugins import Emit, RequestInfo
+from canary.runtime import CanaryRuntime
+from contracts.plugins import Emit, RequestInfo, RequestReport
 from contracts.sse import SseSplitter
 from gateway.lifecycle import Phase
 from gateway.proxy.body import relay_body
@@ -470,3 +473,22 @@ def test_a_requests_guards_share_one_reader_built_with_its_current_markers() -> 
     third = fw.open(info)
     assert third.feed(f"a {own.text} b") == Emit("a  b")  # the new own marker is stripped
     assert third._scanner is not None and third._scanner._reader is not first._scanner._reader
+
+
+async def test_a_requests_reader_goes_when_the_request_ends() -> None:
+    """The firewall keeps a request's scanner factory (its reader, which holds the request's
+    markers) while the request is in flight, and drops it when the request ends (the runtime's
+    ``on_finish``, called at the gateway's single exit). It used to keep the last 1,024
+    requests' whatever their state: a long-lived heap that each full garbage collection of the
+    serving gateway walked, and that stretched its pauses after a burst."""
+    runtime = CanaryRuntime(CanarySettings(canary_key=TEST_CANARY_KEY))
+    info = RequestInfo("r1", "tn_a", "m", "chat.completions", False, 0.0)
+    first, second = runtime.firewall.open(info), runtime.firewall.open(info)
+    assert first.feed("hello") and second.feed("world")
+    assert first._scanner is not None and second._scanner is not None
+    assert first._scanner._reader is second._scanner._reader  # in flight: one reader
+    report = RequestReport(info, "completed", 200, True, None, None, None, False, None)
+    await runtime.on_finish(report)
+    later = runtime.firewall.open(info)
+    assert later.feed("again")
+    assert later._scanner is not None and later._scanner._reader is not first._scanner._reader
