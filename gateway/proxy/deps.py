@@ -1,4 +1,4 @@
-"""What the request path uses, and nothing more: ``ProxyDeps`` (built once, in the lifespan).
+"""What the request path uses, and nothing more: ``ProxyDeps`` (``GatewayState.proxy``).
 
 The data plane (``gateway.proxy``) takes these few parts -- the limiter, the engine registry, the
 upstream paths, the plug-in hooks, metrics, tracing, the audit writer and the handful of settings

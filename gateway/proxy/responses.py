@@ -209,7 +209,7 @@ class ResponsesFlight(Flight):
         kind = NativeStream if native else ChatToResponses
         return kind(
             envelope,
-            self._open_guard,
+            self.disclosure.open,  # not a method of the flight: no reference cycle
             hidden_prompt_tokens=self.ctx.hidden_prompt_tokens,
             stream=self.request.stream,
         )

@@ -14,6 +14,7 @@ client goes away (its lease is released at once, without a task watching ``recei
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +25,20 @@ from gateway.proxy.reply import DIRECT
 
 @dataclass(frozen=True, slots=True)
 class Direct:
+    """The connection and uvicorn's cycle of one request. The cycle is held weakly: its scope
+    holds this handle, and a strong reference back would make every request a reference cycle
+    that only the garbage collector frees, with everything the request touched (the running
+    request holds its cycle; ``DirectReply`` takes it at the start)."""
+
     connection: DataPlaneProtocol
-    cycle: Any  # uvicorn.protocols.http.httptools_impl.RequestResponseCycle
+    _cycle: weakref.ref[Any]  # uvicorn.protocols.http.httptools_impl.RequestResponseCycle
+
+    @property
+    def cycle(self) -> Any:
+        cycle = self._cycle()
+        if cycle is None:
+            raise RuntimeError("the request's cycle has ended")
+        return cycle
 
 
 class DataPlaneProtocol(GuardedHttpProtocol):
@@ -50,7 +63,7 @@ class DataPlaneProtocol(GuardedHttpProtocol):
             writable()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-        cycle.scope.setdefault("extensions", {})[DIRECT] = Direct(self, cycle)
+        cycle.scope.setdefault("extensions", {})[DIRECT] = Direct(self, weakref.ref(cycle))
         super()._start_asgi_task(cycle, app)
 
 

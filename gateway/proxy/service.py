@@ -27,7 +27,7 @@ import anyio
 from starlette.responses import Response
 
 from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER, HandoffProof, handoff_of
-from contracts.plugins import ENGINE_HEADER, Cut, StreamGuard
+from contracts.plugins import ENGINE_HEADER, Cut
 from gateway.domain import Principal
 from gateway.errors import (
     GatewayError,
@@ -101,8 +101,11 @@ class Flight:
         self.body = body
         self.reply = reply
         self._streaming = False  # the stream's head went out: errors become error events
-        # every guard of the answer, for the kvguard object (gateway.proxy.disclosure)
-        self.disclosure = Disclosure(ctx.request_id, self._new_guard)
+        # every guard of the answer, for the kvguard object (gateway.proxy.disclosure); the
+        # factory refers to the parts it uses, not to this flight (no reference cycle: a flight
+        # is freed when it ends, not by the garbage collector)
+        guards, info = deps.hooks.guards, ctx.info
+        self.disclosure = Disclosure(ctx.request_id, lambda: guards.open(info()))
 
     async def run(self) -> None:
         outcome = Outcome(CLIENT_GONE)  # what a cancelled flight leaves
@@ -216,7 +219,7 @@ class Flight:
             result = relay_body(
                 ctx.endpoint,
                 body,
-                self._open_guard,
+                self.disclosure.open,
                 screen_side=capabilities.screens_side,
                 side_prefilter=capabilities.side_prefilter,
                 raw=reply.raw,
@@ -253,7 +256,7 @@ class Flight:
         else a 502/503 naming no engine (the log names it, by request id)."""
         error = (reply.body or {}).get("error")
         if 400 <= reply.status < 500 and reply.status != 429 and isinstance(error, dict):
-            screened = screen(self._open_guard(), _engine_message(error))
+            screened = screen(self.disclosure.open(), _engine_message(error))
             if isinstance(screened, Cut):
                 return await self._cut(screened)
             raise PassThrough(
@@ -279,12 +282,6 @@ class Flight:
     def _check_handoff(self, proof: HandoffProof | None) -> None:
         if not note_handoff(self.deps, self.ctx, proof):
             raise HandoffMismatch()
-
-    def _open_guard(self) -> StreamGuard:
-        return self.disclosure.open()
-
-    def _new_guard(self) -> StreamGuard:
-        return self.deps.hooks.guards.open(self.ctx.info())
 
     async def _cut(self, verdict: Cut) -> Outcome:
         await self._report_cut(verdict)
@@ -327,7 +324,7 @@ class Flight:
         capabilities = self.deps.hooks.guards.capabilities
         return StreamRelay(
             endpoint=self.ctx.endpoint,
-            open_guard=self._open_guard,
+            open_guard=self.disclosure.open,
             wants_usage=wants_usage,
             refuse_handoff_mismatch=self.deps.settings.refuse_on_handoff_mismatch,
             screen_side=capabilities.screens_side,
