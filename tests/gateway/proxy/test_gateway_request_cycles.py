@@ -6,7 +6,8 @@ collections (a request in flight does) is promoted, and the full collections tha
 the whole live heap while every request waits. Two cycles made each request garbage of about
 sixty objects: the data-plane handle in the scope held uvicorn's cycle, whose scope held the
 handle; and the answer's disclosure held the flight's bound method. This runs the gateway under
-its own server protocol, with the canary's firewall guarding every answer."""
+its own server protocol, with the canary's firewall guarding every answer, and checks refusals
+(400, 401, 429) too."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ async def test_a_finished_request_leaves_no_reference_cycle(make_settings, stand
             "/v1/responses": {"model": "standin-model", "input": "one two"},  # stored
         }
 
+        _, limited = await gw.create_tenant("limited", requests_per_minute=1)
+        used = await gw.client.post(
+            "/v1/completions", json=bodies["/v1/completions"], headers=bearer(limited)
+        )
+        assert used.status_code == 200, used.text  # its one request of the minute
+
         async def both() -> None:
             for path, body in bodies.items():
                 for stream in (False, True):
@@ -44,6 +51,14 @@ async def test_a_finished_request_leaves_no_reference_cycle(make_settings, stand
                         path, json={**body, "stream": stream}, headers=bearer(key)
                     )
                     assert r.status_code == 200, (path, r.text)
+            refusals = [  # a refusal is a request's end too
+                (bearer(key), {"model": "standin-model"}, 400),
+                (bearer("kvg_not_a_key"), bodies["/v1/completions"], 401),
+                (bearer(limited), bodies["/v1/completions"], 429),
+            ]
+            for headers, body, status in refusals:
+                r = await gw.client.post("/v1/completions", json=body, headers=headers)
+                assert r.status_code == status, r.text
 
         await both()  # first-use work (caches, lazy imports) is not the request's
         gc.collect()
