@@ -199,9 +199,9 @@ class MarkerInjector:
             marker = self._codec.issue(info.tenant_id)
             out = self._inject(body, marker.text)
             own = frozenset({marker.nonce})
-            self._metrics.injected.labels(tenant=info.tenant_id).inc()
+            self._metrics.injected_of(info.tenant_id).inc()
         marked = bool(own or carried)
-        self._metrics.requests.labels(tenant=info.tenant_id, marked=str(marked).lower()).inc()
+        self._metrics.requests_of(info.tenant_id, "true" if marked else "false").inc()
         self._ledger.put(info.request_id, RequestMarkers(own=own, carried=carried, body=body))
         for nonce in own | carried:
             self.record(nonce, info, engine=None)

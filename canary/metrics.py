@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gateway.metrics import Children
+
 FINDINGS_TOTAL = "kvguard_canary_findings_total"
 REQUESTS_TOTAL = "kvguard_canary_requests_total"
 MARKERS_INJECTED_TOTAL = "kvguard_canary_markers_injected_total"
@@ -63,6 +65,9 @@ class CanaryMetrics:
             ["tenant"],
             registry=r,
         )
+        # the request path's children, by label values in the order declared (``Children``)
+        self.requests_of = Children(self.requests)  # tenant, marked
+        self.injected_of = Children(self.injected)  # tenant
         self.cuts = Counter(
             _name(CUTS_TOTAL),
             "Responses the leak firewall stopped, by engine and finding kind",

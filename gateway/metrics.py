@@ -264,3 +264,4 @@ class GatewayMetrics:
             ["method"],
             registry=r,
         )
+        self.token_counts_of = Children(self.token_counts)  # method
