@@ -87,9 +87,14 @@ class TagIndex:
             self._texts, self._tenants = texts, self._tenants | {tenant_id}
 
     def replace(self, tenant_ids: Iterable[str]) -> None:
-        """Rebuild from every tenant (runs in a worker thread; the swap is one assignment)."""
-        texts: dict[str, KnownTag] = {}
+        """Rebuild from every tenant (runs in a worker thread; the swap is one assignment), unless
+        they are the tenants indexed already: the usual refresh then costs nothing. A rebuild
+        holds the GIL for its HMACs and automaton (about 130 ms for 10,000 tenants and two key
+        ids), and every request in flight meanwhile waits for the interpreter in turns."""
         tenants = frozenset(tenant_ids)
+        if tenants == self._tenants:
+            return
+        texts: dict[str, KnownTag] = {}
         for tenant_id in sorted(tenants):
             _add(texts, self._codec, tenant_id)
         known_windows(texts)  # the scanners' automaton, built here rather than on the loop
