@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from gateway.metrics import Children
+from contracts.metrics import Children
 
 FINDINGS_TOTAL = "kvguard_canary_findings_total"
 REQUESTS_TOTAL = "kvguard_canary_requests_total"

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from gateway.metrics import REQUESTS_TOTAL, Children, GatewayMetrics
+from contracts.metrics import Children
+from gateway.metrics import REQUESTS_TOTAL, GatewayMetrics
 
 
 def test_a_cached_child_is_the_metric_s_own_and_its_counts_are_exposed() -> None:
