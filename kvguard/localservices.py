@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -39,17 +40,38 @@ class RunningService:
     pid: int | None = None  # the server's process (``frozen`` stops it and its children)
 
 
-# Ports this process has already handed out. The kernel may give the same ephemeral port to two
-# successive bind-to-0 calls once the first socket is closed; two servers told to use one port
-# would then race, and the loser's health check would be answered by the winner.
+# Ports this process has already handed out. Two servers told to use one port would race, and
+# the loser's health check would be answered by the winner.
 _HANDED_OUT: set[int] = set()
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_UNCLAIMED_SPAN = 16_384  # ports below the ephemeral range to choose from
+
+
+def unclaimed_ports() -> range | None:
+    """Ports just below the kernel's ephemeral range, or None where it cannot be read or leaves
+    too little room. Every outgoing connection takes its local port from the ephemeral range: a
+    port picked there (a bind to port 0) can be taken by some process's client socket before
+    the server told to use it binds it -- ``kvguard up`` starting several roles that connect to
+    PostgreSQL and Redis meanwhile failed that way ("address already in use")."""
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    start = max(10_000, low - _UNCLAIMED_SPAN)
+    return range(start, low) if low - start >= 1024 else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, never one this process handed out before."""
+    """A port nothing listens on now, never one this process handed out before: a random one of
+    ``unclaimed_ports`` (no client socket takes it meanwhile; random, so that processes picking
+    at the same time rarely meet), else one the kernel picks."""
+    ports = unclaimed_ports()
     for _ in range(1000):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
+            try:
+                sock.bind((host, ports[secrets.randbelow(len(ports))] if ports else 0))
+            except OSError:  # taken: another
+                continue
             port = int(sock.getsockname()[1])
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)

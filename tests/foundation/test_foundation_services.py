@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ import psycopg
 import redis
 from sqlalchemy import create_engine, text
 
-from kvguard.localservices import RunningService, postgres_server, redis_server
+from kvguard.localservices import RunningService, free_port, postgres_server, redis_server
 
 
 def test_redis_fixture_is_a_real_private_server(
@@ -118,3 +119,17 @@ def test_two_pytest_sessions_in_parallel_do_not_collide(tmp_path: Path) -> None:
     for proc, out in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, out
         assert "1 passed" in out
+
+
+def test_a_free_port_is_one_no_outgoing_connection_can_take() -> None:
+    """A port handed out lies below the kernel's ephemeral range, which outgoing connections
+    draw their local ports from: between the pick and the server's bind, no client socket of
+    any process can take it. ``kvguard up --profile production-like`` failed with "address
+    already in use" when a role bound a port picked in that range."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(not low <= port <= high for port in ports), ports
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free indeed
