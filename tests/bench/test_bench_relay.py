@@ -347,3 +347,19 @@ def test_slope_tables_split_a_stream_into_its_events_and_the_rest() -> None:
     assert "| gw | s:1:10 vs s:65:10 | 32.8 | 2,869 |" in text
     assert "| floor | s:1:10 vs s:65:10 | 25.0 | 700 |" in text
     assert "p:1:100 vs" not in text  # only streamed cases at one rate pair up
+
+
+def test_the_tail_table_gives_each_phase_and_checkout_its_median_and_range() -> None:
+    from bench.relay_tail import Round, table
+
+    found = {
+        ("fresh", "base"): [Round(5.0, 4.6, 1070.0, 0), Round(5.2, 4.9, 1127.0, 0)],
+        ("after a burst", "base"): [Round(9.4, 9.1, 1097.0, 1), Round(6.0, 5.6, 1068.0, 0)],
+    }
+    lines = table(found).splitlines()
+    assert lines[2] == (
+        "| fresh | base | 5.10 [5.00..5.20] | 4.75 [4.60..4.90] "
+        "| 1,098.50 [1,070.00..1,127.00] | 0 |"
+    )
+    assert lines[3].startswith("| after a burst | base | 7.70 [6.00..9.40] | 7.35 [5.60..9.10] ")
+    assert lines[3].endswith("| 1 |")
