@@ -80,6 +80,31 @@ BASE_PROMPT = "Summarise the following in one paragraph: the gateway relays ever
 RESULTS = Path(__file__).resolve().parent / "results" / "relay.md"
 
 
+def workload(
+    relay: Relay,
+    *,
+    stream: bool,
+    tokens: int = TOKENS,
+    prompt: str = BASE_PROMPT,
+    tenants: int = 10,
+) -> Workload:
+    """Chat completions of ``tokens`` tokens through ``relay``, one per key of its first
+    ``tenants`` tenants in turn (no key for a relay without keys)."""
+    keys = relay.keys[:tenants] or (None,)
+    requests = tuple(
+        chat_request(
+            f"127.0.0.1:{relay.port}",
+            model=relay.model,
+            key=key,
+            content=prompt,
+            tokens=tokens,
+            stream=stream,
+        )
+        for key in keys
+    )
+    return Workload(requests, stream, tokens, INTERVAL_S)
+
+
 def prompt_of(tokens: int) -> str:
     """About ``tokens`` tokens of the bundled byte tokenizer (one per UTF-8 byte) of prose."""
     return (ANSWER * (tokens // len(ANSWER) + 1))[:tokens]
@@ -101,19 +126,7 @@ class Bench:
     def workload(
         self, relay: Relay, *, stream: bool, prompt: str = BASE_PROMPT, tenants: int = 10
     ) -> Workload:
-        keys = relay.keys[:tenants] or (None,)
-        requests = tuple(
-            chat_request(
-                f"127.0.0.1:{relay.port}",
-                model=relay.model,
-                key=key,
-                content=prompt,
-                tokens=TOKENS,
-                stream=stream,
-            )
-            for key in keys
-        )
-        return Workload(requests, stream, TOKENS, INTERVAL_S)
+        return workload(relay, stream=stream, prompt=prompt, tenants=tenants)
 
     async def run(self, relay: Relay, workload: Workload, rate: float, seconds: float) -> Samples:
         pids = [relay.pid] if relay.pid is not None else []

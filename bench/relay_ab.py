@@ -23,24 +23,12 @@ import uvloop
 
 from bench.bench_relay import INTERVAL_S, TOKENS, Bench
 from bench.relay_report import spread
-from bench.relay_systems import Relay, Systems, create_tenants, pin_self
+from bench.relay_systems import Relay, Systems, pin_self
 
 
 async def measure(args: argparse.Namespace, systems: Systems) -> dict[str, dict[str, list[float]]]:
     standin = systems.standin(engines=1, interval_s=INTERVAL_S)
-    redis_url, database_url = systems.services()
-    keys = tuple(create_tenants(database_url, 10, canary_rate=args.canary_rate))
-    pair = [
-        systems.gateway(
-            redis_url=redis_url,
-            database_url=database_url,
-            engines=1,
-            keys=keys,
-            source=source,
-            name=label,
-        )
-        for label, source in (("A", args.a), ("B", args.b))
-    ]
+    pair = systems.gateways({"A": args.a, "B": args.b}, canary_rate=args.canary_rate)
     floors: list[Relay] = [systems.floor("aiohttp", standin)] if args.floor else []
     pair = [*pair, *floors]
     bench = Bench(args, systems, pair, Relay("direct", systems.standin_ports[0], "", None))

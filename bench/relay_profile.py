@@ -24,7 +24,7 @@ from pathlib import Path
 import uvloop
 
 from bench import relay_report
-from bench.relay_load import Driver, Workload
+from bench.relay_load import Driver
 from bench.relay_systems import Relay, Systems, create_tenants, pin_self
 
 RESULTS = Path(__file__).resolve().parent / "results" / "relay-profile.md"
@@ -159,23 +159,10 @@ def _short(frame: str) -> str:
 
 
 async def _load(relay: Relay, stream: bool, seconds: float) -> None:
-    from bench.bench_relay import BASE_PROMPT, INTERVAL_S, TOKENS
-    from bench.relay_load import chat_request
+    from bench.bench_relay import workload
 
-    requests = tuple(
-        chat_request(
-            f"127.0.0.1:{relay.port}",
-            model=relay.model,
-            key=key,
-            content=BASE_PROMPT,
-            tokens=TOKENS,
-            stream=stream,
-        )
-        for key in relay.keys[:10]
-    )
     driver = Driver("127.0.0.1", relay.port)
-    workload = Workload(requests, stream, TOKENS, INTERVAL_S)
-    await driver.closed(workload, clients=CLIENTS[stream], seconds=seconds)
+    await driver.closed(workload(relay, stream=stream), clients=CLIENTS[stream], seconds=seconds)
 
 
 def record(relay: Relay, systems: Systems, seconds: float, tmp: Path) -> dict[str, str]:

@@ -29,7 +29,7 @@ import uvloop
 
 from bench.bench_relay import INTERVAL_S
 from bench.relay_load import Driver, Workload, chat_request, cpu_between, cpu_snapshot
-from bench.relay_systems import Relay, Systems, create_tenants, pin_self, started
+from bench.relay_systems import Relay, Systems, pin_self, started
 
 DEFAULT_CASES = ("s:1:10", "s:64:10", "s:1:100", "p:1:10", "p:1:100")
 IDLE = "idle ms/s"
@@ -70,19 +70,12 @@ def workload(relay: Relay, case: Case) -> Workload:
 
 async def measure(args: argparse.Namespace, systems: Systems) -> dict[str, dict[str, list[float]]]:
     standin = systems.standin(engines=1, interval_s=INTERVAL_S)
-    redis_url, database_url = systems.services()
-    keys = tuple(create_tenants(database_url, 10, canary_rate=0.1))
-    relays = [
-        systems.gateway(
-            redis_url=redis_url,
-            database_url=database_url,
-            engines=1,
-            keys=keys,
-            source=checkout,
-            name=f"kvguard gateway ({checkout})" if checkout else "kvguard gateway",
-        )
-        for checkout in args.checkouts or [None]
-    ]
+    relays = systems.gateways(
+        {
+            f"kvguard gateway ({checkout})" if checkout else "kvguard gateway": checkout
+            for checkout in args.checkouts or [None]
+        }
+    )
     relays += [systems.pump_without_checks(standin), systems.floor("aiohttp", standin)]
     found: dict[str, dict[str, list[float]]] = {r.name: {} for r in relays}
     drivers = {r.name: Driver("127.0.0.1", r.port) for r in relays}

@@ -150,6 +150,26 @@ class Systems:
         postgres = self.stack.enter_context(postgres_server())
         return redis.url, postgres.url
 
+    def gateways(
+        self, checkouts: dict[str, Path | None], *, canary_rate: float = 0.1
+    ) -> list[Relay]:
+        """One gateway per checkout (name -> checkout; None: this one) in front of the stand-in's
+        first port, with private Redis and PostgreSQL and 10 tenants the canary marks at
+        ``canary_rate``: what the side-by-side tools compare."""
+        redis_url, database_url = self.services()
+        keys = tuple(create_tenants(database_url, 10, canary_rate=canary_rate))
+        return [
+            self.gateway(
+                redis_url=redis_url,
+                database_url=database_url,
+                engines=1,
+                keys=keys,
+                source=checkout,
+                name=name,
+            )
+            for name, checkout in checkouts.items()
+        ]
+
     def gateway(
         self,
         *,

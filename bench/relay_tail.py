@@ -24,9 +24,9 @@ from pathlib import Path
 
 import uvloop
 
-from bench.bench_relay import BASE_PROMPT, INTERVAL_S
-from bench.relay_load import Driver, Workload, chat_request
-from bench.relay_systems import Relay, Systems, create_tenants, pin_self, started
+from bench.bench_relay import INTERVAL_S, workload
+from bench.relay_load import Driver
+from bench.relay_systems import Relay, Systems, pin_self, started
 
 PHASES = ("fresh", "after a burst")
 
@@ -39,40 +39,12 @@ class Round:
     errors: int
 
 
-def _workload(relay: Relay, *, stream: bool, tokens: int) -> Workload:
-    keys = relay.keys[:10] or (None,)
-    requests = tuple(
-        chat_request(
-            f"127.0.0.1:{relay.port}",
-            model=relay.model,
-            key=key,
-            content=BASE_PROMPT,
-            tokens=tokens,
-            stream=stream,
-        )
-        for key in keys
-    )
-    return Workload(requests, stream, tokens, INTERVAL_S)
-
-
 async def measure(args: argparse.Namespace, systems: Systems) -> dict[tuple[str, str], list[Round]]:
     systems.standin(engines=1, interval_s=INTERVAL_S)
-    redis_url, database_url = systems.services()
-    keys = tuple(create_tenants(database_url, 10, canary_rate=0.1))
-    gateways = [
-        systems.gateway(
-            redis_url=redis_url,
-            database_url=database_url,
-            engines=1,
-            keys=keys,
-            source=checkout,
-            name=str(checkout),
-        )
-        for checkout in args.checkouts
-    ]
+    gateways = systems.gateways({str(checkout): checkout for checkout in args.checkouts})
     direct = Relay("direct", systems.standin_ports[0], gateways[0].model, None)
     drivers = {r.name: Driver("127.0.0.1", r.port) for r in [direct, *gateways]}
-    plain = {r.name: _workload(r, stream=False, tokens=args.tokens) for r in [direct, *gateways]}
+    plain = {r.name: workload(r, stream=False, tokens=args.tokens) for r in [direct, *gateways]}
     found: dict[tuple[str, str], list[Round]] = {}
 
     async def rounds(phase: str) -> None:
@@ -105,7 +77,7 @@ async def measure(args: argparse.Namespace, systems: Systems) -> dict[tuple[str,
     for gateway in gateways:
         driver = drivers[gateway.name]
         await driver.run(plain[gateway.name], rate=args.burst, seconds=5, cpu_pids=[], load_pids=[])
-        streamed = _workload(gateway, stream=True, tokens=64)
+        streamed = workload(gateway, stream=True, tokens=64)
         await driver.run(streamed, rate=150, seconds=5, cpu_pids=[], load_pids=[])
     await rounds(PHASES[1])
     return found
