@@ -159,7 +159,7 @@ def _stamp_use(state: GatewayState, principal: Principal, now: datetime) -> None
 
 async def renew_verified_keys(state: GatewayState) -> None:
     """The replica's renewal loop (``AuthCache.renew``): every half ``auth_cache_ttl_s``, the keys
-    used since the last round (served from the cache or looked up) are verified again in one
+    used in the last two rounds (served from the cache or looked up) are verified again in one
     read, and their last use stamped as ``_lookup`` does. A round that fails is logged; its keys
     expire and the request path verifies them. Nothing to do when the ttl is 0 (nothing is
     cached)."""

@@ -195,9 +195,9 @@ BOB = replace(ALICE, tenant_id="t2", tenant_name="bob", key_id=2, key_prefix="p2
 
 
 async def test_renewal_verifies_the_keys_in_use_in_one_read_and_trusts_them_anew() -> None:
-    """``renew``: the keys served since the last round, all in one read; each trusted for a
+    """``renew``: the keys served in the last two rounds, all in one read; each trusted for a
     ttl from the read's start; a key the database refuses now is refused from then on; a key
-    not used since the last round is not read (it expires as before)."""
+    not used in the last two rounds is not read (it expires as before)."""
     cache = AuthCache(ttl_s=1.0)
     assert cache.renewal_interval_s == 0.5
     cache.put("alice", ALICE, now=NOW)
@@ -213,7 +213,9 @@ async def test_renewal_verifies_the_keys_in_use_in_one_read_and_trusts_them_anew
     later = NOW + timedelta(seconds=0.9)
     assert await cache.renew(fetch, now=later) == [ALICE]
     assert reads == [[1, 2]]  # carol was not used: not read
-    assert await cache.renew(fetch, now=later) == [] and len(reads) == 1  # nothing used since
+    # the next round reads alice again (used in the round before); then nothing is in use
+    assert await cache.renew(fetch, now=later) == [ALICE] and reads[1:] == [[1]]
+    assert await cache.renew(fetch, now=later) == [] and len(reads) == 2
     assert cache.get("alice", now=NOW + timedelta(seconds=1.8)) is ALICE  # trusted from 0.9
     assert cache.get("alice", now=NOW + timedelta(seconds=1.9)) is None
     assert cache.get("bob", now=later) is AuthFailure.REVOKED  # at once, not at NOW + 1
@@ -244,6 +246,31 @@ async def test_a_key_verified_on_the_request_path_is_renewed_in_the_next_round()
     next_use = NOW + timedelta(seconds=1.05)  # past the lookup's ttl, within the renewal's
     assert await cache.verify("alice", now=next_use, lookup=lookup, timeout_s=1.0) is ALICE
     assert lookups == ["alice"]  # served from the cache, no second lookup
+
+
+async def test_a_key_used_once_per_ttl_and_a_half_never_waits_for_the_database() -> None:
+    """A key used once is renewed in the two rounds after its use, so it is trusted for at
+    least 1.5 ttl past it: a tenant sending a request every 1.2 s (ttl 1 s) is served from the
+    cache every time, never by a lookup on the request path."""
+    cache = AuthCache(ttl_s=1.0)
+    lookups: list[str] = []
+
+    async def lookup() -> Principal:
+        lookups.append("alice")
+        return ALICE
+
+    async def fetch(key_ids: list[int]) -> dict[int, Principal | AuthFailure]:
+        return {1: ALICE}
+
+    rounds = [NOW + timedelta(seconds=0.5 * n) for n in range(1, 12)]  # every ttl / 2
+    uses = [NOW + timedelta(seconds=1.2 * n) for n in range(5)]  # 0, 1.2, 2.4, 3.6, 4.8
+    for at in sorted([*rounds, *uses]):
+        if at in uses:
+            verdict = await cache.verify("alice", now=at, lookup=lookup, timeout_s=1.0)
+            assert verdict is ALICE
+        else:
+            await cache.renew(fetch, now=at)
+    assert lookups == ["alice"]  # the first use only
 
 
 async def test_a_renewal_begun_before_an_admin_change_writes_nothing() -> None:
