@@ -1,12 +1,13 @@
 """Redis limiter: the same buckets and leases as ``gateway.limits.base``, atomic across replicas.
 
 One Lua script admits (checks all three limits, then takes all or nothing) and one releases
-(removes the lease, refunds tokens). Both read the clock with Redis ``TIME``, so gateway clocks
-never disagree. Commands go over ``gateway.limits.resp`` (one pipelined connection: a request's
-admit and release cost a write and a reply each). A tenant's keys share a hash tag
-(``{tenant}``), so the scripts stay valid on a Redis Cluster. Buckets expire after two idle
-windows (a full bucket needs no state). The admit script also returns the buckets' levels
-(``gateway.limits.base.Levels``: the rate-limit headers) in the same reply.
+(removes the lease, refunds tokens); a release that would change nothing (a plan without a
+concurrency cap, no tokens to refund) is not sent. Both read the clock with Redis ``TIME``, so
+gateway clocks never disagree. Commands go over ``gateway.limits.resp`` (one pipelined
+connection: a request's admit and release cost a write and a reply each). A tenant's keys share
+a hash tag (``{tenant}``), so the scripts stay valid on a Redis Cluster. Buckets expire after
+two idle windows (a full bucket needs no state). The admit script also returns the buckets'
+levels (``gateway.limits.base.Levels``: the rate-limit headers) in the same reply.
 
 Leases carry deadlines; this process refreshes the ones it holds every third of the lease time,
 so a gateway that dies frees its slots within one lease time. Any Redis error raises
@@ -225,6 +226,9 @@ class RedisLimiter(Limiter):
 
     async def release(self, lease: Lease, *, unused_tokens: int) -> None:
         self._held.pop(lease.lease_id, None)
+        plan = lease.plan
+        if plan.max_concurrency is None and (plan.tokens_per_minute is None or unused_tokens <= 0):
+            return  # no slot was taken and nothing is refunded: the script would change nothing
         try:
             await self._release_one(lease, unused_tokens, abandoned=False)
         except _FAILURES:

@@ -121,6 +121,39 @@ async def test_redis_limits_are_exact_across_instances(redis_limiters) -> None:
     assert sum(isinstance(r, Lease) for r in again) == 5
 
 
+async def test_a_release_with_nothing_to_give_back_sends_nothing(redis_url) -> None:
+    """A lease of a plan without a concurrency cap holds no slot; with no unused tokens to refund
+    (or no token limit), its release would change nothing in Redis, so it sends nothing (a round
+    trip of every such request). A refund or a slot still goes back."""
+    limiter = RedisLimiter(url=redis_url, lease_s=30)
+    client = redis.Redis.from_url(redis_url)
+
+    def scripts_run() -> int:
+        return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+    try:
+        rpm, tpm = TenantPlan(requests_per_minute=100), TenantPlan(tokens_per_minute=1_000)
+        no_limit = await limiter.admit(tenant_id="t", plan=rpm, tokens=10)
+        all_used = await limiter.admit(tenant_id="t", plan=tpm, tokens=10)
+        assert isinstance(no_limit, Lease) and isinstance(all_used, Lease)
+        before = scripts_run()
+        await limiter.release(no_limit, unused_tokens=5)  # no token limit: nothing to refund
+        await limiter.release(all_used, unused_tokens=0)
+        assert scripts_run() == before
+        capped = TenantPlan(max_concurrency=1)
+        refund = await limiter.admit(tenant_id="t", plan=tpm, tokens=10)
+        slot = await limiter.admit(tenant_id="c", plan=capped, tokens=1)
+        assert isinstance(refund, Lease) and isinstance(slot, Lease)
+        before = scripts_run()
+        await limiter.release(refund, unused_tokens=4)
+        await limiter.release(slot, unused_tokens=0)
+        assert scripts_run() == before + 2
+        assert isinstance(await limiter.admit(tenant_id="c", plan=capped, tokens=1), Lease)
+    finally:
+        await limiter.close()
+        client.close()
+
+
 async def test_leases_expire_unless_refreshed(redis_url) -> None:
     holder = RedisLimiter(url=redis_url, lease_s=1.5)
     other = RedisLimiter(url=redis_url, lease_s=1.5)
