@@ -23,14 +23,22 @@ lost (``canary.folding``), so every event's side fields are screened.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from canary.candidates import CandidateReader, known_windows
 from canary.folding import has_marker_characters
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import KnownTag, MarkerCodec, encode_tag
-from canary.scanner import NOTHING, Finding, ScanResult, StreamScanner, passes, reader_for
+from canary.scanner import (
+    NOTHING,
+    Finding,
+    ScanResult,
+    StreamScanner,
+    passes,
+    passes_all,
+    reader_for,
+)
 from contracts.plugins import Cut, Emit, GuardCapabilities, RequestInfo, StreamGuard
 
 log = logging.getLogger("kvguard.canary")
@@ -184,6 +192,12 @@ class FirewallGuard(StreamGuard):
         one check instead of a scanner's pass and its final pass."""
         reader = self._reader
         return self._scanner is None and reader is not None and passes(reader, text)
+
+    def passes_each_whole(self, texts: Sequence[str]) -> bool:
+        """Every one of ``texts`` (a whole answer's side fields, each a field's values joined)
+        passes whole, told by one check of them all (``canary.scanner.passes_all``)."""
+        reader = self._reader
+        return self._scanner is None and reader is not None and passes_all(reader, texts)
 
     def expose_whole(self, text: str) -> bool:
         """A cut-only field's first text in a stream, in which no candidate can start

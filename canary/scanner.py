@@ -91,7 +91,7 @@ at construction.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -151,6 +151,20 @@ def passes(reader: CandidateReader, text: str) -> bool:
     prefix begins. (Both passes read the same folded characters; the final one decides nothing
     where no candidate starts.)"""
     return text.isascii() and reader.quiet(fold_ascii(text)) and not text.endswith(_LITERAL_ENDS)
+
+
+def passes_all(reader: CandidateReader, texts: Sequence[str]) -> bool:
+    """``passes`` of every one of ``texts``, in one check of them joined: folding is per
+    character and ``CandidateReader.quiet`` looks for substrings (an anchor, a window), so a
+    candidate that can start in one text can start in the joined folded text too; and no text
+    may end as the literal prefix begins. False may be wrong (a window spanning two texts, when
+    the caller asks of each)."""
+    joined = "".join(texts)
+    return (
+        joined.isascii()
+        and reader.quiet(fold_ascii(joined))
+        and not any(text.endswith(_LITERAL_ENDS) for text in texts)
+    )
 
 
 class ScannerState(StrEnum):

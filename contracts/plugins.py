@@ -34,7 +34,7 @@ in a final chunk, in place of the engine's, and an engine's error events without
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -98,6 +98,12 @@ class StreamGuard(Protocol):
         """Asked of a guard nothing was fed yet, for a whole text it would be fed and then
         finished on: True when that would deliver ``text`` unchanged and report nothing (the
         caller then feeds nothing; ``finish`` still answers)."""
+        return False
+
+    def passes_each_whole(self, texts: Sequence[str]) -> bool:
+        """Asked of a guard nothing was fed yet: True when each of ``texts``, fed whole to a fresh
+        guard like this one and finished, would pass (``passes_whole`` of each), answered in one
+        check for a whole answer's side fields. False may only mean "ask each"."""
         return False
 
     def expose_whole(self, text: str) -> bool:

@@ -352,7 +352,9 @@ class SideScreen:
     of the joined values (no candidate can start in them, ``canary.scanner.passes``):
     ``passes_whole`` (a whole answer: fed and finished, they would pass unchanged) and
     ``expose_whole`` (a streamed event: fed and then exposed, they would leave the guard reading
-    the literal prefix only and holding nothing; the guard starts in that state).
+    the literal prefix only and holding nothing; the guard starts in that state). A whole answer
+    asks first whether every field passes (``passes_each_whole``, one check of all of them): the
+    usual answer then opens no guard per field.
     """
 
     def __init__(
@@ -401,7 +403,10 @@ class SideScreen:
         prefilter = self.prefilter
         if idle and raw is not None and prefilter is not None and not prefilter(raw, obj):
             return None
-        for key, values in side_fields(obj).items():
+        fields = side_fields(obj)
+        if not streamed and not self._guards and self._all_pass(fields):
+            fields = {}  # a whole answer whose every field passes: no guard is needed
+        for key, values in fields.items():
             if key not in self._guards:  # a field's first values: they may pass at once
                 guard, whole = self._guard(key), "".join(values)
                 if guard.expose_whole(whole) if streamed else guard.passes_whole(whole):
@@ -429,6 +434,14 @@ class SideScreen:
         for location, text in changes:
             set_at(changed, location, text)
         return Rewritten(changed)
+
+    def _all_pass(self, fields: dict[str, list[str]]) -> bool:
+        """Whether each field's values, joined, would pass its guard whole (``passes_whole``),
+        asked of one guard for all of them (``passes_each_whole``). More fields than the bound
+        go the per-field way, which refuses them."""
+        if len(fields) > self._max:
+            return False
+        return self._open().passes_each_whole(["".join(values) for values in fields.values()])
 
     def _exposed(self) -> Cut | None:
         """The Cut of a cut-only field's guard whose held-back text must not go out, or None."""

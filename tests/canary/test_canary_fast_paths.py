@@ -347,6 +347,72 @@ def test_a_whole_answer_whose_fields_pass_at_once_is_screened_as_if_each_were_fe
     assert cuts > 20
 
 
+def test_a_whole_answer_whose_fields_all_pass_opens_no_guard_per_field(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``relay_body`` asks first whether every side field of a whole answer passes
+    (``passes_each_whole``: one check of them all): an ordinary answer opens one guard for its
+    side fields and one for its text, not one per field. An answer where a candidate may start
+    (a marker whole in one field, split between two fields or between two values of one field)
+    is screened field by field; its outcome is that of feeding every value (the reference: both
+    fast checks off)."""
+    from gateway.proxy.body import relay_body
+
+    fw, info = owners_firewall()
+    opened: list[int] = []
+
+    def open_guard() -> StreamGuard:
+        opened.append(1)
+        return fw.open(info)
+
+    ordinary: dict[str, Any] = {
+        "id": "chatcmpl-abc123",
+        "object": "chat.completion",
+        "model": "m",
+        "system_fingerprint": "fp_1",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "an answer", "refusal": None},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "ext": ["one", "two"],
+    }
+    assert relay_body(Endpoint.CHAT, json.loads(json.dumps(ordinary)), open_guard) == ordinary
+    assert len(opened) == 2
+    rng = random.Random(7)
+    cuts = 0
+    for _ in range(300):
+        marker = rng.choice([VICTIM.text, OWN.text, VICTIM.text[5:].lower(), "CNRY-"])
+        cut = rng.randint(1, len(marker) - 1)
+        head, tail = marker[:cut], marker[cut:]
+        body = json.loads(json.dumps(ordinary))
+        where = rng.choice(["one value", "two values", "two fields", "key", "none"])
+        if where == "one value":
+            body["model"] = marker
+        elif where == "two values":
+            body["ext"] = [head, tail]
+        elif where == "two fields":
+            body["id"], body["model"] = head, tail
+        elif where == "key":
+            body["ext"] = {marker: 1}
+        outcomes = []
+        for fast in (True, False):
+            with monkeypatch.context() as patch:
+                if not fast:
+                    patch.setattr(FirewallGuard, "passes_whole", lambda self, text: False)
+                    patch.setattr(FirewallGuard, "passes_each_whole", lambda self, texts: False)
+                screened = relay_body(Endpoint.CHAT, json.loads(json.dumps(body)), open_guard)
+            outcomes.append(
+                (screened.code, _findings(screened)) if isinstance(screened, Cut) else screened
+            )
+        assert outcomes[0] == outcomes[1], body
+        cuts += isinstance(outcomes[0], tuple)
+    assert cuts > 30
+
+
 def test_a_marked_requests_windows_stay_with_its_reader() -> None:
     """The owner's tag texts (HMACs) are kept once per tenant for all of its requests; a marked
     request's own fragments are computed by its reader and go with it. They used to be kept in a
