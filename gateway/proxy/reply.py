@@ -13,7 +13,8 @@ body. ``watch`` cancels the request when the client goes away.
   chunk goes straight to the client's socket as one HTTP chunk (no message, no middleware, no
   await), so the engine connection's reads can push to it; the protocol calls back when the
   client goes away or can take more. Heads and the final bytes still go through ``send`` (the
-  request-id headers, uvicorn's keep-alive and pipelining bookkeeping).
+  request-id headers, uvicorn's keep-alive and pipelining bookkeeping); a whole answer's head
+  and body leave in one socket write.
 """
 
 from __future__ import annotations
@@ -107,6 +108,19 @@ class DirectReply(AsgiReply):
         self._on_gone: Callable[[], None] | None = None
         self._pause: Callable[[], None] | None = None
 
+    async def json(self, status: int, body: Any, headers: dict[str, str]) -> None:
+        """A whole answer in one socket write: its head and its body still go through ``send``
+        (the request-id header, uvicorn's keep-alive bookkeeping), with uvicorn's cycle writing
+        into a list meanwhile. Two writes cost two system calls, and each wakes the client."""
+        cycle = self._cycle
+        socket = cycle.transport
+        gathered = cycle.transport = _Gathered(socket)
+        try:
+            await super().json(status, body, headers)
+        finally:
+            cycle.transport = socket
+            gathered.pour()
+
     def write(self, data: bytes) -> None:
         if self._cycle.disconnected:
             return
@@ -137,6 +151,30 @@ class DirectReply(AsgiReply):
         if self._on_gone is not None:
             self._conn.watchers.discard(self._on_gone)
             self._on_gone = None
+
+
+class _Gathered:
+    """Stands in for the socket's transport in uvicorn's cycle while ``DirectReply.json`` sends:
+    what the cycle writes is kept for one write (``pour``), made before a close the cycle asks."""
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def close(self) -> None:
+        self.pour()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return bool(self._transport.is_closing())
+
+    def pour(self) -> None:
+        parts, self._parts = self._parts, []
+        if parts and not self._transport.is_closing():
+            self._transport.write(b"".join(parts))
 
 
 def reply_for(scope: Scope, receive: Receive, send: Send) -> AsgiReply:

@@ -2,12 +2,14 @@
 are all there at once, so joining them delays none of them, and a busy gateway (whose reads carry
 several events) writes less often. Every byte is still relayed as the engine sent it. Served over
 real HTTP by the gateway's own protocol, so the writes are the socket writes below ASGI
-(``DirectReply.write``); the end of the stream leaves after the request's exit."""
+(``DirectReply.write``); the end of the stream leaves after the request's exit. A whole answer
+(or a refusal) leaves in one write, its head and body together."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 from gateway_harness import bearer, running_gateway
@@ -15,6 +17,7 @@ from gateway_standin import StandInEngine
 
 from gateway.config import GatewaySettings
 from gateway.proxy.reply import DirectReply
+from gateway.proxy.server import DataPlaneProtocol
 from gateway.upstream.base import Upstream, UpstreamCall, UpstreamReply, UpstreamStream
 
 
@@ -90,3 +93,54 @@ async def test_events_of_one_upstream_read_leave_in_one_write_byte_for_byte(
         "isolation": "no_handoff",
         "redactions": 0,
     }
+
+
+class _CountedSocket:
+    """The connection's transport, its writes counted (everything else is the transport's)."""
+
+    def __init__(self, transport: Any, writes: list[bytes]) -> None:
+        self._transport = transport
+        self._writes = writes
+
+    def write(self, data: bytes) -> None:
+        self._writes.append(bytes(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+async def test_a_whole_answer_and_a_refusal_leave_in_one_write(
+    make_settings: Callable[..., GatewaySettings],
+    standin: StandInEngine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Head and body of a whole answer in one socket write (two writes were two system calls and
+    two wake-ups of the client), the same bytes the client reads; a refusal (401) likewise."""
+    settings = make_settings(
+        engines=[{"name": "standin", "kind": "bundled", "base_url": standin.url}]
+    )
+    writes: list[bytes] = []
+    made = DataPlaneProtocol.connection_made
+
+    def counted(protocol: DataPlaneProtocol, transport: Any) -> None:
+        made(protocol, _CountedSocket(transport, writes))
+
+    monkeypatch.setattr(DataPlaneProtocol, "connection_made", counted)
+    async with running_gateway(settings) as gw:
+        _, key = await gw.create_tenant("acme")
+        body = {"model": "standin-model", "prompt": "alpha beta", "max_tokens": 2}
+        writes.clear()
+        answer = await gw.client.post("/v1/completions", json=body, headers=bearer(key))
+        assert answer.status_code == 200, answer.text
+        assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert writes[0].endswith(answer.content)
+        writes.clear()
+        refused = await gw.client.post("/v1/completions", json=body, headers=bearer("sk-wrong"))
+        assert refused.status_code == 401
+        assert len(writes) == 1 and writes[0].endswith(refused.content)
+        writes.clear()  # a client that closes: the one write, then the close
+        headers = {**bearer(key), "connection": "close"}
+        last = await gw.client.post("/v1/completions", json=body, headers=headers)
+        assert last.status_code == 200 and last.headers["connection"] == "close"
+        assert len(writes) == 1 and writes[0].endswith(last.content)
