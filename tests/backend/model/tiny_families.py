@@ -754,13 +754,15 @@ def assert_honest(text: str, hf_tok: Any, prompt_ids: list[int], ids: list[int])
     without it, or the reference of the ids before the cut character. The cut character is at
     most the last 3 tokens (a byte-level piece carries several bytes), or the whole trailing run
     of ``<0xNN>`` pieces: special tokens inside such a run carry no text and do not end it
-    (``E1 <unk> <unk> 80`` is one character cut after two of its three bytes)."""
+    (``E1 <unk> <unk> 80`` is one character cut after two of its three bytes), the added ones
+    that ``all_special_ids`` leaves out (Mistral's ``[INST]``) as much as the named ones."""
     want = completion_text(hf_tok, prompt_ids, ids)
     if text == want:
         return
     assert want.endswith(REPLACEMENT), (text, want)
     run = len(ids)
     special = set(hf_tok.all_special_ids)
+    special |= {i for i, added in hf_tok.added_tokens_decoder.items() if added.special}
     while run and (ids[run - 1] in special or _is_byte_piece(hf_tok, ids[run - 1])):
         run -= 1
     first = max(0, min(len(ids) - 3, run))
