@@ -236,7 +236,8 @@ def _leak_drill(client: httpx.Client, stack: drillstack.DrillStack, alice: str) 
     # The engine read A_TOKENS; A's usage leaves out the marker the gateway added (estimated on
     # this declared engine with the gateway's upper bound): never more than A sent.
     assert incident.a.status == 200 and (incident.a.prompt_tokens or 0) < drillstack.A_TOKENS
-    assert (incident.b.status, incident.b.codes) == (200, (drillstack.CUT_CODE,))
+    # on failure, the exchange says whether a whole marker reached B and how much text did
+    assert (incident.b.status, incident.b.codes) == (200, (drillstack.CUT_CODE,)), incident.b
     assert not incident.b.marker_seen
     finding = drillstack.finding_for(client, stack.admin(), incident.b.request_id)
     assert finding is not None and finding["kind"] == "cross_tenant", finding
