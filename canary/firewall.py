@@ -23,6 +23,7 @@ lost (``canary.folding``), so every event's side fields are screened.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -68,12 +69,18 @@ class CanaryCut(Cut):
 
 
 class TagIndex:
-    """tag -> tenant id over every key id; ambiguous (colliding) tags name nobody."""
+    """tag -> tenant id over every key id; ambiguous (colliding) tags name nobody.
+
+    ``add`` runs on the event loop, ``replace`` in a worker thread: a tenant added while a
+    rebuild is under way (from tenant ids read before it existed) is added to the rebuilt index
+    too, under ``_lock``, which only writers take (readers read one attribute)."""
 
     def __init__(self, codec: MarkerCodec) -> None:
         self._codec = codec
         self._texts: dict[str, KnownTag] = {}
         self._tenants: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
+        self._added_meanwhile: set[str] | None = None  # while a rebuild runs: what ``add`` added
 
     def __len__(self) -> int:
         return len(self._texts)
@@ -88,11 +95,12 @@ class TagIndex:
 
     def add(self, tenant_id: str) -> None:
         """Index one tenant now (a tenant created on another replica since the last refresh)."""
-        if tenant_id not in self._tenants:
-            texts = dict(self._texts)
-            _add(texts, self._codec, tenant_id)
-            known_windows(texts)
-            self._texts, self._tenants = texts, self._tenants | {tenant_id}
+        if tenant_id in self._tenants:
+            return
+        with self._lock:
+            if self._added_meanwhile is not None:
+                self._added_meanwhile.add(tenant_id)
+            self._swap(self._texts, self._tenants, {tenant_id})
 
     def replace(self, tenant_ids: Iterable[str]) -> None:
         """Rebuild from every tenant (runs in a worker thread; the swap is one assignment), unless
@@ -100,13 +108,30 @@ class TagIndex:
         holds the GIL for its HMACs and automaton (about 130 ms for 10,000 tenants and two key
         ids), and every request in flight meanwhile waits for the interpreter in turns."""
         tenants = frozenset(tenant_ids)
-        if tenants == self._tenants:
-            return
+        with self._lock:
+            if tenants == self._tenants:
+                return
+            self._added_meanwhile = set()
         texts: dict[str, KnownTag] = {}
         for tenant_id in sorted(tenants):
             _add(texts, self._codec, tenant_id)
         known_windows(texts)  # the scanners' automaton, built here rather than on the loop
-        self._texts, self._tenants = texts, tenants
+        with self._lock:
+            meanwhile, self._added_meanwhile = self._added_meanwhile, None
+            self._swap(texts, tenants, meanwhile or ())
+
+    def _swap(
+        self, texts: dict[str, KnownTag], tenants: frozenset[str], more: Iterable[str]
+    ) -> None:
+        """Install ``texts`` and ``tenants`` with ``more`` tenants added (to a copy: a mapping
+        once installed never changes); the caller holds ``_lock``."""
+        more = [tenant_id for tenant_id in more if tenant_id not in tenants]
+        if more:
+            texts = dict(texts)
+            for tenant_id in more:
+                _add(texts, self._codec, tenant_id)
+            known_windows(texts)
+        self._texts, self._tenants = texts, tenants.union(more)
 
 
 def _add(texts: dict[str, KnownTag], codec: MarkerCodec, tenant_id: str) -> None:

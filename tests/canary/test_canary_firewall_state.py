@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import threading
+from typing import cast
+
 from canary_harness import TEST_CANARY_KEY
 
 from canary.config import CanarySettings
 from canary.firewall import LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
-from canary.markers import MarkerCodec, MarkerKeyring
+from canary.markers import KnownTag, MarkerCodec, MarkerKeyring
 from canary.runtime import CanaryRuntime
 from contracts.plugins import Emit, RequestInfo, RequestReport
 
@@ -68,3 +71,44 @@ def test_a_tag_refresh_with_the_same_tenants_keeps_the_index() -> None:
     tags.replace(TENANTS[1:])
     assert tags.lookup(CODEC.tenant_tag(TENANTS[0], key_id=2)) is None
     assert tags.lookup(CODEC.tenant_tag(TENANTS[1], key_id=2)) == TENANTS[1]
+
+
+class _PausedBuild:
+    """The codec, except that a worker thread's first ``known_tags`` call waits for ``resume``:
+    the periodic rebuild is held mid-build while the event loop goes on."""
+
+    def __init__(self, codec: MarkerCodec) -> None:
+        self._codec = codec
+        self.building, self.resume = threading.Event(), threading.Event()
+
+    def known_tags(self, tenant_ids: list[str]) -> dict[str, KnownTag]:
+        if threading.current_thread() is not threading.main_thread() and not self.building.is_set():
+            self.building.set()
+            assert self.resume.wait(10)
+        return self._codec.known_tags(tenant_ids)
+
+
+def test_a_tenant_indexed_during_a_rebuild_stays_indexed() -> None:
+    """The refresh rebuilds the index in a worker thread from tenant ids it read a moment before;
+    a tenant whose first request arrives meanwhile is indexed at once on the loop (``add``). The
+    rebuild's swap used to drop it: until the next refresh (30 s) a marker of that tenant's in
+    another tenant's stream named nobody, and one written without its literal prefix was not
+    recognised at all."""
+    paused = _PausedBuild(CODEC)
+    tags = TagIndex(cast(MarkerCodec, paused))
+    tags.replace(TENANTS)
+    paused.building.clear()
+    rebuild = threading.Thread(target=tags.replace, args=(TENANTS[1:],))  # one tenant gone
+    rebuild.start()
+    assert paused.building.wait(10)
+    tags.add("tn_new")  # its first request, on the loop, while the rebuild is under way
+    assert tags.lookup(CODEC.tenant_tag("tn_new", key_id=2)) == "tn_new"
+    paused.resume.set()
+    rebuild.join(10)
+    assert not rebuild.is_alive()
+    assert tags.lookup(CODEC.tenant_tag("tn_new", key_id=2)) == "tn_new"
+    assert tags.lookup(CODEC.tenant_tag("tn_new", key_id=1)) == "tn_new"
+    assert tags.lookup(CODEC.tenant_tag(TENANTS[0], key_id=2)) is None  # the rebuild's removal
+    before = tags.texts()
+    tags.replace([*TENANTS[1:], "tn_new"])  # the next refresh finds it in the table: no rebuild
+    assert tags.texts() is before
