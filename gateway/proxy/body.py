@@ -25,7 +25,7 @@ from gateway.proxy.chunks import (
     set_message_text,
 )
 from gateway.proxy.relay import OpenGuard
-from gateway.proxy.side import InvalidSide, SideScreen
+from gateway.proxy.side import InvalidSide, SideScreen, text_path
 from gateway.upstream.base import Endpoint
 
 
@@ -58,7 +58,9 @@ def relay_body(
     """
     if screen_side:
         try:
-            screened = SideScreen(open_guard, prefilter=side_prefilter).screen_body(body, raw=raw)
+            text = text_path(chat=endpoint is Endpoint.CHAT, streamed=False)
+            side = SideScreen(open_guard, text=text, prefilter=side_prefilter)
+            screened = side.screen_body(body, raw=raw)
         except InvalidSide as exc:
             raise InvalidUpstream(str(exc)) from exc
         if isinstance(screened, Cut):

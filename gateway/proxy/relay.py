@@ -67,7 +67,7 @@ from gateway.proxy.chunks import (
     with_texts,
 )
 from gateway.proxy.disclosure import Disclosure, scrubbed, without_engine_object
-from gateway.proxy.side import InvalidSide, SideScreen, skeleton, tail_chunk
+from gateway.proxy.side import InvalidSide, SideScreen, skeleton, tail_chunk, text_path
 from gateway.upstream.base import Endpoint
 
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -124,7 +124,8 @@ class StreamRelay:
     def __post_init__(self) -> None:
         self._chat = self.endpoint is Endpoint.CHAT
         if self.screen_side:
-            self._side = SideScreen(self.open_guard, prefilter=self.side_prefilter)
+            text = text_path(chat=self._chat, streamed=True)
+            self._side = SideScreen(self.open_guard, text=text, prefilter=self.side_prefilter)
 
     def on_event(self, raw: bytes) -> Step:
         """One event's ``Step`` (a list and a step per event: for tests and benchmarks; the pump

@@ -64,6 +64,9 @@ IDENTITY_LISTS = frozenset(
 # every other key of every event would split them.
 TOKEN_MAP_PATH = "choices.*.logprobs.top_logprobs.*"
 TEXT_PATHS = frozenset({"choices.*.delta.content", "choices.*.message.content", "choices.*.text"})
+"""Where an answer of some shape holds its text. Only the one the relay screens as text
+(``text_path``) is left out of the side fields: another shape's text in an answer is a side field
+like any other string an engine sends."""
 _MODEL_TEXT = (
     "{m}.reasoning_content",
     "{m}.reasoning",
@@ -82,7 +85,8 @@ REWRITE_PATHS = frozenset(
     [f"choices.*.{p.format(m=m)}" for p in _MODEL_TEXT for m in ("delta", "message")]
     + [f"choices.*.{p}" for p in _LOGPROB_TOKENS]
 )
-_NOT_CUT_ONLY = TEXT_PATHS | REWRITE_PATHS
+# per text path: the paths whose strings are not cut-only side fields (the text, rewritten ones)
+_NOT_CUT_ONLY = {path: REWRITE_PATHS | {path} for path in TEXT_PATHS}
 # Every rewritable path has one of these keys: an event whose JSON text has none of them (and no
 # escape that could spell one) is not walked a second time.
 _REWRITE_KEYS = ("reasoning", "refusal", "arguments", "logprobs")
@@ -114,18 +118,28 @@ class SideTail:
     text: str = field(repr=False)
 
 
-def side_fields(obj: dict[str, Any]) -> dict[str, list[str]]:
+def text_path(*, chat: bool, streamed: bool) -> str:
+    """Where the relay of this shape of answer finds each choice's text
+    (``gateway.proxy.chunks.chunk_text`` and ``message_text``)."""
+    if not chat:
+        return "choices.*.text"
+    return "choices.*.delta.content" if streamed else "choices.*.message.content"
+
+
+def side_fields(obj: dict[str, Any], text: str) -> dict[str, list[str]]:
     """field key -> the strings under that key, in document order, leaving out the choices' texts
-    and the rewritable side fields (``rewrite_sites``)."""
+    (at ``text``, a ``text_path``) and the rewritable side fields (``rewrite_sites``)."""
     fields: dict[str, list[str]] = {KEYS_PATH: []}
     try:
-        _visit_dict(obj, "", "", fields)
+        _visit_dict(obj, "", "", fields, _NOT_CUT_ONLY[text])
     except RecursionError as exc:
         raise InvalidSide("an answer nested too deeply") from exc
     return fields
 
 
-def _visit_dict(value: dict[str, Any], path: str, key: str, fields: dict[str, list[str]]) -> None:
+def _visit_dict(
+    value: dict[str, Any], path: str, key: str, fields: dict[str, list[str]], skip: frozenset[str]
+) -> None:
     if path == TOKEN_MAP_PATH:  # each rank of the map is a stream of its own, like its values
         for rank, token in enumerate(value):
             fields.setdefault(f"{key}.<rank {rank}>", []).append(token)
@@ -135,27 +149,32 @@ def _visit_dict(value: dict[str, Any], path: str, key: str, fields: dict[str, li
         inner = f"{path}.{name}" if path else name
         inner_key = f"{key}.{name}" if key else name
         if isinstance(item, str):
-            if inner not in _NOT_CUT_ONLY:
+            if inner not in skip:
                 fields.setdefault(inner_key, []).append(item)
         elif isinstance(item, dict):
-            _visit_dict(item, inner, inner_key, fields)
+            _visit_dict(item, inner, inner_key, fields, skip)
         elif isinstance(item, list):
-            _visit_list(item, inner, inner_key, fields, inner in IDENTITY_LISTS)
+            _visit_list(item, inner, inner_key, fields, skip, inner in IDENTITY_LISTS)
 
 
 def _visit_list(
-    value: list[Any], path: str, key: str, fields: dict[str, list[str]], identity: bool
+    value: list[Any],
+    path: str,
+    key: str,
+    fields: dict[str, list[str]],
+    skip: frozenset[str],
+    identity: bool,
 ) -> None:
     inner = f"{path}.*"
     for position, item in enumerate(value):
         inner_key = f"{key}.{_identity(item, position)}" if identity else f"{key}.*"
         if isinstance(item, str):
-            if inner not in _NOT_CUT_ONLY:
+            if inner not in skip:
                 fields.setdefault(inner_key, []).append(item)
         elif isinstance(item, dict):
-            _visit_dict(item, inner, inner_key, fields)
+            _visit_dict(item, inner, inner_key, fields, skip)
         elif isinstance(item, list):
-            _visit_list(item, inner, inner_key, fields, inner in IDENTITY_LISTS)
+            _visit_list(item, inner, inner_key, fields, skip, inner in IDENTITY_LISTS)
 
 
 def _identity(item: Any, position: int) -> int:
@@ -361,10 +380,12 @@ class SideScreen:
         self,
         open_guard: Callable[[], StreamGuard],
         *,
+        text: str,
         prefilter: Prefilter | None = None,
         max_paths: int = MAX_PATHS,
     ):
         self._open = open_guard
+        self._text = text  # the text path (``text_path``): screened by the relay, not here
         self.prefilter = prefilter  # read by the relay's common-chunk path too
         self._max = max_paths
         self._guards: dict[str, StreamGuard] = {}
@@ -403,7 +424,7 @@ class SideScreen:
         prefilter = self.prefilter
         if idle and raw is not None and prefilter is not None and not prefilter(raw, obj):
             return None
-        fields = side_fields(obj)
+        fields = side_fields(obj, self._text)
         if not streamed and not self._guards and self._all_pass(fields):
             fields = {}  # a whole answer whose every field passes: no guard is needed
         for key, values in fields.items():

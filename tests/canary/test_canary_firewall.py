@@ -359,6 +359,44 @@ def test_non_streaming_side_fields_are_all_screened() -> None:
     assert isinstance(screen_raw(json.loads(escaped), escaped), CanaryCut)
 
 
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+def test_a_marker_in_another_endpoints_text_field_is_cut(endpoint: Endpoint) -> None:
+    """Each endpoint's relay screens its own text (a chat choice's ``message.content`` or
+    ``delta.content``, a completion's ``text``) as text; the text fields of the other shapes are
+    side fields like any other string an engine sends. They used to be left out of the side
+    screen whatever the endpoint, so a chat answer's ``choices[0].text`` (or a completion's
+    ``message.content``) reached the client unscreened, a foreign marker in it included."""
+    victim = CODEC.issue(TENANTS[8])
+    fw, info = firewall()
+    own = "text" if endpoint is Endpoint.COMPLETIONS else "message"
+    for field, value in (
+        ("text", victim.text),
+        ("message", {"role": "assistant", "content": victim.text}),
+        ("delta", {"content": victim.text}),
+    ):
+        if field == own:
+            continue
+        choice = {"index": 0, own: "ok" if own == "text" else {"content": "ok"}, field: value}
+        body = {"id": "c1", "choices": [choice]}
+        out = relay_body(endpoint, body, lambda: fw.open(info), raw=json.dumps(body))
+        assert isinstance(out, CanaryCut), (endpoint, field)
+    own = "text" if endpoint is Endpoint.COMPLETIONS else "delta"
+    for field, value in (
+        ("text", victim.text),
+        ("message", {"content": victim.text}),
+        ("delta", {"content": victim.text}),
+    ):
+        if field == own:
+            continue
+        stream = StreamRelay(endpoint=endpoint, open_guard=lambda: fw.open(info), wants_usage=False)
+        choice = {"index": 0, own: "ok" if own == "text" else {"content": "ok"}, field: value}
+        plain = {"id": "c1", "choices": [{"index": 0, own: choice[own]}]}
+        for event in (plain, plain, {"id": "c1", "choices": [choice]}):  # after common chunks
+            step = stream.on_event(f"data: {json.dumps(event)}\n\n".encode())
+        assert victim.text not in b"".join(step.out).decode(), field
+        assert isinstance(stream.cut, CanaryCut), field
+
+
 # -- the corpus ------------------------------------------------------------------------------------
 
 WORDS = ["the", "Cache", "of", "CNRX", "and", "Context", "CN", "CNR", "CNRY", "copy", "Node"]
