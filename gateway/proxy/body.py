@@ -25,7 +25,7 @@ from gateway.proxy.chunks import (
     set_message_text,
 )
 from gateway.proxy.relay import OpenGuard
-from gateway.proxy.side import InvalidSide, SideScreen, text_path
+from gateway.proxy.side import InvalidSide, SideScreen, text_path, whole_texts
 from gateway.upstream.base import Endpoint
 
 
@@ -52,20 +52,29 @@ def relay_body(
 ) -> dict[str, Any] | Cut:
     """A non-streaming answer through the guards: the body (texts replaced if changed) or a Cut.
 
-    ``raw`` is the answer's JSON text as the engine sent it; with it, ``side_prefilter`` may clear
-    the side fields without walking them (as for a streamed event). Raises ``InvalidUpstream``
-    for an answer the gateway cannot vouch for.
+    First one guard is asked whether every string of the answer passes whole
+    (``StreamGuard.passes_each_whole`` of ``side.whole_texts``): the usual answer, in which no
+    candidate can start, then opens no other guard. Otherwise the side fields go through a
+    ``SideScreen`` and each choice's text through a guard of its own. ``raw`` is the answer's
+    JSON text as the engine sent it; with it, ``side_prefilter`` may clear the side fields
+    without walking them (as for a streamed event). Raises ``InvalidUpstream`` for an answer the
+    gateway cannot vouch for.
     """
+    whole = False
     if screen_side:
         try:
-            text = text_path(chat=endpoint is Endpoint.CHAT, streamed=False)
-            side = SideScreen(open_guard, text=text, prefilter=side_prefilter)
-            screened = side.screen_body(body, raw=raw)
+            texts = whole_texts(body)
+            whole = texts is not None and open_guard().passes_each_whole(texts)
+            if not whole:
+                text = text_path(chat=endpoint is Endpoint.CHAT, streamed=False)
+                side = SideScreen(open_guard, text=text, prefilter=side_prefilter)
+                screened = side.screen_body(body, raw=raw)
         except InvalidSide as exc:
             raise InvalidUpstream(str(exc)) from exc
-        if isinstance(screened, Cut):
-            return screened
-        body = screened
+        if not whole:
+            if isinstance(screened, Cut):
+                return screened
+            body = screened
     choices = body.get("choices")
     if not isinstance(choices, list):
         return body
@@ -75,7 +84,7 @@ def relay_body(
     for position, choice in enumerate(choices):
         choice_index(choice, position)
         text = message_text(endpoint, choice)
-        if not text:
+        if whole or not text:
             continue
         released = screen(open_guard(), text)
         if isinstance(released, Cut):

@@ -129,52 +129,77 @@ def text_path(*, chat: bool, streamed: bool) -> str:
 def side_fields(obj: dict[str, Any], text: str) -> dict[str, list[str]]:
     """field key -> the strings under that key, in document order, leaving out the choices' texts
     (at ``text``, a ``text_path``) and the rewritable side fields (``rewrite_sites``)."""
-    fields: dict[str, list[str]] = {KEYS_PATH: []}
-    try:
-        _visit_dict(obj, "", "", fields, _NOT_CUT_ONLY[text])
-    except RecursionError as exc:
-        raise InvalidSide("an answer nested too deeply") from exc
-    return fields
+    return _Walk(_NOT_CUT_ONLY[text]).of(obj).fields
 
 
-def _visit_dict(
-    value: dict[str, Any], path: str, key: str, fields: dict[str, list[str]], skip: frozenset[str]
-) -> None:
-    if path == TOKEN_MAP_PATH:  # each rank of the map is a stream of its own, like its values
-        for rank, token in enumerate(value):
-            fields.setdefault(f"{key}.<rank {rank}>", []).append(token)
-    else:
-        fields[KEYS_PATH].extend(value)
-    for name, item in value.items():
-        inner = f"{path}.{name}" if path else name
-        inner_key = f"{key}.{name}" if key else name
-        if isinstance(item, str):
-            if inner not in skip:
-                fields.setdefault(inner_key, []).append(item)
-        elif isinstance(item, dict):
-            _visit_dict(item, inner, inner_key, fields, skip)
-        elif isinstance(item, list):
-            _visit_list(item, inner, inner_key, fields, skip, inner in IDENTITY_LISTS)
+def whole_texts(obj: dict[str, Any]) -> list[str] | None:
+    """What one check of a whole answer reads (``relay_body``): every field key's strings joined
+    in document order, as each key's guard would read them in turn -- each choice's text, each
+    side field, each rewritable field -- and each string of a rewritable field with more than one
+    also on its own (each is delivered in its place, so none may end as a marker's prefix begins).
+    None for an answer with more field keys than ``MAX_PATHS`` (the guards refuse it)."""
+    rewritable: set[str] = set()
+    fields = _Walk(frozenset(), rewritable=rewritable).of(obj).fields
+    if len(fields) > MAX_PATHS:
+        return None
+    texts = ["".join(values) for values in fields.values()]
+    for key in rewritable:
+        if len(values := fields[key]) > 1:
+            texts += values
+    return texts
 
 
-def _visit_list(
-    value: list[Any],
-    path: str,
-    key: str,
-    fields: dict[str, list[str]],
-    skip: frozenset[str],
-    identity: bool,
-) -> None:
-    inner = f"{path}.*"
-    for position, item in enumerate(value):
-        inner_key = f"{key}.{_identity(item, position)}" if identity else f"{key}.*"
-        if isinstance(item, str):
-            if inner not in skip:
-                fields.setdefault(inner_key, []).append(item)
-        elif isinstance(item, dict):
-            _visit_dict(item, inner, inner_key, fields, skip)
-        elif isinstance(item, list):
-            _visit_list(item, inner, inner_key, fields, skip, inner in IDENTITY_LISTS)
+class _Walk:
+    """The strings of an answer by field key, leaving out those at the ``skip`` paths; the keys of
+    rewritable strings are noted in ``rewritable`` when it is given."""
+
+    __slots__ = ("fields", "rewritable", "skip")
+
+    def __init__(self, skip: frozenset[str], *, rewritable: set[str] | None = None) -> None:
+        self.fields: dict[str, list[str]] = {KEYS_PATH: []}
+        self.skip = skip
+        self.rewritable = rewritable
+
+    def of(self, obj: dict[str, Any]) -> _Walk:
+        try:
+            self._dict(obj, "", "")
+        except RecursionError as exc:
+            raise InvalidSide("an answer nested too deeply") from exc
+        return self
+
+    def _dict(self, value: dict[str, Any], path: str, key: str) -> None:
+        fields = self.fields
+        if path == TOKEN_MAP_PATH:  # each rank of the map is a stream of its own, like its values
+            for rank, token in enumerate(value):
+                fields.setdefault(f"{key}.<rank {rank}>", []).append(token)
+        else:
+            fields[KEYS_PATH].extend(value)
+        for name, item in value.items():
+            inner = f"{path}.{name}" if path else name
+            inner_key = f"{key}.{name}" if key else name
+            if isinstance(item, str):
+                self._string(item, inner, inner_key)
+            elif isinstance(item, dict):
+                self._dict(item, inner, inner_key)
+            elif isinstance(item, list):
+                self._list(item, inner, inner_key, inner in IDENTITY_LISTS)
+
+    def _list(self, value: list[Any], path: str, key: str, identity: bool) -> None:
+        inner = f"{path}.*"
+        for position, item in enumerate(value):
+            inner_key = f"{key}.{_identity(item, position)}" if identity else f"{key}.*"
+            if isinstance(item, str):
+                self._string(item, inner, inner_key)
+            elif isinstance(item, dict):
+                self._dict(item, inner, inner_key)
+            elif isinstance(item, list):
+                self._list(item, inner, inner_key, inner in IDENTITY_LISTS)
+
+    def _string(self, item: str, path: str, key: str) -> None:
+        if path not in self.skip:
+            self.fields.setdefault(key, []).append(item)
+            if self.rewritable is not None and path in REWRITE_PATHS:
+                self.rewritable.add(key)
 
 
 def _identity(item: Any, position: int) -> int:

@@ -347,15 +347,16 @@ def test_a_whole_answer_whose_fields_pass_at_once_is_screened_as_if_each_were_fe
     assert cuts > 20
 
 
-def test_a_whole_answer_whose_fields_all_pass_opens_no_guard_per_field(
+def test_a_whole_answer_in_which_nothing_can_start_opens_one_guard(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``relay_body`` asks first whether every side field of a whole answer passes
-    (``passes_each_whole``: one check of them all): an ordinary answer opens one guard for its
-    side fields and one for its text, not one per field. An answer where a candidate may start
-    (a marker whole in one field, split between two fields or between two values of one field)
-    is screened field by field; its outcome is that of feeding every value (the reference: both
-    fast checks off)."""
+    """``relay_body`` asks one guard first whether every string of a whole answer passes
+    (``passes_each_whole`` of ``whole_texts``: each field key's strings joined, the text and the
+    rewritable fields included): an ordinary answer opens that one guard, not one for its side
+    fields and one per text. An answer where a candidate may start -- a marker whole in a field,
+    split between two fields, two values of one field, the text and a field, two logprobs tokens,
+    or a rewritable value that ends as the literal prefix begins -- goes the long way; its outcome
+    is that of feeding every value (the reference: every fast check off)."""
     from gateway.proxy.body import relay_body
 
     fw, info = owners_firewall()
@@ -373,23 +374,35 @@ def test_a_whole_answer_whose_fields_all_pass_opens_no_guard_per_field(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "an answer", "refusal": None},
-                "logprobs": None,
+                "message": {
+                    "role": "assistant",
+                    "content": "an answer",
+                    "refusal": None,
+                    "reasoning_content": "a thought",
+                },
+                "logprobs": {
+                    "content": [{"token": "an", "logprob": -0.1, "top_logprobs": []}],
+                    "refusal": None,
+                },
                 "finish_reason": "stop",
             }
         ],
         "ext": ["one", "two"],
     }
     assert relay_body(Endpoint.CHAT, json.loads(json.dumps(ordinary)), open_guard) == ordinary
-    assert len(opened) == 2
+    assert len(opened) == 1
     rng = random.Random(7)
-    cuts = 0
-    for _ in range(300):
-        marker = rng.choice([VICTIM.text, OWN.text, VICTIM.text[5:].lower(), "CNRY-"])
-        cut = rng.randint(1, len(marker) - 1)
+    cuts = changed = 0
+    for _ in range(400):
+        marker = rng.choice([VICTIM.text, OWN.text, VICTIM.text[5:].lower(), "CNRY-", "C", "CN"])
+        cut = rng.randint(1, max(1, len(marker) - 1))
         head, tail = marker[:cut], marker[cut:]
         body = json.loads(json.dumps(ordinary))
-        where = rng.choice(["one value", "two values", "two fields", "key", "none"])
+        choice = body["choices"][0]
+        where = rng.choice(
+            ["one value", "two values", "two fields", "key", "text", "text and field",
+             "reasoning", "tokens", "token ends", "none"]
+        )  # fmt: skip
         if where == "one value":
             body["model"] = marker
         elif where == "two values":
@@ -398,6 +411,17 @@ def test_a_whole_answer_whose_fields_all_pass_opens_no_guard_per_field(
             body["id"], body["model"] = head, tail
         elif where == "key":
             body["ext"] = {marker: 1}
+        elif where == "text":
+            choice["message"]["content"] = f"see {marker} here"
+        elif where == "text and field":
+            choice["message"]["content"], choice["finish_reason"] = head, tail
+        elif where == "reasoning":
+            choice["message"]["reasoning_content"] = marker
+        elif where in ("tokens", "token ends"):
+            tokens = [head, tail] if where == "tokens" else [marker, "x"]
+            choice["logprobs"]["content"] = [
+                {"token": t, "logprob": -0.1, "top_logprobs": []} for t in tokens
+            ]
         outcomes = []
         for fast in (True, False):
             with monkeypatch.context() as patch:
@@ -410,7 +434,8 @@ def test_a_whole_answer_whose_fields_all_pass_opens_no_guard_per_field(
             )
         assert outcomes[0] == outcomes[1], body
         cuts += isinstance(outcomes[0], tuple)
-    assert cuts > 30
+        changed += not isinstance(outcomes[0], tuple) and outcomes[0] != body
+    assert cuts > 40 and changed > 20
 
 
 def test_a_marked_requests_windows_stay_with_its_reader() -> None:

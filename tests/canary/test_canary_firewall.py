@@ -334,8 +334,9 @@ def test_non_streaming_bodies_are_screened_per_choice_and_field() -> None:
 
 def test_non_streaming_side_fields_are_all_screened() -> None:
     """No prefilter: any side string with a letter may continue a marker whose prefix was bent or
-    lost, so every side field is screened (all of them in one check, ``passes_each_whole``, when
-    no candidate can start in any); a marker in one, plain, bent or ``\u0043``-escaped, is cut."""
+    lost, so every side field is screened (with the text, all in one check of one guard,
+    ``passes_each_whole``, when no candidate can start in any); a marker in one, plain, bent or
+    ``\u0043``-escaped, is cut."""
     victim = CODEC.issue(TENANTS[7])
     fw, info = firewall()
     assert fw.capabilities.side_prefilter is None
@@ -352,7 +353,7 @@ def test_non_streaming_side_fields_are_all_screened() -> None:
 
     clean = {"id": "cmpl-1", "choices": [{"index": 0, "message": {"content": "Cats"}}]}
     assert screen_raw(clean) == clean
-    assert len(opened) == 2  # the text's guard, and one asked of all side fields at once
+    assert len(opened) == 1  # one guard asked of every string at once
     for debug in (victim.text, victim.text[5:].lower(), "CNRY|" + victim.text[5:]):
         assert isinstance(screen_raw({**clean, "debug": debug}), CanaryCut), debug
     escaped = json.dumps({**clean, "debug": victim.text}).replace("C", "\\u0043")
