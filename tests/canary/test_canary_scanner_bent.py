@@ -231,3 +231,21 @@ def test_a_cut_only_field_is_read_for_the_literal_prefix_only() -> None:
     assert not s.feed(FOREIGN.text[5:] + " ").cut
     result = s.feed("id " + FOREIGN.text)
     assert result.cut and result.findings[0].victim_tenant == "globex"
+
+
+def test_the_quick_foldings_agree_with_the_folding_of_each_character() -> None:
+    """``fold_ascii``, ``fold_flat`` and ``has_marker_characters`` (byte tables) read every ASCII
+    character as ``fold`` does (the characters with positions): a marker character in any case
+    becomes the upper-case one, any other character is dropped."""
+    from canary.folding import fold, fold_ascii, has_marker_characters
+
+    every = "".join(map(chr, range(128)))
+    assert fold_ascii(every) == "234567ABCDEFGHIJKLMNOPQRSTUVWXYZABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    rng = random.Random(11)
+    alphabet = every + "ＣＮＲＹ２é—\u200b"
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        assert fold_flat(text) == fold(text).chars, repr(text)
+        assert has_marker_characters(text) == bool(fold(text).chars), repr(text)
+        if text.isascii():
+            assert fold_ascii(text) == fold(text).chars, repr(text)
