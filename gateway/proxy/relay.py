@@ -6,7 +6,8 @@
   never reads, so nothing an engine writes there is passed on); ``[DONE]`` passes;
 - every choice's text goes through its own guard (``open_guard()`` once per choice index, so a
   guard sees one text stream in order); a chunk whose texts all pass unchanged passes byte for
-  byte, a changed text (held back or released) is re-serialised with only the texts replaced;
+  byte (see below), a changed text (held back or released) is re-serialised with only the texts
+  replaced;
 - every other string of an event (ids, names, keys, error messages, extension fields) goes
   through the side guards (``gateway.proxy.side``), so a foreign marker an engine hides outside
   the text still never reaches the client complete; the side fields the model writes (reasoning,
@@ -30,10 +31,15 @@
   is finished for its verdict only (nothing held back is delivered): a marker cut short by an
   engine crash still cuts, with its findings, instead of vanishing with the held-back text;
 - an event the gateway cannot vouch for (not JSON, too many choices, text after a choice
-  finished) ends the stream as an upstream error. An event with SSE fields other than ``data``
-  is re-serialised from its data. Duplicate JSON keys are read as clients read them (the last
-  one wins in JavaScript, Python, Go and Jackson; serde refuses them), so they are not checked:
-  the check doubled the cost of parsing every event.
+  finished) ends the stream as an upstream error;
+- an event's own bytes go out only when they are one ``data:`` line holding exactly the JSON of
+  what was read (orjson's compact form of the parsed event); any other event whose texts pass
+  unchanged (SSE fields other than ``data``, several lines, CRLF) is written anew from what was
+  screened. A key given twice is read as its last value (as JavaScript, Python, Go
+  and Jackson read it), and the first value's bytes must not reach the client unread: a hostile
+  reader of the raw stream would see them. An engine that writes each event as compact JSON on
+  one line (the bundled engine's orjson; pydantic's ``model_dump_json``) keeps the byte-for-byte
+  path; one that writes spaces after its separators has its events written anew.
 
 The shapes it reads and writes are in ``gateway.proxy.chunks``; a whole (non-streamed) answer
 goes through the same guards in ``gateway.proxy.body``.
@@ -158,6 +164,9 @@ class StreamRelay:
             obj = None
         if not isinstance(obj, dict):
             return self.invalid(out)
+        # The event's own bytes may go out only when they are what was read: the JSON of ``obj``
+        # (a key given twice is read as its last value, and the first must not go out unread).
+        canonical = canonical and raw[:6] == b"data: " and _dumps(obj) == raw[6:-2]
         side = self._side
         # most events: no guard holds text back and the prefilter clears them: not walked
         if side is not None and (side.holding or not side.prefilter or side.prefilter(data, obj)):
@@ -389,6 +398,14 @@ class StreamRelay:
 
 
 # -- event parsing ---------------------------------------------------------------------------
+
+
+def _dumps(obj: dict[str, Any]) -> bytes | None:
+    """``obj`` as compact JSON, or None where orjson cannot write it (an integer past 64 bits)."""
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError:
+        return None
 
 
 def parse_json(data: str | bytes) -> Any:

@@ -398,6 +398,31 @@ def test_a_marker_in_another_endpoints_text_field_is_cut(endpoint: Endpoint) -> 
         assert isinstance(stream.cut, CanaryCut), field
 
 
+def test_a_value_hidden_behind_a_duplicate_key_never_reaches_the_client() -> None:
+    """JSON parsers keep the last of two values of one key, so the relay screens that one; an
+    event's bytes went out as the engine sent them when its text passed unchanged, and with them
+    the first value, never screened: a foreign marker there reached the client's socket. Now an
+    event's own bytes go out only when they are exactly what the relay read (the JSON of the
+    parsed event); anything else is written anew from what was screened."""
+    victim = CODEC.issue(TENANTS[9])
+    fw, info = firewall()
+    stream = StreamRelay(endpoint=Endpoint.CHAT, open_guard=lambda: fw.open(info), wants_usage=True)
+    plain = '{"id":"c1","choices":[{"index":0,"delta":{"content":"ok"}}]}'
+    hidden = [
+        '{"id":"c1","choices":[{"index":0,"delta":{"content":"%s","content":"ok"}}]}',
+        '{"id":"c1","choices":[{"index":0,"delta":{"content":"ok"},"x":"%s","x":"y"}]}',
+        '{"id":"c1","choices":[{"index":0,"delta":{"content":"ok"}}],"usage":{"u":"%s","u":1}}',
+        '{"id":"c1","choices":[{"index":0,"delta":{},"finish_reason":"%s","finish_reason":"stop"}]}',
+    ]
+    out = b""
+    for data in [plain, plain, *(h % victim.text for h in hidden)]:
+        step = stream.on_event(f"data: {data}\n\n".encode())
+        out += b"".join(step.out)
+    assert victim.text not in out.decode() and victim.text[5:13] not in out.decode()
+    assert stream.cut is None and json.loads(out.split(b"\n\n")[2][6:]) == json.loads(plain)
+    assert out.startswith(f"data: {plain}\n\n".encode())  # the usual event goes out as it came
+
+
 # -- the corpus ------------------------------------------------------------------------------------
 
 WORDS = ["the", "Cache", "of", "CNRX", "and", "Context", "CN", "CNR", "CNRY", "copy", "Node"]

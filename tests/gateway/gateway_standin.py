@@ -178,7 +178,13 @@ def build_app(controls: StandInControls) -> FastAPI:
             out["handoff"] = controls.handoff
         return out
 
-    def _sent(chunk: bytes) -> bytes:
+    def _sent(event: dict[str, Any] | bytes) -> bytes:
+        """One SSE event as the bundled engine writes it: compact JSON on one line (orjson's
+        form, which the gateway passes byte for byte)."""
+        if isinstance(event, bytes):
+            chunk = event
+        else:
+            chunk = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
         controls.sent_chunks.append(chunk)
         return chunk
 
@@ -197,12 +203,12 @@ def build_app(controls: StandInControls) -> FastAPI:
                 piece = word if i == 0 else " " + word
                 choice: dict[str, Any] = {"index": 0, "finish_reason": None}
                 choice.update({"delta": {"content": piece}} if chat else {"text": piece})
-                yield _sent(f"data: {json.dumps({**base, 'choices': [choice]})}\n\n".encode())
+                yield _sent({**base, "choices": [choice]})
                 if controls.chunk_delay_s:
                     await asyncio.sleep(controls.chunk_delay_s)
             last: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
             last.update({"delta": {}} if chat else {"text": ""})
-            yield _sent(f"data: {json.dumps({**base, 'choices': [last]})}\n\n".encode())
+            yield _sent({**base, "choices": [last]})
             if (body.get("stream_options") or {}).get("include_usage"):
                 usage: dict[str, Any] = {
                     **base,
@@ -211,7 +217,7 @@ def build_app(controls: StandInControls) -> FastAPI:
                 }
                 if controls.handoff is not None:
                     usage["handoff"] = controls.handoff
-                yield _sent(f"data: {json.dumps(usage)}\n\n".encode())
+                yield _sent(usage)
             if not controls.omit_done:
                 yield _sent(b"data: [DONE]\n\n")
         except asyncio.CancelledError:

@@ -64,7 +64,7 @@ def test_only_cr_and_lf_end_an_sse_line() -> None:
 def test_an_answer_holding_unicode_line_separators_streams_through() -> None:
     """Engines that serialise with raw UTF-8 (pydantic's model_dump_json) send U+2028 as is."""
     chunk = {"choices": [{"index": 0, "delta": {"content": NOT_SSE_LINE_BREAKS}}]}
-    raw = f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+    raw = f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
     relay = StreamRelay(endpoint=Endpoint.CHAT, open_guard=PassThroughGuard, wants_usage=False)
     step = relay.on_event(raw)
     assert (step.out, step.end) == ([raw], None)
@@ -82,16 +82,19 @@ def _run(relay: StreamRelay) -> tuple[bytes, Phase | None]:
 
 
 def test_relay_passes_bytes_and_drops_unrequested_usage() -> None:
+    """Events of one ``data:`` line of compact JSON pass byte for byte; the one whose lines end
+    in CRLF is written anew with LF (the same JSON), the comment becomes the keep-alive."""
+    relayed = STREAM.replace(b"\r\n\r\n", b"\n\n")
     relay = StreamRelay(endpoint=Endpoint.CHAT, open_guard=PassThroughGuard, wants_usage=False)
     out, end = _run(relay)
-    assert out == STREAM.replace(
+    assert out == relayed.replace(
         b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,'
         b'"total_tokens":5}}\n\n',
         b"",
     )
     assert (end, relay.completion_tokens, relay.prompt_tokens) == (Phase.COMPLETED, 2, 3)
     relay = StreamRelay(endpoint=Endpoint.CHAT, open_guard=PassThroughGuard, wants_usage=True)
-    assert _run(relay)[0] == STREAM
+    assert _run(relay)[0] == relayed
 
 
 class HoldAll(StreamGuard):
