@@ -16,6 +16,7 @@ import copy
 from typing import Any
 
 from contracts.plugins import Cut, Emit, Prefilter, StreamGuard
+from gateway.errors import PassThrough
 from gateway.proxy.chunks import (
     MAX_CHOICES,
     InvalidUpstream,
@@ -24,6 +25,7 @@ from gateway.proxy.chunks import (
     message_text,
     set_message_text,
 )
+from gateway.proxy.disclosure import without_addresses
 from gateway.proxy.relay import OpenGuard
 from gateway.proxy.side import InvalidSide, SideScreen, text_path, whole_texts
 from gateway.upstream.base import Endpoint
@@ -39,6 +41,29 @@ def screen(guard: StreamGuard, text: str) -> str | Cut:
         return first
     rest = guard.finish()
     return rest if isinstance(rest, Cut) else first.text + rest.text
+
+
+def refusal_of(status: int, error: dict[str, Any], open_guard: OpenGuard) -> PassThrough | Cut:
+    """An engine's own OpenAI-style 4xx as the client gets it: each of its strings (the message,
+    at most 2,000 characters; the code, type and param) through a fresh guard -- the Cut when one
+    holds what must not go out -- and without addresses (``disclosure.without_addresses``)."""
+    fields: dict[str, Any] = {name: error.get(name) for name in ("code", "type", "param")}
+    fields["message"] = str(error.get("message") or "the engine refused the request")[:2000]
+    out: dict[str, str | None] = {}
+    for name, value in fields.items():
+        out[name] = None
+        if isinstance(value, str) and value:
+            screened = screen(open_guard(), value)
+            if isinstance(screened, Cut):
+                return screened
+            out[name] = without_addresses(screened)
+    return PassThrough(
+        status,
+        out["message"] or "",
+        code=out["code"] or "upstream_rejected",
+        type_=out["type"] or "invalid_request_error",
+        param=out["param"],
+    )
 
 
 def relay_body(

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER
-from contracts.plugins import Cut, StreamGuard
+from contracts.plugins import Cut
 from gateway.domain import Principal
 from gateway.engines.capacity import RequestSize
 from gateway.engines.registry import EngineRecord
@@ -46,19 +46,18 @@ from gateway.errors import (
     GatewayError,
     ModelNotFound,
     NoHealthyEngine,
-    PassThrough,
     Stopped,
     UpstreamFailed,
 )
 from gateway.lifecycle import Phase
 from gateway.openai.schemas import EmbeddingsBody
 from gateway.proxy.admission import route, take_lease
-from gateway.proxy.body import screen
+from gateway.proxy.body import refusal_of
 from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
-from gateway.proxy.disclosure import scrubbed, without_addresses
 from gateway.proxy.ending import CLIENT_GONE, COMPLETED, INTERNAL, Outcome, cut, refused
 from gateway.proxy.finish import finish
+from gateway.proxy.relay import OpenGuard
 from gateway.upstream.base import Endpoint, UpstreamCall, UpstreamReply, UpstreamUnreachable
 
 log = logging.getLogger("kvguard.gateway.proxy")
@@ -146,7 +145,8 @@ async def _serve(deps: ProxyDeps, ctx: RequestContext, body: EmbeddingsBody) -> 
         log.warning("engine %s unreachable: %s", engine.name, exc)
         raise UpstreamFailed("the engine could not be reached") from exc
     if reply.status != 200:
-        raise _refusal(ctx.model, reply, deps.hooks.guards.open(ctx.info()))
+        guards, info = deps.hooks.guards, ctx.info()
+        raise _refusal(ctx.model, reply, lambda: guards.open(info))
     answer = reply.body
     if answer is None or not isinstance(answer.get("data"), list):
         raise UpstreamFailed("the engine sent an invalid answer")
@@ -179,7 +179,7 @@ async def _report_cut(deps: ProxyDeps, ctx: RequestContext, verdict: Cut) -> Non
                 log.exception("on_cut hook failed for request %s", ctx.request_id)
 
 
-def _refusal(model: str, reply: UpstreamReply, guard: StreamGuard) -> GatewayError:
+def _refusal(model: str, reply: UpstreamReply, open_guard: OpenGuard) -> GatewayError:
     """An engine's non-200 answer: the route not served is the gateway's 404; its own 4xx pass
     through (screened: ``GuardCut``); an overloaded engine is a 503; anything else a 502."""
     error = (reply.body or {}).get("error")
@@ -187,17 +187,10 @@ def _refusal(model: str, reply: UpstreamReply, guard: StreamGuard) -> GatewayErr
     if reply.status == 404 or any(w in message.lower() for w in NOT_SERVED_WORDS):
         return not_served(model)
     if 400 <= reply.status < 500 and reply.status != 429 and isinstance(error, dict):
-        screened = screen(guard, message or "the engine refused the request")
-        if isinstance(screened, Cut):
-            raise GuardCut(screened)
-        # the engine's words without its addresses (``gateway.proxy.disclosure``)
-        return PassThrough(
-            reply.status,
-            without_addresses(screened),
-            code=scrubbed(error.get("code")) or "upstream_rejected",
-            type_=scrubbed(error.get("type")) or "invalid_request_error",
-            param=scrubbed(error.get("param")),
-        )
+        refusal = refusal_of(reply.status, error, open_guard)
+        if isinstance(refusal, Cut):
+            raise GuardCut(refusal)
+        return refusal
     if reply.status in (429, 503):
         return NoHealthyEngine("the engine is overloaded; retry later", code="engine_overloaded")
     return UpstreamFailed(f"the engine answered HTTP {reply.status}")

@@ -33,18 +33,17 @@ from gateway.errors import (
     GatewayError,
     HandoffMismatch,
     NoHealthyEngine,
-    PassThrough,
     Stopped,
     UpstreamFailed,
 )
 from gateway.lifecycle import Phase
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
-from gateway.proxy.body import relay_body, screen
+from gateway.proxy.body import refusal_of, relay_body
 from gateway.proxy.chunks import MAX_CHOICES, InvalidUpstream, own_usage, token_count
 from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
-from gateway.proxy.disclosure import Disclosure, scrubbed, without_addresses
+from gateway.proxy.disclosure import Disclosure
 from gateway.proxy.ending import (
     CLIENT_GONE,
     COMPLETED,
@@ -256,16 +255,10 @@ class Flight:
         else a 502/503 naming no engine (the log names it, by request id)."""
         error = (reply.body or {}).get("error")
         if 400 <= reply.status < 500 and reply.status != 429 and isinstance(error, dict):
-            screened = screen(self.disclosure.open(), _engine_message(error))
-            if isinstance(screened, Cut):
-                return await self._cut(screened)
-            raise PassThrough(
-                reply.status,
-                without_addresses(screened),
-                code=scrubbed(error.get("code")) or "upstream_rejected",
-                type_=scrubbed(error.get("type")) or "invalid_request_error",
-                param=scrubbed(error.get("param")),
-            )
+            refusal = refusal_of(reply.status, error, self.disclosure.open)
+            if isinstance(refusal, Cut):
+                return await self._cut(refusal)
+            raise refusal
         engine = self.ctx.engine
         log.warning(  # the engine's message may hold content: its code only
             "request %s: engine %s (%s) answered HTTP %s, code %r",
@@ -394,10 +387,6 @@ def note_handoff(deps: ProxyDeps, ctx: RequestContext, proof: HandoffProof | Non
         proof.transferred_tokens,
     )
     return not deps.settings.refuse_on_handoff_mismatch
-
-
-def _engine_message(error: dict[str, Any]) -> str:
-    return str(error.get("message") or "the engine refused the request")[:2000]
 
 
 def _finish_reasons(body: dict[str, Any]) -> tuple[str, ...]:

@@ -130,7 +130,7 @@ class ProviderControls:
     """What the provider does; read per request."""
 
     mode: str = "plain"  # plain | echo_system | leak
-    leak_where: str = "content"  # content | second_choice | side_field | error_event
+    leak_where: str = "content"  # content | second_choice | side_field | error_event | refusal
     splits: list[int] | None = None  # stream: answer split at these offsets (None: one chunk)
     leak_chars: int | None = None  # leak only the marker's first characters (a damaged copy)
     usage_prompt_tokens: int | None = None  # lie about usage
@@ -183,6 +183,10 @@ def build_provider(controls: ProviderControls) -> FastAPI:
     async def _complete(body: dict[str, Any], *, chat: bool) -> Any:
         leaking = controls.mode == "leak"
         controls.seen.append(body)
+        if leaking and controls.leak_where == "refusal":  # an OpenAI-style 400, the marker in it
+            marker = controls.stolen_marker()
+            error = {"message": "bad request", "type": "invalid_request_error", "param": marker}
+            return JSONResponse({"error": {**error, "code": marker[5:]}}, status_code=400)
         text = _answer(controls, body)
         usage = {
             "prompt_tokens": controls.usage_prompt_tokens or _prompt_words(body),

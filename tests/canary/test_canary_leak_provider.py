@@ -204,6 +204,27 @@ async def test_a_marker_hidden_outside_the_answer_text_is_caught(
         assert {f["kind"] for f in await gw.findings()} == {"cross_tenant"}
 
 
+async def test_a_marker_in_an_engines_refusal_is_caught(
+    gateway_settings, canary_settings, postgres_url, provider
+) -> None:
+    """An engine's own 4xx passes through with its message screened; its ``code``, ``type`` and
+    ``param`` went out only without addresses, unscreened: a foreign marker there reached the
+    client whole. Every string of the refusal is screened now, streamed request or not."""
+    settings = gateway_settings(database_url=postgres_url, engines=[provider_engine(provider.url)])
+    async with canary_gateway(settings, canary_settings(canary_quarantine_on_cut=False)) as gw:
+        _, victim_key = await gw.create_tenant("victim", canary_sample_rate=1.0)
+        _, observer_key = await gw.create_tenant("observer")
+        _, marker = await _victim_request(gw, provider, victim_key)
+        provider.controls.mode, provider.controls.leak_where = "leak", "refusal"
+        for stream in (False, True):
+            r = await gw.client.post(
+                "/v1/chat/completions", headers=bearer(observer_key), json=_chat(stream)
+            )
+            _never_shows(marker, r.text)
+            assert r.json()["error"]["code"] == "isolation_violation", r.text
+        assert {f["kind"] for f in await gw.findings()} == {"cross_tenant"}
+
+
 async def test_the_tenant_never_sees_its_own_marker(
     gateway_settings, canary_settings, redis_url, provider
 ) -> None:
