@@ -23,7 +23,10 @@ does a completion's), in order:
    row (counts only), metrics, span.
 
 Embeddings are vectors, not text a model wrote: no response guard screens them (there is nothing
-a marker could be copied into), and no request hook adds to the input.
+a marker could be copied into), and no request hook adds to the input. Every other string of the
+answer (its ids, model, object names, keys, an engine's extension fields) is the engine's, and
+goes through the side screen as a completion's side fields do (``gateway.proxy.side``): a marker
+there cuts the answer (``GuardCut``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.ending import CLIENT_GONE, COMPLETED, INTERNAL, Outcome, cut, refused
 from gateway.proxy.finish import finish
 from gateway.proxy.relay import OpenGuard
+from gateway.proxy.side import EMBEDDING_PATH, InvalidSide, SideScreen
 from gateway.upstream.base import Endpoint, UpstreamCall, UpstreamReply, UpstreamUnreachable
 
 log = logging.getLogger("kvguard.gateway.proxy")
@@ -68,7 +72,7 @@ NOT_SERVED_WORDS = ("does not support embeddings api", "does not appear to be an
 
 
 class GuardCut(Exception):
-    """A response guard stopped the engine's error message."""
+    """A response guard stopped the engine's answer or error message."""
 
     def __init__(self, verdict: Cut) -> None:
         super().__init__(verdict.code)
@@ -144,12 +148,21 @@ async def _serve(deps: ProxyDeps, ctx: RequestContext, body: EmbeddingsBody) -> 
     except UpstreamUnreachable as exc:
         log.warning("engine %s unreachable: %s", engine.name, exc)
         raise UpstreamFailed("the engine could not be reached") from exc
+    guards, info = deps.hooks.guards, ctx.info()
     if reply.status != 200:
-        guards, info = deps.hooks.guards, ctx.info()
         raise _refusal(ctx.model, reply, lambda: guards.open(info))
     answer = reply.body
     if answer is None or not isinstance(answer.get("data"), list):
         raise UpstreamFailed("the engine sent an invalid answer")
+    if guards.capabilities.screens_side:  # every string but the vectors, as a side field
+        try:
+            side = SideScreen(lambda: guards.open(info), text=EMBEDDING_PATH)
+            screened = side.screen_body(answer)
+        except InvalidSide as exc:
+            raise UpstreamFailed("the engine sent an invalid answer") from exc
+        if isinstance(screened, Cut):
+            raise GuardCut(screened)
+        answer = screened
     ctx.answered = True
     usage = answer.get("usage")
     used = usage.get("prompt_tokens") if isinstance(usage, dict) else None

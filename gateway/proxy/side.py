@@ -85,8 +85,11 @@ REWRITE_PATHS = frozenset(
     [f"choices.*.{p.format(m=m)}" for p in _MODEL_TEXT for m in ("delta", "message")]
     + [f"choices.*.{p}" for p in _LOGPROB_TOKENS]
 )
+EMBEDDING_PATH = "data.*.embedding"
+"""An embeddings answer's vector (numbers, or base64 of them): nothing a model wrote, not
+screened (a side screen of that answer is given it as its text path)."""
 # per text path: the paths whose strings are not cut-only side fields (the text, rewritten ones)
-_NOT_CUT_ONLY = {path: REWRITE_PATHS | {path} for path in TEXT_PATHS}
+_NOT_CUT_ONLY = {path: REWRITE_PATHS | {path} for path in TEXT_PATHS | {EMBEDDING_PATH}}
 # Every rewritable path has one of these keys: an event whose JSON text has none of them (and no
 # escape that could spell one) is not walked a second time.
 _REWRITE_KEYS = ("reasoning", "refusal", "arguments", "logprobs")
@@ -185,6 +188,8 @@ class _Walk:
                 self._list(item, inner, inner_key, inner in IDENTITY_LISTS)
 
     def _list(self, value: list[Any], path: str, key: str, identity: bool) -> None:
+        if all(type(item) in _NUMBERS for item in value):  # a vector, token bytes: no string
+            return
         inner = f"{path}.*"
         for position, item in enumerate(value):
             inner_key = f"{key}.{_identity(item, position)}" if identity else f"{key}.*"
@@ -200,6 +205,9 @@ class _Walk:
             self.fields.setdefault(key, []).append(item)
             if self.rewritable is not None and path in REWRITE_PATHS:
                 self.rewritable.add(key)
+
+
+_NUMBERS = (int, float)
 
 
 def _identity(item: Any, position: int) -> int:

@@ -14,9 +14,11 @@ injected into a real request. It is NOT the kvguard engine; tests of the bundled
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import re
+import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -179,6 +181,21 @@ def build_provider(controls: ProviderControls) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         return await _complete(await request.json(), chat=False)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Any:
+        """OpenAI's embeddings answer (floats, or base64 as asked); leaking, a side field too."""
+        body = await request.json()
+        controls.seen.append(body)
+        vector: Any = [0.25, -0.5]
+        if body.get("encoding_format") == "base64":
+            vector = base64.b64encode(struct.pack("<2f", 0.25, -0.5)).decode()
+        out: dict[str, Any] = {"object": "list", "model": PROVIDER_MODEL}
+        out["data"] = [{"object": "embedding", "index": 0, "embedding": vector}]
+        out["usage"] = {"prompt_tokens": 3, "total_tokens": 3}
+        if controls.mode == "leak" and controls.leak_where == "side_field":
+            out["x_provider_debug"] = {"cache_hit": controls.stolen_marker()}
+        return JSONResponse(out)
 
     async def _complete(body: dict[str, Any], *, chat: bool) -> Any:
         leaking = controls.mode == "leak"

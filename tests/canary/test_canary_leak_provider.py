@@ -225,6 +225,31 @@ async def test_a_marker_in_an_engines_refusal_is_caught(
         assert {f["kind"] for f in await gw.findings()} == {"cross_tenant"}
 
 
+async def test_a_marker_beside_an_embedding_is_caught(
+    gateway_settings, canary_settings, postgres_url, provider
+) -> None:
+    """An embeddings answer's vectors are numbers (or base64 of them) no marker is copied into,
+    but every other string of it is the engine's, as a completion's side fields are: they are
+    screened. They went out unscreened: a compromised provider's extra field carried the
+    victim's marker to another tenant whole."""
+    settings = gateway_settings(database_url=postgres_url, engines=[provider_engine(provider.url)])
+    async with canary_gateway(settings, canary_settings(canary_quarantine_on_cut=False)) as gw:
+        _, victim_key = await gw.create_tenant("victim", canary_sample_rate=1.0)
+        _, observer_key = await gw.create_tenant("observer")
+        _, marker = await _victim_request(gw, provider, victim_key)
+        ask = {"model": PROVIDER_MODEL, "input": "hello"}
+        for encoding in ("float", "base64"):
+            provider.controls.mode = "plain"
+            body = {**ask, "encoding_format": encoding}
+            r = await gw.client.post("/v1/embeddings", headers=bearer(observer_key), json=body)
+            assert r.status_code == 200 and r.json()["data"][0]["index"] == 0, r.text
+            provider.controls.mode, provider.controls.leak_where = "leak", "side_field"
+            r = await gw.client.post("/v1/embeddings", headers=bearer(observer_key), json=body)
+            _never_shows(marker, r.text)
+            assert r.json()["error"]["code"] == "isolation_violation", r.text
+        assert {f["kind"] for f in await gw.findings()} == {"cross_tenant"}
+
+
 async def test_the_tenant_never_sees_its_own_marker(
     gateway_settings, canary_settings, redis_url, provider
 ) -> None:
