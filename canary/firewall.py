@@ -28,15 +28,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from canary.candidates import CandidateReader, known_windows
-from canary.folding import has_marker_characters
+from canary.folding import fold_flat, has_marker_characters
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import KnownTag, MarkerCodec, encode_tag
 from canary.scanner import (
     NOTHING,
+    UNDECIDED,
     Finding,
+    ScannerState,
     ScanResult,
     StreamScanner,
     passes,
+    passes_after,
     passes_all,
     reader_for,
 )
@@ -148,11 +151,13 @@ def _add(texts: dict[str, KnownTag], codec: MarkerCodec, tenant_id: str) -> None
 
 class FirewallGuard(StreamGuard):
     """``StreamGuard`` over one ``StreamScanner``, built on the first text that needs it (most
-    side fields never do: see ``skippable``). A guard asked ``exposed`` (a side field that goes
-    out as the engine sent it) reads the literal prefix only from then on
-    (``StreamScanner.cut_only``)."""
+    side fields never do: see ``skippable``). A cut-only side field's guard (asked ``exposed`` or
+    ``expose_whole``: a field that goes out as the engine sent it) reads folded text like any
+    other, every value of the field: while no candidate can start in its values it needs no
+    scanner, only the last folded characters read (``canary.scanner.passes_after``); the first
+    value in which one can gets a scanner that reads those characters first."""
 
-    __slots__ = ("_literal", "_make", "_reader", "_scanner")
+    __slots__ = ("_context", "_make", "_reader", "_scanner")
 
     def __init__(
         self, make: Callable[[], StreamScanner], reader: CandidateReader | None = None
@@ -160,20 +165,39 @@ class FirewallGuard(StreamGuard):
         self._make = make
         self._reader = reader  # the request's (``LeakFirewall.open``): for ``passes_whole``
         self._scanner: StreamScanner | None = None
-        # ``expose_whole`` passed: the scanner, once a text needs one, reads the literal prefix
-        # only (most cut-only fields never need one: making it up front costs a short stream
-        # about a third of its checks)
-        self._literal = False
+        # a cut-only field's guard: the folded characters that ended its values so far, while
+        # they needed no scanner (None: not a cut-only field's guard)
+        self._context: str | None = None
 
     def feed(self, text: str) -> Emit | Cut:
+        """What may be delivered of ``text`` (a cut-only field goes out as it is whatever this
+        says: only a Cut and what the guard holds matter there)."""
         scanner = self._scanner
         if scanner is None:
+            context, reader = self._context, self._reader
+            if context is not None and reader is not None:
+                after = passes_after(reader, context, text)
+                if after is not None:
+                    self._context = after
+                    return Emit(text)
+                text = context + text  # the scanner reads from where a candidate could begin
             scanner = self._scanner = self._make()
-            if self._literal:
-                scanner.cut_only()
         if scanner.pass_through(text):  # nothing held or watched, nothing a marker is made of
             return Emit(text)
-        return _verdict(scanner.feed(text))
+        verdict = _verdict(scanner.feed(text))
+        self._settle()
+        return verdict
+
+    def _settle(self) -> None:
+        """A cut-only field's scanner that holds nothing goes: the folded characters it would
+        read the next value after are all the guard keeps (the field is not held whatever it
+        says, so only what a candidate may begin in matters)."""
+        scanner = self._scanner
+        if self._context is None or scanner is None:
+            return
+        if scanner.state is ScannerState.OPEN and not scanner.held and not scanner.literal_only:
+            self._context = fold_flat(scanner.carried()[0])[-UNDECIDED:]
+            self._scanner = None
 
     def finish(self) -> Emit | Cut:
         if self._scanner is None:
@@ -183,14 +207,17 @@ class FirewallGuard(StreamGuard):
     def exposed(self) -> Cut | None:
         """The text fed so far goes out as it is, held-back text included (a side field that is
         not rewritten): None if that is safe, else the Cut that must end the stream first
-        (``StreamScanner.expose``). An undecided candidate is no finding: it ends the stream as an
+        (``StreamScanner.expose``). The scanner goes on reading: a candidate it holds may still
+        complete, and cuts then. An undecided candidate is no finding: it ends the stream as an
         upstream error, and nothing is stored or quarantined."""
+        if self._context is None:
+            self._context = ""
         scanner = self._scanner
         if scanner is None:
             return None
         result = scanner.expose() if scanner.held else None
         if result is None:
-            scanner.cut_only()  # only cut-only fields are asked: read them for the literal prefix
+            self._settle()
             return None
         if result.findings:
             return CanaryCut(
@@ -198,18 +225,25 @@ class FirewallGuard(StreamGuard):
             )
         return Cut(code=UNDECIDED_CODE, message=UNDECIDED_MESSAGE, status=502)
 
+    def carried(self) -> object:
+        """The folded characters the next value is read after (a cut-only field's context, or
+        its scanner's)."""
+        scanner = self._scanner
+        return self._context if scanner is None else scanner.carried()
+
     def skippable(self, text: str) -> bool:
         """Whether feeding ``text`` now could change nothing: the scanner holds and watches
-        nothing and the text has no character a marker is made of (``C`` for a cut-only field).
-        The relay skips such side-field values; only the delivered-character count would
-        differ. ``skippable("")`` after a feed says whether the guard still holds or watches
-        text (the relay then asks ``exposed`` of a cut-only field)."""
+        nothing and the text has no character a marker is made of (folding drops the rest, so
+        the folded context is unchanged too). The relay skips such side-field values; only the
+        delivered-character count would differ. ``skippable("")`` after a feed says whether the
+        guard still holds or watches text (the relay then asks ``exposed`` of a cut-only
+        field)."""
         scanner = self._scanner
-        if scanner is None:
-            return "C" not in text if self._literal else not has_marker_characters(text)
-        if scanner.watching:
+        if scanner is not None and scanner.watching:
             return False
-        return "C" not in text if scanner.literal_only else not has_marker_characters(text)
+        if scanner is not None and scanner.literal_only:
+            return "C" not in text
+        return not has_marker_characters(text)
 
     def passes_whole(self, text: str) -> bool:
         """A whole text (a side field of a non-streaming answer: fed, then finished) goes out
@@ -226,20 +260,26 @@ class FirewallGuard(StreamGuard):
 
     def expose_whole(self, text: str) -> bool:
         """A cut-only field's first text in a stream, in which no candidate can start
-        (``canary.scanner.passes``): fed, it would be delivered and leave only context, which
-        ``exposed`` drops when it switches the scanner to the literal prefix (``cut_only``). So
-        the guard starts there: no scanner until a text with a ``C`` comes."""
+        (``canary.scanner.passes_after``): fed, it would be delivered and leave only its last
+        folded characters as context, which the guard keeps instead of a scanner. False when a
+        candidate may start (the relay then feeds it)."""
+        if self._context is None:
+            self._context = ""
         reader = self._reader
-        if self._scanner is not None or reader is None or not passes(reader, text):
+        if self._scanner is not None or reader is None:
             return False
-        self._literal = True
+        after = passes_after(reader, self._context, text)
+        if after is None:
+            return False
+        self._context = after
         return True
 
     def redactions(self) -> int:
         """How many candidates this guard removed from what it delivered (each counts one,
         whatever its kind; a cut-only field removes nothing: it goes out as it is)."""
         scanner = self._scanner
-        return 0 if scanner is None or scanner.literal_only else scanner.redactions
+        cut_only = self._context is not None
+        return 0 if scanner is None or cut_only or scanner.literal_only else scanner.redactions
 
     def __repr__(self) -> str:
         return f"FirewallGuard({self._scanner!r})"

@@ -77,9 +77,10 @@ The scanner judges the text as the tenant receives it: after a strip it reads th
 again with the stripped part gone, so a strip cannot assemble a marker out of the text around
 it. Text delivered before a candidate became one is not taken back.
 
-How it reads (``canary.candidates.Reading``): folded, as above, until ``cut_only`` -- a field
-that goes out as the engine sent it (ids, keys, names: the relay asks such a field's guard
-``exposed``) -- from which on only the literal ``CNRY-`` begins a candidate.
+How it reads (``canary.candidates.Reading``): folded, as above, until ``cut_only``, from which on
+only the literal ``CNRY-`` begins a candidate. (The leak firewall no longer switches the guards of
+fields that go out as the engine sent them to it: a marker written without its prefix in a later
+value of an id or a key went out whole. They read folded throughout, ``canary.firewall``.)
 
 Limits: markers disguised by an encoding (reversed, base64, ROT13, letters between the
 characters) or written with homoglyphs of other scripts are not recognised in an answer
@@ -165,6 +166,17 @@ def passes_all(reader: CandidateReader, texts: Sequence[str]) -> bool:
         and reader.quiet(fold_ascii(joined))
         and not any(text.endswith(_LITERAL_ENDS) for text in texts)
     )
+
+
+def passes_after(reader: CandidateReader, context: str, text: str) -> str | None:
+    """``passes`` of ``text`` read after ``context`` (the folded characters that ended what was
+    read before it, at most ``UNDECIDED``: a candidate that began there reaches into ``text``):
+    the folded characters that end both, the context for what follows, when no candidate can
+    start in them; else None (a scanner must read ``context`` and ``text``)."""
+    if not text.isascii() or text.endswith(_LITERAL_ENDS):
+        return None
+    folded = context + fold_ascii(text)
+    return folded[-UNDECIDED:] if reader.quiet(folded) else None
 
 
 class ScannerState(StrEnum):
@@ -298,6 +310,11 @@ class StreamScanner:
                 return self._deliver(chunk)
         return self._scan(context + self._pending + chunk, final=False, floor=len(context))
 
+    def carried(self) -> tuple[str, str]:
+        """What the next chunk is read after besides what is held: the delivered context and
+        its folded tail (``StreamGuard.carried``)."""
+        return self._context, self._tail
+
     def pass_through(self, chunk: str) -> bool:
         """Deliver ``chunk`` as it is if it cannot touch a marker: nothing is held back or
         watched and it has no character that can be part of one (``C`` reading the literal
@@ -320,13 +337,17 @@ class StreamScanner:
 
     def expose(self) -> ScanResult | None:
         """The held-back text is about to be delivered anyway (a field that cannot be held back):
-        None if that is safe (no held candidate shows 8 body characters), else a cut result,
+        None if that is safe (no held candidate shows 8 body characters, counting those of the
+        delivered context it began in), else a cut result,
         with a SUSPECTED finding when the candidate shows a known foreign tag and without
         findings when it is undecided. The scanner stays OPEN after None (the candidate may still
         complete, and then cuts as usual); see the module docstring."""
         self._require_open()
-        view = fold(self._pending)
-        self._reader.origin = self._delivered
+        # read from the context on: a candidate written without its prefix may have begun in the
+        # characters delivered before it was recognised (at most 7 of them)
+        context = self._context
+        view = fold(context + self._pending)
+        self._reader.origin = self._delivered - len(context)
         cursor = 0
         while (verdict := self._reader.first(view, cursor, True, self._reading)) is not None:
             if verdict.action is Action.CUT or verdict.shown >= TAG_CHARS:

@@ -94,6 +94,14 @@ class StreamGuard(Protocol):
         first, or None when that is safe."""
         return None
 
+    def carried(self) -> object:
+        """What this guard carries from one text into the next besides what it holds (compared,
+        never read: a value that changes while a streamed event is screened makes the next event
+        with the same side fields screened again rather than taken as unchanged). A guard that
+        skips texts (``skippable``) and reads each in the light of the ones before must say
+        what it carries."""
+        return None
+
     def passes_whole(self, text: str) -> bool:
         """Asked of a guard nothing was fed yet, for a whole text it would be fed and then
         finished on: True when that would deliver ``text`` unchanged and report nothing (the

@@ -403,8 +403,11 @@ class SideScreen:
     And two for a field's first values (a new guard), which the firewall answers with one check
     of the joined values (no candidate can start in them, ``canary.scanner.passes``):
     ``passes_whole`` (a whole answer: fed and finished, they would pass unchanged) and
-    ``expose_whole`` (a streamed event: fed and then exposed, they would leave the guard reading
-    the literal prefix only and holding nothing; the guard starts in that state). A whole answer
+    ``expose_whole`` (a streamed event: fed and then exposed, they would leave the guard holding
+    nothing, only the folded characters a later value is read after; the guard starts in that
+    state). A guard says what it carries from one value into the next (``carried``): an event
+    whose screening moved that is not quiet, so the next one with the same side fields is read
+    again rather than taken as unchanged. A whole answer
     asks first whether every field passes (``passes_each_whole``, one check of all of them): the
     usual answer then opens no guard per field.
     """
@@ -503,7 +506,7 @@ class SideScreen:
             guard = self._guards[key]
             if (cut := guard.exposed()) is not None:
                 return cut
-            if guard.skippable(""):  # it reads the literal prefix only now, and holds nothing
+            if guard.skippable(""):  # exposed, it holds and watches nothing now
                 self.holding.discard(key)
         return None
 
@@ -514,7 +517,10 @@ class SideScreen:
             self._rewritten.add(key)
         if not value or guard.skippable(value):
             return None
+        carried = guard.carried()
         verdict = guard.feed(value)
+        if guard.carried() != carried:  # read in another light next time: not a quiet event
+            self._stirs += 1
         if isinstance(verdict, Emit):
             if not guard.skippable(""):
                 self.holding.add(key)

@@ -248,8 +248,9 @@ class Counting(NeverSkips):
 
 def test_a_stream_that_repeats_its_side_fields_feeds_them_only_in_its_first_events() -> None:
     """The usual stream (vLLM's chunk: id, object, created, model, one choice with a text) costs
-    its side guards a few feeds in its first events, then one comparison per event; the guards
-    that were asked ``exposed`` and read the literal prefix only stop counting as holding."""
+    its side guards a few feeds in its first two events (the second reads each field after the
+    first one's last folded characters, and leaves them as they were), then one comparison per
+    event; a cut-only field's guard whose scanner holds nothing stops counting as holding."""
     fw = LeakFirewall(CODEC, ledger=MarkerLedger(), tags=TagIndex(CODEC))
     info = RequestInfo("r1", OWNER, "m", "chat.completions", True, 0.0, engine="e1")
     stream = StreamRelay(
@@ -265,7 +266,7 @@ def test_a_stream_that_repeats_its_side_fields_feeds_them_only_in_its_first_even
     side = stream._side
     assert side is not None and not side.holding
     # the text guard is fed every event; the side guards only while the first events set them up
-    assert len(words) <= Counting.feeds <= len(words) + 15
+    assert len(words) <= Counting.feeds <= len(words) + 30
 
 
 def test_the_tag_automaton_finds_the_windows_the_window_loop_finds() -> None:

@@ -216,6 +216,25 @@ def test_a_marker_fed_a_few_characters_per_event_never_shows_a_tag(kind: str, si
     assert (finding.kind, finding.victim_tenant) == (FindingKind.CROSS_TENANT, TENANTS[9])
 
 
+@pytest.mark.parametrize("kind", sorted(SIDE_KINDS))
+@pytest.mark.parametrize("first", ["hello", "msg_C", "c-n"])
+@pytest.mark.parametrize("size", [3, 8, 32])
+def test_a_bare_marker_after_an_ordinary_value_never_shows_a_tag(
+    kind: str, first: str, size: int
+) -> None:
+    """A side field's guard kept reading folded text after the field's first value: a cut-only
+    field's guard used to switch to the literal ``CNRY-`` alone once its first value passed (or
+    what it held went out), so a marker written without its prefix in a later value of the same
+    field -- an id, an extension field, a key -- reached the client whole."""
+    victim = CODEC.issue(TENANTS[9])
+    body = victim.text[5:]
+    pieces = [body[i : i + size] for i in range(0, len(body), size)]
+    delivered, stream, steps = side_relay(kind, [first, *pieces])
+    assert body[:8] not in delivered and len(delivered) <= len(first) + 7
+    assert (steps[-1].end, steps[-1].code) == (Phase.CUT, "isolation_violation")
+    assert isinstance(stream.cut, CanaryCut)
+
+
 def test_side_fields_pass_what_cannot_name_a_tenant() -> None:
     victim = CODEC.issue(TENANTS[9])
     # Ids ending in a marker's first characters, and a fragment shorter than a tag, go out.
