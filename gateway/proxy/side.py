@@ -440,16 +440,20 @@ class SideScreen:
         it has one text. An event whose skeleton is the last quiet event's, while no guard holds
         text, is not walked: its side strings are that event's, in the same order, and those
         were fed to guards holding nothing and left every one of them holding nothing, with no
-        guard opened and none switched to reading the literal prefix (``_stirs`` did not move);
-        a scanner holding nothing reads a string the same way each time, so feeding them again
-        would change nothing but the delivered-character counts. The usual stream repeats its
+        guard opened (``_stirs`` did not move) and each guard carrying into the next event what
+        it carried into that one (``StreamGuard.carried``: the folded characters a value is read
+        after); guards in the same state read the same strings the same way, so feeding them
+        again would change nothing but the delivered-character counts. The usual stream repeats its
         id, object, model and creation time in every chunk: one comparison instead of a dozen
         guard calls."""
         if skeleton is not None and skeleton == self._quiet and not self.holding:
             return None
         idle, stirs = not self.holding, self._stirs
+        carried = [guard.carried() for guard in self._guards.values()]
         verdict = self._screen(obj, raw, streamed=True)
         quiet = verdict is None and idle and not self.holding and self._stirs == stirs
+        # and each guard carries into the next event what it carried into this one
+        quiet = quiet and carried == [guard.carried() for guard in self._guards.values()]
         self._quiet = skeleton if quiet else None
         return verdict
 
@@ -517,10 +521,7 @@ class SideScreen:
             self._rewritten.add(key)
         if not value or guard.skippable(value):
             return None
-        carried = guard.carried()
         verdict = guard.feed(value)
-        if guard.carried() != carried:  # read in another light next time: not a quiet event
-            self._stirs += 1
         if isinstance(verdict, Emit):
             if not guard.skippable(""):
                 self.holding.add(key)
