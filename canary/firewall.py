@@ -157,7 +157,7 @@ class FirewallGuard(StreamGuard):
     scanner, only the last folded characters read (``canary.scanner.passes_after``); the first
     value in which one can gets a scanner that reads those characters first."""
 
-    __slots__ = ("_context", "_make", "_reader", "_scanner")
+    __slots__ = ("_context", "_make", "_reader", "_scanner", "_steady")
 
     def __init__(
         self, make: Callable[[], StreamScanner], reader: CandidateReader | None = None
@@ -168,17 +168,18 @@ class FirewallGuard(StreamGuard):
         # a cut-only field's guard: the folded characters that ended its values so far, while
         # they needed no scanner (None: not a cut-only field's guard)
         self._context: str | None = None
+        # (context, value) that passed and left the context as it was: the same again passes
+        # (an event that repeats its id after the first events)
+        self._steady: tuple[str, str] | None = None
 
     def feed(self, text: str) -> Emit | Cut:
         """What may be delivered of ``text`` (a cut-only field goes out as it is whatever this
         says: only a Cut and what the guard holds matter there)."""
         scanner = self._scanner
         if scanner is None:
-            context, reader = self._context, self._reader
-            if context is not None and reader is not None:
-                after = passes_after(reader, context, text)
-                if after is not None:
-                    self._context = after
+            context = self._context
+            if context is not None:
+                if self._passes_after(context, text):
                     return Emit(text)
                 text = context + text  # the scanner reads from where a candidate could begin
             scanner = self._scanner = self._make()
@@ -259,19 +260,26 @@ class FirewallGuard(StreamGuard):
         return self._scanner is None and reader is not None and passes_all(reader, texts)
 
     def expose_whole(self, text: str) -> bool:
-        """A cut-only field's first text in a stream, in which no candidate can start
-        (``canary.scanner.passes_after``): fed, it would be delivered and leave only its last
-        folded characters as context, which the guard keeps instead of a scanner. False when a
-        candidate may start (the relay then feeds it)."""
+        """A cut-only field's text in a streamed event (its values joined), in which no candidate
+        can start after the folded characters read before it (``canary.scanner.passes_after``):
+        fed, it would be delivered and leave only its last folded characters as context, which
+        the guard keeps instead of a scanner. False when a candidate may start or a scanner
+        reads the field (the relay then feeds it value by value)."""
         if self._context is None:
             self._context = ""
+        return self._scanner is None and self._passes_after(self._context, text)
+
+    def _passes_after(self, context: str, text: str) -> bool:
+        """``text`` read after ``context`` needs no scanner: the context moves on (a cut-only
+        field's guard with no scanner)."""
         reader = self._reader
-        if self._scanner is not None or reader is None:
-            return False
-        after = passes_after(reader, self._context, text)
+        if self._steady == (context, text):
+            return True
+        after = None if reader is None else passes_after(reader, context, text)
         if after is None:
             return False
         self._context = after
+        self._steady = (context, text) if after == context else None
         return True
 
     def redactions(self) -> int:

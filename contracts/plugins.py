@@ -115,10 +115,10 @@ class StreamGuard(Protocol):
         return False
 
     def expose_whole(self, text: str) -> bool:
-        """Asked of a guard nothing was fed yet, for the whole text a streamed event carries in a
-        field that goes out as the engine sent it: True when feeding it and then asking
-        ``exposed`` would cut nothing and leave the guard holding nothing -- the guard is then in
-        that state, and the caller feeds nothing."""
+        """Asked of a guard that holds nothing, for the whole text a streamed event carries in a
+        field that goes out as the engine sent it (its values joined): True when feeding it and
+        then asking ``exposed`` would cut nothing and leave the guard holding nothing -- the
+        guard is then in that state, and the caller feeds nothing."""
         return False
 
     def redactions(self) -> int:

@@ -472,6 +472,8 @@ class SideScreen:
                 guard, whole = self._guard(key), "".join(values)
                 if guard.expose_whole(whole) if streamed else guard.passes_whole(whole):
                     continue
+            elif streamed and self._guards[key].expose_whole("".join(values)):
+                continue  # later values of a field that goes out as sent, read at once
             for value in values:
                 verdict = self._feed(key, value)
                 if isinstance(verdict, Cut):
