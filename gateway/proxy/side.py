@@ -178,33 +178,27 @@ class _Walk:
         else:
             fields[KEYS_PATH].extend(value)
         for name, item in value.items():
-            inner = f"{path}.{name}" if path else name
-            inner_key = f"{key}.{name}" if key else name
-            if isinstance(item, str):
-                self._string(item, inner, inner_key)
-            elif isinstance(item, dict):
-                self._dict(item, inner, inner_key)
-            elif isinstance(item, list):
-                self._list(item, inner, inner_key, inner in IDENTITY_LISTS)
+            self._item(item, f"{path}.{name}" if path else name, f"{key}.{name}" if key else name)
 
-    def _list(self, value: list[Any], path: str, key: str, identity: bool) -> None:
+    def _list(self, value: list[Any], path: str, key: str) -> None:
         if all(type(item) in _NUMBERS for item in value):  # a vector, token bytes: no string
             return
-        inner = f"{path}.*"
+        identity = path in IDENTITY_LISTS
         for position, item in enumerate(value):
-            inner_key = f"{key}.{_identity(item, position)}" if identity else f"{key}.*"
-            if isinstance(item, str):
-                self._string(item, inner, inner_key)
-            elif isinstance(item, dict):
-                self._dict(item, inner, inner_key)
-            elif isinstance(item, list):
-                self._list(item, inner, inner_key, inner in IDENTITY_LISTS)
+            self._item(
+                item, f"{path}.*", f"{key}.{_identity(item, position)}" if identity else f"{key}.*"
+            )
 
-    def _string(self, item: str, path: str, key: str) -> None:
-        if path not in self.skip:
-            self.fields.setdefault(key, []).append(item)
-            if self.rewritable is not None and path in REWRITE_PATHS:
-                self.rewritable.add(key)
+    def _item(self, item: Any, path: str, key: str) -> None:
+        if isinstance(item, str):
+            if path not in self.skip:
+                self.fields.setdefault(key, []).append(item)
+                if self.rewritable is not None and path in REWRITE_PATHS:
+                    self.rewritable.add(key)
+        elif isinstance(item, dict):
+            self._dict(item, path, key)
+        elif isinstance(item, list):
+            self._list(item, path, key)
 
 
 _NUMBERS = (int, float)
