@@ -196,7 +196,7 @@ class FirewallGuard(StreamGuard):
         scanner = self._scanner
         if self._context is None or scanner is None:
             return
-        if scanner.state is ScannerState.OPEN and not scanner.held and not scanner.literal_only:
+        if scanner.state is ScannerState.OPEN and not scanner.held:
             self._context = fold_flat(scanner.carried()[0])[-UNDECIDED:]
             self._scanner = None
 
@@ -242,8 +242,6 @@ class FirewallGuard(StreamGuard):
         scanner = self._scanner
         if scanner is not None and scanner.watching:
             return False
-        if scanner is not None and scanner.literal_only:
-            return "C" not in text
         return not has_marker_characters(text)
 
     def passes_whole(self, text: str) -> bool:
@@ -287,7 +285,7 @@ class FirewallGuard(StreamGuard):
         whatever its kind; a cut-only field removes nothing: it goes out as it is)."""
         scanner = self._scanner
         cut_only = self._context is not None
-        return 0 if scanner is None or cut_only or scanner.literal_only else scanner.redactions
+        return 0 if scanner is None or cut_only else scanner.redactions
 
     def __repr__(self) -> str:
         return f"FirewallGuard({self._scanner!r})"
