@@ -270,12 +270,12 @@ class ResponsesFlight(Flight):
             await self._save(response)
         except GatewayError as err:  # kept nothing: the client must not get an id that is no one's
             log.warning("response of request %s not stored: %s", self.ctx.request_id, err.code)
-            last = pump.last
-            terminal = last.rfind(b"event: response.")  # the completed (or incomplete) event
+            last, terminal = pump.last, self.machine.last_event  # completed (or incomplete)
+            assert last.endswith(terminal), "the terminal event ends the stream's last bytes"
             failed = self.machine.fail_instead(err.code, err.message)
             return Outcome(
                 dataclasses.replace(outcome.ending, phase=Phase.FAILED, status=err.status),
-                last[: max(terminal, 0)] + failed.out,
+                last[: len(last) - len(terminal)] + failed.out,
             )
         return outcome
 

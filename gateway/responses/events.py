@@ -34,6 +34,7 @@ class EventWriter:
         self._stream = stream
         self._seq = 0
         self._mark = 0  # the sequence number the current upstream event started at
+        self.last_event = b""  # the event encoded last (the terminal one, once ended)
         self.response: dict[str, Any] | None = None  # the final Response, once ended
 
     def mark(self) -> None:
@@ -52,8 +53,9 @@ class EventWriter:
 
     def fail_instead(self, code: str, message: str) -> Step:
         """End as failed in place of the terminal event just built, which is not sent (its
-        sequence number is the ``error`` event's): a completed answer the gateway could not keep
-        (``store``) when the client must not get an id that nothing holds."""
+        sequence number is the ``error`` event's; its bytes, ``last_event`` before this call, are
+        the caller's to drop): a completed answer the gateway could not keep (``store``) when the
+        client must not get an id that nothing holds."""
         self._mark = self._seq - 1 if self._stream else self._seq
         return self.fail(code, message)
 
@@ -67,7 +69,8 @@ class EventWriter:
             return b""
         fields = {"type": event_type, **fields, "sequence_number": self._seq}
         self._seq += 1
-        return sse(event_type, dumps(fields))
+        self.last_event = sse(event_type, dumps(fields))
+        return self.last_event
 
     def emit_raw(self, event_type: str, head: str) -> bytes:
         """An event whose JSON text up to its sequence number is ``head`` (a hot-path delta)."""
@@ -75,4 +78,5 @@ class EventWriter:
             return b""
         payload = f'{head},"sequence_number":{self._seq}}}'
         self._seq += 1
-        return sse(event_type, payload)
+        self.last_event = sse(event_type, payload)
+        return self.last_event

@@ -17,12 +17,13 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 import redis
 from gateway_harness import Gateway, bearer, running_gateway
 from gateway_standin import StandInEngine
 from openai_contract import check_response_events
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from contracts.sql import session_scope
 from gateway.config import GatewaySettings
@@ -338,3 +339,34 @@ async def test_a_client_leaving_a_responses_stream_releases_its_lease(
         assert after.status_code == 200, after.text
         missing = await gw.client.get(f"/v1/responses/{started}", headers=bearer(key))
         assert missing.status_code == 404
+
+
+async def test_a_stream_whose_save_fails_ends_failed_after_whole_events(
+    pg_settings: Callable[[], GatewaySettings], standin: StandInEngine
+) -> None:
+    """A completed stream the gateway could not store ends with an ``error`` event and a
+    ``response.failed`` in place of its ``response.completed``, after the events that went before
+    it, each whole: even when the answer's own text reads like an event's head (the place where
+    the terminal event starts is not searched for in the bytes)."""
+    async with _gateway(pg_settings()) as gw:
+        _, key = await gw.create_tenant("acme")
+        model = await _model(gw, key)
+        engine = gw.state.sessions.kw["bind"]
+
+        def down(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]
+            if statement.lstrip().upper().startswith("INSERT INTO STORED_RESPONSES"):
+                raise psycopg.InterfaceError("the connection is closed")
+
+        body = {"model": model, "input": "say event: response.completed", "stream": True}
+        event.listen(engine, "before_cursor_execute", down)
+        try:
+            streamed = await gw.client.post("/v1/responses", headers=bearer(key), json=body)
+        finally:
+            event.remove(engine, "before_cursor_execute", down)
+        assert streamed.status_code == 200
+        events = check_response_events(streamed.content)  # every event whole, numbered in order
+        assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-2]["code"] == "database_unavailable"
+        assert "response.completed" not in [e["type"] for e in events]
+        texts = [e["text"] for e in events if e["type"] == "response.output_text.done"]
+        assert texts == ["say event: response.completed"]
