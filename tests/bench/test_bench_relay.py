@@ -147,7 +147,14 @@ def test_cpu_between_counts_a_thread_born_in_the_window_from_zero() -> None:
     assert cpu_snapshot([1 << 22]) == {}  # no such process: nothing, no error
 
 
-def _samples(p99_ms: float, *, lag_ms: float = 0.1, errors: int = 0, busy: float = 0.1) -> Samples:
+def _samples(
+    p99_ms: float,
+    *,
+    lag_ms: float = 0.1,
+    errors: int = 0,
+    busy: float = 0.1,
+    relay_busy: float | None = 0.5,
+) -> Samples:
     return Samples(
         sent=100,
         ok=100 - errors,
@@ -155,6 +162,7 @@ def _samples(p99_ms: float, *, lag_ms: float = 0.1, errors: int = 0, busy: float
         latencies_ms=[p99_ms] * 100,
         lag_ms=[lag_ms] * 100,
         wall_s=1.0,
+        cpu_s=relay_busy,
         load_cpu_s=busy,
     )
 
@@ -167,6 +175,17 @@ def test_ceiling_verdicts_tell_the_relay_missing_the_bound_from_the_load_side_ru
     assert Bench.judge(_samples(10, busy=0.95)) == "load"
     # sending late while the load side is not busy: other work on the machine, judged normally
     assert Bench.judge(_samples(10, lag_ms=60, busy=0.2)) == "ok"
+
+
+def test_a_relay_whose_own_core_is_full_is_its_own_limit_whatever_the_load_side_does() -> None:
+    """A relay using its whole core has reached its ceiling even when the load side is busy too
+    (LiteLLM's proxy at ~1,300 events/s, where the generator also lags): the rate is judged by the
+    bound, so its maximum is a measured value, not a lower bound."""
+    full = 0.95
+    assert Bench.judge(_samples(60, lag_ms=60, busy=0.6, relay_busy=full)) == "over"
+    assert Bench.judge(_samples(10, busy=0.95, relay_busy=full)) == "ok"
+    assert Bench.judge(_samples(10, busy=0.95, relay_busy=0.5)) == "load"
+    assert Bench.judge(_samples(10, busy=0.95, relay_busy=None)) == "load"  # the direct path
 
 
 def _outcomes(
