@@ -7,16 +7,12 @@ A ``CandidateReader`` belongs to one ``StreamScanner`` (one stream of one reques
 before it) -- or None when nothing there can be a marker. What each candidate is and why is told
 in ``canary.scanner``'s docstring; the rules live here, one method per kind of candidate.
 
-How a reader reads (``Reading``):
-
-- ``FOLDED``: every candidate above, in folded text. Only recognised candidates (and a literal
-  ``CNRY-`` begun at the end) are held back: ordinary text is not delayed, and the text of an
-  event is not shifted into later ones (logprobs tokens stay with their logprobs). The scanner
-  keeps the last ``UNDECIDED`` folded characters it delivered as *context*, so a candidate that
-  began there is still recognised: at most those 7 characters of a marker written with no prefix
-  at all, or of a bent prefix, have gone out when it is (never a whole tag, never a nonce or MAC);
-- ``LITERAL`` (a field that goes out as the engine sent it, ``StreamScanner.cut_only``): only a
-  literal ``CNRY-`` begins a candidate.
+A reader reads every candidate above in folded text. Only recognised candidates (and a literal
+``CNRY-`` begun at the end) are held back: ordinary text is not delayed, and the text of an event
+is not shifted into later ones (logprobs tokens stay with their logprobs). The scanner keeps the
+last ``UNDECIDED`` folded characters it delivered as *context*, so a candidate that began there is
+still recognised: at most those 7 characters of a marker written with no prefix at all, or of a
+bent prefix, have gone out when it is (never a whole tag, never a nonce or MAC).
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import Enum
 from types import MappingProxyType
 
 from ahocorasick_rs import AhoCorasick
@@ -54,11 +50,6 @@ _LITERAL_RUN = re.compile("[A-Z2-7]{0," + str(BODY_CHARS) + "}")
 
 KnownTags = Mapping[str, KnownTag] | Callable[[], Mapping[str, KnownTag]]
 """tag text -> whose: a mapping, or a function returning the current one (a live index)."""
-
-
-class Reading(StrEnum):
-    FOLDED = "folded"
-    LITERAL = "literal"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +133,8 @@ class CandidateReader:
         self._mine: Mapping[str, object] | None = None
         self.origin = 0  # where the text being read starts in the delivered stream
 
-    def first(self, view: Folded, lo: int, final: bool, reading: Reading) -> Verdict | None:
+    def first(self, view: Folded, lo: int, final: bool) -> Verdict | None:
         """The first candidate at or after folded character ``lo`` (None: there is none)."""
-        if reading is Reading.LITERAL:
-            return self._first_literal(view, lo, final)
         chars, end = view.chars, len(view.chars) - UNDECIDED
         # Where a candidate can start: a window that is a tag or an own fragment (found in bulk,
         # up to the next anchor), or an anchor. Everything else is ordinary text.
@@ -189,19 +178,6 @@ class CandidateReader:
                 starts.add(at)
                 at = span.find(window, at + 1)
         return [start + i for i in sorted(starts)]
-
-    def _first_literal(self, view: Folded, lo: int, final: bool) -> Verdict | None:
-        text = view.text
-        cursor = view.offset(lo)
-        at = text.find("C", cursor)
-        while at != -1:
-            i = view.index_at(at)
-            if text.startswith(PREFIX, at) and view.anchored(i):
-                verdict = self._candidate(view, i + len(ANCHOR), i, final)
-                if verdict is not None:
-                    return verdict
-            at = text.find("C", at + 1)
-        return None if final else _literal_start(text, cursor)
 
     def _at(self, view: Folded, i: int, final: bool) -> Verdict | None:
         """The verdict on a marker starting at folded character ``i``, or None (ordinary)."""

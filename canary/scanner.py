@@ -77,10 +77,9 @@ The scanner judges the text as the tenant receives it: after a strip it reads th
 again with the stripped part gone, so a strip cannot assemble a marker out of the text around
 it. Text delivered before a candidate became one is not taken back.
 
-How it reads (``canary.candidates.Reading``): folded, as above, until ``cut_only``, from which on
-only the literal ``CNRY-`` begins a candidate. (The leak firewall no longer switches the guards of
-fields that go out as the engine sent them to it: a marker written without its prefix in a later
-value of an id or a key went out whole. They read folded throughout, ``canary.firewall``.)
+It reads folded throughout, fields that go out as the engine sent them (ids, keys) too: reading
+those for the literal ``CNRY-`` alone let a marker written without its prefix in a later value go
+out whole (``canary.firewall`` keeps their cost down instead).
 
 Limits: markers disguised by an encoding (reversed, base64, ROT13, letters between the
 characters) or written with homoglyphs of other scripts are not recognised in an answer
@@ -102,7 +101,6 @@ from canary.candidates import (
     CandidateReader,
     Finding,
     KnownTags,
-    Reading,
 )
 from canary.folding import ANCHOR, MAX_GAP, fold, fold_ascii, has_marker_characters
 from canary.markers import BODY_CHARS, NONCE_BYTES, PREFIX, TAG_CHARS, MarkerCodec
@@ -224,7 +222,6 @@ class StreamScanner:
         "_tail",
         "_pending",
         "_reader",
-        "_reading",
         "_redactions",
         "_state",
     )
@@ -259,9 +256,8 @@ class StreamScanner:
 
     def _start(self, reader: CandidateReader) -> None:
         self._reader = reader
-        self._reading = Reading.FOLDED
         self._pending = ""  # undecided text (never more than MAX_HOLDBACK)
-        self._context = ""  # the delivered text a marker may still continue (FOLDED)
+        self._context = ""  # the delivered text a marker may still continue
         self._tail = ""  # its last UNDECIDED folded characters
         self._delivered = 0
         self._redactions = 0
@@ -275,15 +271,6 @@ class StreamScanner:
     def held(self) -> int:
         """How many characters are held back right now (never more than ``MAX_HOLDBACK``)."""
         return len(self._pending)
-
-    @property
-    def reading(self) -> Reading:
-        return self._reading
-
-    @property
-    def literal_only(self) -> bool:
-        """Whether this scanner reads a cut-only field (``cut_only``)."""
-        return self._reading is Reading.LITERAL
 
     @property
     def watching(self) -> bool:
@@ -300,7 +287,7 @@ class StreamScanner:
         if self._state is not _OPEN:
             self._require_open()
         context = self._context
-        if not self._pending and self._reading is Reading.FOLDED and chunk.isascii():
+        if not self._pending and chunk.isascii():
             # The usual chunk: nothing held, and no candidate can start in the last characters
             # delivered and this chunk (nor a literal prefix at its end): it goes out as it is.
             folded = self._tail + fold_ascii(chunk)
@@ -317,14 +304,14 @@ class StreamScanner:
 
     def pass_through(self, chunk: str) -> bool:
         """Deliver ``chunk`` as it is if it cannot touch a marker: nothing is held back or
-        watched and it has no character that can be part of one (``C`` reading the literal
-        prefix only). True: it was delivered (the caller sends it unchanged, as ``feed`` would
-        have returned it); False: nothing happened, it must go through ``feed``."""
+        watched and it has no character that can be part of one. True: it was delivered (the
+        caller sends it unchanged, as ``feed`` would have returned it); False: nothing happened,
+        it must go through ``feed``."""
         if self._state is not _OPEN:
             self._require_open()
         if self._pending or self._context:
             return False
-        if "C" in chunk if self._reading is Reading.LITERAL else has_marker_characters(chunk):
+        if has_marker_characters(chunk):
             return False
         self._delivered += len(chunk)
         return True
@@ -349,7 +336,7 @@ class StreamScanner:
         view = fold(context + self._pending)
         self._reader.origin = self._delivered - len(context)
         cursor = 0
-        while (verdict := self._reader.first(view, cursor, True, self._reading)) is not None:
+        while (verdict := self._reader.first(view, cursor, True)) is not None:
             if verdict.action is Action.CUT or verdict.shown >= TAG_CHARS:
                 self._transition(ScannerState.CUT)
                 self._pending = self._context = self._tail = ""
@@ -357,22 +344,6 @@ class StreamScanner:
                 return ScanResult(text="", findings=() if finding is None else (finding,), cut=True)
             cursor = view.index_at(verdict.end)
         return None
-
-    def cut_only(self) -> None:
-        """The text this scanner reads goes out as the engine sent it (a side field the gateway
-        does not rewrite: ids, keys, names): from now on only a literal ``CNRY-`` begins a
-        candidate, as before markers were read folded. Such fields are written by the engine,
-        not the model, so nothing a tenant asks of the model bends them; reading them for the
-        literal prefix alone keeps their cost (every event repeats them) to a membership test."""
-        if self._reading is Reading.LITERAL:
-            return
-        self._reading = Reading.LITERAL
-        self._context = self._tail = ""
-        view = fold(self._pending)
-        verdict = self._reader.first(view, 0, False, Reading.LITERAL)
-        hold = len(self._pending) if verdict is None else verdict.start
-        self._delivered += hold
-        self._pending = self._pending[hold:]
 
     def __repr__(self) -> str:
         return f"StreamScanner(state={self._state}, delivered={self._delivered}, held={self.held})"
@@ -382,12 +353,12 @@ class StreamScanner:
     def _scan(self, buf: str, *, final: bool, floor: int) -> ScanResult:
         """Decide what of ``buf`` may go out; ``buf[:floor]`` went out before (the context): a
         candidate that began there is held, stripped or cut from ``floor`` on."""
-        reader, reading = self._reader, self._reading
+        reader = self._reader
         reader.origin = self._delivered - floor
         cursor = 0  # the folded characters before it are decided
         while True:
             view = fold(buf)
-            verdict = reader.first(view, cursor, final, reading)
+            verdict = reader.first(view, cursor, final)
             if verdict is None:
                 hold = len(buf)
                 break
@@ -408,14 +379,13 @@ class StreamScanner:
         if final:
             return self._close(buf[floor:], ScannerState.FINISHED, None)
         self._pending = buf[hold:]
-        if reading is Reading.FOLDED:
-            before = len(view.chars) if hold == len(buf) else view.index_at(hold)
-            self._tail = view.chars[max(0, before - UNDECIDED) : before]
-            if not self._tail:
-                self._context = ""
-            else:  # from the first of those characters, if its run may still go on
-                first, last = view.pos(before - len(self._tail)), view.pos(before - 1)
-                self._context = buf[first:hold] if hold - last - 1 <= MAX_GAP else ""
+        before = len(view.chars) if hold == len(buf) else view.index_at(hold)
+        self._tail = view.chars[max(0, before - UNDECIDED) : before]
+        if not self._tail:
+            self._context = ""
+        else:  # from the first of those characters, if its run may still go on
+            first, last = view.pos(before - len(self._tail)), view.pos(before - 1)
+            self._context = buf[first:hold] if hold - last - 1 <= MAX_GAP else ""
         return self._deliver(buf[floor:hold])
 
     def _deliver(self, text: str) -> ScanResult:

@@ -220,19 +220,6 @@ def test_expose_lets_out_a_bent_candidate_only_while_it_shows_less_than_a_tag() 
     assert exposed(FORMS["logit_bias against '-'"](OWN.text)[:20]) == (ScannerState.CUT, [])
 
 
-def test_a_cut_only_field_is_read_for_the_literal_prefix_only() -> None:
-    """After ``cut_only`` (a field that goes out as the engine sent it): a literal ``CNRY-`` still
-    cuts, a bent or bare marker is not looked for (the model does not write such fields)."""
-    s = scanner()
-    s.feed("chatcmpl-")
-    s.cut_only()
-    assert s.literal_only and s.held == 0
-    assert s.pass_through("abcdefgh 12345") and not s.pass_through("xC")
-    assert not s.feed(FOREIGN.text[5:] + " ").cut
-    result = s.feed("id " + FOREIGN.text)
-    assert result.cut and result.findings[0].victim_tenant == "globex"
-
-
 def test_the_quick_foldings_agree_with_the_folding_of_each_character() -> None:
     """``fold_ascii``, ``fold_flat`` and ``has_marker_characters`` (byte tables) read every ASCII
     character as ``fold`` does (the characters with positions): a marker character in any case
