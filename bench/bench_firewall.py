@@ -27,10 +27,9 @@ from bench.summary import emit
 from canary.firewall import LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
-from contracts.plugins import PassThroughGuard, RequestInfo, StreamGuard
+from contracts.plugins import PassThroughGuard, Prefilter, RequestInfo, StreamGuard
 from contracts.sse import SseSplitter
 from gateway.proxy.relay import StreamRelay
-from gateway.proxy.side import Prefilter
 from gateway.upstream.base import Endpoint
 
 GOAL_P99_US = 100.0

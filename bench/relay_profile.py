@@ -54,7 +54,7 @@ AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("JSON (orjson)", ("orjson",)),
     ("JSON (stdlib json)", ("json/",)),
     ("relay: StreamRelay/relay_body", ("proxy/relay.py", "proxy/body.py", "proxy/chunks.py")),
-    ("relay: side-field screening", ("proxy/side.py",)),
+    ("relay: side-field screening", ("proxy/side.py", "proxy/side_fields.py")),
     ("leak firewall + scanner", ("canary/firewall.py", "canary/scanner.py")),
     ("engine client (upstream/wire.py, direct.py)", ("upstream/wire.py", "upstream/direct.py")),
     ("finish + audit record", ("proxy/finish.py", "services/audit.py")),

@@ -27,7 +27,8 @@ from gateway.proxy.chunks import (
 )
 from gateway.proxy.disclosure import without_addresses
 from gateway.proxy.relay import OpenGuard
-from gateway.proxy.side import InvalidSide, SideScreen, text_path, whole_texts
+from gateway.proxy.side import SideScreen
+from gateway.proxy.side_fields import InvalidSide, text_path, whole_texts
 from gateway.upstream.base import Endpoint
 
 
@@ -78,8 +79,8 @@ def relay_body(
     """A non-streaming answer through the guards: the body (texts replaced if changed) or a Cut.
 
     First one guard is asked whether every string of the answer passes whole
-    (``StreamGuard.passes_each_whole`` of ``side.whole_texts``): the usual answer, in which no
-    candidate can start, then opens no other guard. Otherwise the side fields go through a
+    (``StreamGuard.passes_each_whole`` of ``side_fields.whole_texts``): the usual answer, in which
+    no candidate can start, then opens no other guard. Otherwise the side fields go through a
     ``SideScreen`` and each choice's text through a guard of its own. ``raw`` is the answer's
     JSON text as the engine sent it; with it, ``side_prefilter`` may clear the side fields
     without walking them (as for a streamed event). Raises ``InvalidUpstream`` for an answer the

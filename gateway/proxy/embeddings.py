@@ -61,7 +61,8 @@ from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.ending import CLIENT_GONE, COMPLETED, INTERNAL, Outcome, cut, refused
 from gateway.proxy.finish import finish
 from gateway.proxy.relay import OpenGuard
-from gateway.proxy.side import EMBEDDING_PATH, InvalidSide, SideScreen
+from gateway.proxy.side import SideScreen
+from gateway.proxy.side_fields import EMBEDDING_PATH, InvalidSide
 from gateway.upstream.base import Endpoint, UpstreamCall, UpstreamReply, UpstreamUnreachable
 
 log = logging.getLogger("kvguard.gateway.proxy")

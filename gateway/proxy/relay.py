@@ -73,7 +73,8 @@ from gateway.proxy.chunks import (
     with_texts,
 )
 from gateway.proxy.disclosure import Disclosure, scrubbed, without_engine_object
-from gateway.proxy.side import InvalidSide, SideScreen, skeleton, tail_chunk, text_path
+from gateway.proxy.side import SideScreen, tail_chunk
+from gateway.proxy.side_fields import InvalidSide, skeleton, text_path
 from gateway.upstream.base import Endpoint
 
 KEEP_ALIVE = b": keep-alive\n\n"
