@@ -11,13 +11,12 @@ import string
 from collections.abc import Callable
 
 import pytest
+from firewall_in_process import CODEC, OWNER, TENANTS, firewall, new_relay
 
-from canary.firewall import CanaryCut, LeakFirewall, TagIndex
+from canary.firewall import CanaryCut
 from canary.folding import fold_flat
-from canary.injection import MarkerLedger, RequestMarkers
 from canary.kinds import Evidence, FindingKind
 from canary.markers import MarkerCodec, MarkerKeyring, decode_tag
-from contracts.plugins import RequestInfo
 from contracts.sse import SseSplitter
 from gateway.lifecycle import Phase
 from gateway.proxy.body import relay_body
@@ -25,20 +24,8 @@ from gateway.proxy.chunks import InvalidUpstream
 from gateway.proxy.relay import KEEP_ALIVE, Step, StreamRelay
 from gateway.upstream.base import Endpoint
 
-CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32)), 2: bytes(range(40, 80))}, current=2))
 OTHER_KEY = MarkerCodec(MarkerKeyring({2: bytes(range(1, 33))}, current=2))
-TENANTS = [f"tn_{i:04d}" for i in range(50)]
-OWNER = TENANTS[0]
 B32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
-
-
-def firewall(own: frozenset[bytes] = frozenset()) -> tuple[LeakFirewall, RequestInfo]:
-    ledger = MarkerLedger()
-    ledger.put("r1", RequestMarkers(own=own))
-    tags = TagIndex(CODEC)
-    tags.replace(TENANTS)
-    info = RequestInfo("r1", OWNER, "m", "chat.completions", False, 0.0, engine="e1")
-    return LeakFirewall(CODEC, ledger=ledger, tags=tags), info
 
 
 def events(pieces: list[str], *, index: int = 0) -> bytes:
@@ -299,11 +286,6 @@ def test_a_marker_cut_short_by_the_engine_still_yields_its_finding() -> None:
     assert (end.end, end.code, stream.cut) == (Phase.FAILED, "upstream_error", None)
 
 
-def new_relay(own: frozenset[bytes] = frozenset()) -> StreamRelay:
-    fw, info = firewall(own)
-    return StreamRelay(endpoint=Endpoint.CHAT, open_guard=lambda: fw.open(info), wants_usage=False)
-
-
 def test_events_the_gateway_cannot_vouch_for_end_the_stream() -> None:
     deep = b"data: " + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"\n\n"
     late = events(["a"]).replace(b"data: [DONE]\n\n", b"") + events(["b"])
@@ -377,69 +359,6 @@ def test_non_streaming_side_fields_are_all_screened() -> None:
         assert isinstance(screen_raw({**clean, "debug": debug}), CanaryCut), debug
     escaped = json.dumps({**clean, "debug": victim.text}).replace("C", "\\u0043")
     assert isinstance(screen_raw(json.loads(escaped), escaped), CanaryCut)
-
-
-@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
-def test_a_marker_in_another_endpoints_text_field_is_cut(endpoint: Endpoint) -> None:
-    """Each endpoint's relay screens its own text (a chat choice's ``message.content`` or
-    ``delta.content``, a completion's ``text``) as text; the text fields of the other shapes are
-    side fields like any other string an engine sends. They used to be left out of the side
-    screen whatever the endpoint, so a chat answer's ``choices[0].text`` (or a completion's
-    ``message.content``) reached the client unscreened, a foreign marker in it included."""
-    victim = CODEC.issue(TENANTS[8])
-    fw, info = firewall()
-    own = "text" if endpoint is Endpoint.COMPLETIONS else "message"
-    for field, value in (
-        ("text", victim.text),
-        ("message", {"role": "assistant", "content": victim.text}),
-        ("delta", {"content": victim.text}),
-    ):
-        if field == own:
-            continue
-        choice = {"index": 0, own: "ok" if own == "text" else {"content": "ok"}, field: value}
-        body = {"id": "c1", "choices": [choice]}
-        out = relay_body(endpoint, body, lambda: fw.open(info), raw=json.dumps(body))
-        assert isinstance(out, CanaryCut), (endpoint, field)
-    own = "text" if endpoint is Endpoint.COMPLETIONS else "delta"
-    for field, value in (
-        ("text", victim.text),
-        ("message", {"content": victim.text}),
-        ("delta", {"content": victim.text}),
-    ):
-        if field == own:
-            continue
-        stream = StreamRelay(endpoint=endpoint, open_guard=lambda: fw.open(info), wants_usage=False)
-        choice = {"index": 0, own: "ok" if own == "text" else {"content": "ok"}, field: value}
-        plain = {"id": "c1", "choices": [{"index": 0, own: choice[own]}]}
-        for event in (plain, plain, {"id": "c1", "choices": [choice]}):  # after common chunks
-            step = stream.on_event(f"data: {json.dumps(event)}\n\n".encode())
-        assert victim.text not in b"".join(step.out).decode(), field
-        assert isinstance(stream.cut, CanaryCut), field
-
-
-def test_a_value_hidden_behind_a_duplicate_key_never_reaches_the_client() -> None:
-    """JSON parsers keep the last of two values of one key, so the relay screens that one; an
-    event's bytes went out as the engine sent them when its text passed unchanged, and with them
-    the first value, never screened: a foreign marker there reached the client's socket. Now an
-    event's own bytes go out only when they are exactly what the relay read (the JSON of the
-    parsed event); anything else is written anew from what was screened."""
-    victim = CODEC.issue(TENANTS[9])
-    fw, info = firewall()
-    stream = StreamRelay(endpoint=Endpoint.CHAT, open_guard=lambda: fw.open(info), wants_usage=True)
-    plain = '{"id":"c1","choices":[{"index":0,"delta":{"content":"ok"}}]}'
-    hidden = [
-        '{"id":"c1","choices":[{"index":0,"delta":{"content":"%s","content":"ok"}}]}',
-        '{"id":"c1","choices":[{"index":0,"delta":{"content":"ok"},"x":"%s","x":"y"}]}',
-        '{"id":"c1","choices":[{"index":0,"delta":{"content":"ok"}}],"usage":{"u":"%s","u":1}}',
-        '{"id":"c1","choices":[{"index":0,"delta":{},"finish_reason":"%s","finish_reason":"stop"}]}',
-    ]
-    out = b""
-    for data in [plain, plain, *(h % victim.text for h in hidden)]:
-        step = stream.on_event(f"data: {data}\n\n".encode())
-        out += b"".join(step.out)
-    assert victim.text not in out.decode() and victim.text[5:13] not in out.decode()
-    assert stream.cut is None and json.loads(out.split(b"\n\n")[2][6:]) == json.loads(plain)
-    assert out.startswith(f"data: {plain}\n\n".encode())  # the usual event goes out as it came
 
 
 # -- the corpus ------------------------------------------------------------------------------------
