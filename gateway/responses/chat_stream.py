@@ -389,16 +389,21 @@ class ChatToResponses(EventWriter):
 
     def _engine_error(self, error: Any) -> Step:
         """An engine's error event: its code and message, screened and without addresses
-        (``gateway.proxy.disclosure``), end the stream as failed."""
+        (``gateway.proxy.disclosure``), end the stream as failed. Each is screened, and so is
+        ``CODE: MESSAGE`` (the failed Response's message, ``objects.failure_error``), so a marker
+        begun in the code and ended in the message is read whole."""
         error = error if isinstance(error, dict) else {}
         found = []
         for name, default in (("code", "upstream_error"), ("message", "the engine failed")):
             value = error.get(name)
-            screened = whole(self._open(), value) if isinstance(value, str) and value else default
-            if isinstance(screened, Cut):
-                return self.cut(screened)
-            found.append(without_addresses(screened))
-        return self.fail(found[0], found[1])
+            found.append(value if isinstance(value, str) and value else default)
+        found.append(f"{found[0]}: {found[1]}")
+        screened = [whole(self._open(), value) for value in found]
+        for value in screened:
+            if isinstance(value, Cut):
+                return self.cut(value)
+        code, message = (without_addresses(str(value)) for value in screened[:2])
+        return self.fail(code, message)
 
 
 def _finish(choice: dict[str, Any]) -> dict[str, Any]:

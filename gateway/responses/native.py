@@ -294,22 +294,22 @@ class NativeStream(EventWriter):
         return output
 
     def _engine_failure(self, event: dict[str, Any]) -> Step | Cut:
-        """An engine's ``error`` event or ``response.failed``: its code and message, screened,
-        in an upstream error."""
+        """An engine's ``error`` event or ``response.failed``: its code and message in an
+        upstream error's message, screened as that one text (a marker begun in the code and ended
+        in the message is read whole)."""
         error: Any = event
         if event["type"] == "response.failed":
             response = event.get("response")
             error = response.get("error") if isinstance(response, dict) else None
         error = error if isinstance(error, dict) else {}
-        code, message = error.get("code"), error.get("message")
-        screened = [
-            whole(self._open(), value if isinstance(value, str) else "")
-            for value in (code, message)
-        ]
-        for value in screened:
-            if isinstance(value, Cut):
-                return value
-        failed = f"the engine failed ({screened[0]}): {screened[1]}"
+        code, message = (error.get(name) for name in ("code", "message"))
+        failed = whole(
+            self._open(),
+            f"the engine failed ({code if isinstance(code, str) else ''}): "
+            f"{message if isinstance(message, str) else ''}",
+        )
+        if isinstance(failed, Cut):
+            return failed
         return self.fail("upstream_error", without_addresses(failed))
 
     # -- items and parts ----------------------------------------------------------------------

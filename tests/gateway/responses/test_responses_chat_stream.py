@@ -210,6 +210,19 @@ def test_an_engine_error_event_ends_it_failed_with_its_code() -> None:
     assert events[-2]["message"] == "boom"
 
 
+@pytest.mark.parametrize("split_at", [8, 10])
+def test_a_marker_split_between_an_engine_errors_code_and_message_is_cut(split_at: int) -> None:
+    """The failed Response's message is ``CODE: MESSAGE``: each is screened, and so is that text,
+    so a marker whose first part ends the code and whose rest begins the message (folded, the
+    ``: `` between them is nothing) is cut, never shown across them."""
+    failure = {"code": f"x {FOREIGN.text[:split_at]}", "message": f"{FOREIGN.text[split_at:]} y"}
+    _, step, out = run([chunk(content="a"), {"error": failure}], firewall())
+    events = check_response_events(out)
+    assert step.end is Phase.CUT and step.code == "isolation_violation"
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert FOREIGN.text[5:13].encode() not in out and b"x CNRY" not in out
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -287,3 +287,18 @@ def test_text_held_back_to_the_end_is_in_the_final_output() -> None:
     cut = NativeStream(env(), firewall(), stream=False)
     final["output"][0]["content"][0]["text"] = "ends with " + FOREIGN.text[:20]
     assert cut.whole_answer(final).end is Phase.CUT
+
+
+@pytest.mark.parametrize("split", [8, 13, 20])
+def test_a_marker_split_between_an_engine_failures_code_and_message_is_cut(split: int) -> None:
+    """An engine's failure goes out as one message, ``the engine failed (CODE): MESSAGE``: it is
+    screened as that one text, so a marker whose first part ends the code and whose rest begins
+    the message (folded, the ``): `` between them is nothing) is cut, never shown across them."""
+    failure = {"code": f"oops {FOREIGN.text[:split]}", "message": f"{FOREIGN.text[split:]} done"}
+    for last in (
+        {"type": "response.failed", "response": {"error": failure}},
+        {"type": "error", **failure},
+    ):
+        objs = [{"type": "response.created", "response": {}}, last]
+        _, step, out = _screen(_raw(objs), firewall())
+        _assert_cut(step, out)
