@@ -156,10 +156,15 @@ class CandidateReader:
 
     def quiet(self, chars: str) -> bool:
         """Whether no candidate can start in the folded characters ``chars`` (no anchor, no window
-        that is a tag or an own fragment): the scanner's fast path for ordinary text."""
-        if ANCHOR in chars or any(window in chars for window in self._own_windows()):
+        that is a tag or an own fragment): the scanner's fast path for ordinary text (once per
+        streamed chunk: written without calls of its own but the index's)."""
+        if ANCHOR in chars:
             return False
-        index = known_windows(self._known())
+        for window in self._mine if self._mine is not None else self._own_windows():
+            if window in chars:
+                return False
+        known = self._index
+        index = known_windows(known() if callable(known) else known)
         return index is None or not index.find_matches_as_indexes(chars)
 
     def _window_starts(self, chars: str, start: int, stop: int) -> list[int]:

@@ -183,7 +183,9 @@ class FirewallGuard(StreamGuard):
                     return Emit(text)
                 text = context + text  # the scanner reads from where a candidate could begin
             scanner = self._scanner = self._make()
-        if scanner.pass_through(text):  # nothing held or watched, nothing a marker is made of
+        if scanner.passes(text):  # the usual text: no candidate can start in it
+            if self._context is not None:
+                self._settle()
             return Emit(text)
         verdict = _verdict(scanner.feed(text))
         self._settle()

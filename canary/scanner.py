@@ -286,35 +286,42 @@ class StreamScanner:
         """Scan the next chunk; return what is safe to deliver now."""
         if self._state is not _OPEN:
             self._require_open()
+        if self._quiet(chunk):
+            return self._deliver(chunk)
         context = self._context
-        if not self._pending and chunk.isascii():
-            # The usual chunk: nothing held, and no candidate can start in the last characters
-            # delivered and this chunk (nor a literal prefix at its end): it goes out as it is.
-            folded = self._tail + fold_ascii(chunk)
-            if self._reader.quiet(folded) and not chunk.endswith(_LITERAL_ENDS):
-                self._tail = folded[-UNDECIDED:]
-                self._context = (context + chunk)[-CONTEXT_CHARS:]
-                return self._deliver(chunk)
         return self._scan(context + self._pending + chunk, final=False, floor=len(context))
+
+    def passes(self, chunk: str) -> bool:
+        """Deliver ``chunk`` as it is when it cannot touch a marker: nothing is held back or
+        watched and it has no character that can be part of one, or ``feed``'s usual chunk (no
+        candidate can start in the last characters delivered and this chunk). True: it was
+        delivered (the caller sends it unchanged, as ``feed`` would have returned it); False:
+        nothing happened, it must go through ``feed``."""
+        if self._state is not _OPEN:
+            self._require_open()
+        watched = self._pending or self._context or has_marker_characters(chunk)
+        if watched and not self._quiet(chunk):
+            return False
+        self._delivered += len(chunk)
+        return True
+
+    def _quiet(self, chunk: str) -> bool:
+        """The usual chunk: nothing held, and no candidate can start in the last characters
+        delivered and this chunk (nor a literal prefix at its end): taken as delivered (the
+        caller counts it), the folded tail and the context moved on."""
+        if self._pending or not chunk.isascii():
+            return False
+        folded = self._tail + fold_ascii(chunk)
+        if not self._reader.quiet(folded) or chunk.endswith(_LITERAL_ENDS):
+            return False
+        self._tail = folded[-UNDECIDED:]
+        self._context = (self._context + chunk)[-CONTEXT_CHARS:]
+        return True
 
     def carried(self) -> tuple[str, str]:
         """What the next chunk is read after besides what is held: the delivered context and
         its folded tail (``StreamGuard.carried``)."""
         return self._context, self._tail
-
-    def pass_through(self, chunk: str) -> bool:
-        """Deliver ``chunk`` as it is if it cannot touch a marker: nothing is held back or
-        watched and it has no character that can be part of one. True: it was delivered (the
-        caller sends it unchanged, as ``feed`` would have returned it); False: nothing happened,
-        it must go through ``feed``."""
-        if self._state is not _OPEN:
-            self._require_open()
-        if self._pending or self._context:
-            return False
-        if has_marker_characters(chunk):
-            return False
-        self._delivered += len(chunk)
-        return True
 
     def finish(self) -> ScanResult:
         """End of the upstream stream: decide and flush everything held back."""

@@ -4,8 +4,9 @@
   guards skip delivers exactly what a relay feeding every value delivers (the same bytes, the same
   cut, the same findings), for fields that are rewritten, cut-only fields read for the literal
   prefix once exposed, and their mix.
-- ``StreamScanner.pass_through``: a chunk goes out unchanged only when nothing is held back or
-  watched and it has no character a marker is made of; a terminal scanner still refuses it.
+- ``StreamScanner.passes``: a chunk goes out unchanged only when nothing is held back or watched
+  and it has no character a marker is made of, or when no candidate can start in it after the
+  last characters delivered; a terminal scanner still refuses it.
 - No side prefilter: any side string with a letter may continue a marker whose prefix was bent
   or lost, so the firewall states none (``GuardCapabilities``).
 """
@@ -152,16 +153,17 @@ def test_a_relay_whose_guards_skip_delivers_what_feeding_every_value_delivers(fi
 
 
 def test_the_fast_paths_deliver_ordinary_text_as_feed_would() -> None:
-    """``pass_through``: a chunk with nothing a marker is made of, nothing held or watched. The
-    fast path of ``feed``: a chunk in which, with the last characters delivered, no candidate can
-    start -- delivered whole, the same as the full pass would."""
+    """``passes``: a chunk with nothing a marker is made of, nothing held or watched, or one in
+    which, with the last characters delivered, no candidate can start (``feed``'s fast path) --
+    delivered whole, the same as the full pass would; anything else is left to ``feed``."""
     scanner = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces={OWN.nonce})
-    assert scanner.pass_through("1, 8: 9.0!")
-    assert not scanner.pass_through("plain text")  # letters: read for markers
-    assert scanner.feed("plain text").text == "plain text" and scanner.watching
-    assert not scanner.pass_through(" 0")  # what was delivered may go on into a tag
+    assert scanner.passes("1, 8: 9.0!") and not scanner.watching
+    assert scanner.passes("plain text") and scanner.watching  # read: the context moves on
+    assert not scanner.passes("a C")  # a literal prefix may begin at its end
     assert scanner.feed("a C").text == "a " and scanner.held == 1
+    assert not scanner.passes("xyz")  # something is held
     assert scanner.feed("xyz").text == "Cxyz" and scanner.held == 0
+    assert not scanner.passes(OWN.text[5:20])  # the owner's tag: a candidate starts
     rng = random.Random(3)
     for _ in range(200):  # the same text through the fast path and through one full pass
         words = [
@@ -180,7 +182,7 @@ def test_the_fast_paths_deliver_ordinary_text_as_feed_would() -> None:
         ), text
     assert scanner.finish().text == ""
     with pytest.raises(ScannerStateError):
-        scanner.pass_through("late")
+        scanner.passes("late")
 
 
 def relay_memo(raw: bytes, *, memo: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, Any]:
