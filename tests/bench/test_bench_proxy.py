@@ -87,3 +87,20 @@ def test_goals_are_judged_only_where_the_engine_kept_up_with_the_offered_rate(
     unjudged = parse(capsys.readouterr().out)
     assert [h.met for h in unjudged] == [None, None]
     assert "saturated" in unjudged[0].value and "saturated" in unjudged[1].measure
+
+
+def test_a_goal_is_not_judged_on_a_negative_added_latency(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A direct path that stalled (its p99 339 ms at 100/s while the gateway's was 55 ms, in a
+    full run on a busy machine) makes the gateway's "added" p99 negative: nothing was measured
+    about the gateway there, so neither goal is judged (it was reported met at -284 ms)."""
+    stalled = {
+        ("non-streaming", "direct", 100): _load(339.0, 100, 1.0),
+        ("non-streaming", "gateway", 100): _load(55.0, 100, 1.0),
+        ("non-streaming", "litellm proxy", 100): _load(4000.0, 100, 1.0),
+    }
+    assert headlines(stalled, [100], ["non-streaming"]) is True  # not judged, not missed
+    unjudged = parse(capsys.readouterr().out)
+    assert [h.met for h in unjudged] == [None, None]
+    assert "stalled" in unjudged[0].value and "stalled" in unjudged[1].measure
