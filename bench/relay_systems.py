@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from bench.bench_proxy import PROXY_KEY, PROXY_MODEL, ensure_litellm_venv, start_litellm_proxy
+from bench.litellm_proxy import PROXY_KEY, PROXY_MODEL, ensure_litellm_venv, start_litellm_proxy
 from bench.relay_standin import MODEL
 from kvguard.localservices import free_port, postgres_server, redis_server
 

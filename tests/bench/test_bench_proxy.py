@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_proxy import (
-    PROXY_KEY,
-    PROXY_MODEL,
-    Samples,
-    added,
-    headlines,
-    merge,
-    parse_args,
-    proxy_config,
-    table,
-)
+from bench.bench_proxy import Samples, added, headlines, merge, parse_args, table
+from bench.litellm_proxy import PROXY_KEY, PROXY_MODEL, proxy_config
 from bench.summary import parse
 
 
