@@ -157,14 +157,13 @@ class CandidateReader:
     def quiet(self, chars: str) -> bool:
         """Whether no candidate can start in the folded characters ``chars`` (no anchor, no window
         that is a tag or an own fragment): the scanner's fast path for ordinary text (once per
-        streamed chunk: written without calls of its own but the index's)."""
+        streamed chunk)."""
         if ANCHOR in chars:
             return False
-        for window in self._mine if self._mine is not None else self._own_windows():
+        for window in self._own_windows():
             if window in chars:
                 return False
-        known = self._index
-        index = known_windows(known() if callable(known) else known)
+        index = known_windows(self._known())
         return index is None or not index.find_matches_as_indexes(chars)
 
     def _window_starts(self, chars: str, start: int, stop: int) -> list[int]:

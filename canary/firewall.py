@@ -184,8 +184,7 @@ class FirewallGuard(StreamGuard):
                 text = context + text  # the scanner reads from where a candidate could begin
             scanner = self._scanner = self._make()
         if scanner.passes(text):  # the usual text: no candidate can start in it
-            if self._context is not None:
-                self._settle()
+            self._settle()
             return Emit(text)
         verdict = _verdict(scanner.feed(text))
         self._settle()
