@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
+from typing import Protocol
 
 from ahocorasick_rs import AhoCorasick
 
@@ -48,8 +48,39 @@ UNDECIDED = TAG_CHARS - 1
 _PREFIX_CHARS = frozenset(PREFIX)
 _LITERAL_RUN = re.compile("[A-Z2-7]{0," + str(BODY_CHARS) + "}")
 
-KnownTags = Mapping[str, KnownTag] | Callable[[], Mapping[str, KnownTag]]
-"""tag text -> whose: a mapping, or a function returning the current one (a live index)."""
+
+@dataclass(frozen=True, slots=True)
+class TagSet:
+    """Known tags (tag text -> whose) and the automaton that finds them in folded text (None: no
+    tag is known). Replaced whole, never changed: a reader takes one attribute per chunk."""
+
+    texts: Mapping[str, KnownTag] = field(repr=False)
+    windows: AhoCorasick | None = field(repr=False)
+
+    @classmethod
+    def of(cls, texts: Mapping[str, KnownTag]) -> TagSet:
+        return cls(texts, AhoCorasick(list(texts)) if texts else None)
+
+
+class LiveTags(Protocol):
+    """A live index (``canary.firewall.TagIndex``): ``current`` is replaced whole when it
+    changes, so a reader that reads it once per chunk sees one consistent set."""
+
+    @property
+    def current(self) -> TagSet: ...
+
+
+class FixedTags:
+    """A set of tags that never changes, read like a live index."""
+
+    __slots__ = ("current",)
+
+    def __init__(self, texts: Mapping[str, KnownTag]) -> None:
+        self.current = TagSet.of(texts)
+
+
+KnownTags = Mapping[str, KnownTag] | LiveTags
+"""tag text -> whose: a fixed mapping, or a live index."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +135,11 @@ class CandidateReader:
         "_carried",
         "_codec",
         "_fragments",
-        "_index",
         "_mine",
         "_own_nonces",
         "_owner",
         "_owner_tags",
+        "_tags",
         "origin",
     )
 
@@ -125,7 +156,11 @@ class CandidateReader:
         self._owner = owner
         self._own_nonces = own_nonces
         self._carried = carried_nonces
-        self._index: KnownTags = {} if known_tags is None else known_tags
+        self._tags: LiveTags
+        if known_tags is None or isinstance(known_tags, Mapping):
+            self._tags = FixedTags(known_tags or {})
+        else:
+            self._tags = known_tags
         # The owner's tags and own fragments (HMACs) are computed on the first read: the codec
         # and its keyring are immutable, so they never change.
         self._owner_tags: Mapping[str, KnownTag] | None = None
@@ -160,10 +195,13 @@ class CandidateReader:
         streamed chunk)."""
         if ANCHOR in chars:
             return False
-        for window in self._own_windows():
+        mine = self._mine
+        if mine is None:
+            mine = self._own_windows()
+        for window in mine:
             if window in chars:
                 return False
-        index = known_windows(self._known())
+        index = self._tags.current.windows
         return index is None or not index.find_matches_as_indexes(chars)
 
     def _window_starts(self, chars: str, start: int, stop: int) -> list[int]:
@@ -173,7 +211,7 @@ class CandidateReader:
             return []
         span = chars[start : stop + UNDECIDED]
         starts: set[int] = set()
-        index = known_windows(self._known())
+        index = self._tags.current.windows
         if index is not None:
             starts.update(s for _, s, _ in index.find_matches_as_indexes(span, overlapping=True))
         for window in self._own_windows():
@@ -285,7 +323,7 @@ class CandidateReader:
                 return Verdict(Action.KEEP, start, end, BODY_CHARS)
             kind, victim = FindingKind.CROSS_REQUEST, self._owner
         else:
-            known = self._known().get(encode_tag(v.tenant_tag))
+            known = self._tags.current.texts.get(encode_tag(v.tenant_tag))
             kind, victim = FindingKind.CROSS_TENANT, None if known is None else known.tenant
         finding = Finding(
             kind=kind,
@@ -320,11 +358,7 @@ class CandidateReader:
     def _tag(self, window: str) -> KnownTag | None:
         """Whose tag the 8 folded characters are: the owner's first, then the index's."""
         own = self._owner_tag_texts().get(window)
-        return own if own is not None else self._known().get(window)
-
-    def _known(self) -> Mapping[str, KnownTag]:
-        known = self._index
-        return known() if callable(known) else known
+        return own if own is not None else self._tags.current.texts.get(window)
 
     def _own_windows(self) -> Mapping[str, object]:
         """The owner's tags and this request's own fragments: windows that start a candidate."""
@@ -348,29 +382,6 @@ class CandidateReader:
             fragments = dict(_fragments(self._codec, self._owner, self._own_nonces))
             self._fragments = MappingProxyType(fragments)
         return self._fragments
-
-
-_KNOWN_INDEXES: dict[int, tuple[Mapping[str, object], int, AhoCorasick]] = {}
-_KNOWN_INDEXES_MAX = 4
-_KNOWN_LOCK = threading.Lock()
-
-
-def known_windows(known: Mapping[str, object]) -> AhoCorasick | None:
-    """An automaton finding every known tag in folded text (None: no tag is known), built once per
-    mapping: a ``canary.firewall.TagIndex`` replaces its mapping, never changes it (a mapping
-    changed in place in its size is built again). The few kept are a handful of dict entries;
-    ``TagIndex`` builds a new index's automaton in the worker thread that builds the mapping."""
-    if not known:
-        return None
-    cached = _KNOWN_INDEXES.get(id(known))
-    if cached is not None and cached[0] is known and cached[1] == len(known):
-        return cached[2]
-    with _KNOWN_LOCK:
-        index = AhoCorasick(list(known))
-        if len(_KNOWN_INDEXES) >= _KNOWN_INDEXES_MAX:
-            del _KNOWN_INDEXES[next(iter(_KNOWN_INDEXES))]
-        _KNOWN_INDEXES[id(known)] = (known, len(known), index)
-    return index
 
 
 @functools.lru_cache(maxsize=1024)

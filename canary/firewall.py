@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from canary.candidates import CandidateReader, known_windows
+from canary.candidates import CandidateReader, TagSet
 from canary.folding import fold_flat, has_marker_characters
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import KnownTag, MarkerCodec, encode_tag
@@ -76,25 +76,22 @@ class TagIndex:
 
     ``add`` runs on the event loop, ``replace`` in a worker thread: a tenant added while a
     rebuild is under way (from tenant ids read before it existed) is added to the rebuilt index
-    too, under ``_lock``, which only writers take (readers read one attribute)."""
+    too, under ``_lock``, which only writers take (readers read one attribute, ``current``: the
+    tags and their automaton, replaced together; a ``LiveTags`` for the scanners' readers)."""
 
     def __init__(self, codec: MarkerCodec) -> None:
         self._codec = codec
-        self._texts: dict[str, KnownTag] = {}
+        self.current = TagSet.of({})
         self._tenants: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._added_meanwhile: set[str] | None = None  # while a rebuild runs: what ``add`` added
 
     def __len__(self) -> int:
-        return len(self._texts)
+        return len(self.current.texts)
 
     def lookup(self, tag: bytes) -> str | None:
-        known = self._texts.get(encode_tag(tag))
+        known = self.current.texts.get(encode_tag(tag))
         return None if known is None else known.tenant
-
-    def texts(self) -> Mapping[str, KnownTag]:
-        """tag text -> whose, now (the scanner's ``known_tags``; replaced, never changed)."""
-        return self._texts
 
     def add(self, tenant_id: str) -> None:
         """Index one tenant now (a tenant created on another replica since the last refresh)."""
@@ -103,7 +100,7 @@ class TagIndex:
         with self._lock:
             if self._added_meanwhile is not None:
                 self._added_meanwhile.add(tenant_id)
-            self._swap(self._texts, self._tenants, {tenant_id})
+            self._swap(self.current, self._tenants, {tenant_id})
 
     def replace(self, tenant_ids: Iterable[str]) -> None:
         """Rebuild from every tenant (runs in a worker thread; the swap is one assignment), unless
@@ -118,23 +115,21 @@ class TagIndex:
         texts: dict[str, KnownTag] = {}
         for tenant_id in sorted(tenants):
             _add(texts, self._codec, tenant_id)
-        known_windows(texts)  # the scanners' automaton, built here rather than on the loop
+        built = TagSet.of(texts)  # the scanners' automaton, built here rather than on the loop
         with self._lock:
             meanwhile, self._added_meanwhile = self._added_meanwhile, None
-            self._swap(texts, tenants, meanwhile or ())
+            self._swap(built, tenants, meanwhile or ())
 
-    def _swap(
-        self, texts: dict[str, KnownTag], tenants: frozenset[str], more: Iterable[str]
-    ) -> None:
-        """Install ``texts`` and ``tenants`` with ``more`` tenants added (to a copy: a mapping
-        once installed never changes); the caller holds ``_lock``."""
+    def _swap(self, tags: TagSet, tenants: frozenset[str], more: Iterable[str]) -> None:
+        """Install ``tags`` and ``tenants`` with ``more`` tenants added (to a copy: a set once
+        installed never changes); the caller holds ``_lock``."""
         more = [tenant_id for tenant_id in more if tenant_id not in tenants]
         if more:
-            texts = dict(texts)
+            texts = dict(tags.texts)
             for tenant_id in more:
                 _add(texts, self._codec, tenant_id)
-            known_windows(texts)
-        self._texts, self._tenants = texts, tenants.union(more)
+            tags = TagSet.of(texts)
+        self.current, self._tenants = tags, tenants.union(more)
 
 
 def _add(texts: dict[str, KnownTag], codec: MarkerCodec, tenant_id: str) -> None:
@@ -184,18 +179,28 @@ class FirewallGuard(StreamGuard):
                 text = context + text  # the scanner reads from where a candidate could begin
             scanner = self._scanner = self._make()
         if scanner.passes(text):  # the usual text: no candidate can start in it
-            self._settle()
+            if self._context is not None:
+                self._settle()
             return Emit(text)
         verdict = _verdict(scanner.feed(text))
-        self._settle()
+        if self._context is not None:
+            self._settle()
         return verdict
+
+    def passes(self, text: str) -> bool:
+        """A text stream's usual chunk, in one call into its scanner (``StreamScanner.passes``):
+        True when no candidate can start in it (delivered as it is). A cut-only field's guard,
+        and a guard not yet fed, answer through ``feed``."""
+        scanner = self._scanner
+        return scanner is not None and self._context is None and scanner.passes(text)
 
     def _settle(self) -> None:
         """A cut-only field's scanner that holds nothing goes: the folded characters it would
         read the next value after are all the guard keeps (the field is not held whatever it
-        says, so only what a candidate may begin in matters)."""
+        says, so only what a candidate may begin in matters). Called for cut-only fields only
+        (``_context`` set): a text stream's guard keeps its scanner."""
         scanner = self._scanner
-        if self._context is None or scanner is None:
+        if scanner is None:
             return
         if scanner.state is ScannerState.OPEN and not scanner.held:
             self._context = fold_flat(scanner.carried()[0])[-UNDECIDED:]
@@ -329,7 +334,7 @@ class LeakFirewall:
             owner_tenant_id=info.tenant_id,
             own_nonces=markers.own,
             carried_nonces=markers.carried,
-            known_tags=self._tags.texts,
+            known_tags=self._tags,
         )
 
         def make() -> StreamScanner:

@@ -40,9 +40,10 @@ _ASCII_FOLD = str.maketrans(
 )
 # The same folding of ASCII as bytes, for ``bytes.translate`` (a table lookup per byte, where
 # ``str.translate`` with a mapping looks each character up in a dict): what is not a marker
-# character in some case is deleted, the rest upper-cased.
-_BYTE_UPPER = bytes(ord(chr(c).upper()) if c < 128 else c for c in range(256))
-_BYTE_SEPARATORS = bytes(c for c in range(256) if chr(c).upper() not in MARKER_ALPHABET)
+# character in some case is deleted, the rest upper-cased. The scanner's per-chunk path
+# (``StreamScanner.passes``) applies them as ``fold_ascii`` does, without the call.
+BYTE_UPPER = bytes(ord(chr(c).upper()) if c < 128 else c for c in range(256))
+BYTE_SEPARATORS = bytes(c for c in range(256) if chr(c).upper() not in MARKER_ALPHABET)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -64,13 +65,13 @@ def fold_flat(text: str) -> str:
 
 def fold_ascii(text: str) -> str:
     """``fold_flat`` of an ASCII text (the caller checked ``text.isascii()``)."""
-    return text.encode("ascii").translate(_BYTE_UPPER, _BYTE_SEPARATORS).decode("ascii")
+    return text.encode("ascii").translate(BYTE_UPPER, BYTE_SEPARATORS).decode("ascii")
 
 
 def has_marker_characters(text: str) -> bool:
     """Whether ``text`` holds any character that folds to a marker character."""
     if text.isascii():
-        return len(text.encode("ascii").translate(None, _BYTE_SEPARATORS)) > 0
+        return len(text.encode("ascii").translate(None, BYTE_SEPARATORS)) > 0
     return bool(fold_flat(text))
 
 

@@ -102,7 +102,15 @@ from canary.candidates import (
     Finding,
     KnownTags,
 )
-from canary.folding import ANCHOR, MAX_GAP, fold, fold_ascii, has_marker_characters
+from canary.folding import (
+    ANCHOR,
+    BYTE_SEPARATORS,
+    BYTE_UPPER,
+    MAX_GAP,
+    fold,
+    fold_ascii,
+    has_marker_characters,
+)
 from canary.markers import BODY_CHARS, NONCE_BYTES, PREFIX, TAG_CHARS, MarkerCodec
 from contracts.lifecycle import InvalidTransition, check_move
 
@@ -284,38 +292,33 @@ class StreamScanner:
 
     def feed(self, chunk: str) -> ScanResult:
         """Scan the next chunk; return what is safe to deliver now."""
-        if self._state is not _OPEN:
-            self._require_open()
-        if self._quiet(chunk):
-            return self._deliver(chunk)
+        if self.passes(chunk):
+            return ScanResult(text=chunk) if chunk else NOTHING
         context = self._context
         return self._scan(context + self._pending + chunk, final=False, floor=len(context))
 
     def passes(self, chunk: str) -> bool:
-        """Deliver ``chunk`` as it is when it cannot touch a marker: nothing is held back or
-        watched and it has no character that can be part of one, or ``feed``'s usual chunk (no
-        candidate can start in the last characters delivered and this chunk). True: it was
-        delivered (the caller sends it unchanged, as ``feed`` would have returned it); False:
-        nothing happened, it must go through ``feed``."""
+        """Deliver ``chunk`` as it is when it cannot touch a marker (``feed``'s usual chunk):
+        nothing is held back or watched and it has no character that can be part of one, or
+        nothing is held, it is ASCII, and no candidate can start in the folded tail of what was
+        delivered and this chunk (nor a literal prefix at its end). True: it was delivered (the
+        caller sends it unchanged, as ``feed`` would have returned it; the folded tail and the
+        context moved on); False: nothing happened, it must go through ``feed``'s scan. One
+        call per streamed chunk: ``fold_ascii`` is applied inline."""
         if self._state is not _OPEN:
             self._require_open()
-        watched = self._pending or self._context or has_marker_characters(chunk)
-        if watched and not self._quiet(chunk):
-            return False
+        pending, context = self._pending, self._context
+        if pending or context or has_marker_characters(chunk):
+            if pending or not chunk.isascii():
+                return False
+            folded = self._tail + chunk.encode("ascii").translate(
+                BYTE_UPPER, BYTE_SEPARATORS
+            ).decode("ascii")
+            if not self._reader.quiet(folded) or chunk.endswith(_LITERAL_ENDS):
+                return False
+            self._tail = folded[-UNDECIDED:]
+            self._context = (context + chunk)[-CONTEXT_CHARS:]
         self._delivered += len(chunk)
-        return True
-
-    def _quiet(self, chunk: str) -> bool:
-        """The usual chunk: nothing held, and no candidate can start in the last characters
-        delivered and this chunk (nor a literal prefix at its end): taken as delivered (the
-        caller counts it), the folded tail and the context moved on."""
-        if self._pending or not chunk.isascii():
-            return False
-        folded = self._tail + fold_ascii(chunk)
-        if not self._reader.quiet(folded) or chunk.endswith(_LITERAL_ENDS):
-            return False
-        self._tail = folded[-UNDECIDED:]
-        self._context = (self._context + chunk)[-CONTEXT_CHARS:]
         return True
 
     def carried(self) -> tuple[str, str]:

@@ -85,6 +85,13 @@ class StreamGuard(Protocol):
 
     def finish(self) -> Emit | Cut: ...
 
+    def passes(self, text: str) -> bool:
+        """``feed``'s usual case without its result: True when ``text`` was taken as fed and
+        would be delivered unchanged with nothing reported (the caller sends it as it is);
+        False when nothing happened and ``text`` must go to ``feed``. The relay asks this of
+        every streamed text first (no ``Emit`` per event)."""
+        return False
+
     def skippable(self, text: str) -> bool:
         """True when feeding ``text`` now could change nothing this guard reports or delivers."""
         return False
@@ -163,6 +170,9 @@ class RequestHook(Protocol):
 class PassThroughGuard(StreamGuard):
     def feed(self, text: str) -> Emit | Cut:
         return Emit(text)
+
+    def passes(self, text: str) -> bool:
+        return True
 
     def finish(self) -> Emit | Cut:
         return Emit("")

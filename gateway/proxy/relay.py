@@ -160,25 +160,35 @@ class StreamRelay:
         if data == DONE or data.strip() == DONE:
             return self._on_done(raw if canonical else encode_event(DONE), out)
         try:
-            obj = parse_json(data)
-        except ValueError:
-            obj = None
+            obj = orjson.loads(data)  # ``parse_json``'s first reader, without the call
+        except orjson.JSONDecodeError:
+            try:
+                obj = parse_json(data)
+            except ValueError:
+                obj = None
         if not isinstance(obj, dict):
             return self.invalid(out)
         # The event's own bytes may go out only when they are what was read: the JSON of ``obj``
-        # (a key given twice is read as its last value, and the first must not go out unread).
-        canonical = canonical and raw[:6] == b"data: " and _dumps(obj) == raw[6:-2]
+        # (a key given twice is read as its last value, and the first must not go out unread;
+        # an integer past 64 bits orjson cannot write).
+        if canonical and raw[:6] == b"data: ":
+            try:
+                canonical = orjson.dumps(obj) == raw[6:-2]
+            except orjson.JSONEncodeError:
+                canonical = False
         side = self._side
         # most events: no guard holds text back and the prefilter clears them: not walked
         if side is not None and (side.holding or not side.prefilter or side.prefilter(data, obj)):
-            try:
-                verdict = side.feed(obj, raw=data, skeleton=skeleton(obj, chat=self._chat))
-            except InvalidSide:
-                return self.invalid(out)
-            if isinstance(verdict, Cut):
-                return self._cut(verdict, out)
-            if verdict is not None:  # a rewritten side field: the general path re-serialises
-                return self._general(None, verdict.obj, out, rewritten=True)
+            shape = skeleton(obj, chat=self._chat)
+            if shape is None or shape != side.quiet:  # else: the last quiet event's side fields
+                try:
+                    verdict = side.feed(obj, raw=data, skeleton=shape)
+                except InvalidSide:
+                    return self.invalid(out)
+                if isinstance(verdict, Cut):
+                    return self._cut(verdict, out)
+                if verdict is not None:  # a rewritten side field: the general path re-serialises
+                    return self._general(None, verdict.obj, out, rewritten=True)
         if "usage" in obj or "error" in obj or "handoff" in obj or EXTENSION in obj:
             return self._general(raw if canonical else None, obj, out)
         choices = obj.get("choices")
@@ -208,15 +218,19 @@ class StreamRelay:
         # general path, without its loops and lists).
         guard = self._guards.get(index) or self._guard(index)
         self.saw_text = True
-        released = guard.feed(text)
-        if isinstance(released, Cut):
-            return self._cut(released, out)
+        if guard.passes(text):  # the usual text: delivered as it is
+            released = text
+        else:
+            fed = guard.feed(text)
+            if isinstance(fed, Cut):
+                return self._cut(fed, out)
+            released = fed.text
         self.text_events += 1
         self._template = obj
-        if released.text == text and canonical:
+        if released == text and canonical:
             out.append(raw)
-        elif released.text or more_than_text(self.endpoint, choice):
-            out.append(encode_event(with_texts(self.endpoint, obj, [released.text])))
+        elif released or more_than_text(self.endpoint, choice):
+            out.append(encode_event(with_texts(self.endpoint, obj, [released])))
         return False
 
     def _general(
@@ -399,14 +413,6 @@ class StreamRelay:
 
 
 # -- event parsing ---------------------------------------------------------------------------
-
-
-def _dumps(obj: dict[str, Any]) -> bytes | None:
-    """``obj`` as compact JSON, or None where orjson cannot write it (an integer past 64 bits)."""
-    try:
-        return orjson.dumps(obj)
-    except orjson.JSONEncodeError:
-        return None
 
 
 def parse_json(data: str | bytes) -> Any:

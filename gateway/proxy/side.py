@@ -205,7 +205,9 @@ class SideScreen:
         self._rewritten: set[str] = set()  # keys of rewritable fields
         self._last: dict[str, tuple[Location, tuple[int | None, ...]]] = {}  # rewrite keys
         self._stirs = 0  # guards opened or found holding text: a guard's state moved
-        self._quiet: bytes | None = None  # the skeleton of the last event that moved nothing
+        # The skeleton of the last event that moved nothing (None while a guard holds text: it
+        # is set only at the end of a ``feed`` that left none holding)
+        self.quiet: bytes | None = None
 
     def feed(
         self, obj: dict[str, Any], *, raw: str | None = None, skeleton: bytes | None = None
@@ -213,24 +215,22 @@ class SideScreen:
         """A Cut, the event rewritten (only when a rewritable field changed), or None.
 
         ``skeleton``: the event serialised with its choice's text left out (``skeleton``), when
-        it has one text. An event whose skeleton is the last quiet event's, while no guard holds
-        text, is not walked: its side strings are that event's, in the same order, and those
-        were fed to guards holding nothing and left every one of them holding nothing, with no
-        guard opened (``_stirs`` did not move) and each guard carrying into the next event what
-        it carried into that one (``StreamGuard.carried``: the folded characters a value is read
-        after); guards in the same state read the same strings the same way, so feeding them
-        again would change nothing but the delivered-character counts. The usual stream repeats its
-        id, object, model and creation time in every chunk: one comparison instead of a dozen
-        guard calls."""
-        if skeleton is not None and skeleton == self._quiet and not self.holding:
-            return None
+        it has one text. The caller need not feed an event whose skeleton is ``quiet`` (the last
+        quiet event's; never while a guard holds text): its side strings are that event's, in
+        the same order, and those were fed to guards holding nothing and left every one of them
+        holding nothing, with no guard opened (``_stirs`` did not move) and each guard carrying
+        into the next event what it carried into that one (``StreamGuard.carried``: the folded
+        characters a value is read after); guards in the same state read the same strings the
+        same way, so feeding them again would change nothing but the delivered-character counts.
+        The usual stream repeats its id, object, model and creation time in every chunk: the
+        relay makes one comparison instead of a dozen guard calls."""
         idle, stirs = not self.holding, self._stirs
         carried = [guard.carried() for guard in self._guards.values()]
         verdict = self._screen(obj, raw, streamed=True)
         quiet = verdict is None and idle and not self.holding and self._stirs == stirs
         # and each guard carries into the next event what it carried into this one
         quiet = quiet and carried == [guard.carried() for guard in self._guards.values()]
-        self._quiet = skeleton if quiet else None
+        self.quiet = skeleton if quiet else None
         return verdict
 
     def _screen(

@@ -284,9 +284,9 @@ def test_the_tag_automaton_finds_the_windows_the_window_loop_finds() -> None:
         owner=OWNER,
         own_nonces=frozenset({OWN.nonce}),
         carried_nonces=frozenset(),
-        known_tags=tags.texts,
+        known_tags=tags,
     )
-    known, mine = tags.texts(), reader._own_windows()
+    known, mine = tags.current.texts, reader._own_windows()
     words = [*known, *mine, ANCHOR, "ABCDEFGH", "Q2Z7", "X"]
     rng = random.Random(7)
     for _ in range(3000):

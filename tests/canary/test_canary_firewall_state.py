@@ -62,11 +62,11 @@ def test_a_tag_refresh_with_the_same_tenants_keeps_the_index() -> None:
     ``canary_tag_refresh_s``, and requests wait for it). A tenant added or gone rebuilds it."""
     tags = TagIndex(CODEC)
     tags.replace(TENANTS)
-    before = tags.texts()
+    before = tags.current
     tags.replace(reversed(TENANTS))
-    assert tags.texts() is before
+    assert tags.current is before
     tags.replace([*TENANTS, "tn_new"])
-    assert tags.texts() is not before
+    assert tags.current is not before
     assert tags.lookup(CODEC.tenant_tag("tn_new", key_id=1)) == "tn_new"
     tags.replace(TENANTS[1:])
     assert tags.lookup(CODEC.tenant_tag(TENANTS[0], key_id=2)) is None
@@ -109,6 +109,6 @@ def test_a_tenant_indexed_during_a_rebuild_stays_indexed() -> None:
     assert tags.lookup(CODEC.tenant_tag("tn_new", key_id=2)) == "tn_new"
     assert tags.lookup(CODEC.tenant_tag("tn_new", key_id=1)) == "tn_new"
     assert tags.lookup(CODEC.tenant_tag(TENANTS[0], key_id=2)) is None  # the rebuild's removal
-    before = tags.texts()
+    before = tags.current
     tags.replace([*TENANTS[1:], "tn_new"])  # the next refresh finds it in the table: no rebuild
-    assert tags.texts() is before
+    assert tags.current is before

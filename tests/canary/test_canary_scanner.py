@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from canary.candidates import FixedTags, TagSet
 from canary.kinds import Evidence, FindingKind
 from canary.markers import NONCE_CHARS, Marker, MarkerCodec, MarkerKeyring, encode_tag
 from canary.scanner import (
@@ -206,9 +207,13 @@ def test_genuine_marker_of_an_unindexed_tenant_is_confirmed_without_a_name() -> 
         assert (got.text, got.cut) == ("hi ", True)
 
 
-def test_known_tags_may_be_a_function_returning_the_current_index() -> None:
-    got = scan(["a " + FOREIGN.text], known=lambda: INDEX)
-    assert got.findings == [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 2)]
+def test_known_tags_may_be_a_live_index_read_as_it_is_at_each_chunk() -> None:
+    live = FixedTags({})
+    scanner = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces=set(), known_tags=live)
+    assert scanner.feed("a ").text == "a "
+    live.current = TagSet.of(INDEX)  # the index is replaced while the stream runs
+    got = scanner.feed(FOREIGN.text)
+    assert list(got.findings) == [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 2)]
 
 
 def test_position_counts_the_text_the_tenant_received() -> None:
