@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from contracts.resp import Arg, RespClient, RespError
+
 MAX_MEMORY_RECORDS = 200_000
 REDIS_PREFIX = "kvguard:canary:marker:"
 
@@ -104,24 +106,27 @@ class MemoryRecordStore(RecordStore):
 
 
 class RedisRecordStore(RecordStore):
-    """Records as Redis strings with an expiry: every replica sees every replica's markers."""
+    """Records as Redis strings with an expiry: every replica sees every replica's markers.
+    Written over ``contracts.resp`` (one pipelined connection, as the limiter's): a marked
+    request's record is one command's bytes and one reply, not redis-py's pool and layers."""
 
-    def __init__(self, *, url: str, ttl_s: float) -> None:
-        import redis.asyncio as redis_asyncio
-
-        self._client = redis_asyncio.Redis.from_url(url, socket_timeout=2.0)
+    def __init__(self, *, url: str, ttl_s: float, timeout_s: float = 2.0) -> None:
+        self._client = RespClient(url, timeout_s=timeout_s)
         self._ttl_ms = max(1, int(ttl_s * 1000))
 
     async def put(self, record: MarkerRecord, *, replace: bool = True) -> None:
         key, value = _key(record.nonce), record.to_json()
-        await self._client.set(key, value, px=self._ttl_ms, nx=not replace)
+        command: list[Arg] = ["SET", key, value, "PX", self._ttl_ms]
+        await self._client.execute(*command, *([] if replace else ["NX"]))
 
     async def get(self, nonce: bytes) -> MarkerRecord | None:
-        raw = await self._client.get(_key(nonce))
+        raw = await self._client.execute("GET", _key(nonce))
+        if raw is not None and not isinstance(raw, bytes):
+            raise RespError(f"GET answered a {type(raw).__name__}")
         return None if raw is None else MarkerRecord.from_json(nonce, raw)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._client.close()
 
 
 def _key(nonce: bytes) -> str:

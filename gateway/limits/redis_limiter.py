@@ -3,7 +3,7 @@
 One Lua script admits (checks all three limits, then takes all or nothing) and one releases
 (removes the lease, refunds tokens); a release that would change nothing (a plan without a
 concurrency cap, no tokens to refund) is not sent. Both read the clock with Redis ``TIME``, so
-gateway clocks never disagree. Commands go over ``gateway.limits.resp`` (one pipelined
+gateway clocks never disagree. Commands go over ``contracts.resp`` (one pipelined
 connection: a request's admit and release cost a write and a reply each). A tenant's keys share
 a hash tag (``{tenant}``), so the scripts stay valid on a Redis Cluster. Buckets expire after
 two idle windows (a full bucket needs no state). The admit script also returns the buckets'
@@ -32,6 +32,7 @@ import contextlib
 import logging
 import os
 
+from contracts.resp import RespClient, RespError, Script
 from gateway.domain import TenantPlan
 from gateway.limits.base import (
     WINDOW_MS,
@@ -43,7 +44,6 @@ from gateway.limits.base import (
     Refusal,
     levels_of,
 )
-from gateway.limits.resp import RespClient, RespError, Script
 
 log = logging.getLogger("kvguard.gateway.limits")
 MAX_UNRELEASED = 10_000  # releases kept for a retry; beyond, the oldest expire on their own
@@ -171,7 +171,7 @@ class RedisLimiter(Limiter):
     backend = "redis"
 
     def __init__(self, *, url: str, lease_s: float, timeout_s: float = 0.5) -> None:
-        # gateway.limits.resp: one pipelined connection; a call whose connection broke is tried
+        # contracts.resp: one pipelined connection; a call whose connection broke is tried
         # once more on a fresh one (after an outage the old one is dead). That is safe here: a
         # lease is added under its own id (ZADD again is a no-op) and a release removes it by id;
         # at worst a replayed admit charges its rate buckets twice.

@@ -1,4 +1,4 @@
-"""The limiter's lean Redis client (gateway.limits.resp): RESP read exactly however the bytes are
+"""The limiter's lean Redis client (contracts.resp): RESP read exactly however the bytes are
 cut, replies matched to commands in order under concurrency, scripts loaded when Redis forgot
 them, and every failure an ``OSError`` that leaves the next call a fresh connection."""
 
@@ -12,7 +12,7 @@ import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.limits.resp import Address, RespClient, RespError, RespReader, Script, encode
+from contracts.resp import Address, RespClient, RespError, RespReader, Script, encode
 
 REPLIES = [
     (b":42\r\n", 42),

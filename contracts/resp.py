@@ -1,5 +1,7 @@
-"""A lean Redis client for the limiter's hot path: one connection, commands pipelined on it,
-replies matched in order (Redis answers a connection's commands in the order they came).
+"""A lean Redis client for the request path: one connection, commands pipelined on it, replies
+matched in order (Redis answers a connection's commands in the order they came). The gateway's
+limiter (``gateway.limits.redis_limiter``) and the canary's marker records
+(``canary.records.RedisRecordStore``) use it.
 
 Why not redis-py here: its asyncio client checks a connection out of a pool, checks its health,
 packs the command and parses the reply through several layers on every call -- about a quarter of
