@@ -6,7 +6,7 @@ import dataclasses
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from contracts.sql import make_session_factory, session_scope, utcnow
 from gateway.db.session import make_engine, upgrade_database
@@ -20,6 +20,7 @@ from gateway.services.keys import (
     parse_key,
     renew,
     revoke_key,
+    touch_keys,
 )
 from gateway.services.tenants import create_tenant, get_tenant, set_status
 
@@ -169,3 +170,30 @@ def test_renewal_says_what_authenticate_says_by_key_id(sessions) -> None:
         ids[1]: AuthFailure.EXPIRED,
         ids[2]: AuthFailure.TENANT_DISABLED,
     }
+
+
+def test_key_stamps_are_written_in_one_statement_and_a_deleted_key_is_no_error(sessions) -> None:
+    """The audit flush stamps every key used since the last one; a key deleted meanwhile
+    (its tenant deleted) matches no row and must not fail the flush (the rows would wait)."""
+    tenant_a, key_a = _tenant(sessions, "stamp-a")
+    tenant_b, key_b = _tenant(sessions, "stamp-b")
+    at = utcnow()
+    updates: list[bool] = []
+
+    def seen(conn, cursor, statement: str, params, context, executemany: bool) -> None:
+        if statement.lstrip().upper().startswith("UPDATE API_KEYS"):
+            updates.append(executemany)
+
+    with session_scope(sessions) as session:
+        ids = dict(session.execute(text("SELECT prefix, id FROM api_keys")).all())
+        a, b = ids[key_a.prefix], ids[key_b.prefix]
+        engine = session.get_bind()
+        event.listen(engine, "before_cursor_execute", seen)
+        try:
+            touch_keys(session, last_used={a: at, b: at + timedelta(seconds=1), 10**6: at})
+        finally:
+            event.remove(engine, "before_cursor_execute", seen)
+    assert updates == [True]  # one statement, executed for the three keys
+    with session_scope(sessions) as session:
+        stamps = dict(session.execute(text("SELECT id, last_used_at FROM api_keys")).all())
+    assert stamps[a] is not None and stamps[b] is not None and stamps[a] != stamps[b]
