@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bench.summary import emit
+from canary.candidates import FixedTags, LiveTags
 from canary.markers import KnownTag, MarkerCodec, MarkerKeyring, encode_tag
 from canary.scanner import StreamScanner
 
@@ -167,7 +168,7 @@ def measure(
     responses: Sequence[tuple[str, bytes]],
     size: int,
     codec: MarkerCodec,
-    known: dict[str, KnownTag],
+    known: LiveTags,
 ) -> Row:
     chars = sum(len(text) for text, _ in responses)
 
@@ -235,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     codec = make_codec()
     known = codec.known_tags(f"tn_{i:05d}" for i in range(1000))
+    index = FixedTags(known)  # one set and automaton for every scanner, as the firewall's index
     rng = random.Random(args.seed)
     workloads = {
         "text": prose_responses(rng, codec, args.chars),
@@ -242,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "folded": folded_responses(rng, codec, known, args.chars),
     }
     rows = [
-        measure(name, responses, size, codec, known)
+        measure(name, responses, size, codec, index)
         for name, responses in workloads.items()
         for size in args.sizes
     ]
