@@ -176,6 +176,7 @@ class SecureDraws:
 
     __slots__ = ("_at", "_bytes")
     SIZE = 4096
+    SCALE = 2.0**-53  # 53 random bits -> [0, 1), as ``random.random``
 
     def __init__(self) -> None:
         self._bytes = b""
@@ -186,7 +187,7 @@ class SecureDraws:
         if at + 8 > len(self._bytes):
             self._bytes, at = os.urandom(self.SIZE), 0
         self._at = at + 8
-        return (int.from_bytes(self._bytes[at : at + 8], "big") >> 11) / 9007199254740992.0
+        return (int.from_bytes(self._bytes[at : at + 8], "big") >> 11) * self.SCALE
 
 
 class MarkerInjector:

@@ -117,7 +117,9 @@ class RedisRecordStore(RecordStore):
     async def put(self, record: MarkerRecord, *, replace: bool = True) -> None:
         key, value = _key(record.nonce), record.to_json()
         command: list[Arg] = ["SET", key, value, "PX", self._ttl_ms]
-        await self._client.execute(*command, *([] if replace else ["NX"]))
+        if not replace:
+            command.append("NX")  # the first write never replaces the completed record
+        await self._client.execute(*command)
 
     async def get(self, nonce: bytes) -> MarkerRecord | None:
         raw = await self._client.execute("GET", _key(nonce))

@@ -73,11 +73,6 @@ class _Client:
         return self._next
 
 
-def _name(frame: FrameType) -> str:
-    code = frame.f_code
-    return code.co_qualname
-
-
 def _under_read(frame: FrameType | None) -> bool:
     while frame is not None:
         if frame.f_code.co_qualname == "Connection.data_received":
@@ -87,55 +82,47 @@ def _under_read(frame: FrameType | None) -> bool:
 
 
 async def test_a_usual_streamed_event_crosses_nine_calls_before_the_clients_write() -> None:
-    engine_writer: asyncio.StreamWriter | None = None
-    connected = asyncio.get_running_loop().create_future()
+    connected: asyncio.Future[asyncio.StreamWriter] = asyncio.get_running_loop().create_future()
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal engine_writer
         await reader.readuntil(b"\r\n\r\n")
         writer.write(RESPONSE_HEAD)
-        engine_writer = writer
-        connected.set_result(None)
+        connected.set_result(writer)
 
     server = await asyncio.start_server(engine, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     pool = WirePool(connect_timeout_s=5.0, read_timeout_s=30.0)
     exchange = await pool.exchange(Origin("127.0.0.1", port, False), HEAD, b"")
-    await connected
-    assert engine_writer is not None
+    engine_writer = await connected
     client = _Client()
     pump = StreamPump(new_relay(), client, TokenClock(BOUNDS))
     exchange.attach(pump)
-
-    async def send(text: str) -> None:
-        written = client.next_write()
-        assert engine_writer is not None
-        engine_writer.write(_event(text))
-        await asyncio.wait_for(written, 10)
-
-    for word in ("Hello", " there", ","):  # the first events open the guards
-        await send(word)
-    calls: list[str] = []
-
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call" or not _under_read(frame):
-            return
-        file = frame.f_code.co_filename
-        if file.startswith(PACKAGES) or file == "<string>":
-            calls.append(_name(frame))
-
-    written = client.next_write()
-    sys.setprofile(profile)
     try:
-        engine_writer.write(_event(" friend"))
-        await asyncio.wait_for(written, 10)
-    finally:
-        sys.setprofile(None)
-    assert calls == PATH
-    assert client.writes[-1] == _event(" friend").split(b"\r\n")[1]  # the engine's bytes, as read
-    assert len(client.writes) == 4 and pump.clock.gaps == 3
+        for word in ("Hello", " there", ","):  # the first events open the guards
+            written = client.next_write()
+            engine_writer.write(_event(word))
+            await asyncio.wait_for(written, 10)
+        calls: list[str] = []
 
-    exchange.release()
-    engine_writer.close()
-    server.close()
-    await server.wait_closed()
+        def profile(frame: FrameType, event: str, arg: Any) -> None:
+            if event != "call" or not _under_read(frame):
+                return
+            file = frame.f_code.co_filename
+            if file.startswith(PACKAGES) or file == "<string>":
+                calls.append(frame.f_code.co_qualname)
+
+        written = client.next_write()
+        sys.setprofile(profile)
+        try:
+            engine_writer.write(_event(" friend"))
+            await asyncio.wait_for(written, 10)
+        finally:
+            sys.setprofile(None)
+        assert calls == PATH
+        assert client.writes[-1] == _event(" friend").split(b"\r\n")[1]  # the engine's bytes
+        assert len(client.writes) == 4 and pump.clock.gaps == 3
+    finally:
+        exchange.release()
+        engine_writer.close()
+        server.close()
+        await server.wait_closed()
