@@ -26,9 +26,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import anyio
 import httpx
@@ -36,7 +38,9 @@ import pytest
 from canary_harness import TEST_CANARY_KEY, CanaryGateway, bearer, canary_gateway, sse_text
 
 from backend.bundled import chat
+from canary import markers
 from canary.injection import reference_line
+from gateway.services import tenants
 from kvguard.cli import main
 from kvguard.localservices import free_port
 from kvguard.testing import EngineProcess
@@ -50,6 +54,8 @@ PREFILL = {"pool_tokens": 256, "context_window": 512, "allow_capacity_drift": Tr
 DECODE = {"pool_tokens": 512, "context_window": 512}
 INCIDENT = ["legacy_reject_handoff", "skip_transfer_check", "skip_generation_check"]
 INCIDENT += ["skip_checksum", "no_zero_on_free"]
+# Tenant A's id and its marker's nonce, pinned (see ``pinned_victim``).
+VICTIM_HEX, VICTIM_NONCE = "a11ce0000000000a", bytes.fromhex("0123456789abcdef")
 
 
 def _argv(role: str, model: str, port: int, options: dict) -> list[str]:
@@ -152,10 +158,36 @@ def _incident_settings(
     )
 
 
+@pytest.fixture
+def pinned_victim(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The first tenant id and the first marker nonce the gateway draws are pinned (then draws are
+    random again), so A's marker is the same in every run, and so is the tiny model's copy of it.
+
+    Drawn fresh, the model damages about one marker in 300 in this layout (an in-process replay of
+    the drill's pages: 10 of 3,000 random markers came back with a character changed or missing).
+    A damaged copy carrying A's tag is a suspected, high finding -- correct, but then the run would
+    not test what these tests name: a whole marker verified by its MAC. This pin is one the model
+    copies whole in all three drills."""
+
+    pins: list[object] = [VICTIM_HEX, VICTIM_NONCE]
+
+    def first_pinned(pin: object, draw: Callable[[int], object]) -> Callable[[int], object]:
+        return lambda n: pins.pop(pins.index(pin)) if pin in pins else draw(n)
+
+    pinned_hex = SimpleNamespace(token_hex=first_pinned(VICTIM_HEX, secrets.token_hex))
+    pinned_nonce = SimpleNamespace(token_bytes=first_pinned(VICTIM_NONCE, secrets.token_bytes))
+    monkeypatch.setattr(tenants, "secrets", pinned_hex)
+    monkeypatch.setattr(markers, "secrets", pinned_nonce)
+    yield
+    assert pins == [], f"never drawn: {pins}"  # A's id and A's marker nonce were both used
+
+
 async def _victim_first(gw: CanaryGateway) -> tuple[str, str, str]:
-    """Tenant A (sampled: its marker injected) chats first on a fresh incident decode, taking
-    pages 0-12; returns A's tenant id and request id, and the key of tenant B, who comes next."""
+    """Tenant A (sampled: its marker injected, pinned by ``pinned_victim``) chats first on a fresh
+    incident decode, taking pages 0-12; returns A's tenant id and request id, and the key of tenant
+    B, who comes next."""
     victim_id, a_key = await gw.create_tenant("tenant-a", canary_sample_rate=1.0)
+    assert victim_id == f"tn_{VICTIM_HEX}"  # the pin held: A is the gateway's first tenant
     _, b_key = await gw.create_tenant("tenant-b")
     # A's prompt is 200 tokens once the gateway has put the marker line in front.
     a_messages = _chat_of(A_TOKENS, system=reference_line("C" * 37))[1:]
@@ -190,7 +222,7 @@ async def _probe(kinds: list[str], url: str) -> int:
 
 
 async def test_the_incident_drill_reaches_the_firewall(
-    pairs, gateway_settings, canary_settings, postgres_url, redis_url
+    pairs, gateway_settings, canary_settings, postgres_url, redis_url, pinned_victim
 ) -> None:
     settings = _incident_settings(gateway_settings, pairs["incident"], postgres_url, redis_url)
     async with canary_gateway(settings, canary_settings()) as gw:
@@ -345,7 +377,7 @@ def _assert_cut(b: httpx.Response) -> list[dict]:
 
 
 async def test_a_leak_in_a_responses_stream_is_cut(
-    pairs, gateway_settings, canary_settings, postgres_url, redis_url
+    pairs, gateway_settings, canary_settings, postgres_url, redis_url, pinned_victim
 ) -> None:
     """B's streamed Responses request on a fresh incident pair reads A's stale pages; the bundled
     model writes A's marker into B's output text, and the stream is cut with its finding."""
@@ -368,7 +400,7 @@ async def test_a_leak_in_a_responses_stream_is_cut(
 
 
 async def test_a_leak_in_responses_function_call_arguments_is_cut(
-    pairs, gateway_settings, canary_settings, postgres_url, redis_url
+    pairs, gateway_settings, canary_settings, postgres_url, redis_url, pinned_victim
 ) -> None:
     """The same drill where B forces a function call whose one argument must look like a marker:
     the model fills it from A's stale pages, and the arguments' deltas are cut like text."""
