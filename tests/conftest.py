@@ -7,6 +7,7 @@ running by hand. Tests get isolation per test: a fresh PostgreSQL database, a fl
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import uuid
@@ -37,6 +38,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection left alive (torch, transformers, litellm and every test module: about
+    650,000 objects) so that no full garbage collection walks it again. Those collections stopped
+    this process's event loops for 0.30-0.38 s each, a stall that every test with a timeout
+    shares (measured over tests/backend/verify, tests/backend/bundled and tests/canary: the
+    longest pause during a test fell from 353 to under 134 ms, their sum from 7.9 to 2.6 s).
+    Objects freed by reference counting are still freed; only cycles made before this point are
+    kept for the session."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
