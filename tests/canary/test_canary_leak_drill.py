@@ -28,7 +28,7 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,7 +43,7 @@ from canary.injection import reference_line
 from gateway.services import tenants
 from kvguard.cli import main
 from kvguard.localservices import free_port
-from kvguard.testing import EngineProcess
+from kvguard.testing import EngineProcess, wait_for
 
 pytestmark = pytest.mark.slow
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "backend" / "bundled" / "kvguard-tiny"
@@ -109,12 +109,11 @@ def pairs(tiny_checkpoint: str) -> Iterator[dict[str, str]]:
 
 
 def _wait_path_ready(url: str) -> None:
-    import time
+    def reached() -> bool:
+        capacity = httpx.get(url + "/engine/capacity", timeout=5).json()
+        return capacity.get("unavailable") is None
 
-    deadline = time.monotonic() + 60
-    while httpx.get(url + "/engine/capacity", timeout=5).json().get("unavailable") is not None:
-        assert time.monotonic() < deadline, "decode never reached its prefill"
-        time.sleep(0.05)
+    wait_for(reached, 60, "the decode to reach its prefill")
 
 
 def _chat_of(tokens: int, *, system: str | None = None) -> list[dict[str, str]]:
@@ -169,17 +168,18 @@ def pinned_victim(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     not test what these tests name: a whole marker verified by its MAC. This pin is one the model
     copies whole in all three drills."""
 
-    pins: list[object] = [VICTIM_HEX, VICTIM_NONCE]
+    ids, nonces = [VICTIM_HEX], [VICTIM_NONCE]
 
-    def first_pinned(pin: object, draw: Callable[[int], object]) -> Callable[[int], object]:
-        return lambda n: pins.pop(pins.index(pin)) if pin in pins else draw(n)
+    def token_hex(n: int) -> str:
+        return ids.pop() if ids else secrets.token_hex(n)
 
-    pinned_hex = SimpleNamespace(token_hex=first_pinned(VICTIM_HEX, secrets.token_hex))
-    pinned_nonce = SimpleNamespace(token_bytes=first_pinned(VICTIM_NONCE, secrets.token_bytes))
-    monkeypatch.setattr(tenants, "secrets", pinned_hex)
-    monkeypatch.setattr(markers, "secrets", pinned_nonce)
+    def token_bytes(n: int) -> bytes:
+        return nonces.pop() if nonces else secrets.token_bytes(n)
+
+    monkeypatch.setattr(tenants, "secrets", SimpleNamespace(token_hex=token_hex))
+    monkeypatch.setattr(markers, "secrets", SimpleNamespace(token_bytes=token_bytes))
     yield
-    assert pins == [], f"never drawn: {pins}"  # A's id and A's marker nonce were both used
+    assert not ids and not nonces, "A's pinned id or nonce was never drawn"
 
 
 async def _victim_first(gw: CanaryGateway) -> tuple[str, str, str]:
