@@ -67,6 +67,13 @@ def register(subparsers: Any) -> None:
         "another tenant's marker: must be refused)",
     )
     load.add_argument("--request-timeout", type=float, default=120.0, metavar="SECONDS")
+    load.add_argument(
+        "--marker-seed",
+        type=int,
+        default=None,
+        help="send the markers of the run whose summary.json names this seed (default: a fresh "
+        "seed per run)",
+    )
     load.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound")
     load.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
     load.add_argument(
@@ -112,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         sizes=tuple(s.strip() for s in args.sizes.split(",") if s.strip()),
         request_timeout_s=args.request_timeout,
         slo=Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
+        marker_seed=args.marker_seed,
     )
     admin_token = args.admin_token or settings.admin_secret()
     codec = MarkerCodec(settings.keyring())

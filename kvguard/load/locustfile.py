@@ -5,7 +5,8 @@ the load worker process (``kvguard.load.worker``) or a ``locust -f`` run ever im
 
 Lifecycle of one task (``ChatUser.chat``): take a slot from the shared ``Budget`` (the run's
 request bound; none left -> the user stops) -> the slot picks a size class and a tenant so that
-every tenant sends every size -> mint a fresh marker of that tenant with the canary key (a
+every tenant sends every size -> mint the slot's marker of that tenant with the canary key (its
+nonce derived from the run's marker seed and the slot: ``kvguard.load.plan.marker_nonce``; a
 genuine marker of the caller's own tenant is *carried*: the gateway delivers it back unstripped,
 while a marker of another tenant is refused at the door and cut from any answer; the opt-in
 ``foreign`` size sends the next tenant's marker and expects that refusal) -> stream
@@ -20,7 +21,10 @@ At the start of the run the plan is read from ``--kvguard-plan`` or, when that f
 yet, made against ``--host`` (load tenants, the model's limit, calibrated sizes; the gateway's
 admin token and canary key from ``KVGUARD_ADMIN_TOKEN``/``KVGUARD_CANARY_KEY``, as for
 ``kvguard load``) and written there (readable by its owner only: it holds tenant keys), so the
-next run reuses it; ``kvguard load --write-plan FILE`` writes one too. Add ``kvguard/load/shape.py``
+next run reuses it; ``kvguard load --write-plan FILE`` writes one too. Each run draws its own
+marker seed and logs it; ``--kvguard-marker-seed N`` sends a logged run's markers again (with the
+same plan), and only then: with several Locust workers, one seed would send every marker
+once per worker. Add ``kvguard/load/shape.py``
 to ``-f`` for the long-context ramp. Locust's ``--csv``/``--csv-full-history``/``--html`` give its
 tables; each failed request's error text is the checks' reasons.
 """
@@ -38,7 +42,7 @@ from locust import User, constant, events, task
 from locust.exception import StopUser
 
 from canary.config import CanarySettings
-from canary.markers import MarkerCodec, MarkerKeyring
+from canary.markers import Marker, MarkerCodec, MarkerKeyring
 from canary.probes import filler_text, reference_chat
 from kvguard.load.content import (
     Expected,
@@ -50,7 +54,14 @@ from kvguard.load.content import (
     error_code,
     read_sse_line,
 )
-from kvguard.load.plan import SIZE_NAMES, LoadPlan, LoadTenant, SizeClass
+from kvguard.load.plan import (
+    SIZE_NAMES,
+    LoadPlan,
+    LoadTenant,
+    SizeClass,
+    draw_marker_seed,
+    marker_nonce,
+)
 from kvguard.load.report import Sample
 from kvguard.load.stage import CURRENT_STAGE
 
@@ -87,13 +98,24 @@ class LoadContext:
     plan: LoadPlan
     codec: MarkerCodec
     budget: Budget
+    marker_seed: int
     samples: list[Sample] = field(default_factory=list)
 
     @classmethod
-    def from_plan(cls, plan: LoadPlan, *, keyring: MarkerKeyring | None = None) -> LoadContext:
-        """``keyring``: the one the plan was calibrated with (default: this environment's)."""
+    def from_plan(
+        cls, plan: LoadPlan, *, keyring: MarkerKeyring | None = None, marker_seed: int | None = None
+    ) -> LoadContext:
+        """``keyring``: the one the plan was calibrated with (default: this environment's);
+        ``marker_seed``: default the plan's, or a fresh one."""
         codec = MarkerCodec(keyring or CanarySettings().keyring())
-        return cls(plan=plan, codec=codec, budget=Budget(plan.max_requests))
+        if marker_seed is None:
+            marker_seed = draw_marker_seed() if plan.marker_seed is None else plan.marker_seed
+        return cls(plan, codec, Budget(plan.max_requests), marker_seed)
+
+    def marker(self, slot: int, index: int, size: SizeClass) -> Marker:
+        """The marker the run's ``slot``-th request carries (``marker_owner``'s)."""
+        owner = self.marker_owner(index, size)
+        return self.codec.issue(owner.id, nonce=marker_nonce(self.marker_seed, slot))
 
     def marker_owner(self, index: int, size: SizeClass) -> LoadTenant:
         """Whose marker the request carries: its own tenant's, or the next one's (foreign)."""
@@ -131,7 +153,7 @@ class ChatUser(User):
             raise StopUser()
         try:
             index, tenant, size = ctx.pick(slot)
-            sample, error = self._one(ctx, index, tenant, size)
+            sample, error = self._one(ctx, ctx.marker(slot, index, size), index, tenant, size)
         finally:
             ctx.budget.release()
         ctx.samples.append(sample)
@@ -145,10 +167,9 @@ class ChatUser(User):
         )
 
     def _one(
-        self, ctx: LoadContext, index: int, tenant: LoadTenant, size: SizeClass
+        self, ctx: LoadContext, marker: Marker, index: int, tenant: LoadTenant, size: SizeClass
     ) -> tuple[Sample, Exception | None]:
         plan = ctx.plan
-        marker = ctx.codec.issue(ctx.marker_owner(index, size).id)
         expected = Expected(
             status=size.expected_status,
             code=size.expected_code,
@@ -264,6 +285,12 @@ def _options(parser: Any) -> None:
     parser.add_argument(
         "--kvguard-stage-seconds", type=float, default=20.0, help="kvguard/load/shape.py stages"
     )
+    parser.add_argument(
+        "--kvguard-marker-seed",
+        type=int,
+        default=None,
+        help="send the markers of the run that logged this seed (default: a fresh seed)",
+    )
 
 
 @events.test_start.add_listener
@@ -280,7 +307,8 @@ def _load_plan(environment: Any, **_: Any) -> None:
         if environment.runner is not None:
             environment.runner.quit()
         return
-    ChatUser.ctx = LoadContext.from_plan(plan)
+    ChatUser.ctx = LoadContext.from_plan(plan, marker_seed=options.kvguard_marker_seed)
+    logging.getLogger("kvguard.load").info("kvguard load: marker seed %d", ChatUser.ctx.marker_seed)
 
 
 def _standalone_plan(options: Any, host: str | None) -> LoadPlan:

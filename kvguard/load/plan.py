@@ -10,17 +10,26 @@ with on the worker's standard input (``keyring_text`` / ``read_keyring``), so th
 never written to disk and the worker cannot mint markers under another key than its caller's (its
 own environment may name none, or another: the gateway then sees markers it cannot verify, and
 strips them from every answer).
+
+Each request's marker nonce is derived from the run's ``marker_seed`` and the request's slot
+(``marker_nonce``): a run is drawn a fresh seed, and the same plan with the same seed sends the
+very same markers again, which replays a failed run request for request. A plan written for
+Locust's own CLI (``--write-plan``) carries no seed unless one is asked for: a plan reused run
+after run must not send the same markers twice, or a stale answer from an earlier run would pass
+as this run's own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from canary.markers import MarkerKeyring
+from canary.markers import NONCE_BYTES, MarkerKeyring
 
 SIZE_NAMES = ("short", "mid", "near", "over", "over_prompt")
 # Opt-in: a short request that carries another load tenant's marker; the gateway must refuse it.
@@ -71,6 +80,7 @@ class LoadPlan:
     stop_timeout_s: float
     prompt_slack: int = 0
     byte_tokens: bool = False
+    marker_seed: int | None = None  # None: each run draws its own
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,6 +100,19 @@ class LoadPlan:
     @classmethod
     def load(cls, path: Path) -> LoadPlan:
         return cls.from_json(json.loads(path.read_text()))
+
+
+def draw_marker_seed() -> int:
+    return secrets.randbits(63)
+
+
+def marker_nonce(seed: int, slot: int) -> bytes:
+    """The marker nonce of the run's ``slot``-th request: a keyed BLAKE2b of the slot, so slots
+    get different nonces (64 bits: a collision is negligible) that nobody predicts without the
+    seed."""
+    key = seed.to_bytes(8, "big")
+    digest = hashlib.blake2b(slot.to_bytes(8, "big"), key=key, digest_size=NONCE_BYTES)
+    return digest.digest()
 
 
 def keyring_text(keyring: MarkerKeyring) -> str:

@@ -18,14 +18,20 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from canary.markers import MarkerCodec
-from kvguard.load.plan import ALL_SIZE_NAMES, SIZE_NAMES, LoadPlan, keyring_text
+from kvguard.load.plan import (
+    ALL_SIZE_NAMES,
+    SIZE_NAMES,
+    LoadPlan,
+    draw_marker_seed,
+    keyring_text,
+)
 from kvguard.load.report import Slo, read_samples, summarize
 from kvguard.load.setup import GatewaySetup, LoadSetupError, calibrate, describe
 
@@ -63,6 +69,7 @@ class LoadOptions:
     stop_timeout_s: float = 30.0
     slo: Slo = field(default_factory=Slo)
     key_lifetime_s: int | None = None  # default: the run's duration plus margins
+    marker_seed: int | None = None  # default: a fresh one per run (a plan file: none)
 
 
 def prepare_plan(options: LoadOptions, *, codec: MarkerCodec, admin_token: str) -> LoadPlan:
@@ -98,6 +105,7 @@ def prepare_plan(options: LoadOptions, *, codec: MarkerCodec, admin_token: str) 
         stop_timeout_s=options.stop_timeout_s,
         prompt_slack=calibration.slack,
         byte_tokens=calibration.byte_tokens,
+        marker_seed=options.marker_seed,
     )
 
 
@@ -129,6 +137,8 @@ def run_worker(plan: LoadPlan, *, codec: MarkerCodec) -> dict[str, Any]:
 def run_load(options: LoadOptions, *, codec: MarkerCodec, admin_token: str) -> dict[str, Any]:
     """Set up, run and summarize one load run; the summary is also in ``summary.json``."""
     plan = prepare_plan(options, codec=codec, admin_token=admin_token)
+    if plan.marker_seed is None:
+        plan = replace(plan, marker_seed=draw_marker_seed())
     run = run_worker(plan, codec=codec)
     samples = read_samples(Path(plan.out_dir) / "samples.jsonl")
     sizes = describe(plan.sizes, plan.limit)
@@ -139,6 +149,7 @@ def run_load(options: LoadOptions, *, codec: MarkerCodec, admin_token: str) -> d
         "users": plan.users,
         "tenants": len(plan.tenants),
         "prompt_token_slack": plan.prompt_slack,
+        "marker_seed": plan.marker_seed,  # --marker-seed: the same markers again
         "requests_unfinished": int(run["issued"]) - len(samples),
         **summarize(samples, wall_s=float(run["wall_s"]), slo=options.slo, sizes=sizes),
     }
@@ -156,11 +167,13 @@ def bench_long_context(
     duration_s: float = 30.0,
     max_requests: int | None = None,
     model: str | None = None,
+    marker_seed: int | None = None,
 ) -> dict[str, Any]:
     """A near-limit-only run: output tokens/s and TTFT p50/p99 at the near-limit size."""
     options = LoadOptions(
         gateway=gateway,
         model=model,
+        marker_seed=marker_seed,
         out_dir=out_dir,
         users=users,
         duration_s=duration_s,
