@@ -226,15 +226,25 @@ class FaultStack:
         role.start().wait_healthy()
 
     def wait_routable(self, timeout_s: float = 60.0) -> None:
-        """Until the gateway routes to the engine again (fresh capacity, whole path up)."""
-        wait_for(lambda: self.routable(), timeout_s, "the gateway to route to the engine")
+        """Until the gateway routes to the engine again (fresh capacity, whole path up); the
+        timeout names what the gateway last said of its engines."""
+        try:
+            wait_for(lambda: self.routable(), timeout_s, "the gateway to route to the engine")
+        except TimeoutError as exc:
+            engines, log = self._engines(), self.gateway.tail()[-1500:]
+            raise TimeoutError(f"{exc}; /admin/engines: {engines}; gateway log: {log}") from None
 
     def routable(self) -> bool:
+        engines = self._engines()
+        return isinstance(engines, list) and all(e.get("routable") for e in engines)
+
+    def _engines(self) -> Any:
+        """The gateway's ``/admin/engines`` (JSON), or why it gave none."""
         try:
             r = httpx.get(self.url + "/admin/engines", headers=self.admin, timeout=5)
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200 and all(e.get("routable") for e in r.json())
+        except httpx.HTTPError as exc:
+            return f"unreachable: {exc.__class__.__name__}"
+        return r.json() if r.status_code == 200 else f"HTTP {r.status_code}"
 
     def set_override(self, *, allow_unsafe: bool) -> None:
         """The admin override that lets the gateway route to an engine reporting a drill."""

@@ -8,7 +8,7 @@
 exact transfer target with each read (``/kv/v1/decode``: prefill writes nowhere else, and a
 prefill that restarted learns it again within one refresh), and is decode's ``PathGuard``: it
 fails closed (503 ``prefill_unavailable``) when prefill's capacity is unknown or it refuses the
-announcement, when the capacity is
+announcement (or went away during it), when the capacity is
 older than ``stale_s`` or incompatible (page size), refuses a prefill on another protocol version
 (503 ``handoff_protocol_mismatch``), and admits a request against the smaller of decode's own
 limits and prefill's real ones -- unless the ``legacy_reject_handoff`` drill is on.
@@ -28,6 +28,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from pydantic import ValidationError
 
 from backend.core.admission import CapacityLimits, admit
+from backend.core.errors import KvguardError
 from backend.disagg.decode_driver import PrefillChannel
 from backend.disagg.errors import PrefillUnavailable, ProtocolVersionMismatch
 from backend.disagg.protocol import (
@@ -82,6 +83,8 @@ class HttpPrefillChannel:
             payload = await self._post(ANNOUNCE_PATH, to_wire(message), timeout_s)
         except TimeoutError as exc:
             raise PrefillUnavailable(f"{ANNOUNCE_PATH} took longer than {timeout_s:.1f} s") from exc
+        except httpx.HTTPError as exc:  # prefill went away mid-exchange (a restart, a crash)
+            raise PrefillUnavailable(f"{ANNOUNCE_PATH} failed ({type(exc).__name__})") from exc
         if decode_announcement_from_wire(payload, self._version) != message:
             raise PrefillUnavailable("prefill recorded another transfer target than announced")
 
@@ -160,8 +163,14 @@ class PrefillMonitor:
         self._unannounced: str | None = "decode's transfer target is not announced yet"
 
     async def run(self) -> None:
+        """Poll until cancelled: no failure of one refresh ends the polling, or decode would
+        report a stale path for as long as it runs."""
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception as exc:  # a bug: fail closed until a refresh succeeds
+                log.exception("prefill monitor: the refresh failed")
+                self._unannounced = f"the last refresh failed ({type(exc).__name__})"
             await asyncio.sleep(self._refresh_s)
 
     async def refresh(self) -> bool:
@@ -179,7 +188,7 @@ class PrefillMonitor:
         except PrefillUnavailable as exc:
             self._unannounced = f"it does not take decode's transfer target: {exc.problem}"
             return self._failed(self._unannounced)
-        except ProtocolVersionMismatch as exc:
+        except KvguardError as exc:  # another protocol version, a malformed echo
             self._unannounced = str(exc)
             return self._failed(self._unannounced)
         self._unannounced = None
