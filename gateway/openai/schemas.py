@@ -6,9 +6,10 @@ engine kind does with each field (forward, refuse at the door) is decided in one
 ``gateway.openai.surface``.
 Unknown fields, wrong JSON types and out-of-range numbers are 400s naming
 the field, before any engine is asked anything. The fields the gateway itself interprets (model,
-messages, prompt, token limits, n, stream) are typed exactly; the objects it only passes on
-(tools, response_format, metadata, ...) are checked for their outer shape, and every string in
-them for valid Unicode.
+messages, prompt, token limits, n, stream) are typed exactly, and so are the tools and an
+assistant's tool calls (OpenAI's function tools: an engine's chat template renders them, and its
+tokenizer refused a malformed one: a 502); the objects it only passes on (response_format,
+metadata, ...) are checked for their outer shape, and every string in them for valid Unicode.
 
 What the engine receives is exactly the fields the client set (less what ``surface`` drops for
 that engine), plus the ``max_tokens`` the gateway enforced and the usage request it needs. A null
@@ -21,13 +22,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from contracts.openai import check_logit_bias_keys, check_stops, lone_surrogate, null_is_absent
 from gateway.db.text import StoredText
 
 MAX_TOKENS_CEILING = 1 << 20
 MAX_CHOICES = 16  # n: the relay screens at most this many choices per answer
+MAX_TOOLS = 128  # tools of a request, calls of a message
 CONTENT_PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")
 
 
@@ -51,6 +61,28 @@ Text = Annotated[str, AfterValidator(_unicode)]  # every free-text field of a re
 Json = Annotated[Any, AfterValidator(_unicode_within)]  # an object the gateway only passes on
 JsonObject = Annotated[dict[str, Any], AfterValidator(_unicode_within)]
 JsonObjects = Annotated[list[dict[str, Any]], AfterValidator(_unicode_within)]
+
+
+# A function's name, as OpenAI's FunctionObject asks (letters, digits, '_' and '-', at most 64;
+# '.' too, which vLLM and the bundled engine take): a name no engine renders is a 400 here, not
+# a refusal of the engine's tokenizer (a 502).
+ToolName = Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+
+def validated(model: type[BaseModel], value: Any) -> Any:
+    """``model`` read from ``value``, or a ValueError with its first problem: a pydantic error
+    with its place (``text: Input should be a valid string``), one of ours as it is (ours say
+    where)."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        place = ".".join(str(part) for part in first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise ValueError(f"unknown field '{place}'") from None
+        if first["type"] == "value_error":
+            raise ValueError(str(first["ctx"]["error"])) from None
+        raise ValueError(f"{place}: {first['msg']}" if place else first["msg"]) from None
 
 
 class _Request(BaseModel):
@@ -107,11 +139,69 @@ class FunctionCall(_Request):
     arguments: Text
 
 
+class FunctionDefinition(_Request):
+    """OpenAI's ``FunctionObject``: what a function tool tells the model."""
+
+    name: ToolName
+    description: Text | None = None
+    parameters: JsonObject | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(_Request):
+    """One of a chat request's ``tools`` (OpenAI's ``ChatCompletionTool``)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class CalledFunction(_Request):
+    name: ToolName
+    arguments: Text
+
+
+class ToolCall(_Request):
+    """One of an assistant message's ``tool_calls`` (``ChatCompletionMessageToolCall``)."""
+
+    id: Text = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+def _each(model: type[BaseModel], what: str) -> Any:
+    """A validator of a passed-on list: every item must read as ``model`` (a 400 naming the
+    item, not an engine's refusal of its tokenizer: a 502); the items go on as the client sent
+    them. Only function tools are served: other tools run code or reach third parties on the
+    engine's side, and their outputs are not text the gateway can screen."""
+
+    def check(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if len(items) > MAX_TOOLS:
+            raise ValueError(f"at most {MAX_TOOLS} {what}s")
+        for position, item in enumerate(items):
+            kind = item.get("type", "function")
+            if kind != "function":
+                raise ValueError(
+                    f"{what} {position}: the gateway serves function tools only, "
+                    f"not {str(kind)[:64]!r}"
+                )
+            try:
+                validated(model, item)
+            except ValueError as exc:
+                raise ValueError(f"{what} {position}: {exc}") from None
+        return items
+
+    return AfterValidator(check)
+
+
+Tools = Annotated[JsonObjects, _each(FunctionTool, "tool")]
+ToolCalls = Annotated[JsonObjects, _each(ToolCall, "tool call")]
+
+
 class ChatMessage(_Request):
     role: Literal["developer", "system", "user", "assistant", "tool", "function"]
     content: Annotated[Any, AfterValidator(_content)] = None
     name: Text | None = Field(default=None, max_length=64)
-    tool_calls: JsonObjects | None = None
+    tool_calls: ToolCalls | None = None
     tool_call_id: Text | None = Field(default=None, max_length=256)
     refusal: Text | None = None
     audio: JsonObject | None = None
@@ -204,7 +294,7 @@ class ChatCompletionBody(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: JsonObjects | None = None
+    tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | JsonObject | None = None
     parallel_tool_calls: bool | None = None
     functions: JsonObjects | None = None

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from contracts.openai import lone_surrogate
 from gateway.db.text import StoredText
 from gateway.openai.schemas import (
     MAX_TOKENS_CEILING,
+    MAX_TOOLS,
     Json,
     JsonObject,
     JsonObjects,
     Text,
+    ToolName,
     _Request,
+    validated,
 )
 
 MAX_ITEMS = 1024  # input items (as chat's messages)
@@ -115,23 +118,7 @@ def _dispatch(table: dict[str, type[_Request]], value: Any, what: str) -> Any:
     if model is None:
         served = ", ".join(table)
         raise ValueError(f"{what} type {str(kind)[:64]!r} is not supported (served: {served})")
-    return _validate(model, value)
-
-
-def _validate(model: type[BaseModel], value: Any) -> Any:
-    """``model`` read from ``value``, or a ValueError with its first problem: a pydantic error
-    with its place (``text: Input should be a valid string``), one of ours as it is (ours say
-    where)."""
-    try:
-        return model.model_validate(value)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        place = ".".join(str(part) for part in first["loc"])
-        if first["type"] == "extra_forbidden":
-            raise ValueError(f"unknown field '{place}'") from None
-        if first["type"] == "value_error":
-            raise ValueError(str(first["ctx"]["error"])) from None
-        raise ValueError(f"{place}: {first['msg']}" if place else first["msg"]) from None
+    return validated(model, value)
 
 
 def _parts(value: Any) -> str | list[Part]:
@@ -245,7 +232,7 @@ _ITEMS: dict[str, type[_Request]] = {
 def read_item(value: Any) -> Any:
     """One input item, read by its type (a stored item too)."""
     if isinstance(value, dict) and value.get("type") is None:  # a type-less message/reference
-        return _validate(MessageItem if "role" in value else ItemReference, value)
+        return validated(MessageItem if "role" in value else ItemReference, value)
     return _dispatch(_ITEMS, value, "input item")
 
 
@@ -270,7 +257,7 @@ def _input(value: Any) -> str | list[InputItem]:
 
 class FunctionTool(_Request):
     type: Literal["function"]
-    name: Text = Field(min_length=1, max_length=128)
+    name: ToolName
     description: Text | None = None
     parameters: JsonObject | None = None
     strict: bool | None = None
@@ -280,8 +267,8 @@ class FunctionTool(_Request):
 
 
 def _tools(value: Any) -> list[FunctionTool]:
-    if not isinstance(value, list) or len(value) > 128:
-        raise ValueError("must be a list of at most 128 tools")
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise ValueError(f"must be a list of at most {MAX_TOOLS} tools")
     tools: list[FunctionTool] = []
     for position, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
@@ -290,7 +277,7 @@ def _tools(value: Any) -> list[FunctionTool]:
                 f"tool {position}: the gateway serves function tools only, not {str(kind)[:64]!r}"
             )
         try:
-            tools.append(_validate(FunctionTool, tool))
+            tools.append(validated(FunctionTool, tool))
         except ValueError as exc:
             raise ValueError(f"tool {position}: {exc}") from None
     return tools
@@ -298,7 +285,7 @@ def _tools(value: Any) -> list[FunctionTool]:
 
 class NamedFunction(_Request):
     type: Literal["function"]
-    name: Text = Field(min_length=1, max_length=128)
+    name: ToolName
 
 
 class AllowedTools(_Request):
@@ -312,9 +299,9 @@ def _tool_choice(value: Any) -> str | NamedFunction | AllowedTools:
         return str(value)
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "function":
-        return _validate(NamedFunction, value)
+        return validated(NamedFunction, value)
     if kind == "allowed_tools":
-        return _validate(AllowedTools, value)
+        return validated(AllowedTools, value)
     raise ValueError(
         "must be 'none', 'auto', 'required', a function ({'type': 'function', 'name': ...}) or "
         f"allowed_tools; the gateway serves function tools only, not {str(kind)[:64]!r}"

@@ -6,8 +6,8 @@ overflowed and the route answered 500; and anyone who makes an engine fail insid
 reads the error for internals (Starlette's default answer was a plain-text 500 with no OpenAI
 shape).
 
-And a tenant whose assistant message carries a ``function_call``: a 400 naming it, not a 502
-blaming the engine.
+And a tenant whose assistant message carries a ``function_call``, or whose tools or tool calls are
+not OpenAI's shape: a 400 naming it, not a 502 blaming the engine.
 
 Proves: against the gateway as ``kvguard gateway`` serves it (uvicorn on 127.0.0.1, SQLite, the
 real engine behind it), such a lifetime is a 400 naming the field on both routes that take one
@@ -95,6 +95,73 @@ def test_an_incomplete_function_call_is_400_naming_it(
     error = openai_error(r)
     assert error["code"] != "token_count_unavailable"
     assert "function_call" in f"{error['param']} {error['message']}", error
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_calls", "names"),
+    [
+        ([{"type": "function"}], None, "tools"),
+        ([{"function": {"name": "f"}}], None, "tools"),  # no type: OpenAI requires it
+        ([{"type": "function", "function": {"name": 5}}], None, "tools"),
+        ([{"type": "function", "function": {"name": "a b"}}], None, "tools"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, "tools"),
+        ([{"type": "function", "function": {"name": "f"}, "extra": 1}], None, "tools"),
+        ([{"type": "custom", "custom": {"name": "c"}}], None, "function tools only"),
+        ([TOOL], [{"id": "c1"}], "messages.1.tool_calls"),
+        ([TOOL], [{"id": "c1", "type": "function", "function": {"name": "f"}}], "tool_calls"),
+        ([TOOL], [{**CALL, "type": "custom"}], "function tools only"),
+    ],
+)
+def test_a_malformed_tool_or_tool_call_is_400_naming_it(
+    gateway: ServedGateway,
+    tools: list[object],
+    tool_calls: list[object] | None,
+    names: str,
+) -> None:
+    """A smoke run's find: a tool or an assistant's tool call that is not OpenAI's shape passed
+    the door (``tools`` and ``tool_calls`` were only lists of objects) and the engine's
+    tokenizer refused it: 502 ``token_count_unavailable``, as if the engine had failed. Now: a
+    400 naming it. Other tools than functions are refused by name, as the Responses route does."""
+    _, key = gateway.create_tenant("caller")
+    assistant = {"role": "assistant", "content": None, "tool_calls": tool_calls or [CALL]}
+    messages = [
+        {"role": "user", "content": "hi"},
+        *(
+            [assistant, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+            if tool_calls
+            else []
+        ),
+        {"role": "user", "content": "go on"},
+    ]
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json={"model": ENGINE_MODEL, "messages": messages, "tools": tools, "max_tokens": 2},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert r.status_code == 400, r.text
+    error = openai_error(r)
+    assert error["code"] == "invalid_request"
+    assert names in f"{error['param']} {error['message']}", error
+
+
+def test_a_well_formed_tool_conversation_is_served(gateway: ServedGateway) -> None:
+    _, key = gateway.create_tenant("caller")
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        {"role": "user", "content": "go on"},
+    ]
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json={"model": ENGINE_MODEL, "messages": messages, "tools": [TOOL], "max_tokens": 2},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert r.status_code == 200, r.text
 
 
 async def test_an_engine_bug_is_an_openai_style_500_without_internals(tiny_checkpoint: str) -> None:
