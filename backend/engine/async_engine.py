@@ -13,6 +13,12 @@ Lifecycle of a request through this module:
    with its error). A consumer that goes away (client disconnect, cancellation) aborts the
    request, which releases its pages.
 
+If the loop itself fails (an error no step, call or admission catches: a CUDA or out-of-memory
+error in a forward pass, staging or zeroing), the core's pages and requests are in a state nobody
+can vouch for, so the engine serves nothing more: every request ends with ``EngineFailed``, new
+ones are refused with it, and ``failed`` says why (the server's health and capacity report it, so
+the gateway stops routing here and a supervisor restarts the process).
+
 Roles with a handoff also ``post`` work to the engine thread (a handoff result arrived, a drain
 ended): the callable runs between steps, and the ``StepOutcome`` it returns is delivered like a
 step's. The loop also wakes for the core's timers (``next_wakeup`` -> ``tick``), so a deadline
@@ -108,6 +114,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.failed: EngineFailed | None = None  # set once, by the engine thread
 
     # -- event-loop side -------------------------------------------------------------------------
 
@@ -131,6 +138,8 @@ class AsyncEngine:
         request = Request(request_id, tenant, prompt_ids, sampling)
         generation = Generation(self, request)
         with self._wake:
+            if self.failed is not None:
+                raise EngineFailed(self.failed.problem)
             if self._stopping:
                 raise EngineStopping()
             self._inbox.adds.append((request, generation))
@@ -159,6 +168,17 @@ class AsyncEngine:
     # -- engine-thread side ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # the core can no longer be trusted: serve nothing more
+            log.exception("the engine loop failed; every request ends and none is taken")
+            self._fail(EngineFailed(type(exc).__name__))
+            return
+        self._abort_everything()
+        self._flush()
+
+    def _serve(self) -> None:
+        """Until ``stop``: take the inbox, run posted calls and timers, step."""
         while True:
             with self._wake:
                 self._wait_for_work()
@@ -177,7 +197,19 @@ class AsyncEngine:
             if self.core.has_work():
                 self._step()
                 self._flush()
-        self._abort_everything()
+
+    def _fail(self, error: EngineFailed) -> None:
+        """End every request with ``error`` without asking the core, and refuse new ones."""
+        with self._wake:
+            self.failed = error
+            pending = [generation for _, generation in self._inbox.adds]
+            self._inbox.adds.clear()
+            self._inbox.aborts.clear()
+            self._inbox.calls.clear()
+        ended = EngineEvent(None, RequestState.FAILED, FinishReason.ERROR, error)
+        for generation in [*pending, *self._generations.values()]:
+            self._deliver(generation, ended)
+        self._generations.clear()
         self._flush()
 
     def _wait_for_work(self) -> None:
@@ -274,6 +306,18 @@ def _post_all(batch: list[tuple[Generation, EngineEvent]]) -> None:
     """On the event loop: each request's events of one step, in order."""
     for generation, event in batch:
         generation._post(event)
+
+
+class EngineFailed(KvguardError):
+    """The engine loop failed: this process serves nothing until it is restarted."""
+
+    code = "engine_failed"
+    http_status = 503
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        message = f"the engine failed ({problem}) and serves nothing until restarted"
+        super().__init__(message, problem)
 
 
 class EngineStopping(KvguardError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backend.server.routes_openai import ServiceDep
@@ -14,9 +14,14 @@ from contracts.engine import CapacityReport
 router = APIRouter()
 
 
-@router.get("/health")
-async def health(service: ServiceDep) -> dict[str, Any]:
-    return {"status": "ok", "role": service.role.value, "model": service.model_name}
+@router.get("/health", response_model=None)
+async def health(service: ServiceDep) -> dict[str, Any] | JSONResponse:
+    """200 while the engine serves; 503 once its loop failed (a supervisor restarts it)."""
+    body = {"status": "ok", "role": service.role.value, "model": service.model_name}
+    failed = service.engine.failed
+    if failed is not None:
+        return JSONResponse({**body, "status": "failed", "error": str(failed)}, status_code=503)
+    return body
 
 
 @router.get("/engine/capacity", response_model=CapacityReport)

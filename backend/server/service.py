@@ -132,6 +132,8 @@ class EngineService:
         if self.guard is not None:
             roles += self.guard.peer_roles()
             unavailable = self.guard.unavailable()
+        if self.engine.failed is not None:  # nothing is served here until a restart
+            unavailable = str(self.engine.failed)
         path_limit = path_max_request_tokens(own.context_window, roles)
         return CapacityReport(
             **own.model_dump(exclude={"max_request_tokens", "drift", "faults", "age_s"}),
