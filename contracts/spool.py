@@ -148,6 +148,8 @@ class SpoolWriter:
         return True
 
     async def run(self) -> None:
+        """Drain until cancelled: no failure of one drain ends the task (records wait on disk
+        for the next)."""
         while True:
             self._wake.clear()
             await self.drain_once()  # at once on start: what a previous run left behind
@@ -155,13 +157,22 @@ class SpoolWriter:
                 await asyncio.wait_for(self._wake.wait(), self._interval_s)
 
     async def drain_once(self) -> bool:
-        """One drain; False (logged) when the write failed and records wait for the next one."""
+        """One drain; False (logged) when it failed and records wait for the next one."""
         try:
             await anyio.to_thread.run_sync(self.spool.drain, self._write)
         except Exception as exc:
-            pending = len(self.spool.pending())
-            log.warning("%d spooled batch(es) not written yet (%s)", pending, type(exc).__name__)
+            log.warning("%s not written yet (%s)", self._pending(), type(exc).__name__)
             return False
         if self.after_drain is not None:
-            self.after_drain()
+            try:
+                self.after_drain()
+            except Exception:
+                log.exception("after a drain of %s", self.spool.directory)
         return True
+
+    def _pending(self) -> str:
+        """How many batches wait, for a log line (the directory may fail to list too)."""
+        try:
+            return f"{len(self.spool.pending())} spooled batch(es)"
+        except OSError as exc:
+            return f"the spooled batches in {self.spool.directory} ({exc.strerror or exc})"
