@@ -20,6 +20,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 
 from backend.transport.base import KvTransport, Segment, TransferError, TransportUnavailable
@@ -30,6 +31,7 @@ _HEADER = struct.Struct("!I")
 _SEGMENT = struct.Struct("!QQ")
 _OK, _REFUSED = b"\x00", b"\x01"
 _MAX_SEGMENTS = 1 << 20
+ACCEPT_RETRY_S = 0.05  # after a failed accept (out of descriptors): let the process recover
 
 
 def is_loopback(host: str) -> bool:
@@ -116,12 +118,23 @@ class LoopbackTransport(KvTransport):
         threading.Thread(target=self._accept, args=(server,), daemon=True).start()
 
     def _accept(self, server: socket.socket) -> None:
+        """Until the port is closed: a failed accept of an open port (out of descriptors or
+        buffers for a moment, a connection reset before it was taken) is logged and retried,
+        or the port would go on taking connections that nothing reads."""
         while True:
             try:
                 conn, _ = server.accept()
-            except OSError:  # closed
-                return
-            threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+            except OSError as exc:
+                if server.fileno() < 0:  # closed
+                    return
+                log.warning("loopback transfer port: accept failed (%s); retrying", exc)
+                time.sleep(ACCEPT_RETRY_S)
+                continue
+            try:
+                threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had: this batch is refused
+                log.warning("loopback transfer port: no thread for a connection (%s)", exc)
+                conn.close()
 
     def _receive(self, conn: socket.socket) -> None:
         with conn:
