@@ -9,10 +9,10 @@ them across scheduled rounds and revokes them when it replaces them or stops
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -21,6 +21,8 @@ from contracts.sse import SseSplitter, parse_event
 
 KEY_LIFETIME_S = 3600
 KEY_NAME = "canary-probe"
+
+T = TypeVar("T")
 
 
 class ProbeSetupError(RuntimeError):
@@ -89,10 +91,11 @@ class GatewayClient:
             }
             created = await self.http.post("/admin/tenants", json=body, headers=self._admin)
             _expect(created, 201, "create probe tenant")
-            data = created.json()
-            return _tenant(data["tenant"]["id"], name, data["key"])
+            return _read(
+                created, "create probe tenant", lambda d: _tenant(d["tenant"]["id"], name, d["key"])
+            )
         _expect(r, 200, "read probe tenant")
-        tenant = r.json()
+        tenant = _read(r, "read probe tenant", lambda d: {**d})
         if not tenant.get("synthetic"):
             raise ProbeSetupError(
                 f"tenant {name!r} exists and is not synthetic; refusing to use it"
@@ -100,7 +103,7 @@ class GatewayClient:
         body = {"name": KEY_NAME, "expires_in_s": KEY_LIFETIME_S}
         issued = await self.http.post(f"/admin/tenants/{name}/keys", json=body, headers=self._admin)
         _expect(issued, 201, "issue probe key")
-        return _tenant(tenant["id"], name, issued.json())
+        return _read(issued, "issue probe key", lambda d: _tenant(tenant["id"], name, d))
 
     async def revoke(self, tenant: ProbeTenant) -> None:
         if tenant.key_prefix is None:
@@ -111,20 +114,24 @@ class GatewayClient:
     async def first_model(self, tenant: ProbeTenant) -> str:
         r = await self.http.get("/v1/models", headers=tenant.headers)
         _expect(r, 200, "list models")
-        data = r.json().get("data") or []
-        if not data:
+        ids = _read(r, "list models", lambda d: [str(m["id"]) for m in d.get("data") or []])
+        if not ids:
             raise ProbeSetupError("the gateway serves no model right now")
-        return str(data[0]["id"])
+        return ids[0]
 
     async def engine_limits(self, model: str) -> dict[str, int]:
         """Each routable engine serving ``model`` -> its own max_request_tokens."""
         r = await self.http.get("/admin/engines", headers=self._admin)
         _expect(r, 200, "list engines")
-        return {
-            str(e["name"]): int(e["max_request_tokens"])
-            for e in r.json()
-            if e.get("model") == model and e.get("routable") and e.get("max_request_tokens")
-        }
+        return _read(
+            r,
+            "list engines",
+            lambda engines: {
+                str(e["name"]): int(e["max_request_tokens"])
+                for e in engines
+                if e.get("model") == model and e.get("routable") and e.get("max_request_tokens")
+            },
+        )
 
     async def report(self, run_id: str, results: Sequence[Any]) -> None:
         body = {"run_id": run_id, "results": [result.to_json() for result in results]}
@@ -203,6 +210,16 @@ def _tenant(tenant_id: str, name: str, key: dict[str, Any]) -> ProbeTenant:
         key_prefix=key.get("prefix"),
         key_expires_at=datetime.fromisoformat(expires) if expires else None,
     )
+
+
+def _read(r: httpx.Response, what: str, read: Callable[[Any], T]) -> T:
+    """``read`` of the answer's JSON; a ProbeSetupError when the answer is not the document the
+    admin API sends (an ingress's maintenance page, a proxy's error), which would otherwise end
+    the probe loop with a traceback."""
+    try:
+        return read(r.json())
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ProbeSetupError(f"{what}: not the answer the admin API sends") from exc
 
 
 def _expect(r: httpx.Response, status: int, what: str) -> None:
