@@ -160,6 +160,8 @@ async def purge_loop(
                 pass
         except DATABASE_ERRORS as exc:  # an outage, or a refusal: the next round tries again
             log.warning("stored responses not purged yet: %s", type(exc).__name__)
+        except Exception:  # anything else (the pool giving up on a connection): the same
+            log.exception("stored responses not purged yet")
         await asyncio.sleep(interval_s)
 
 

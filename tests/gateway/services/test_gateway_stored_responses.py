@@ -5,6 +5,7 @@ deleted by DELETE, by retention and with the tenant, and kept across a new engin
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from datetime import UTC, datetime, timedelta
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event, text
+from sqlalchemy.exc import InvalidRequestError
 
 from contracts.sql import make_session_factory, session_scope
 from gateway.db.models import StoredResponse, Tenant
@@ -232,3 +234,38 @@ def test_a_foreign_id_takes_the_time_of_a_missing_one(postgres_url: str) -> None
     foreign, missing = (statistics.median(samples[k][50:]) for k in ("foreign", "missing"))
     print(f"foreign {foreign * 1e6:.0f} us, missing {missing * 1e6:.0f} us")
     assert abs(foreign - missing) <= 0.25 * max(foreign, missing) + 0.0003, (foreign, missing)
+
+
+async def test_the_purge_goes_on_after_a_failure_that_is_no_database_error(
+    db, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The purge loop caught only database errors: anything else (the pool giving up on a
+    connection whose checkout ping failed twice: SQLAlchemy's InvalidRequestError) ended it, and
+    expired responses were kept for as long as the gateway ran."""
+    _, _, factory, (a, _) = db
+    expired = _response()
+    _save(factory, a, expired, retention=timedelta(hours=1))  # stored at NOW: long expired
+    purge_batch, calls = store._purge_batch, []
+
+    def failing_once(session: Any) -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise InvalidRequestError("This connection is closed")
+        return purge_batch(session)
+
+    monkeypatch.setattr(store, "_purge_batch", failing_once)
+    task = asyncio.create_task(store.purge_loop(factory, interval_s=0.01))
+    try:
+        for _ in range(1000):  # 10 s at most, each turn one of the loop's own intervals
+            if task.done() or len(calls) > 1 and _stored_ids(factory) == []:
+                break
+            await asyncio.sleep(0.01)
+        assert not task.done(), task.exception()
+        assert len(calls) > 1 and _stored_ids(factory) == []
+    finally:
+        task.cancel()
+
+
+def _stored_ids(factory) -> list[str]:
+    with session_scope(factory) as session:
+        return list(session.execute(text("SELECT id FROM stored_responses")).scalars())
