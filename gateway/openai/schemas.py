@@ -148,7 +148,7 @@ class FunctionDefinition(_Request):
     strict: bool | None = None
 
 
-class FunctionTool(_Request):
+class ChatTool(_Request):
     """One of a chat request's ``tools`` (OpenAI's ``ChatCompletionTool``)."""
 
     type: Literal["function"]
@@ -193,7 +193,7 @@ def _each(model: type[BaseModel], what: str) -> Any:
     return AfterValidator(check)
 
 
-Tools = Annotated[JsonObjects, _each(FunctionTool, "tool")]
+Tools = Annotated[JsonObjects, _each(ChatTool, "tool")]
 ToolCalls = Annotated[JsonObjects, _each(ToolCall, "tool call")]
 
 
