@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -155,7 +156,7 @@ async def start(state: GatewayState) -> list[asyncio.Task[None]]:
         await state.audit.drain_spool()  # rows a previous shutdown could not write
     except Exception:
         log.exception("audit: spooled rows not written yet; retrying in the background")
-    return [
+    tasks = [
         asyncio.create_task(state.poller.run(), name="capacity-poller"),
         asyncio.create_task(state.poller.run_reload(), name="engine-reload"),
         asyncio.create_task(state.audit.run(), name="audit-writer"),
@@ -163,6 +164,20 @@ async def start(state: GatewayState) -> list[asyncio.Task[None]]:
         asyncio.create_task(state.quarantines.run(), name="quarantines"),
         asyncio.create_task(stored_responses.purge_loop(state.sessions), name="responses-purge"),
     ]
+    for task in tasks:
+        task.add_done_callback(functools.partial(_ended, state))
+    return tasks
+
+
+def _ended(state: GatewayState, task: asyncio.Task[None]) -> None:
+    """A background task runs until the gateway stops; one that ended by itself (a failure its
+    loop did not catch) is logged and kept as a health problem, never silent."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    # /health is public: the problem names the error's type; its text goes to the log only
+    state.ended_tasks[task.get_name()] = "returned" if error is None else type(error).__name__
+    log.critical("background task %s ended; restart the gateway", task.get_name(), exc_info=error)
 
 
 async def stop(state: GatewayState, tasks: list[asyncio.Task[None]]) -> None:

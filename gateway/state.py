@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
 
@@ -52,6 +52,8 @@ class GatewayState:
     quarantines: Quarantines
     proxy_settings: ProxySettings
     clock: Callable[[], datetime] = utcnow  # wall time of key expiry and the auth cache's TTL
+    # background tasks that ended on their own (name -> why): each is a health problem
+    ended_tasks: dict[str, str] = field(default_factory=dict)
 
     @property
     def proxy(self) -> ProxyDeps:

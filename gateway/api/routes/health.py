@@ -84,6 +84,7 @@ async def health(state: StateDep) -> JSONResponse:
         )
     if not any(engine["routable"] for engine in engines):
         problems.append("no routable engine")
+    problems += [f"background task {name} ended ({why})" for name, why in state.ended_tasks.items()]
     drift = [engine["name"] for engine in engines if engine["drift"]]
     status = "unavailable" if problems else ("degraded" if drift else "ok")
     body = {
