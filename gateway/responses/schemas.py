@@ -170,7 +170,7 @@ class MessageItem(_Request):
 class FunctionCallItem(_Request):
     type: Literal["function_call"]
     call_id: Text = Field(min_length=1, max_length=256)
-    name: Text = Field(min_length=1, max_length=128)
+    name: ToolName
     arguments: Text
     id: Text | None = Field(default=None, max_length=256)
     status: Status | None = None

@@ -124,6 +124,10 @@ def test_the_input_shapes_clients_send() -> None:
         ({"input": []}, "input: Value error, must be a string or a list of 1 to 1024 items",
          "input"),
         ({"input": "x", "include": ["everything"]}, "include.0: Input should be", "include.0"),
+        ({"input": "x", "tools": [{"type": "function", "name": "a b"}]},
+         "tools: Value error, tool 0: name: String should match pattern", "tools"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "a b", "arguments": "{}"}]},
+         "input: Value error, item 0: name: String should match pattern", "input"),
     ],
 )  # fmt: skip
 def test_a_wrong_request_is_a_400_naming_the_field(data, message, param) -> None:
