@@ -17,7 +17,7 @@ If the loop itself fails (an error no step, call or admission catches: a CUDA or
 error in a forward pass, staging or zeroing), the core's pages and requests are in a state nobody
 can vouch for, so the engine serves nothing more: every request ends with ``EngineFailed``, new
 ones are refused with it, and ``failed`` says why (the server's health and capacity report it, so
-the gateway stops routing here and a supervisor restarts the process).
+the gateway stops routing here and an orchestrator's health check can restart the process).
 
 Roles with a handoff also ``post`` work to the engine thread (a handoff result arrived, a drain
 ended): the callable runs between steps, and the ``StepOutcome`` it returns is delivered like a
