@@ -21,15 +21,19 @@ async def test_a_background_task_that_ends_is_a_health_problem(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    fail = asyncio.Event()
+
     async def purge_that_fails(*_: object, **__: object) -> None:
+        await fail.wait()
         raise RuntimeError("an error its loop did not catch")
 
     monkeypatch.setattr(gateway_app.stored_responses, "purge_loop", purge_that_fails)
     async with running_gateway(make_settings()) as gw:
-        for _ in range(200):  # 10 s at most: the task's end is seen once the loop runs again
-            if gw.state.ended_tasks:
-                break
-            await asyncio.sleep(0.05)
+        # the gateway runs in this event loop: its purge task is one of this loop's tasks
+        [purge] = [t for t in asyncio.all_tasks() if t.get_name() == "responses-purge"]
+        assert gw.state.ended_tasks == {}
+        fail.set()
+        await asyncio.wait([purge], timeout=10)  # the done-callbacks ran before this returns
         assert gw.state.ended_tasks == {"responses-purge": "RuntimeError"}
         health = await gw.client.get("/health")
         assert health.status_code == 503

@@ -103,39 +103,13 @@ def _monitor(link: Any) -> PrefillMonitor:
     )
 
 
-async def _until_available(monitor: PrefillMonitor, polling: asyncio.Task[None]) -> None:
-    """Until the monitor says the path serves, for 10 s at most; a polling task that ended
-    fails at once (on the old code: the broken connection's exception)."""
-    for _ in range(200):
-        assert not polling.done(), polling.exception()
-        if monitor.unavailable() is None:
-            return
-        await asyncio.sleep(0.05)  # the monitor's own poll interval
-    raise AssertionError(f"still unavailable: {monitor.unavailable()}")
+class Watched:
+    """The real channel, telling when an announcement went through (``announced``); with
+    ``fail_first``, its first capacity read fails in a way nobody foresaw (a bug)."""
 
-
-async def test_an_announcement_cut_off_by_a_dying_prefill_is_retried_until_it_lands() -> None:
-    prefill = DyingPrefill(drops=2)
-    url = await prefill.start()
-    async with httpx.AsyncClient() as client:
-        monitor = _monitor(HttpPrefillChannel(url, client, local_version=PROTOCOL_VERSION))
-        assert not await monitor.refresh()  # the first announcement's connection dropped
-        assert "transfer target" in (monitor.unavailable() or "")  # fails closed meanwhile
-        polling = asyncio.create_task(monitor.run())
-        try:
-            await _until_available(monitor, polling)
-            assert monitor.unavailable() is None and prefill.announcements == 3
-            monitor.admit(100, 16)  # decode serves again
-        finally:
-            polling.cancel()
-            await prefill.stop()
-
-
-class FailingOnce:
-    """The real channel, whose first capacity read fails in a way nobody foresaw (a bug)."""
-
-    def __init__(self, channel: HttpPrefillChannel) -> None:
-        self.channel, self.failed = channel, False
+    def __init__(self, channel: HttpPrefillChannel, *, fail_first: bool = False) -> None:
+        self.channel, self.failed = channel, not fail_first
+        self.announced = asyncio.Event()
 
     async def capacity(self, timeout_s: float) -> CapacityReport:
         if not self.failed:
@@ -143,20 +117,54 @@ class FailingOnce:
             raise RuntimeError("unforeseen")
         return await self.channel.capacity(timeout_s)
 
+    async def announce(self, message: DecodeAnnouncement, timeout_s: float) -> None:
+        await self.channel.announce(message, timeout_s)
+        # the monitor marks the path announced before it next awaits, so before a waiter runs
+        self.announced.set()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.channel, name)
+
+
+async def _until_announced(link: Watched, polling: asyncio.Task[None]) -> None:
+    """Until an announcement went through (10 s at most); a polling task that ended fails at
+    once (on the old code: with the broken connection's exception)."""
+    announced = asyncio.create_task(link.announced.wait())
+    await asyncio.wait([announced, polling], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    announced.cancel()
+    assert not polling.done(), polling.exception()
+    assert link.announced.is_set(), "no announcement went through within 10 s"
+
+
+async def test_an_announcement_cut_off_by_a_dying_prefill_is_retried_until_it_lands() -> None:
+    prefill = DyingPrefill(drops=2)
+    url = await prefill.start()
+    async with httpx.AsyncClient() as client:
+        link = Watched(HttpPrefillChannel(url, client, local_version=PROTOCOL_VERSION))
+        monitor = _monitor(link)
+        assert not await monitor.refresh()  # the first announcement's connection dropped
+        assert "transfer target" in (monitor.unavailable() or "")  # fails closed meanwhile
+        polling = asyncio.create_task(monitor.run())
+        try:
+            await _until_announced(link, polling)
+            assert monitor.unavailable() is None and prefill.announcements == 3
+            monitor.admit(100, 16)  # decode serves again
+        finally:
+            polling.cancel()
+            await prefill.stop()
 
 
 async def test_a_refresh_that_fails_unforeseen_fails_closed_and_polling_goes_on() -> None:
     prefill = DyingPrefill(drops=0)
     url = await prefill.start()
     async with httpx.AsyncClient() as client:
-        link = FailingOnce(HttpPrefillChannel(url, client, local_version=PROTOCOL_VERSION))
+        channel = HttpPrefillChannel(url, client, local_version=PROTOCOL_VERSION)
+        link = Watched(channel, fail_first=True)
         monitor = _monitor(link)
         polling = asyncio.create_task(monitor.run())
         try:
-            await _until_available(monitor, polling)
-            assert link.failed and not polling.done()
+            await _until_announced(link, polling)
+            assert link.failed
             assert monitor.unavailable() is None
         finally:
             polling.cancel()

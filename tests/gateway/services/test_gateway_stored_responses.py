@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -245,25 +246,25 @@ async def test_the_purge_goes_on_after_a_failure_that_is_no_database_error(
     _, _, factory, (a, _) = db
     expired = _response()
     _save(factory, a, expired, retention=timedelta(hours=1))  # stored at NOW: long expired
-    purge_batch, calls = store._purge_batch, []
+    purge_batch, calls, purged = store._purge_batch, [], threading.Event()
 
     def failing_once(session: Any) -> int:
-        calls.append(1)
-        if len(calls) == 1:
+        if sum(calls):  # a round after the one that purged: that one's transaction committed
+            purged.set()
+        if not calls:
+            calls.append(0)
             raise InvalidRequestError("This connection is closed")
-        return purge_batch(session)
+        calls.append(purge_batch(session))
+        return calls[-1]
 
     monkeypatch.setattr(store, "_purge_batch", failing_once)
     task = asyncio.create_task(store.purge_loop(factory, interval_s=0.01))
     try:
-        for _ in range(1000):  # 10 s at most, each turn one of the loop's own intervals
-            if task.done() or len(calls) > 1 and _stored_ids(factory) == []:
-                break
-            await asyncio.sleep(0.01)
-        assert not task.done(), task.exception()
-        assert len(calls) > 1 and _stored_ids(factory) == []
+        assert await asyncio.to_thread(purged.wait, 10), task  # a later round purged it
+        assert not task.done()
     finally:
         task.cancel()
+    assert calls[:2] == [0, 1] and _stored_ids(factory) == []
 
 
 def _stored_ids(factory) -> list[str]:
