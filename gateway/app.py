@@ -63,7 +63,11 @@ log = logging.getLogger("kvguard.gateway")
 
 def make_limiter(settings: GatewaySettings) -> Limiter:
     if settings.redis_url:
-        return RedisLimiter(url=settings.redis_url, lease_s=settings.concurrency_lease_s)
+        return RedisLimiter(
+            url=settings.redis_url,
+            lease_s=settings.concurrency_lease_s,
+            credit_s=settings.limiter_credit_s,
+        )
     return MemoryLimiter()
 
 

@@ -153,6 +153,17 @@ class GatewaySettings(KvguardSettings):
         gt=1,
         description="a concurrency slot not released (a replica died) frees itself after this",
     )
+    limiter_credit_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=10,
+        description=(
+            "a replica takes this many seconds of a busy tenant's requests and tokens per minute "
+            "from Redis in one call and admits from it locally (plans without a concurrency cap; "
+            "what it holds is never also in the buckets, and comes back or lapses within it); "
+            "0: every request is a call"
+        ),
+    )
 
     refuse_on_handoff_mismatch: bool = Field(
         default=True,

@@ -4,17 +4,35 @@ One Lua script admits (checks all three limits, then takes all or nothing) and o
 (removes the lease, refunds tokens); a release that would change nothing (a plan without a
 concurrency cap, no tokens to refund) is not sent. Both read the clock with Redis ``TIME``, so
 gateway clocks never disagree. Commands go over ``contracts.resp`` (one pipelined
-connection: a request's admit and release cost a write and a reply each). A tenant's keys share
-a hash tag (``{tenant}``), so the scripts stay valid on a Redis Cluster. Buckets expire after
-two idle windows (a full bucket needs no state). The admit script also returns the buckets'
-levels (``gateway.limits.base.Levels``: the rate-limit headers) in the same reply.
+connection: a call costs a write and a reply). A tenant's keys share a hash tag (``{tenant}``),
+so the scripts stay valid on a Redis Cluster. Buckets expire after two idle windows (a full
+bucket needs no state). The admit script also returns the buckets' levels
+(``gateway.limits.base.Levels``: the rate-limit headers) in the same reply.
+
+Credit (plans without a concurrency cap). A call that admits may also take *credit*: up to
+``credit_s`` seconds of each bucket's refill, taken only from the upper half of every bucket the
+plan has, and recorded in Redis as lent to this replica until ``credit_s`` from then. The replica
+admits the tenant's next requests from it without a call (for ``CREDIT_USE`` of that life, so a
+Redis clock running a little fast never finds it used late), and owes the unused completion
+tokens of those requests back. Its next call gives back what is left, with the refunds owed, and
+may take new credit; credit nobody gives back lapses in Redis at its deadline. So:
+
+- nothing is ever admitted twice over: a bucket refills only up to its capacity less the live
+  credit lent out of it, so a bucket and all credit together never hold more than the plan;
+- near a limit (the lower half of a bucket) every request is a call, checked as before, and
+  credit taken earlier comes back with its replica's next call; a replica that has gone quiet
+  lets its credit lapse within ``credit_s``, which is the most another replica can be refused
+  early for credit held elsewhere;
+- the ``x-ratelimit-*`` headers of a request admitted from credit are the buckets as its replica
+  last saw them, refilled since, plus the credit it holds: exact for one replica, and other
+  replicas' takes show on the next call.
 
 Leases carry deadlines; this process refreshes the ones it holds every third of the lease time,
 so a gateway that dies frees its slots within one lease time. Any Redis error raises
-``LimiterUnavailable`` from ``admit`` (the caller fails closed). A ``release`` that fails (Redis
-unreachable) is kept and retried before the next admit and on every refresh, so the tenant gets
-its slots back as soon as Redis answers again instead of a lease time later; the deadline stays
-the backstop.
+``LimiterUnavailable`` from ``admit`` (the caller fails closed), unless the request fits the
+credit held. A ``release`` that fails (Redis unreachable) is kept and retried before the next
+admit and on every refresh, so the tenant gets its slots back as soon as Redis answers again
+instead of a lease time later; the deadline stays the backstop.
 
 An admit the gateway gave up on (a timeout: Redis frozen, its socket still open) may still run
 when Redis resumes, and would hold a slot nobody releases. So it is *abandoned*: released like a
@@ -22,7 +40,9 @@ failed release (retried until Redis answers), and that release also leaves a tom
 lease id for one lease time, which the admit script checks first. Whichever runs first, the slot
 ends free: a late admit finds the tombstone and takes nothing; an earlier one is removed (and its
 tokens refunded). An abandoned admit of a plan without a concurrency cap may keep its rate charge
-(nothing shows whether it ran): at most one request's worth.
+(nothing shows whether it ran): at most one request's worth and the credit it asked for, which
+lapses. The credit and refunds such a call gave back are never sent again (they may have been
+received): a failure can only leave a tenant less, never more.
 """
 
 from __future__ import annotations
@@ -30,12 +50,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import time
+from dataclasses import dataclass
 
 from contracts.resp import RespClient, RespError, Script
 from gateway.domain import TenantPlan
 from gateway.limits.base import (
     WINDOW_MS,
+    Bucket,
     Lease,
     Levels,
     Limiter,
@@ -49,42 +73,89 @@ log = logging.getLogger("kvguard.gateway.limits")
 MAX_UNRELEASED = 10_000  # releases kept for a retry; beyond, the oldest expire on their own
 INLINE_RETRIES = 16  # retried before an admit (the refresh loop retries the rest)
 _FAILURES = (RespError, OSError)  # an error reply; no connection, a broken one, a timeout
+CREDIT_S = 1.0  # the life of a replica's credit in Redis, and how much it asks for (of the refill)
+CREDIT_USE = 0.9  # the share of that life the replica uses it in (Redis's clock may run fast)
 
-_LEVEL = """
-local function level(key, cap, now, window)
+_PRELUDE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- A bucket's level now: refilled at cap per window since it was stored, up to ceiling (cap less
+-- what is lent out); a bucket that is not stored is full.
+local function level(key, cap, ceiling, window)
   local v = redis.call('HMGET', key, 'level', 'ts')
-  if not v[1] then return cap end
+  if not v[1] then return ceiling end
   local elapsed = now - tonumber(v[2])
   if elapsed < 0 then elapsed = 0 end
   local lvl = tonumber(v[1]) + elapsed * cap / window
-  if lvl > cap then lvl = cap end
+  if lvl > ceiling then lvl = ceiling end
   return lvl
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function store(key, lvl, window)
+  redis.call('HSET', key, 'level', tostring(lvl), 'ts', now)
+  redis.call('PEXPIRE', key, 2 * window)
+end
+-- Credit lent to replicas: a hash of credit id -> 'requests tokens deadline_ms'. Returns what the
+-- live records hold, less the one named `returned`, which is deleted with the expired ones; of
+-- that one, at most what it holds of back_r and back_t comes back.
+local function lent(key, returned, back_r, back_t)
+  local sum_r, sum_t, got_r, got_t = 0, 0, 0, 0
+  local records = redis.call('HGETALL', key)
+  for i = 1, #records, 2 do
+    local r, k, d = string.match(records[i + 1], '^(%S+) (%S+) (%S+)$')
+    r, k, d = tonumber(r), tonumber(k), tonumber(d)
+    if d <= now then
+      redis.call('HDEL', key, records[i])
+    elseif records[i] == returned then
+      redis.call('HDEL', key, records[i])
+      got_r, got_t = math.min(r, back_r), math.min(k, back_t)
+    else
+      sum_r, sum_t = sum_r + r, sum_t + k
+    end
+  end
+  return sum_r, sum_t, got_r, got_t
+end
 """
 
-# KEYS: requests bucket, tokens bucket, lease zset, the lease's tombstone.
-# ARGV: rpm cap, tpm cap, concurrency cap ('' = no limit), cost, lease id, lease ms, window ms.
-# Returns {1, rpm level, tpm level} admitted (the levels after the take), or {0, kind, wait_ms,
-# rpm level, tpm level} (the levels as found; wait_ms -1: can never fit; kind 'abandoned': the
-# gateway gave this admit up before it ran). A level is a string ('' = no such limit): Redis would
-# truncate a Lua number to an integer.
+# KEYS: requests bucket, tokens bucket, lease zset, the lease's tombstone, the lent credit.
+# ARGV: rpm cap, tpm cap, concurrency cap ('' = no limit), cost, lease id, lease ms, window ms,
+# the credit given back (its id, '' = none; its unused requests and tokens), tokens refunded
+# (unused completion tokens owed), the new credit's id, the requests and tokens it asks for
+# (0 = none), its life in ms.
+# Returns {1, rpm level, tpm level, credit requests, credit tokens} admitted (the levels after
+# the take, credit excluded), or {0, kind, wait_ms, rpm level, tpm level} (the levels as found;
+# wait_ms -1: can never fit; kind 'abandoned': the gateway gave this admit up before it ran). A
+# level is a string ('' = no such limit): Redis would truncate a Lua number to an integer.
+# Credit is taken only from the upper half of a bucket, and for every limit the plan has or none.
 ADMIT_LUA = (
-    _LEVEL
+    _PRELUDE
     + """
 if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 'abandoned', -1, '', ''} end
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cost, lease = tonumber(ARGV[4]), ARGV[5]
 local lease_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7])
-if tpm and cost > tpm then return {0, 'tokens', -1, '', ''} end
+local lent_r, lent_t, back_r, back_t = lent(KEYS[5], ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10]))
+local refund = tonumber(ARGV[11])
+local want_r, want_t, credit_ms = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
 local rpm_level, tpm_level
-if rpm then rpm_level = level(KEYS[1], rpm, now, window) end
-if tpm then tpm_level = level(KEYS[2], tpm, now, window) end
+if rpm then
+  rpm_level = level(KEYS[1], rpm, rpm - lent_r, window)
+  if back_r > 0 then
+    rpm_level = math.min(rpm - lent_r, rpm_level + back_r)
+    store(KEYS[1], rpm_level, window)
+  end
+end
+if tpm then
+  tpm_level = level(KEYS[2], tpm, tpm - lent_t, window)
+  if back_t + refund > 0 then
+    tpm_level = math.min(tpm - lent_t, tpm_level + back_t + refund)
+    store(KEYS[2], tpm_level, window)
+  end
+end
 local function levels(r, t)
   return r and tostring(r) or '', t and tostring(t) or ''
 end
 local seen_r, seen_t = levels(rpm_level, tpm_level)
+if tpm and cost > tpm then return {0, 'tokens', -1, seen_r, seen_t} end
 if conc then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   if redis.call('ZCARD', KEYS[3]) >= conc then return {0, 'concurrency', 1000, seen_r, seen_t} end
@@ -95,41 +166,52 @@ end
 if tpm and tpm_level < cost then
   return {0, 'tokens', math.ceil((cost - tpm_level) * window / tpm), seen_r, seen_t}
 end
+local got_r, got_t = 0, 0
 if rpm then
   rpm_level = rpm_level - 1
-  redis.call('HSET', KEYS[1], 'level', tostring(rpm_level), 'ts', now)
-  redis.call('PEXPIRE', KEYS[1], 2 * window)
+  got_r = math.max(0, math.min(want_r, math.floor(rpm_level - rpm / 2)))
 end
 if tpm then
   tpm_level = tpm_level - cost
-  redis.call('HSET', KEYS[2], 'level', tostring(tpm_level), 'ts', now)
-  redis.call('PEXPIRE', KEYS[2], 2 * window)
+  got_t = math.max(0, math.min(want_t, math.floor(tpm_level - tpm / 2)))
 end
+if (rpm and got_r < 1) or (tpm and got_t < 1) then got_r, got_t = 0, 0 end
+if got_r + got_t > 0 then
+  redis.call('HSET', KEYS[5], ARGV[12], got_r .. ' ' .. got_t .. ' ' .. (now + credit_ms))
+  redis.call('PEXPIRE', KEYS[5], 2 * credit_ms)
+end
+if rpm then store(KEYS[1], rpm_level - got_r, window) end
+if tpm then store(KEYS[2], tpm_level - got_t, window) end
 if conc then
   redis.call('ZADD', KEYS[3], now + lease_ms, lease)
   redis.call('PEXPIRE', KEYS[3], 2 * lease_ms)
 end
-local after_r, after_t = levels(rpm_level, tpm_level)
-return {1, after_r, after_t}
+local after_r, after_t = levels(rpm and rpm_level - got_r, tpm and tpm_level - got_t)
+return {1, after_r, after_t, got_r, got_t}
 """
 )
 
-# KEYS: tokens bucket, lease zset, the lease's tombstone.
-# ARGV: tpm cap ('' = none), refund, lease id, window ms, tombstone ms ('' = a normal release).
-# An abandoned admit's release leaves the tombstone and refunds only a lease it removed.
+# KEYS: requests bucket, tokens bucket, lease zset, the lease's tombstone, the lent credit.
+# ARGV: rpm cap, tpm cap ('' = none), refund, lease id ('' = none), window ms, tombstone ms
+# ('' = a normal release), the credit given back (its id, '' = none; its unused requests and
+# tokens). An abandoned admit's release leaves the tombstone and refunds only a lease it removed.
 RELEASE_LUA = (
-    _LEVEL
+    _PRELUDE
     + """
-local removed = redis.call('ZREM', KEYS[2], ARGV[3])
-local tpm, refund, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
-if ARGV[5] ~= '' then
-  redis.call('SET', KEYS[3], '1', 'PX', ARGV[5])
+local removed = redis.call('ZREM', KEYS[3], ARGV[4])
+local rpm, tpm, refund = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local window = tonumber(ARGV[5])
+if ARGV[6] ~= '' then
+  redis.call('SET', KEYS[4], '1', 'PX', ARGV[6])
   if removed == 0 then refund = 0 end
 end
-if tpm and refund > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
-  local lvl = level(KEYS[1], tpm, now, window) + refund
-  if lvl > tpm then lvl = tpm end
-  redis.call('HSET', KEYS[1], 'level', tostring(lvl), 'ts', now)
+local lent_r, lent_t, back_r, back_t = lent(KEYS[5], ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9]))
+if rpm and back_r > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
+  store(KEYS[1], math.min(rpm - lent_r, level(KEYS[1], rpm, rpm - lent_r, window) + back_r), window)
+end
+if tpm and back_t + refund > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
+  local lvl = level(KEYS[2], tpm, tpm - lent_t, window) + back_t + refund
+  store(KEYS[2], math.min(tpm - lent_t, lvl), window)
 end
 return 1
 """
@@ -137,20 +219,24 @@ return 1
 
 # KEYS: lease zset. ARGV: lease id, lease ms. Extends a lease that still exists.
 REFRESH_LUA = (
-    _LEVEL
+    _PRELUDE
     + """
 return redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
 """
 )
 
 
-def _keys(tenant_id: str) -> tuple[str, str, str]:
+def _keys(tenant_id: str, lease_id: str) -> list[str]:
+    """A script's keys: the tenant's requests and tokens buckets, its leases, the lease's
+    tombstone and the credit lent out (one hash tag: one Redis Cluster slot)."""
     base = f"kvg:lim:{{{tenant_id}}}"
-    return f"{base}:requests", f"{base}:tokens", f"{base}:leases"
-
-
-def _tombstone(lease: Lease) -> str:
-    return f"kvg:lim:{{{lease.tenant_id}}}:gone:{lease.lease_id}"
+    return [
+        f"{base}:requests",
+        f"{base}:tokens",
+        f"{base}:leases",
+        f"{base}:gone:{lease_id}",
+        f"{base}:lent",
+    ]
 
 
 def _arg(value: int | None) -> str:
@@ -167,27 +253,102 @@ def _levels(plan: TenantPlan, requests: object, tokens: object) -> Levels:
     return levels_of(plan, float(r) if r else None, float(t) if t else None)
 
 
+def _new_id() -> str:
+    """128 random bits as 32 hex digits (uuid4's length, without building a UUID)."""
+    return os.urandom(16).hex()
+
+
+@dataclass(slots=True)
+class Credit:
+    """What this replica holds of a tenant's buckets (already taken in Redis, see the module
+    docstring), and the refunds it owes them."""
+
+    credit_id: str
+    plan: TenantPlan
+    requests: int
+    tokens: int
+    until: float  # monotonic: used only before (the record in Redis lives longer)
+    seen: Levels  # the buckets as the call that took it left them, this credit excluded
+    seen_at: float
+    refund: int = 0  # unused completion tokens owed back, sent with the next call
+
+    def covers(self, plan: TenantPlan, tokens: int, now: float) -> bool:
+        return (
+            plan == self.plan
+            and now < self.until
+            and (plan.requests_per_minute is None or self.requests >= 1)
+            and (plan.tokens_per_minute is None or self.tokens >= tokens)
+        )
+
+    def levels(self, now: float) -> Levels:
+        """The buckets as this replica sees them: as last seen, refilled since, plus its credit."""
+        elapsed_ms = (now - self.seen_at) * 1000
+
+        def plus(bucket: Bucket | None, credit: int) -> Bucket | None:
+            if bucket is None:
+                return None
+            refill = elapsed_ms * bucket.limit / WINDOW_MS
+            return Bucket(bucket.limit, min(bucket.limit, bucket.level + refill + credit))
+
+        return Levels(plus(self.seen.requests, self.requests), plus(self.seen.tokens, self.tokens))
+
+
+def _wanted(plan: TenantPlan, tokens: int, credit_s: float) -> tuple[int, int]:
+    """The credit to ask for: ``credit_s`` of each bucket's refill, none unless it covers at
+    least one more such request under every limit the plan has."""
+    if plan.max_concurrency is not None:
+        return 0, 0  # every request holds a lease of its own in Redis
+    rpm, tpm = plan.requests_per_minute, plan.tokens_per_minute
+    want_r = 0 if rpm is None else int(rpm * credit_s * 1000 // WINDOW_MS)
+    want_t = 0 if tpm is None else int(tpm * credit_s * 1000 // WINDOW_MS)
+    if (rpm is not None and want_r < 1) or (tpm is not None and want_t < max(1, tokens)):
+        return 0, 0
+    return want_r, want_t
+
+
 class RedisLimiter(Limiter):
     backend = "redis"
 
-    def __init__(self, *, url: str, lease_s: float, timeout_s: float = 0.5) -> None:
+    def __init__(
+        self, *, url: str, lease_s: float, timeout_s: float = 0.5, credit_s: float = CREDIT_S
+    ) -> None:
         # contracts.resp: one pipelined connection; a call whose connection broke is tried
         # once more on a fresh one (after an outage the old one is dead). That is safe here: a
         # lease is added under its own id (ZADD again is a no-op) and a release removes it by id;
         # at worst a replayed admit charges its rate buckets twice.
         self._client = RespClient(url, timeout_s=timeout_s)
         self._lease_ms = int(lease_s * 1000)
+        self._credit_s = credit_s
         self._admit = Script(self._client, ADMIT_LUA)
         self._release = Script(self._client, RELEASE_LUA)
         self._refresh = Script(self._client, REFRESH_LUA)
         self._held: dict[str, Lease] = {}
         # lease id -> (lease, unused tokens, abandoned: an admit given up on, see the docstring)
         self._unreleased: dict[str, tuple[Lease, int, bool]] = {}
+        self._credit: dict[str, Credit] = {}  # tenant id -> what this replica holds
+        self._asking: set[str] = set()  # tenants whose credit call is on its way
         self._refresher: asyncio.Task[None] | None = None
 
     async def admit(self, *, tenant_id: str, plan: TenantPlan, tokens: int) -> Lease | Refusal:
-        # 128 random bits as 32 hex digits (uuid4's length, without building a UUID)
-        lease = Lease(tenant_id=tenant_id, lease_id=os.urandom(16).hex(), tokens=tokens, plan=plan)
+        now = time.monotonic()
+        credit = self._credit.get(tenant_id)
+        if credit is not None and credit.covers(plan, tokens, now):
+            credit.requests -= 1
+            credit.tokens -= tokens
+            return Lease(tenant_id, _new_id(), tokens, plan, credit.levels(now))
+        return await self._admit_in_redis(tenant_id, plan, tokens, now)
+
+    async def _admit_in_redis(
+        self, tenant_id: str, plan: TenantPlan, tokens: int, now: float
+    ) -> Lease | Refusal:
+        lease = Lease(tenant_id=tenant_id, lease_id=_new_id(), tokens=tokens, plan=plan)
+        # The credit held is given back in this call (with the refunds it owes) and is never used
+        # again, whatever becomes of the call: it may have run.
+        back = self._credit.pop(tenant_id, None)
+        want_r, want_t = (
+            (0, 0) if tenant_id in self._asking else _wanted(plan, tokens, self._credit_s)
+        )
+        new_id = _new_id() if want_r + want_t else ""
         args = [
             _arg(plan.requests_per_minute),
             _arg(plan.tokens_per_minute),
@@ -196,12 +357,22 @@ class RedisLimiter(Limiter):
             lease.lease_id,
             str(self._lease_ms),
             str(WINDOW_MS),
+            back.credit_id if back else "",
+            str(back.requests if back else 0),
+            str(back.tokens if back else 0),
+            str(back.refund if back else 0),
+            new_id,
+            str(want_r),
+            str(want_t),
+            str(int(self._credit_s * 1000)),
         ]
         if self._unreleased:
             with contextlib.suppress(*_FAILURES):
                 await self._retry_releases(INLINE_RETRIES)  # first give back what an outage kept
+        if new_id:
+            self._asking.add(tenant_id)
         try:
-            result = await self._admit([*_keys(tenant_id), _tombstone(lease)], args)
+            result = await self._admit(_keys(tenant_id, lease.lease_id), args)
         except _FAILURES as exc:
             # It may still run when Redis answers: release it then (tombstoned).
             self._keep_unreleased(lease, tokens, abandoned=True)
@@ -210,9 +381,19 @@ class RedisLimiter(Limiter):
             # The request went away while the admit was on its way: it may have run.
             self._keep_unreleased(lease, tokens, abandoned=True)
             raise
+        finally:
+            if new_id:
+                self._asking.discard(tenant_id)
         assert isinstance(result, list)
         if int(result[0]) == 1:
             levels = _levels(plan, result[1], result[2])
+            got_r, got_t = int(result[3]), int(result[4])
+            if got_r + got_t:
+                credit = Credit(
+                    new_id, plan, got_r, got_t, now + CREDIT_USE * self._credit_s, levels, now
+                )
+                self._credit[tenant_id] = credit
+                levels = credit.levels(now)
             lease = Lease(tenant_id, lease.lease_id, tokens, plan, levels)
             if plan.max_concurrency is not None:
                 self._held[lease.lease_id] = lease
@@ -229,6 +410,10 @@ class RedisLimiter(Limiter):
         plan = lease.plan
         if plan.max_concurrency is None and (plan.tokens_per_minute is None or unused_tokens <= 0):
             return  # no slot was taken and nothing is refunded: the script would change nothing
+        credit = self._credit.get(lease.tenant_id)
+        if plan.max_concurrency is None and credit is not None:
+            credit.refund += unused_tokens  # sent with the tenant's next call, or by the flush
+            return
         try:
             await self._release_one(lease, unused_tokens, abandoned=False)
         except _FAILURES:
@@ -238,11 +423,20 @@ class RedisLimiter(Limiter):
                 "lease release failed for tenant %s; retrying when Redis answers", lease.tenant_id
             )
 
-    async def _release_one(self, lease: Lease, unused_tokens: int, *, abandoned: bool) -> None:
-        _, tokens_key, leases_key = _keys(lease.tenant_id)
-        args = [_arg(lease.plan.tokens_per_minute), str(max(0, unused_tokens)), lease.lease_id]
-        args += [str(WINDOW_MS), str(self._lease_ms) if abandoned else ""]
-        await self._release([tokens_key, leases_key, _tombstone(lease)], args)
+    async def _release_one(
+        self, lease: Lease, unused_tokens: int, *, abandoned: bool, back: Credit | None = None
+    ) -> None:
+        """End ``lease`` (refunding ``unused_tokens``; tombstoned if ``abandoned``), or, with
+        ``back``, give that credit back and send the refunds it owes."""
+        plan = lease.plan
+        args = [_arg(plan.requests_per_minute), _arg(plan.tokens_per_minute)]
+        args += [str(max(0, unused_tokens)), lease.lease_id, str(WINDOW_MS)]
+        args.append(str(self._lease_ms) if abandoned else "")
+        if back is None:
+            args += ["", "0", "0"]
+        else:
+            args += [back.credit_id, str(back.requests), str(back.tokens)]
+        await self._release(_keys(lease.tenant_id, lease.lease_id), args)
 
     def _keep_unreleased(self, lease: Lease, unused_tokens: int, *, abandoned: bool) -> None:
         self._unreleased[lease.lease_id] = (lease, unused_tokens, abandoned)
@@ -256,6 +450,22 @@ class RedisLimiter(Limiter):
             await self._release_one(lease, unused_tokens, abandoned=abandoned)
             self._unreleased.pop(lease_id, None)
 
+    async def flush_credit(self, *, every: bool = False) -> None:
+        """Forget the credit that can no longer be used, sending the refunds it owes (Redis drops
+        its record when its life ends); with ``every``, give back all of it, live or not."""
+        now = time.monotonic()
+        for tenant_id, credit in list(self._credit.items()):
+            if not every and now < credit.until:
+                continue
+            del self._credit[tenant_id]
+            # a lease of its own, with no slot, only for the refund (kept for a retry if need be)
+            refund = Lease(tenant_id, _new_id(), 0, credit.plan)
+            if every and now < credit.until:
+                await self._release_one(refund, credit.refund, abandoned=False, back=credit)
+            elif credit.refund > 0:
+                self._keep_unreleased(refund, credit.refund, abandoned=False)
+        await self._retry_releases()
+
     async def healthy(self) -> bool:
         try:
             return await self._client.execute("PING") == b"PONG"
@@ -267,7 +477,9 @@ class RedisLimiter(Limiter):
         if not self._held:
             return
         commands = [
-            self._refresh.command([_keys(lease.tenant_id)[2]], [lease.lease_id, self._lease_ms])
+            self._refresh.command(
+                [_keys(lease.tenant_id, lease.lease_id)[2]], [lease.lease_id, self._lease_ms]
+            )
             for lease in list(self._held.values())
         ]
         replies = await self._client.pipeline(commands)
@@ -279,11 +491,12 @@ class RedisLimiter(Limiter):
                 raise reply
 
     async def _refresh_loop(self) -> None:
+        period = min(self._lease_ms / 3000, self._credit_s or math.inf)  # credit lapses on time
         while True:
-            await asyncio.sleep(self._lease_ms / 3000)
+            await asyncio.sleep(period)
             try:
                 await self.refresh_held()
-                await self._retry_releases()
+                await self.flush_credit()
             except _FAILURES:
                 log.warning("lease refresh failed; retrying")
 
@@ -295,4 +508,6 @@ class RedisLimiter(Limiter):
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
+        with contextlib.suppress(*_FAILURES):
+            await self.flush_credit(every=True)  # the refunds owed; the credit expires by itself
         await self._client.close()

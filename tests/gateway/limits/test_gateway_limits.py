@@ -124,8 +124,9 @@ async def test_redis_limits_are_exact_across_instances(redis_limiters) -> None:
 async def test_a_release_with_nothing_to_give_back_sends_nothing(redis_url) -> None:
     """A lease of a plan without a concurrency cap holds no slot; with no unused tokens to refund
     (or no token limit), its release would change nothing in Redis, so it sends nothing (a round
-    trip of every such request). A refund or a slot still goes back."""
-    limiter = RedisLimiter(url=redis_url, lease_s=30)
+    trip of every such request). A refund or a slot still goes back (this replica holds no credit:
+    what one holding credit owes goes with its next call, ``test_gateway_limits_credit``)."""
+    limiter = RedisLimiter(url=redis_url, lease_s=30, credit_s=0)
     client = redis.Redis.from_url(redis_url)
 
     def scripts_run() -> int:

@@ -1,0 +1,149 @@
+"""The Redis limiter's credit (``gateway.limits.redis_limiter``): a replica admits a busy tenant's
+requests from what it took in one call, and the buckets and all credit together never hold more
+than the plan; credit comes back, or lapses, and the refunds it owes go back with it. Real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import redis
+
+from gateway.domain import TenantPlan
+from gateway.limits.base import Lease, LimitKind, Refusal
+from gateway.limits.redis_limiter import RedisLimiter
+
+TPM = 600_000  # 10,000 tokens refill per second
+
+
+@pytest.fixture
+def client(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def tenant() -> str:
+    return uuid.uuid4().hex
+
+
+def scripts_run(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def held(client: redis.Redis, tenant: str) -> tuple[float, int]:
+    """The tokens bucket's stored level and the tokens lent out of it as credit (live or not)."""
+    level = client.hget(f"kvg:lim:{{{tenant}}}:tokens", "level")
+    lent = client.hvals(f"kvg:lim:{{{tenant}}}:lent")
+    return float(level or TPM), sum(int(v.split()[1]) for v in lent)
+
+
+async def test_a_busy_tenant_is_admitted_from_credit_without_a_call(
+    redis_url, client, tenant
+) -> None:
+    limiter = RedisLimiter(url=redis_url, lease_s=30, credit_s=5)
+    plan = TenantPlan(requests_per_minute=6_000, tokens_per_minute=TPM)
+    try:
+        await limiter.admit(tenant_id="w" + tenant, plan=plan, tokens=1)  # the script is loaded
+        before, started = scripts_run(client), time.monotonic()
+        leases = [await limiter.admit(tenant_id=tenant, plan=plan, tokens=100) for _ in range(100)]
+        elapsed = time.monotonic() - started
+        assert all(isinstance(lease, Lease) for lease in leases)
+        assert scripts_run(client) == before + 1  # 5 s of refill: 500 requests, 50,000 tokens
+        assert held(client, tenant) == (TPM - 100 - 50_000, 50_000)
+        # the headers count what this replica holds as the tenant's: as if every take were a call
+        remaining = [lease.levels.requests.remaining for lease in leases]  # type: ignore[union-attr]
+        assert remaining[0] == 5_999
+        refill = int(elapsed * 100) + 1  # 6,000 per minute
+        assert 5_900 <= remaining[-1] <= 5_900 + refill
+        assert remaining == sorted(remaining, reverse=True)
+        # a plan with a concurrency cap holds a lease of its own in Redis for every request
+        capped = TenantPlan(tokens_per_minute=TPM, max_concurrency=50)
+        before = scripts_run(client)
+        for _ in range(3):
+            assert isinstance(
+                await limiter.admit(tenant_id="c" + tenant, plan=capped, tokens=1), Lease
+            )
+        assert scripts_run(client) == before + 3
+    finally:
+        await limiter.close()
+
+
+async def test_the_buckets_and_the_credit_lent_never_hold_more_than_the_plan(
+    redis_url, tenant
+) -> None:
+    """A bucket refills only up to its capacity less the credit lent out of it: what replica A
+    holds cannot also be taken by B, however long A keeps it."""
+    a = RedisLimiter(url=redis_url, lease_s=30, credit_s=5)
+    b = RedisLimiter(url=redis_url, lease_s=30, credit_s=5)
+    plan = TenantPlan(tokens_per_minute=TPM)
+    try:
+        assert isinstance(await a.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
+        # A holds 50,000; the bucket 549,990 and refilling at 10,000/s, up to 550,000 only
+        await asyncio.sleep(0.25)  # time for 2,500 tokens of refill
+        refused = await b.admit(tenant_id=tenant, plan=plan, tokens=551_000)
+        assert isinstance(refused, Refusal) and refused.kind is LimitKind.TOKENS
+        assert refused.levels.tokens is not None and refused.levels.tokens.level == 550_000
+        # A's credit is still A's: admitted without a call
+        assert isinstance(await a.admit(tenant_id=tenant, plan=plan, tokens=49_000), Lease)
+        assert isinstance(await b.admit(tenant_id=tenant, plan=plan, tokens=549_000), Lease)
+        refused = await b.admit(tenant_id=tenant, plan=plan, tokens=2_000)
+        assert isinstance(refused, Refusal) and refused.kind is LimitKind.TOKENS
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_credit_a_quiet_replica_holds_lapses_for_everyone(redis_url, client, tenant) -> None:
+    a = RedisLimiter(url=redis_url, lease_s=30, credit_s=0.5)
+    b = RedisLimiter(url=redis_url, lease_s=30, credit_s=0.5)
+    plan = TenantPlan(tokens_per_minute=TPM)
+    try:
+        assert isinstance(await a.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
+        assert held(client, tenant) == (TPM - 10 - 5_000, 5_000)
+        await asyncio.sleep(0.6)  # past the credit's life in Redis (and A's use of it)
+        assert isinstance(await b.admit(tenant_id=tenant, plan=plan, tokens=TPM - 100), Lease)
+        before = scripts_run(client)
+        refused = await a.admit(tenant_id=tenant, plan=plan, tokens=1_000)
+        assert isinstance(refused, Refusal)  # A asked Redis: its lapsed credit is not used
+        assert scripts_run(client) == before + 1
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_replica_gives_back_its_credit_with_the_refunds_it_owes(
+    redis_url, client, tenant
+) -> None:
+    limiter = RedisLimiter(url=redis_url, lease_s=30, credit_s=5)
+    plan = TenantPlan(tokens_per_minute=TPM)
+    started = time.monotonic()
+
+    def assert_used(tokens: int) -> None:
+        """What the tenant has used is all that is gone from the bucket (the rest refilled)."""
+        level, lent = held(client, tenant)
+        refill = (time.monotonic() - started) * TPM / 60 + 1
+        assert lent == 0
+        assert TPM - tokens <= level <= TPM - tokens + refill
+
+    try:
+        first = await limiter.admit(tenant_id=tenant, plan=plan, tokens=1_000)
+        second = await limiter.admit(tenant_id=tenant, plan=plan, tokens=1_000)
+        assert isinstance(first, Lease) and isinstance(second, Lease)
+        before = scripts_run(client)
+        await limiter.release(first, unused_tokens=400)
+        await limiter.release(second, unused_tokens=400)
+        assert scripts_run(client) == before  # owed, not sent yet
+        # more than the 49,000 left: the call gives them back with the 800 owed (and takes no
+        # new credit: 5 s of refill would not cover another such request)
+        assert isinstance(await limiter.admit(tenant_id=tenant, plan=plan, tokens=60_000), Lease)
+        assert_used(2_000 - 800 + 60_000)
+        third = await limiter.admit(tenant_id=tenant, plan=plan, tokens=1_000)
+        assert isinstance(third, Lease) and held(client, tenant)[1] == 50_000
+        await limiter.release(third, unused_tokens=300)
+    finally:
+        await limiter.close()  # gives back the 50,000 with the 300 owed
+    assert_used(2_000 - 800 + 60_000 + 1_000 - 300)
