@@ -142,6 +142,8 @@ class CanaryRuntime:
             asyncio.create_task(self._findings.run(), name="canary-findings"),
             asyncio.create_task(self._refresh_loop(), name="canary-tag-refresh"),
         ]
+        for task in self._tasks:
+            context.watch(task)
         try:
             await self.refresh_tags()
         except Exception:
@@ -151,7 +153,8 @@ class CanaryRuntime:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            # one that ended with an error was reported (``ServiceContext.watch``): stop the rest
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.injector.drain()
         if self._store is not None:

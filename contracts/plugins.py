@@ -34,6 +34,7 @@ in a final chunk, in place of the engine's, and an engine's error events without
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -226,6 +227,8 @@ class ServiceContext:
     quarantine: Quarantine  # take an engine out of routing now, on every replica
     spool_dir: Path  # where records wait for the database (``contracts.spool``)
     database_timeout_s: float  # the bound of any one database operation
+    # a background task the gateway watches: one that ends by itself is a health problem
+    watch: Callable[[asyncio.Task[None]], None]
 
 
 class HookService(Protocol):

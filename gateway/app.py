@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -152,7 +151,7 @@ async def build_state(
 
 
 async def start(state: GatewayState) -> list[asyncio.Task[None]]:
-    await state.limiter.start()
+    limiter_tasks = await state.limiter.start()  # stopped by its close
     state.metrics.limiter_up.set(1 if await state.limiter.healthy() else 0)
     await state.poller.reload_once()
     await state.poller.poll_once()
@@ -168,27 +167,18 @@ async def start(state: GatewayState) -> list[asyncio.Task[None]]:
         asyncio.create_task(state.quarantines.run(), name="quarantines"),
         asyncio.create_task(stored_responses.purge_loop(state.sessions), name="responses-purge"),
     ]
-    for task in tasks:
-        task.add_done_callback(functools.partial(_ended, state))
+    for task in [*tasks, *limiter_tasks]:
+        state.watch(task)
     return tasks
-
-
-def _ended(state: GatewayState, task: asyncio.Task[None]) -> None:
-    """A background task runs until the gateway stops; one that ended by itself (a failure its
-    loop did not catch) is logged and kept as a health problem, never silent."""
-    if task.cancelled():
-        return
-    error = task.exception()
-    # /health is public: the problem names the error's type; its text goes to the log only
-    state.ended_tasks[task.get_name()] = "returned" if error is None else type(error).__name__
-    log.critical("background task %s ended; restart the gateway", task.get_name(), exc_info=error)
 
 
 async def stop(state: GatewayState, tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         task.cancel()
     for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
+        # one that ended with an error was reported when it ended (``GatewayState.watch``); the
+        # rest of the stop (the audit rows, the quarantine spool) must still run
+        with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
     await state.audit.close()
     await state.quarantines.close()

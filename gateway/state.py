@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -30,6 +32,8 @@ from gateway.tracing import Tracing
 from gateway.upstream.direct import DirectUpstream
 from gateway.upstream.litellm_client import LiteLLMUpstream
 
+log = logging.getLogger("kvguard.gateway")
+
 
 @dataclass(slots=True)
 class GatewayState:
@@ -54,6 +58,21 @@ class GatewayState:
     clock: Callable[[], datetime] = utcnow  # wall time of key expiry and the auth cache's TTL
     # background tasks that ended on their own (name -> why): each is a health problem
     ended_tasks: dict[str, str] = field(default_factory=dict)
+
+    def watch(self, task: asyncio.Task[None]) -> None:
+        """A background task runs until the gateway stops; one that ends by itself (a failure
+        its loop did not catch) is logged and kept as a health problem, never silent."""
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        # /health is public: the problem names the error's type; its text goes to the log only
+        self.ended_tasks[task.get_name()] = "returned" if error is None else type(error).__name__
+        log.critical(
+            "background task %s ended; restart the gateway", task.get_name(), exc_info=error
+        )
 
     @property
     def proxy(self) -> ProxyDeps:
@@ -95,4 +114,5 @@ class GatewayState:
             quarantine=self.quarantine,
             spool_dir=self.settings.spool_dir(),
             database_timeout_s=self.settings.database_timeout_s,
+            watch=self.watch,
         )

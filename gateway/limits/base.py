@@ -19,6 +19,7 @@ a lease; unchanged, for a refusal): the ``x-ratelimit-*`` headers OpenAI sends a
 
 from __future__ import annotations
 
+import asyncio
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -101,8 +102,10 @@ class Limiter(ABC):
     @abstractmethod
     async def healthy(self) -> bool: ...
 
-    async def start(self) -> None:  # noqa: B027 (optional hook)
-        """Start background work (lease refresh); default none."""
+    async def start(self) -> list[asyncio.Task[None]]:
+        """Start background work (lease refresh) and return its tasks, for the gateway to watch
+        (``close`` stops them); default none."""
+        return []
 
     async def close(self) -> None:  # noqa: B027 (optional hook)
         """Stop background work and close clients; default none."""

@@ -500,13 +500,14 @@ class RedisLimiter(Limiter):
             except _FAILURES:
                 log.warning("lease refresh failed; retrying")
 
-    async def start(self) -> None:
+    async def start(self) -> list[asyncio.Task[None]]:
         self._refresher = asyncio.create_task(self._refresh_loop(), name="lease-refresh")
+        return [self._refresher]
 
     async def close(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # an error was reported
                 await self._refresher
         with contextlib.suppress(*_FAILURES):
             await self.flush_credit(every=True)  # the refunds owed; the credit expires by itself
