@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -253,11 +254,6 @@ def _levels(plan: TenantPlan, requests: object, tokens: object) -> Levels:
     return levels_of(plan, float(r) if r else None, float(t) if t else None)
 
 
-def _new_id() -> str:
-    """128 random bits as 32 hex digits (uuid4's length, without building a UUID)."""
-    return os.urandom(16).hex()
-
-
 @dataclass(slots=True)
 class Credit:
     """What this replica holds of a tenant's buckets (already taken in Redis, see the module
@@ -328,6 +324,13 @@ class RedisLimiter(Limiter):
         self._credit: dict[str, Credit] = {}  # tenant id -> what this replica holds
         self._asking: set[str] = set()  # tenants whose credit call is on its way
         self._refresher: asyncio.Task[None] | None = None
+        # lease and credit ids: unique across replicas (64 random bits) and in this one (a count);
+        # only Redis sees them, and a count costs no system call per request
+        self._id_prefix = os.urandom(8).hex()
+        self._id_count = itertools.count()
+
+    def _new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._id_count):x}"
 
     async def admit(self, *, tenant_id: str, plan: TenantPlan, tokens: int) -> Lease | Refusal:
         now = time.monotonic()
@@ -335,20 +338,20 @@ class RedisLimiter(Limiter):
         if credit is not None and credit.covers(plan, tokens, now):
             credit.requests -= 1
             credit.tokens -= tokens
-            return Lease(tenant_id, _new_id(), tokens, plan, credit.levels(now))
+            return Lease(tenant_id, self._new_id(), tokens, plan, credit.levels(now))
         return await self._admit_in_redis(tenant_id, plan, tokens, now)
 
     async def _admit_in_redis(
         self, tenant_id: str, plan: TenantPlan, tokens: int, now: float
     ) -> Lease | Refusal:
-        lease = Lease(tenant_id=tenant_id, lease_id=_new_id(), tokens=tokens, plan=plan)
+        lease = Lease(tenant_id=tenant_id, lease_id=self._new_id(), tokens=tokens, plan=plan)
         # The credit held is given back in this call (with the refunds it owes) and is never used
         # again, whatever becomes of the call: it may have run.
         back = self._credit.pop(tenant_id, None)
         want_r, want_t = (
             (0, 0) if tenant_id in self._asking else _wanted(plan, tokens, self._credit_s)
         )
-        new_id = _new_id() if want_r + want_t else ""
+        new_id = self._new_id() if want_r + want_t else ""
         args = [
             _arg(plan.requests_per_minute),
             _arg(plan.tokens_per_minute),
@@ -459,7 +462,7 @@ class RedisLimiter(Limiter):
                 continue
             del self._credit[tenant_id]
             # a lease of its own, with no slot, only for the refund (kept for a retry if need be)
-            refund = Lease(tenant_id, _new_id(), 0, credit.plan)
+            refund = Lease(tenant_id, self._new_id(), 0, credit.plan)
             if every and now < credit.until:
                 await self._release_one(refund, credit.refund, abandoned=False, back=credit)
             elif credit.refund > 0:
