@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -55,6 +54,7 @@ from canary.markers import BODY_CHARS, TAG_CHARS, MarkerCodec, Verified, decode_
 from canary.metrics import CanaryMetrics
 from canary.records import MarkerRecord, RecordStore
 from contracts.plugins import RequestInfo, RequestRefused
+from contracts.randomness import RandomBytes
 from contracts.sql import utcnow
 
 log = logging.getLogger("kvguard.canary")
@@ -170,24 +170,18 @@ def _count(value: Any) -> int:
 
 class SecureDraws:
     """Uniform floats in [0, 1) from the operating system's CSPRNG (what ``secrets`` reads), so
-    a tenant cannot tell which of its requests will be marked: 53 bits of ``os.urandom`` per
-    draw, read 4 KiB at a time (one system call per 512 requests, where ``SystemRandom`` makes
-    one per request). Every byte is used once. The event loop draws; not for threads."""
+    a tenant cannot tell which of its requests will be marked: 53 bits of 8 random bytes per
+    draw (``contracts.randomness``: one system call per 512 draws, where ``SystemRandom`` makes
+    one per draw). The event loop draws; not for threads."""
 
-    __slots__ = ("_at", "_bytes")
-    SIZE = 4096
+    __slots__ = ("_bytes",)
     SCALE = 2.0**-53  # 53 random bits -> [0, 1), as ``random.random``
 
     def __init__(self) -> None:
-        self._bytes = b""
-        self._at = 0
+        self._bytes = RandomBytes()
 
     def __call__(self) -> float:
-        at = self._at
-        if at + 8 > len(self._bytes):
-            self._bytes, at = os.urandom(self.SIZE), 0
-        self._at = at + 8
-        return (int.from_bytes(self._bytes[at : at + 8], "big") >> 11) * self.SCALE
+        return (int.from_bytes(self._bytes.take(8), "big") >> 11) * self.SCALE
 
 
 class MarkerInjector:

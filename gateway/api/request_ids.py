@@ -10,16 +10,16 @@ A route reads the id with ``request_id_of`` (a completion uses it as its audit a
 
 from __future__ import annotations
 
-import os
-
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.engine import REQUEST_ID_HEADER
+from contracts.randomness import RandomBytes
 
 OPENAI_REQUEST_ID = "x-request-id"
 _STATE_KEY = "request_id"
 _NAMES = (REQUEST_ID_HEADER.lower().encode(), OPENAI_REQUEST_ID.encode())
+_RANDOM = RandomBytes()  # the event loop's: an id per request without a system call per request
 
 
 class RequestIds:
@@ -32,7 +32,7 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = os.urandom(16).hex()  # 128 random bits, as uuid4's hex without the object
+        request_id = _RANDOM.take(16).hex()  # 128 random bits, as uuid4's hex without the object
         scope.setdefault("state", {})[_STATE_KEY] = request_id
         value = request_id.encode()
 
