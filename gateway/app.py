@@ -264,7 +264,11 @@ def create_app(
                 await service.stop()
             await stop(state, tasks)
 
-    app = GatewayApp(title="kvguard gateway", version="0.1.0", lifespan=lifespan)
+    # no 307 from a path with a trailing slash to the one without (or back): an OpenAI client
+    # follows none, and OpenAI answers such a path as an unknown URL, as the error handlers do
+    app = GatewayApp(
+        title="kvguard gateway", version="0.1.0", lifespan=lifespan, redirect_slashes=False
+    )
     app.header_timeout_s = settings.header_timeout_s
     app.completions = CompletionRoutes(
         app, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s

@@ -132,6 +132,12 @@ async def test_unknown_routes_and_methods(gateway) -> None:
     ):
         assert served in message, served
     assert r.json()["error"]["type"] == "invalid_request_error"
+    for method, path in (("POST", CHAT + "/"), ("POST", "/v1/responses/"), ("GET", "/v1/x/y/")):
+        r = await gateway.client.request(method, path, json={})  # OpenAI's answer: no redirect
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "unknown_url"), path
+        assert r.json()["error"]["message"].startswith(f"Invalid URL ({method} {path}): ")
+        assert "POST /v1/chat/completions" in r.json()["error"]["message"]
+        assert r.headers["x-request-id"]
     r = await gateway.client.get("/not-v1")  # outside the OpenAI surface: the plain 404
     assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
     r = await gateway.client.get(CHAT)
