@@ -2,13 +2,17 @@
 
 Lifecycle: start each role in order -> wait for its health check (a role that exits or never
 becomes healthy aborts the start-up) -> print which role is on which port -> watch -> on Ctrl-C,
-SIGTERM, or any role exiting: stop every role (SIGTERM, then SIGKILL after a grace period), in
-reverse start order. Nothing is restarted silently: a role that dies ends the whole stack with a
-non-zero status naming that role.
+SIGTERM, any role exiting, or any role reporting itself failed: stop every role (SIGTERM, then
+SIGKILL after a grace period), in reverse start order. A role reports itself failed when its
+health check answers ``"status": "failed"``, a state it never leaves (an engine whose loop failed,
+a gateway whose background task ended); it is asked every ``health_every_s``. Nothing is
+restarted silently: a role that dies or fails ends the whole stack with a non-zero status naming
+that role and, for a failure, what it said.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -58,6 +62,7 @@ class Supervisor:
     roles: Sequence[RoleSpec]
     out: TextIO = sys.stdout
     grace_s: float = 10.0
+    health_every_s: float = 5.0
     _running: list[_Running] = field(default_factory=list)
 
     def run(self, banner: str | Callable[[], str] = "") -> int:
@@ -95,12 +100,20 @@ class Supervisor:
             self._wait_healthy(running)
 
     def watch(self, poll_s: float = 0.5) -> int:
+        asked = time.monotonic()
         while True:
             for running in self._running:
                 code = running.proc.poll()
                 if code is not None:
                     raise RoleFailed(running.spec.name, f"exited with status {code}")
-            time.sleep(poll_s)
+            if time.monotonic() - asked >= self.health_every_s:
+                for running in self._running:
+                    spec = running.spec
+                    said = None if spec.heartbeat else _failed(spec.url + spec.health_path)
+                    if said is not None:
+                        raise RoleFailed(spec.name, f"reports itself failed: {said}")
+                asked = time.monotonic()
+            time.sleep(min(poll_s, self.health_every_s))
 
     def stop(self) -> None:
         for running in reversed(self._running):
@@ -143,6 +156,26 @@ def _healthy(url: str) -> bool:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _failed(url: str) -> str | None:
+    """What a role whose health check answers ``"status": "failed"`` says (its ``error``, or its
+    ``problems``); None for any other answer, or none (an exit is seen by the poll)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            raw = response.read(65536)
+    except urllib.error.HTTPError as error:
+        raw = error.read(65536)
+    except (urllib.error.URLError, OSError):
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or body.get("status") != "failed":
+        return None
+    said = body.get("error") or "; ".join(map(str, body.get("problems") or [])) or "no detail"
+    return str(said)[:300]
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:

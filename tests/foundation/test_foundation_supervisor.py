@@ -43,6 +43,53 @@ def test_a_dying_role_stops_the_stack_and_is_named() -> None:
     wait_for(lambda: not _alive(pids[0]), 10, "the surviving role stopped too")
 
 
+# A role whose health check answers 200 "ok" until the file named by its argument exists, then
+# 503 "failed" (as an engine whose loop failed, or a gateway whose background task ended, does).
+FAILING_ROLE = """
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        failed = os.path.exists(sys.argv[2])
+        body = {"status": "ok"}
+        if failed:
+            body = {"status": "failed", "error": "engine loop failed: OSError"}
+        raw = json.dumps(body).encode()
+        self.send_response(503 if failed else 200)
+        self.send_header("content-length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_role_that_reports_itself_failed_stops_the_stack_and_is_named(tmp_path) -> None:
+    port, trigger = free_port(), tmp_path / "fail"
+    engine = RoleSpec(
+        name="engine",
+        argv=[sys.executable, "-c", FAILING_ROLE, str(port), str(trigger)],
+        url=f"http://127.0.0.1:{port}",
+    )
+    roles = [_http_role("first", free_port()), engine]
+    out = io.StringIO()
+    sup = Supervisor(roles, out=out, health_every_s=0.2)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(sup.run("banner")))
+    thread.start()
+    wait_for(lambda: "all roles healthy" in out.getvalue(), 30, "both roles healthy")
+    pids = [r.proc.pid for r in sup._running]
+    trigger.touch()
+    thread.join(timeout=30)
+    assert result == [1]
+    assert "role 'engine' reports itself failed: engine loop failed: OSError" in out.getvalue()
+    wait_for(lambda: not any(_alive(pid) for pid in pids), 10, "every role stopped")
+
+
 def test_a_role_that_fails_at_start_up_stops_the_earlier_ones() -> None:
     good = _http_role("good", free_port())
     bad = RoleSpec(

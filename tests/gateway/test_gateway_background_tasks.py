@@ -46,6 +46,7 @@ async def test_a_background_task_that_ends_is_a_health_problem(
         assert gw.state.ended_tasks == {"responses-purge": "RuntimeError"}
         health = await gw.client.get("/health")
         assert health.status_code == 503
+        assert health.json()["status"] == "failed"  # for good: kvguard up ends on it
         problems = health.json()["problems"]
         assert "background task responses-purge ended (RuntimeError)" in problems
         assert "did not catch" not in health.text  # the error's text is the log's only

@@ -86,7 +86,16 @@ async def health(state: StateDep) -> JSONResponse:
         problems.append("no routable engine")
     problems += [f"background task {name} ended ({why})" for name, why in state.ended_tasks.items()]
     drift = [engine["name"] for engine in engines if engine["drift"]]
-    status = "unavailable" if problems else ("degraded" if drift else "ok")
+    # failed: a state this replica never leaves (a background task ended), unlike an outage
+    status = (
+        "failed"
+        if state.ended_tasks
+        else "unavailable"
+        if problems
+        else "degraded"
+        if drift
+        else "ok"
+    )
     body = {
         "status": status,
         "problems": problems,
