@@ -9,7 +9,8 @@ so the scripts stay valid on a Redis Cluster. Buckets expire after two idle wind
 bucket needs no state). The admit script also returns the buckets' levels
 (``gateway.limits.base.Levels``: the rate-limit headers) in the same reply.
 
-Credit (plans without a concurrency cap). A call that admits may also take *credit*: up to
+Credit (plans without a concurrency cap). A call that admits for a tenant this replica called
+for within ``credit_s`` (one busy here) may also take *credit*: up to
 ``credit_s`` seconds of each bucket's refill, taken only from the upper half of every bucket the
 plan has, and recorded in Redis as lent to this replica until ``credit_s`` from then. The replica
 admits the tenant's next requests from it without a call (for ``CREDIT_USE`` of that life, so a
@@ -323,6 +324,7 @@ class RedisLimiter(Limiter):
         self._unreleased: dict[str, tuple[Lease, int, bool]] = {}
         self._credit: dict[str, Credit] = {}  # tenant id -> what this replica holds
         self._asking: set[str] = set()  # tenants whose credit call is on its way
+        self._called: dict[str, float] = {}  # tenant id -> when this replica last called for it
         self._refresher: asyncio.Task[None] | None = None
         # lease and credit ids: unique across replicas (64 random bits) and in this one (a count);
         # only Redis sees them, and a count costs no system call per request
@@ -348,8 +350,14 @@ class RedisLimiter(Limiter):
         # The credit held is given back in this call (with the refunds it owes) and is never used
         # again, whatever becomes of the call: it may have run.
         back = self._credit.pop(tenant_id, None)
+        # credit only for a tenant this replica called for within its life: one that is busy here
+        # (a tenant seen once in a while would leave credit to lapse, out of everyone's reach)
+        busy = now - self._called.get(tenant_id, -math.inf) < self._credit_s
+        self._called[tenant_id] = now
         want_r, want_t = (
-            (0, 0) if tenant_id in self._asking else _wanted(plan, tokens, self._credit_s)
+            _wanted(plan, tokens, self._credit_s)
+            if busy and tenant_id not in self._asking
+            else (0, 0)
         )
         new_id = self._new_id() if want_r + want_t else ""
         args = [
@@ -457,6 +465,9 @@ class RedisLimiter(Limiter):
         """Forget the credit that can no longer be used, sending the refunds it owes (Redis drops
         its record when its life ends); with ``every``, give back all of it, live or not."""
         now = time.monotonic()
+        for tenant_id, called in list(self._called.items()):
+            if now - called >= self._credit_s:
+                del self._called[tenant_id]
         for tenant_id, credit in list(self._credit.items()):
             if not every and now < credit.until:
                 continue

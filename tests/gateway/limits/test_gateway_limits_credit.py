@@ -41,6 +41,15 @@ def held(client: redis.Redis, tenant: str) -> tuple[float, int]:
     return float(level or TPM), sum(int(v.split()[1]) for v in lent)
 
 
+def assert_held(client: redis.Redis, tenant: str, level: int, lent: int, since: float) -> None:
+    """The bucket holds ``level`` tokens plus what it refilled since ``since`` (Redis counts
+    whole milliseconds: up to 3 ms more), and ``lent`` are lent out."""
+    found, found_lent = held(client, tenant)
+    refill = ((time.monotonic() - since) * 1000 + 3) * TPM / 60_000
+    assert found_lent == lent
+    assert level <= found <= level + refill, (found, level)
+
+
 async def test_a_busy_tenant_is_admitted_from_credit_without_a_call(
     redis_url, client, tenant
 ) -> None:
@@ -52,8 +61,10 @@ async def test_a_busy_tenant_is_admitted_from_credit_without_a_call(
         leases = [await limiter.admit(tenant_id=tenant, plan=plan, tokens=100) for _ in range(100)]
         elapsed = time.monotonic() - started
         assert all(isinstance(lease, Lease) for lease in leases)
-        assert scripts_run(client) == before + 1  # 5 s of refill: 500 requests, 50,000 tokens
-        assert held(client, tenant) == (TPM - 100 - 50_000, 50_000)
+        # the first call takes no credit (the tenant is not busy here yet); the second takes 5 s
+        # of refill: 500 requests and 50,000 tokens, for the other 98
+        assert scripts_run(client) == before + 2
+        assert_held(client, tenant, TPM - 200 - 50_000, 50_000, started)
         # the headers count what this replica holds as the tenant's: as if every take were a call
         remaining = [lease.levels.requests.remaining for lease in leases]  # type: ignore[union-attr]
         assert remaining[0] == 5_999
@@ -81,8 +92,9 @@ async def test_the_buckets_and_the_credit_lent_never_hold_more_than_the_plan(
     b = RedisLimiter(url=redis_url, lease_s=30, credit_s=5)
     plan = TenantPlan(tokens_per_minute=TPM)
     try:
-        assert isinstance(await a.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
-        # A holds 50,000; the bucket 549,990 and refilling at 10,000/s, up to 550,000 only
+        for _ in range(2):  # the second, for a tenant busy here, takes credit
+            assert isinstance(await a.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
+        # A holds 50,000; the bucket 549,980 and refilling at 10,000/s, up to 550,000 only
         await asyncio.sleep(0.25)  # time for 2,500 tokens of refill
         refused = await b.admit(tenant_id=tenant, plan=plan, tokens=551_000)
         assert isinstance(refused, Refusal) and refused.kind is LimitKind.TOKENS
@@ -102,8 +114,10 @@ async def test_credit_a_quiet_replica_holds_lapses_for_everyone(redis_url, clien
     b = RedisLimiter(url=redis_url, lease_s=30, credit_s=0.5)
     plan = TenantPlan(tokens_per_minute=TPM)
     try:
-        assert isinstance(await a.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
-        assert held(client, tenant) == (TPM - 10 - 5_000, 5_000)
+        started = time.monotonic()
+        for _ in range(2):
+            assert isinstance(await a.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
+        assert_held(client, tenant, TPM - 20 - 5_000, 5_000, started)
         await asyncio.sleep(0.6)  # past the credit's life in Redis (and A's use of it)
         assert isinstance(await b.admit(tenant_id=tenant, plan=plan, tokens=TPM - 100), Lease)
         before = scripts_run(client)
@@ -124,20 +138,18 @@ async def test_a_replica_gives_back_its_credit_with_the_refunds_it_owes(
 
     def assert_used(tokens: int) -> None:
         """What the tenant has used is all that is gone from the bucket (the rest refilled)."""
-        level, lent = held(client, tenant)
-        refill = (time.monotonic() - started) * TPM / 60 + 1
-        assert lent == 0
-        assert TPM - tokens <= level <= TPM - tokens + refill
+        assert_held(client, tenant, TPM - tokens, 0, started)
 
     try:
         first = await limiter.admit(tenant_id=tenant, plan=plan, tokens=1_000)
-        second = await limiter.admit(tenant_id=tenant, plan=plan, tokens=1_000)
+        second = await limiter.admit(tenant_id=tenant, plan=plan, tokens=1_000)  # takes credit
         assert isinstance(first, Lease) and isinstance(second, Lease)
+        assert held(client, tenant)[1] == 50_000
         before = scripts_run(client)
         await limiter.release(first, unused_tokens=400)
         await limiter.release(second, unused_tokens=400)
         assert scripts_run(client) == before  # owed, not sent yet
-        # more than the 49,000 left: the call gives them back with the 800 owed (and takes no
+        # more than the 50,000 held: the call gives them back with the 800 owed (and takes no
         # new credit: 5 s of refill would not cover another such request)
         assert isinstance(await limiter.admit(tenant_id=tenant, plan=plan, tokens=60_000), Lease)
         assert_used(2_000 - 800 + 60_000)
@@ -147,3 +159,20 @@ async def test_a_replica_gives_back_its_credit_with_the_refunds_it_owes(
     finally:
         await limiter.close()  # gives back the 50,000 with the 300 owed
     assert_used(2_000 - 800 + 60_000 + 1_000 - 300)
+
+
+async def test_a_tenant_seen_once_in_a_while_takes_no_credit(redis_url, client, tenant) -> None:
+    """Credit for a tenant a replica sees once in a while would only lapse, out of every
+    replica's reach: it is taken for a tenant this replica called for within its life."""
+    limiter = RedisLimiter(url=redis_url, lease_s=30, credit_s=0.5)
+    plan = TenantPlan(tokens_per_minute=TPM)
+    try:
+        for _ in range(2):
+            assert isinstance(await limiter.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
+            assert held(client, tenant)[1] == 0
+            await asyncio.sleep(0.55)  # longer than the credit's life: not busy here
+        assert isinstance(await limiter.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
+        assert isinstance(await limiter.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
+        assert held(client, tenant)[1] == 5_000  # busy: 0.5 s of 10,000 tokens per second
+    finally:
+        await limiter.close()
