@@ -505,11 +505,17 @@ class RedisLimiter(Limiter):
                 raise reply
 
     async def _refresh_loop(self) -> None:
-        period = min(self._lease_ms / 3000, self._credit_s or math.inf)  # credit lapses on time
+        """Every third of the lease time the leases held are extended; every ``credit_s`` (if
+        sooner) the credit that lapsed is forgotten and its refunds sent, with failed releases."""
+        third = self._lease_ms / 3000
+        period = min(third, self._credit_s or math.inf)
+        refreshed = time.monotonic()
         while True:
             await asyncio.sleep(period)
             try:
-                await self.refresh_held()
+                if time.monotonic() - refreshed >= third - period / 2:
+                    await self.refresh_held()
+                    refreshed = time.monotonic()
                 await self.flush_credit()
             except _FAILURES:
                 log.warning("lease refresh failed; retrying")

@@ -176,3 +176,20 @@ async def test_a_tenant_seen_once_in_a_while_takes_no_credit(redis_url, client, 
         assert held(client, tenant)[1] == 5_000  # busy: 0.5 s of 10,000 tokens per second
     finally:
         await limiter.close()
+
+
+async def test_held_leases_are_extended_every_third_of_their_time_not_every_credit_period(
+    redis_url, client, tenant
+) -> None:
+    """The refresh loop wakes every ``credit_s`` to let lapsed credit go; the leases it holds are
+    still extended only every third of their time (one call per lease)."""
+    limiter = RedisLimiter(url=redis_url, lease_s=30, credit_s=0.1)
+    await limiter.start()
+    try:
+        lease = await limiter.admit(tenant_id=tenant, plan=TenantPlan(max_concurrency=2), tokens=1)
+        assert isinstance(lease, Lease)
+        before = scripts_run(client)
+        await asyncio.sleep(0.55)  # five credit periods
+        assert scripts_run(client) == before
+    finally:
+        await limiter.close()
