@@ -25,8 +25,9 @@ may take new credit; credit nobody gives back lapses in Redis at its deadline. S
   lets its credit lapse within ``credit_s``, which is the most another replica can be refused
   early for credit held elsewhere;
 - the ``x-ratelimit-*`` headers of a request admitted from credit are the buckets as its replica
-  last saw them, refilled since, plus the credit it holds: exact for one replica, and other
-  replicas' takes show on the next call.
+  last saw them, refilled since, plus the credit it holds (up to the plan): other replicas' takes
+  show on the next call, and a refill the bucket's ceiling (its capacity less the credit lent)
+  held back may show early.
 
 Leases carry deadlines; this process refreshes the ones it holds every third of the lease time,
 so a gateway that dies frees its slots within one lease time. Any Redis error raises
@@ -37,13 +38,16 @@ instead of a lease time later; the deadline stays the backstop.
 
 An admit the gateway gave up on (a timeout: Redis frozen, its socket still open) may still run
 when Redis resumes, and would hold a slot nobody releases. So it is *abandoned*: released like a
-failed release (retried until Redis answers), and that release also leaves a tombstone under the
-lease id for one lease time, which the admit script checks first. Whichever runs first, the slot
-ends free: a late admit finds the tombstone and takes nothing; an earlier one is removed (and its
-tokens refunded). An abandoned admit of a plan without a concurrency cap may keep its rate charge
-(nothing shows whether it ran): at most one request's worth and the credit it asked for, which
-lapses. The credit and refunds such a call gave back are never sent again (they may have been
-received): a failure can only leave a tenant less, never more.
+failed release (retried until Redis answers). Every release leaves a tombstone under the lease
+id for one lease time, which the admit script checks first and a second run of the same release
+(a retry whose first reply was lost, a replay) finds, refunding nothing again; credit given back,
+and the refunds it owes, count only with its live record, which the first call deletes. For an
+abandoned admit, whichever runs first, the slot ends free: a late admit finds the tombstone and
+takes nothing; an earlier one is removed (and its tokens refunded). An abandoned admit of a plan
+without a concurrency cap may keep its rate charge (nothing shows whether it ran): at most one
+request's worth and the credit it asked for, which lapses. The credit and refunds such a call
+gave back are never sent again (they may have been received): a failure can only leave a tenant
+less, never more.
 """
 
 from __future__ import annotations
@@ -98,9 +102,10 @@ local function store(key, lvl, window)
 end
 -- Credit lent to replicas: a hash of credit id -> 'requests tokens deadline_ms'. Returns what the
 -- live records hold, less the one named `returned`, which is deleted with the expired ones; of
--- that one, at most what it holds of back_r and back_t comes back.
+-- that one, at most what it holds of back_r and back_t comes back, and whether it was found
+-- (live: a call that gives it back a second time, a replay, finds nothing).
 local function lent(key, returned, back_r, back_t)
-  local sum_r, sum_t, got_r, got_t = 0, 0, 0, 0
+  local sum_r, sum_t, got_r, got_t, found = 0, 0, 0, 0, false
   local records = redis.call('HGETALL', key)
   for i = 1, #records, 2 do
     local r, k, d = string.match(records[i + 1], '^(%S+) (%S+) (%S+)$')
@@ -109,12 +114,16 @@ local function lent(key, returned, back_r, back_t)
       redis.call('HDEL', key, records[i])
     elseif records[i] == returned then
       redis.call('HDEL', key, records[i])
-      got_r, got_t = math.min(r, back_r), math.min(k, back_t)
+      got_r, got_t, found = math.min(r, back_r), math.min(k, back_t), true
     else
       sum_r, sum_t = sum_r + r, sum_t + k
     end
   end
-  return sum_r, sum_t, got_r, got_t
+  return sum_r, sum_t, got_r, got_t, found
+end
+-- Extends a key's life to at least ms (never shortens what another caller set).
+local function keep(key, ms)
+  if redis.call('PTTL', key) < ms then redis.call('PEXPIRE', key, ms) end
 end
 """
 
@@ -135,8 +144,9 @@ if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 'abandoned', -1, '', ''} e
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cost, lease = tonumber(ARGV[4]), ARGV[5]
 local lease_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7])
-local lent_r, lent_t, back_r, back_t = lent(KEYS[5], ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10]))
-local refund = tonumber(ARGV[11])
+local lent_r, lent_t, back_r, back_t, found = lent(
+  KEYS[5], ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10]))
+local refund = found and tonumber(ARGV[11]) or 0  -- owed with that credit: once, with it
 local want_r, want_t, credit_ms = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
 local rpm_level, tpm_level
 if rpm then
@@ -180,7 +190,7 @@ end
 if (rpm and got_r < 1) or (tpm and got_t < 1) then got_r, got_t = 0, 0 end
 if got_r + got_t > 0 then
   redis.call('HSET', KEYS[5], ARGV[12], got_r .. ' ' .. got_t .. ' ' .. (now + credit_ms))
-  redis.call('PEXPIRE', KEYS[5], 2 * credit_ms)
+  keep(KEYS[5], 2 * credit_ms)  -- another replica's credit may live longer
 end
 if rpm then store(KEYS[1], rpm_level - got_r, window) end
 if tpm then store(KEYS[2], tpm_level - got_t, window) end
@@ -194,20 +204,20 @@ return {1, after_r, after_t, got_r, got_t}
 )
 
 # KEYS: requests bucket, tokens bucket, lease zset, the lease's tombstone, the lent credit.
-# ARGV: rpm cap, tpm cap ('' = none), refund, lease id ('' = none), window ms, tombstone ms
-# ('' = a normal release), the credit given back (its id, '' = none; its unused requests and
-# tokens). An abandoned admit's release leaves the tombstone and refunds only a lease it removed.
+# ARGV: rpm cap, tpm cap ('' = none), refund, lease id, window ms, tombstone ms, abandoned ('1',
+# or '' for a normal release), the credit given back (its id, '' = none; its unused requests and
+# tokens). Every release leaves the lease's tombstone: a second run of it (a retry whose first
+# reply was lost, a replay) refunds nothing again, and a late admit of it takes nothing. An
+# abandoned admit's release refunds only a lease it removed.
 RELEASE_LUA = (
     _PRELUDE
     + """
 local removed = redis.call('ZREM', KEYS[3], ARGV[4])
 local rpm, tpm, refund = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local window = tonumber(ARGV[5])
-if ARGV[6] ~= '' then
-  redis.call('SET', KEYS[4], '1', 'PX', ARGV[6])
-  if removed == 0 then refund = 0 end
-end
-local lent_r, lent_t, back_r, back_t = lent(KEYS[5], ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9]))
+if not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[6]) then refund = 0 end
+if ARGV[7] ~= '' and removed == 0 then refund = 0 end
+local lent_r, lent_t, back_r, back_t = lent(KEYS[5], ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10]))
 if rpm and back_r > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
   store(KEYS[1], math.min(rpm - lent_r, level(KEYS[1], rpm, rpm - lent_r, window) + back_r), window)
 end
@@ -311,7 +321,8 @@ class RedisLimiter(Limiter):
     ) -> None:
         # contracts.resp: one pipelined connection; a call whose connection broke is tried
         # once more on a fresh one (after an outage the old one is dead). That is safe here: a
-        # lease is added under its own id (ZADD again is a no-op) and a release removes it by id;
+        # lease is added under its own id (ZADD again is a no-op), a release removes it by id and
+        # refunds once (its tombstone), credit comes back once (its record);
         # at worst a replayed admit charges its rate buckets twice.
         self._client = RespClient(url, timeout_s=timeout_s)
         self._lease_ms = int(lease_s * 1000)
@@ -348,8 +359,12 @@ class RedisLimiter(Limiter):
     ) -> Lease | Refusal:
         lease = Lease(tenant_id=tenant_id, lease_id=self._new_id(), tokens=tokens, plan=plan)
         # The credit held is given back in this call (with the refunds it owes) and is never used
-        # again, whatever becomes of the call: it may have run.
+        # again, whatever becomes of the call: it may have run. Credit past its use here may be
+        # gone from Redis, and its refunds with it: those go as a release of their own.
         back = self._credit.pop(tenant_id, None)
+        if back is not None and now >= back.until:
+            self._owe(tenant_id, back)
+            back = None
         # credit only for a tenant this replica called for within its life: one that is busy here
         # (a tenant seen once in a while would leave credit to lapse, out of everyone's reach)
         busy = now - self._called.get(tenant_id, -math.inf) < self._credit_s
@@ -377,12 +392,12 @@ class RedisLimiter(Limiter):
             str(want_t),
             str(int(self._credit_s * 1000)),
         ]
-        if self._unreleased:
-            with contextlib.suppress(*_FAILURES):
-                await self._retry_releases(INLINE_RETRIES)  # first give back what an outage kept
         if new_id:
-            self._asking.add(tenant_id)
+            self._asking.add(tenant_id)  # before any await: one credit call per tenant
         try:
+            if self._unreleased:
+                with contextlib.suppress(*_FAILURES):
+                    await self._retry_releases(INLINE_RETRIES)  # first what an outage kept
             result = await self._admit(_keys(tenant_id, lease.lease_id), args)
         except _FAILURES as exc:
             # It may still run when Redis answers: release it then (tombstoned).
@@ -442,7 +457,7 @@ class RedisLimiter(Limiter):
         plan = lease.plan
         args = [_arg(plan.requests_per_minute), _arg(plan.tokens_per_minute)]
         args += [str(max(0, unused_tokens)), lease.lease_id, str(WINDOW_MS)]
-        args.append(str(self._lease_ms) if abandoned else "")
+        args += [str(self._lease_ms), "1" if abandoned else ""]
         if back is None:
             args += ["", "0", "0"]
         else:
@@ -472,13 +487,19 @@ class RedisLimiter(Limiter):
             if not every and now < credit.until:
                 continue
             del self._credit[tenant_id]
-            # a lease of its own, with no slot, only for the refund (kept for a retry if need be)
-            refund = Lease(tenant_id, self._new_id(), 0, credit.plan)
             if every and now < credit.until:
+                refund = Lease(tenant_id, self._new_id(), 0, credit.plan)
                 await self._release_one(refund, credit.refund, abandoned=False, back=credit)
-            elif credit.refund > 0:
-                self._keep_unreleased(refund, credit.refund, abandoned=False)
+            else:
+                self._owe(tenant_id, credit)
         await self._retry_releases()
+
+    def _owe(self, tenant_id: str, credit: Credit) -> None:
+        """The refunds of credit that lapsed, as a release of their own: a lease with no slot,
+        kept (and retried) like a failed release; its tombstone makes it count once."""
+        if credit.refund > 0:
+            refund = Lease(tenant_id, self._new_id(), 0, credit.plan)
+            self._keep_unreleased(refund, credit.refund, abandoned=False)
 
     async def healthy(self) -> bool:
         try:
@@ -516,9 +537,12 @@ class RedisLimiter(Limiter):
                 if time.monotonic() - refreshed >= third - period / 2:
                     await self.refresh_held()
                     refreshed = time.monotonic()
-                await self.flush_credit()
             except _FAILURES:
                 log.warning("lease refresh failed; retrying")
+            try:  # apart: a lease that cannot be extended must not hold back the refunds
+                await self.flush_credit()
+            except _FAILURES:
+                log.warning("sending the refunds of lapsed credit failed; retrying")
 
     async def start(self) -> list[asyncio.Task[None]]:
         self._refresher = asyncio.create_task(self._refresh_loop(), name="lease-refresh")
@@ -530,5 +554,5 @@ class RedisLimiter(Limiter):
             with contextlib.suppress(asyncio.CancelledError, Exception):  # an error was reported
                 await self._refresher
         with contextlib.suppress(*_FAILURES):
-            await self.flush_credit(every=True)  # the refunds owed; the credit expires by itself
+            await self.flush_credit(every=True)  # the credit held and the refunds owed
         await self._client.close()

@@ -11,6 +11,7 @@ import uuid
 import pytest
 import redis
 
+from contracts.resp import RespError
 from gateway.domain import TenantPlan
 from gateway.limits.base import Lease, LimitKind, Refusal
 from gateway.limits.redis_limiter import RedisLimiter
@@ -41,12 +42,14 @@ def held(client: redis.Redis, tenant: str) -> tuple[float, int]:
     return float(level or TPM), sum(int(v.split()[1]) for v in lent)
 
 
-def assert_held(client: redis.Redis, tenant: str, level: int, lent: int, since: float) -> None:
+def assert_held(
+    client: redis.Redis, tenant: str, level: int, lent: int | None, since: float
+) -> None:
     """The bucket holds ``level`` tokens plus what it refilled since ``since`` (Redis counts
-    whole milliseconds: up to 3 ms more), and ``lent`` are lent out."""
+    whole milliseconds: up to 3 ms more), and ``lent`` are lent out (None: whatever)."""
     found, found_lent = held(client, tenant)
     refill = ((time.monotonic() - since) * 1000 + 3) * TPM / 60_000
-    assert found_lent == lent
+    assert lent is None or found_lent == lent
     assert level <= found <= level + refill, (found, level)
 
 
@@ -191,5 +194,69 @@ async def test_held_leases_are_extended_every_third_of_their_time_not_every_cred
         before = scripts_run(client)
         await asyncio.sleep(0.55)  # five credit periods
         assert scripts_run(client) == before
+    finally:
+        await limiter.close()
+
+
+async def test_a_release_run_twice_refunds_once(redis_url, client, tenant) -> None:
+    """A retry whose first reply was lost, or the connection's replay, runs a release again: its
+    tombstone makes the refund count once (credit returned counts once by its record)."""
+    limiter = RedisLimiter(url=redis_url, lease_s=30, credit_s=0)
+    plan = TenantPlan(tokens_per_minute=TPM)
+    try:
+        started = time.monotonic()
+        lease = await limiter.admit(tenant_id=tenant, plan=plan, tokens=100_000)
+        assert isinstance(lease, Lease)
+        for _ in range(3):
+            await limiter._release_one(lease, 60_000, abandoned=False)
+        assert_held(client, tenant, TPM - 100_000 + 60_000, 0, started)
+    finally:
+        await limiter.close()
+
+
+async def test_credit_lives_in_redis_as_long_as_the_longest_lender_says(
+    redis_url, client, tenant
+) -> None:
+    """Replicas may run with different credit lives: one with a short life must not cut short
+    the record of another's longer credit (the whole hash expiring with it)."""
+    long_lived = RedisLimiter(url=redis_url, lease_s=30, credit_s=10)
+    short_lived = RedisLimiter(url=redis_url, lease_s=30, credit_s=0.5)
+    plan = TenantPlan(tokens_per_minute=TPM)
+    lent_key = f"kvg:lim:{{{tenant}}}:lent"
+    try:
+        for limiter in (long_lived, long_lived, short_lived, short_lived):
+            assert isinstance(await limiter.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
+        assert held(client, tenant)[1] == 100_000 + 5_000
+        assert client.pttl(lent_key) > 15_000  # the long credit's record lives 10 s
+    finally:
+        await long_lived.close()
+        await short_lived.close()
+
+
+async def test_refunds_of_lapsed_credit_go_back_even_when_leases_cannot_be_extended(
+    redis_url, client, tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limiter = RedisLimiter(url=redis_url, lease_s=0.6, credit_s=0.2)  # both every 0.2 s
+
+    async def refresh_fails() -> None:
+        raise RespError("ERR a lease refresh that keeps failing")
+
+    monkeypatch.setattr(limiter, "refresh_held", refresh_fails)
+    plan = TenantPlan(tokens_per_minute=TPM)
+    await limiter.start()
+    try:
+        for _ in range(2):
+            lease = await limiter.admit(tenant_id=tenant, plan=plan, tokens=1_000)
+            assert isinstance(lease, Lease)
+        await limiter.release(lease, unused_tokens=700)  # owed with the credit
+        before = scripts_run(client)
+        deadline = time.monotonic() + 10
+        while scripts_run(client) == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the loop sends it once the credit lapsed (0.18 s)
+        assert scripts_run(client) == before + 1, "the refund was never sent"
+        assert limiter._unreleased == {}  # ... and it arrived
+        # (Redis refilled the bucket meanwhile about as much as the refund: the level says little)
+        level = held(client, tenant)[0]
+        assert level >= TPM - 2_000 - 2_000 + 700
     finally:
         await limiter.close()
