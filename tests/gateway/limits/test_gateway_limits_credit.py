@@ -35,6 +35,11 @@ def scripts_run(client: redis.Redis) -> int:
     return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
+def redis_now_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000
+
+
 def held(client: redis.Redis, tenant: str) -> tuple[float, int]:
     """The tokens bucket's stored level and the tokens lent out of it as credit (live or not)."""
     level = client.hget(f"kvg:lim:{{{tenant}}}:tokens", "level")
@@ -121,7 +126,12 @@ async def test_credit_a_quiet_replica_holds_lapses_for_everyone(redis_url, clien
         for _ in range(2):
             assert isinstance(await a.admit(tenant_id=tenant, plan=plan, tokens=10), Lease)
         assert_held(client, tenant, TPM - 20 - 5_000, 5_000, started)
-        await asyncio.sleep(0.6)  # past the credit's life in Redis (and A's use of it)
+        # until Redis's clock passes the credit's deadline (A stopped using it 10% sooner)
+        [record] = client.hvals(f"kvg:lim:{{{tenant}}}:lent")
+        deadline_ms = int(record.split()[2])
+        while redis_now_ms(client) <= deadline_ms:
+            assert time.monotonic() - started < 10, "Redis's clock did not reach the deadline"
+            await asyncio.sleep(0.02)
         assert isinstance(await b.admit(tenant_id=tenant, plan=plan, tokens=TPM - 100), Lease)
         before = scripts_run(client)
         refused = await a.admit(tenant_id=tenant, plan=plan, tokens=1_000)
