@@ -2,7 +2,7 @@
 production: another tenant's response id answers every route exactly as an id never issued (status,
 body, and time: interleaved lookups, medians compared), and the state is the database's, not a
 replica's (create on one gateway, continue on another, and after a restart); what is stored can
-always be read back and continued. The engine is the bundled-kind stand-in
+always be read back: continued, and listed page by page. The engine is the bundled-kind stand-in
 (``gateway_standin``), which records what it was sent, or, where a test scripts tool calls, the
 vLLM stand-in's chat routes declared as an OpenAI-compatible engine."""
 
@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+import openai
 import psycopg
 import pytest
 import redis
@@ -481,3 +482,54 @@ async def test_a_chain_stored_with_such_a_call_is_a_400_naming_previous_response
                 "the stored conversation cannot be continued: stored item 1: name: "
             ), error
         assert len(engine.traffic.bodies) == sent_before
+
+
+async def test_repeated_input_item_ids_are_refused_and_an_old_turn_with_them_lists_whole(
+    pg_settings: Callable[[], GatewaySettings],
+) -> None:
+    """Two input items with one id are OpenAI's 400 (``Duplicate item found with id ...``, param
+    ``input``). A turn an earlier gateway stored with an id repeated is listed whole by the SDK's
+    auto-pagination (``after`` the last item's id), each item once, and the listing ends: it
+    used to go round for ever."""
+    texts = ["c", "x1", "b", "x2", "a"]
+    ids = ["msg_c", "msg_x", "msg_b", "msg_y", "msg_a"]
+    items = [
+        {"type": "message", "role": "user", "id": item_id, "content": text}
+        for item_id, text in zip(ids, texts, strict=True)
+    ]
+    async with _gateway(pg_settings()) as gw:
+        _, key = await gw.create_tenant("acme")
+        model = await _model(gw, key)
+        body = {"model": model, "max_output_tokens": 16}
+        repeated = [*items[:3], {**items[3], "id": "msg_x"}, items[4]]
+        refused = await gw.client.post(
+            "/v1/responses", headers=bearer(key), json={**body, "input": repeated}
+        )
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "input" and error["type"] == "invalid_request_error", error
+        assert "Duplicate item found with id msg_x." in error["message"], error
+
+        created = await gw.client.post(
+            "/v1/responses", headers=bearer(key), json={**body, "input": items}
+        )
+        assert created.status_code == 200, created.text
+        response_id = created.json()["id"]
+
+        def with_an_id_repeated(row: StoredResponse) -> None:
+            conversation = [dict(item) for item in row.conversation]
+            conversation[row.input_start + 3]["id"] = "msg_x"
+            row.conversation = conversation
+
+        _rewrite(gw, response_id, with_an_id_repeated)
+        base_url = str(gw.client.base_url).rstrip("/")
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0)
+        for order, expected in (("asc", texts), ("desc", texts[::-1])):
+            for limit in (1, 2, 3, 20):
+                listed = []
+                pages = client.responses.input_items.list(response_id, limit=limit, order=order)
+                async for item in pages:
+                    listed.append(item.content[0].text)
+                    assert len(listed) <= len(texts), (order, limit, listed)  # not round again
+                assert listed == expected, (order, limit)
+        await client.close()
