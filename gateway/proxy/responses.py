@@ -138,7 +138,10 @@ class ResponsesFlight(Flight):
             self._history = await self._stored_history(request.previous_response_id)
         try:
             chat = to_chat.chat_body(request, self._history)
-        except ValidationError as exc:
+        except to_chat.UnreadableHistory as exc:
+            message = f"the stored conversation cannot be continued: {exc}"
+            raise InvalidRequest(message, param="previous_response_id") from exc
+        except ValueError as exc:  # pydantic's ValidationError is one too
             raise InvalidRequest(_first_error(exc), param="input") from exc
         self.body = chat
         sized_by = "max_output_tokens" if request.max_output_tokens is not None else None
@@ -409,9 +412,12 @@ def _placeholder(request: CreateResponseBody) -> ChatCompletionBody:
     return ChatCompletionBody.model_construct(model=request.model, stream=request.stream)
 
 
-def _first_error(exc: ValidationError) -> str:
-    errors = exc.errors()
-    message = str(errors[0].get("msg", "invalid input")) if errors else "invalid input"
+def _first_error(exc: ValueError) -> str:
+    if isinstance(exc, ValidationError):
+        errors = exc.errors()
+        message = str(errors[0].get("msg", "invalid input")) if errors else "invalid input"
+    else:
+        message = str(exc) or "invalid input"
     return f"the conversation cannot be sent as a chat: {message}"
 
 

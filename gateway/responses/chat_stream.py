@@ -19,7 +19,8 @@ Closing a part sends what its guard still held as one more delta, then its ``*.d
 the delivered text. ``finish_reason`` "length" makes the items and the response incomplete
 (``max_output_tokens``), "content_filter" the response (``content_filter``); the usage chunk that
 follows (the gateway always asks for one) becomes the response's usage. A guard's Cut, an engine
-error event, an invalid chunk or a stream without ``[DONE]`` ends it as failed
+error event, an invalid chunk (a tool call whose name or id no later turn could send back among
+them: ``objects.check_call``) or a stream without ``[DONE]`` ends it as failed
 (``events.EventWriter.fail``), never a truncated "completed".
 
 A text delta costs one guard call and one event built from a prefix made when its part opened.
@@ -37,7 +38,7 @@ from contracts.plugins import Cut
 from gateway.lifecycle import Phase
 from gateway.proxy.disclosure import without_addresses
 from gateway.responses.events import EventWriter, Step
-from gateway.responses.objects import Envelope, dumps, new_id, usage
+from gateway.responses.objects import Envelope, check_call, dumps, new_id, usage
 from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, Streams, whole
 
 INVALID = "the engine sent an invalid event"
@@ -279,8 +280,10 @@ class ChatToResponses(EventWriter):
             return screened_id
         if len(self._calls) >= 128:
             raise InvalidAnswer("too many tool calls")
+        call_id = screened_id or new_id("call")
+        check_call(screened_name, call_id)
         item = self._open_item("function_call", "fc")
-        item.name, item.call_id = screened_name, screened_id or new_id("call")
+        item.name, item.call_id = screened_name, call_id
         self._add_part(item, "arguments")
         self._calls[call.get("index", 0)] = item
         return item

@@ -77,18 +77,40 @@ def page(
     order: Literal["asc", "desc"] = "desc",
 ) -> dict[str, Any]:
     """One page of a ``ResponseItemList`` (``order`` "desc": newest first, as OpenAI's default);
-    ``after`` an item id of the previous page (an unknown one starts at the beginning)."""
+    ``after`` an item id of the previous page (an unknown one starts at the beginning).
+
+    ``after`` finds the first item with its id, so a page ends on such an item: a turn stored
+    with a client's id repeated (refused since) is still listed whole, each item once, where a
+    page ending on a repeat would send the next request back to the first (and on forever)."""
     ordered = items if order == "asc" else items[::-1]
-    start = 0
-    if after is not None:
-        ids = [item.get("id") for item in ordered]
-        start = ids.index(after) + 1 if after in ids else 0
-    limit = max(1, min(limit, MAX_PAGE))
-    data = ordered[start : start + limit]
+    ids = [item.get("id") for item in ordered]
+    first: dict[Any, int] = {}
+    for position, item_id in enumerate(ids):
+        first.setdefault(item_id, position)
+    start = first[after] + 1 if after is not None and after in first else 0
+    end = _end(ids, first, start, start + max(1, min(limit, MAX_PAGE)))
+    data = ordered[start:end]
     return {
         "object": "list",
         "data": data,
         "first_id": data[0]["id"] if data else "",
         "last_id": data[-1]["id"] if data else "",
-        "has_more": start + limit < len(ordered),
+        "has_more": end < len(ordered),
     }
+
+
+def _end(ids: list[Any], first: dict[Any, int], start: int, end: int) -> int:
+    """Where the page from ``start`` ends: the furthest end up to ``end`` after the first item
+    of its id, or the end of the list; a page that starts on a run of repeats runs past ``end``
+    to the first such end (no shorter page can end on an item ``after`` finds again)."""
+
+    def resumable(stop: int) -> bool:
+        return stop >= len(ids) or first[ids[stop - 1]] == stop - 1
+
+    end = min(end, len(ids))
+    shorter = next((stop for stop in range(end, start, -1) if resumable(stop)), None)
+    if shorter is not None:
+        return shorter
+    while not resumable(end):
+        end += 1
+    return end

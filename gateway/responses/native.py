@@ -21,9 +21,10 @@ Every event is rebuilt from the fields of its published schema, never passed on 
   and anything else the engine adds is dropped (so it needs no screening);
 - sequence numbers are the gateway's (events it drops or adds never leave gaps).
 
-A guard's Cut, an event type or item the gateway cannot screen, an engine failure or a stream
-that ends without its terminal event ends the stream as failed (``EventWriter.fail``: never a
-truncated "completed"). ``whole_answer`` screens a non-streaming Response the same way.
+A guard's Cut, an event type or item the gateway cannot screen (or a final function call whose
+name or call id no later turn could send back: ``objects.check_call``), an engine failure or a
+stream that ends without its terminal event ends the stream as failed (``EventWriter.fail``:
+never a truncated "completed"). ``whole_answer`` screens a non-streaming Response the same way.
 Pure: no I/O.
 """
 
@@ -37,7 +38,7 @@ from contracts.sse import parse_event
 from gateway.lifecycle import Phase
 from gateway.proxy.disclosure import without_addresses
 from gateway.responses.events import EventWriter, Step
-from gateway.responses.objects import Envelope, dumps, usage
+from gateway.responses.objects import Envelope, check_call, dumps, usage
 from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, SideStrings, Streams, whole
 
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -290,6 +291,8 @@ class NativeStream(EventWriter):
             rebuilt = self._item(item, output_index)
             if isinstance(rebuilt, Cut):
                 return rebuilt
+            if rebuilt["type"] == "function_call":  # as stored: what a later turn sends back
+                check_call(rebuilt["name"], rebuilt["call_id"])
             output.append(rebuilt)
         return output
 

@@ -8,6 +8,8 @@
   engine echoes -- with the gateway's own id; ``Envelope.response`` adds the status, output, usage
   and error of one moment (created, completed, failed...);
 - ``usage``: a chat completion's ``usage`` as a Response's (input/output token details filled);
+- ``check_call``: a function call an engine wrote is one a later turn can send back (the stored
+  conversation is read as input: ``to_chat``), or the answer fails;
 - ``sse``: one event as OpenAI and vLLM frame it (``event: <type>`` then ``data: <json>``; no
   ``[DONE]`` ends a Responses stream);
 - ``failure_error``, ``error_event``: how a stream that must stop ends
@@ -25,7 +27,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.responses.schemas import CreateResponseBody, FunctionTool
+from gateway.openai.schemas import validated
+from gateway.responses.schemas import CreateResponseBody, FunctionCallItem, FunctionTool
+from gateway.responses.screening import InvalidAnswer
 
 ID_HEX = 48
 RESPONSE_ID = re.compile(rf"resp_[0-9a-f]{{{ID_HEX}}}")
@@ -38,6 +42,18 @@ def new_id(prefix: str) -> str:
 
 def is_response_id(value: str) -> bool:
     return RESPONSE_ID.fullmatch(value) is not None
+
+
+def check_call(name: str, call_id: str) -> None:
+    """A function call the engine wrote must read back as the ``FunctionCallItem`` a later turn
+    sends it as (``to_chat``: a name of OpenAI's function-name form, a call id of 1 to 256
+    characters); else ``InvalidAnswer``: the answer fails as an upstream error, neither renamed
+    nor stored as a conversation that no continuation could send."""
+    item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": ""}
+    try:
+        validated(FunctionCallItem, item)
+    except ValueError:
+        raise InvalidAnswer("a function call that no later turn could send") from None
 
 
 def dumps(obj: Any) -> str:

@@ -9,9 +9,10 @@ naming the field (the same base and text types as chat: ``gateway.openai.schemas
 ``input`` is a string or a list of items, each read by its ``type`` (a message may leave it out):
 messages (``input_text``, ``input_image``, ``input_file`` parts; an assistant's ``output_text``
 and ``refusal`` parts), ``function_call``, ``function_call_output``, ``reasoning`` and
-``item_reference``. Any other item type is a 400 naming it, as is any tool that is not a
-function: the gateway serves function tools only (built-in tools run code or reach third parties
-on the engine's side, and their outputs are not text the gateway can screen).
+``item_reference``; two items with one id are a 400, as OpenAI answers. Any other item type is a
+400 naming it, as is any tool that is not a function: the gateway serves function tools only
+(built-in tools run code or reach third parties on the engine's side, and their outputs are not
+text the gateway can screen).
 """
 
 from __future__ import annotations
@@ -244,11 +245,20 @@ def _input(value: Any) -> str | list[InputItem]:
     if not isinstance(value, list) or not value or len(value) > MAX_ITEMS:
         raise ValueError(f"must be a string or a list of 1 to {MAX_ITEMS} items")
     items = []
+    ids: set[str] = set()
     for position, item in enumerate(value):
         try:
             items.append(read_item(item))
         except ValueError as exc:
             raise ValueError(f"item {position}: {exc}") from None
+        item_id = items[-1].id
+        if item_id in ids:  # OpenAI's refusal; a listing's ``after`` names one item
+            raise ValueError(
+                f"Duplicate item found with id {item_id}. Remove duplicate items from "
+                "your input and try again."
+            )
+        if item_id is not None:
+            ids.add(item_id)
     return items
 
 

@@ -44,6 +44,12 @@ from gateway.responses.schemas import (
 _SAMPLING = ("temperature", "top_p", "user", "safety_identifier", "parallel_tool_calls", "stream")
 
 
+class UnreadableHistory(ValueError):
+    """A stored item that does not read back as input: kept before the gateway checked what an
+    engine writes (``objects.check_call``), so its chain cannot be continued (a 400 naming
+    ``previous_response_id``)."""
+
+
 def chat_messages(
     body: CreateResponseBody, history: list[dict[str, Any]] | None = None
 ) -> list[dict[str, Any]]:
@@ -52,8 +58,12 @@ def chat_messages(
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
-    for stored in history or ():
-        _append(messages, _stored(stored))
+    for position, stored in enumerate(history or ()):
+        try:
+            item = _stored(stored)
+        except ValueError as exc:
+            raise UnreadableHistory(f"stored item {position}: {exc}") from None
+        _append(messages, item)
     for item in body.items():
         _append(messages, item)
     return messages

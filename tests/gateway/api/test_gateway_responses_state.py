@@ -1,8 +1,10 @@
 """The Responses API's stored state is the tenant's alone, on PostgreSQL and Redis as in
 production: another tenant's response id answers every route exactly as an id never issued (status,
 body, and time: interleaved lookups, medians compared), and the state is the database's, not a
-replica's (create on one gateway, continue on another, and after a restart). The engine is the
-bundled-kind stand-in (``gateway_standin``), which records what it was sent."""
+replica's (create on one gateway, continue on another, and after a restart); what is stored can
+always be read back: continued, and listed page by page. The engine is the bundled-kind stand-in
+(``gateway_standin``), which records what it was sent, or, where a test scripts tool calls, the
+vLLM stand-in's chat routes declared as an OpenAI-compatible engine."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+import openai
 import psycopg
 import pytest
 import redis
@@ -24,12 +27,20 @@ from gateway_harness import Gateway, bearer, running_gateway
 from gateway_standin import StandInEngine
 from openai_contract import check_response_events
 from sqlalchemy import event, select
+from standin_openai import Script, ToolCall
+from standin_vllm import VLLMWorker, worker_app
 
 from contracts.sql import session_scope
 from gateway.config import GatewaySettings
 from gateway.db.models import StoredResponse
+from kvguard.testing import serve
 
 ROUNDS = 51
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
 
 
 @pytest.fixture
@@ -47,6 +58,37 @@ def pg_settings(
         )
 
     return make
+
+
+@pytest.fixture
+async def provider(
+    make_settings: Callable[..., GatewaySettings], postgres_url: str, redis_url: str
+) -> AsyncIterator[tuple[VLLMWorker, GatewaySettings]]:
+    """A declared OpenAI-compatible engine (the vLLM stand-in's chat routes) that answers what a
+    test scripts, tool calls among it, translated through ``ChatToResponses``; and settings on
+    PostgreSQL and Redis for it."""
+    worker = VLLMWorker(model="hosted")
+    server = await serve(worker_app(worker))
+    engine = {
+        "name": "hosted",
+        "kind": "openai",
+        "base_url": server.url,
+        "model": "hosted",
+        "declared_max_model_len": 4096,
+        "allow_unverified": True,
+    }
+    settings = make_settings(database_url=postgres_url, redis_url=redis_url, engines=[engine])
+    try:
+        yield worker, settings
+    finally:
+        await server.stop()
+
+
+def _rewrite(gw: Gateway, response_id: str, change: Callable[[StoredResponse], None]) -> None:
+    """Change a stored row into one an earlier gateway wrote."""
+    with session_scope(gw.state.sessions) as session:
+        query = select(StoredResponse).where(StoredResponse.id == response_id)
+        change(session.execute(query).scalar_one())
 
 
 @contextlib.asynccontextmanager
@@ -370,3 +412,124 @@ async def test_a_stream_whose_save_fails_ends_failed_after_whole_events(
         assert "response.completed" not in [e["type"] for e in events]
         texts = [e["text"] for e in events if e["type"] == "response.output_text.done"]
         assert texts == ["say event: response.completed"]
+
+
+async def test_an_engine_call_no_later_turn_could_send_back_fails_and_is_not_stored(
+    provider: tuple[VLLMWorker, GatewaySettings],
+) -> None:
+    """A function call the engine named outside OpenAI's function-name form (the bundled engine
+    takes any name its model writes) is an upstream error for that answer -- whole: a 502,
+    streamed: ``error`` + ``response.failed`` -- never renamed and never stored: stored, it made
+    every continuation of its chain a 500."""
+    engine, settings = provider
+    engine.script = Script(tool_calls=[ToolCall("get weather", '{"city": "Oslo"}')])
+    body = {"model": "hosted", "input": "weather in Oslo?", "tools": [WEATHER]}
+    async with _gateway(settings) as gw:
+        _, key = await gw.create_tenant("acme")
+        whole = await gw.client.post("/v1/responses", headers=bearer(key), json=body)
+        assert (whole.status_code, whole.json()["error"]["code"]) == (502, "upstream_error")
+        streamed = await gw.client.post(
+            "/v1/responses", headers=bearer(key), json={**body, "stream": True}
+        )
+        events = check_response_events(streamed.content)
+        assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-2]["code"] == "upstream_error" and b"get weather" not in streamed.content
+        failed_id = events[-1]["response"]["id"]
+        missing = await gw.client.get(f"/v1/responses/{failed_id}", headers=bearer(key))
+        assert missing.status_code == 404
+        with session_scope(gw.state.sessions) as session:
+            assert session.execute(select(StoredResponse.id)).first() is None
+
+
+async def test_a_chain_stored_with_such_a_call_is_a_400_naming_previous_response_id(
+    provider: tuple[VLLMWorker, GatewaySettings],
+) -> None:
+    """A chain an earlier gateway stored with such a call (it did not check the names engines
+    write) cannot be continued: a 400 naming ``previous_response_id`` and the stored item,
+    OpenAI's error shape, no engine asked -- never the 500 of an unhandled error."""
+    engine, settings = provider
+    engine.script = Script(tool_calls=[ToolCall("get_weather", '{"city": "Oslo"}')])
+    body = {"model": "hosted", "input": "weather in Oslo?", "tools": [WEATHER]}
+    async with _gateway(settings) as gw:
+        _, key = await gw.create_tenant("acme")
+        first = await gw.client.post("/v1/responses", headers=bearer(key), json=body)
+        assert first.status_code == 200, first.text
+        response = first.json()
+        [called] = response["output"]
+
+        def as_the_engine_wrote_it(row: StoredResponse) -> None:
+            row.response = {**row.response, "output": [{**called, "name": "get weather"}]}
+
+        _rewrite(gw, response["id"], as_the_engine_wrote_it)
+        sent_before = len(engine.traffic.bodies)
+        result = {"type": "function_call_output", "call_id": called["call_id"], "output": "sun"}
+        for stream in (False, True):
+            continued = await gw.client.post(
+                "/v1/responses",
+                headers=bearer(key),
+                json={
+                    **body,
+                    "input": [result],
+                    "previous_response_id": response["id"],
+                    "stream": stream,
+                },
+            )
+            assert continued.status_code == 400, continued.text
+            error = continued.json()["error"]
+            assert error["param"] == "previous_response_id", error
+            assert error["type"] == "invalid_request_error", error
+            assert error["message"].startswith(
+                "the stored conversation cannot be continued: stored item 1: name: "
+            ), error
+        assert len(engine.traffic.bodies) == sent_before
+
+
+async def test_repeated_input_item_ids_are_refused_and_an_old_turn_with_them_lists_whole(
+    pg_settings: Callable[[], GatewaySettings],
+) -> None:
+    """Two input items with one id are OpenAI's 400 (``Duplicate item found with id ...``, param
+    ``input``). A turn an earlier gateway stored with an id repeated is listed whole by the SDK's
+    auto-pagination (``after`` the last item's id), each item once, and the listing ends: it
+    used to go round for ever."""
+    texts = ["c", "x1", "b", "x2", "a"]
+    ids = ["msg_c", "msg_x", "msg_b", "msg_y", "msg_a"]
+    items = [
+        {"type": "message", "role": "user", "id": item_id, "content": text}
+        for item_id, text in zip(ids, texts, strict=True)
+    ]
+    async with _gateway(pg_settings()) as gw:
+        _, key = await gw.create_tenant("acme")
+        model = await _model(gw, key)
+        body = {"model": model, "max_output_tokens": 16}
+        repeated = [*items[:3], {**items[3], "id": "msg_x"}, items[4]]
+        refused = await gw.client.post(
+            "/v1/responses", headers=bearer(key), json={**body, "input": repeated}
+        )
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "input" and error["type"] == "invalid_request_error", error
+        assert "Duplicate item found with id msg_x." in error["message"], error
+
+        created = await gw.client.post(
+            "/v1/responses", headers=bearer(key), json={**body, "input": items}
+        )
+        assert created.status_code == 200, created.text
+        response_id = created.json()["id"]
+
+        def with_an_id_repeated(row: StoredResponse) -> None:
+            conversation = [dict(item) for item in row.conversation]
+            conversation[row.input_start + 3]["id"] = "msg_x"
+            row.conversation = conversation
+
+        _rewrite(gw, response_id, with_an_id_repeated)
+        base_url = str(gw.client.base_url).rstrip("/")
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0)
+        for order, expected in (("asc", texts), ("desc", texts[::-1])):
+            for limit in (1, 2, 3, 20):
+                listed = []
+                pages = client.responses.input_items.list(response_id, limit=limit, order=order)
+                async for item in pages:
+                    listed.append(item.content[0].text)
+                    assert len(listed) <= len(texts), (order, limit, listed)  # not round again
+                assert listed == expected, (order, limit)
+        await client.close()

@@ -301,3 +301,40 @@ def test_a_completed_answer_can_end_failed_in_place_of_its_terminal_event() -> N
     ]
     assert events[-2]["code"] == "database_unavailable" and failed.end is Phase.FAILED
     assert machine.response is not None and machine.response["status"] == "failed"
+
+
+# what a later turn sends back (``FunctionCallItem``): OpenAI's function-name form, ids 1-256
+UNSENDABLE_CALLS = [("get weather", "c1"), ("f" * 65, "c1"), ("wetter_für", "c1"), ("f", "c" * 257)]
+
+
+def _whole_call(name: str, call_id: str) -> dict[str, Any]:
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    return {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": message}]}
+
+
+@pytest.mark.parametrize(("name", "call_id"), UNSENDABLE_CALLS)
+def test_a_tool_call_no_later_turn_could_send_back_fails_the_answer(name, call_id) -> None:
+    """The engine's name and call id go out as it wrote them or not at all: a call that a
+    continuation could not send back (it would be refused as input, for ever, by every turn
+    of its chain) is an upstream error for this answer, streamed or whole, never renamed and
+    never a completed Response (nothing to store)."""
+    longest = "a.b-c_D9" + "x" * 56  # at the limits: still a call
+    chunks = [chunk(tool_calls=[call(0, name=longest, id_="c" * 256, args="{}")]), chunk("stop")]
+    machine, step, _ = run(chunks)
+    assert step.end is Phase.COMPLETED and machine.response is not None
+    assert machine.response["output"][0]["name"] == longest
+
+    chunks = [chunk(content="let me see")]
+    chunks += [chunk(tool_calls=[call(0, name=name, id_=call_id, args="{}")]), chunk("tool_calls")]
+    machine, step, out = run(chunks)
+    events = check_response_events(out)
+    assert step.end is Phase.FAILED and step.code == "upstream_error"
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert not [e for e in events if e.get("item", {}).get("type") == "function_call"]
+    assert machine.response is not None and machine.response["status"] == "failed"
+
+    whole = ChatToResponses(env(), passthrough, stream=False)
+    step = whole.whole_answer(_whole_call(name, call_id))
+    assert step.end is Phase.FAILED and step.code == "upstream_error"
+    assert whole.response is not None and whole.response["status"] == "failed"

@@ -302,3 +302,28 @@ def test_a_marker_split_between_an_engine_failures_code_and_message_is_cut(split
         objs = [{"type": "response.created", "response": {}}, last]
         _, step, out = _screen(_raw(objs), firewall())
         _assert_cut(step, out)
+
+
+@pytest.mark.parametrize(
+    ("name", "call_id"), [("get weather", None), ("f" * 65, None), ("f", ""), ("f", "c" * 257)]
+)
+def test_a_function_call_no_later_turn_could_send_back_fails_the_answer(name, call_id) -> None:
+    """A final function call whose name or call id a continuation could not send back (it
+    would be refused as input, for ever, by every turn of its chain) is an upstream error,
+    streamed or whole: never renamed, never a completed Response (nothing to store)."""
+    engine = VLLMResponses(script=Script(text="ok"))
+    engine.script.tool_calls = [ToolCall(name, "{}", pieces=1)]
+    objs = _engine_events(engine)
+    for obj in objs:
+        items = [obj.get("item") or {}, *obj.get("response", {}).get("output", [])]
+        for item in items:
+            if item.get("type") == "function_call" and call_id is not None:
+                item["call_id"] = call_id
+    stream, step, out = _screen(_raw(objs))
+    events_out = check_response_events(out)
+    assert step.end is Phase.FAILED and step.code == "upstream_error"
+    assert [e["type"] for e in events_out[-2:]] == ["error", "response.failed"]
+    assert stream.response is not None and stream.response["status"] == "failed"
+    whole = NativeStream(env(), passthrough, stream=False)
+    step = whole.whole_answer(objs[-1]["response"])
+    assert step.end is Phase.FAILED and step.code == "upstream_error"

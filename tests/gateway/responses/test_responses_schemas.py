@@ -128,6 +128,10 @@ def test_the_input_shapes_clients_send() -> None:
          "tools: Value error, tool 0: name: String should match pattern", "tools"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "a b", "arguments": "{}"}]},
          "input: Value error, item 0: name: String should match pattern", "input"),
+        ({"input": [{"role": "user", "content": "a", "id": "fco_1"},
+                    {"type": "function_call_output", "call_id": "c", "output": "b",
+                     "id": "fco_1"}]},
+         "input: Value error, Duplicate item found with id fco_1. Remove duplicate items", "input"),
     ],
 )  # fmt: skip
 def test_a_wrong_request_is_a_400_naming_the_field(data, message, param) -> None:

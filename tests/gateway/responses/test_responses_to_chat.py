@@ -5,7 +5,7 @@ back as the next turn's history."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from openai_contract import check
 from responses_helpers import env, passthrough
@@ -193,3 +193,34 @@ def test_a_stored_answer_is_the_next_turns_history() -> None:
         {"role": "assistant", "content": "let me look", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c7", "content": "sunny"},
     ]
+
+
+def _walk(items: list[dict[str, Any]], *, limit: int, order: Literal["asc", "desc"]) -> list[int]:
+    """Every page, each asked for after the last item's id of the one before (as OpenAI's SDKs
+    page); at most one page per item: a listing that goes round is a failure, not a hang."""
+    listed: list[int] = []
+    after = None
+    for _ in range(len(items)):
+        listing = page(items, limit=limit, after=after, order=order)
+        check("ResponseItemList", listing)
+        listed += [int(item["content"][0]["text"]) for item in listing["data"]]
+        if not listing["has_more"]:
+            return listed
+        after = listing["data"][-1]["id"]
+    raise AssertionError(f"no end after {len(items)} pages: {listed}")
+
+
+def test_a_turn_with_a_repeated_item_id_lists_every_item_once_and_ends() -> None:
+    """A turn stored with a client's item id repeated (refused since, as OpenAI does): ``after``
+    names the first item with its id, so every page ends on such an item -- each item listed
+    once, in order, and the listing ends (one ending on a repeat sent the next page back)."""
+    for ids in (["C", "X", "B", "X", "A"], ["A", "X", "X", "C"], ["X", "X", "X"], ["A", "B"]):
+        items = [
+            {"id": item_id, "type": "message", "role": "user", "status": "completed",
+             "content": [{"type": "input_text", "text": str(n)}]}
+            for n, item_id in enumerate(ids)
+        ]  # fmt: skip
+        for order in ("asc", "desc"):
+            expected = list(range(len(ids))) if order == "asc" else list(range(len(ids)))[::-1]
+            for limit in range(1, len(ids) + 2):
+                assert _walk(items, limit=limit, order=order) == expected, (ids, order, limit)
