@@ -10,7 +10,11 @@ own, in order:
 2. the request as a chat completion (``gateway.responses.to_chat``): what admission routes, counts,
    fits, limits and hands to the request hooks (the canary's marker goes into its first system
    message), on the engines whose kind serves every Responses field the request uses
-   (``gateway.responses.surface``; none: its 400 naming the field);
+   (``gateway.responses.surface``; none: its 400 naming the field). A native engine also reads
+   the ``reasoning`` items the chat form leaves out: when one may serve a conversation that holds
+   them, the chat form is that of the conversation as it reads it, each reasoning item an
+   assistant message of its text (``passthrough.reasoning_as_messages``), so that text is counted,
+   limited and screened too, and only native engines serve the request;
 3. forward: to a *translated* engine (the bundled one, a declared OpenAI-compatible server, a
    litellm provider) that chat completion; to a *native* one (vLLM, SGLang) its own
    ``/v1/responses`` body (``gateway.responses.passthrough``: the whole conversation, ``store``
@@ -53,6 +57,7 @@ from gateway.errors import (
     GatewayError,
     HandoffMismatch,
     InvalidRequest,
+    NoHealthyEngine,
     UpstreamFailed,
 )
 from gateway.lifecycle import Phase
@@ -127,22 +132,26 @@ class ResponsesFlight(Flight):
         self._history: list[dict[str, Any]] = []
         self._machine: Machine | None = None
         self._fields = responses_surface.requested(request)
+        self._native_only = False  # set by ``_serve``
         super().__init__(deps, ctx, _placeholder(request), reply)
 
     # -- admission and forwarding ---------------------------------------------------------------
 
     async def _serve(self) -> Outcome:
         request = self.request
-        route(self.deps, self.ctx.model, self._narrow)  # an unknown model or field before any SQL
+        # an unknown model or field before any SQL
+        routable = route(self.deps, self.ctx.model, self._narrow)
         if request.previous_response_id is not None:
             self._history = await self._stored_history(request.previous_response_id)
-        try:
-            chat = to_chat.chat_body(request, self._history)
-        except to_chat.UnreadableHistory as exc:
-            message = f"the stored conversation cannot be continued: {exc}"
-            raise InvalidRequest(message, param="previous_response_id") from exc
-        except ValueError as exc:  # pydantic's ValidationError is one too
-            raise InvalidRequest(_first_error(exc), param="input") from exc
+        # A native engine reads the reasoning items that the chat form leaves out: when one may
+        # serve a conversation that holds them, admission counts, fits, limits and screens the
+        # conversation as that engine reads it, and only native engines serve it (``_narrow``; a
+        # translated one would be sent that form).
+        read = None
+        if any(responses_surface.native(record) for record in routable):
+            read = passthrough.reasoning_as_messages(request, self._history)
+        self._native_only = read is not None
+        chat = _chat_form(*(read or (request, self._history)))
         self.body = chat
         sized_by = "max_output_tokens" if request.max_output_tokens is not None else None
         names = ParamNames("input", sized_by)
@@ -157,7 +166,8 @@ class ResponsesFlight(Flight):
         return await self._answer(call)
 
     def _narrow(self, records: list[EngineRecord]) -> list[EngineRecord]:
-        """The engines whose kind serves every Responses field this request uses."""
+        """The engines whose kind serves every Responses field this request uses (only native
+        ones once the chat form holds the conversation's reasoning items: ``_serve``)."""
         taking, first = [], None
         for record in records:
             refusal = responses_surface.refusal(self._fields, record)
@@ -168,6 +178,12 @@ class ResponsesFlight(Flight):
         if not taking:
             assert first is not None
             raise first
+        if self._native_only:
+            taking = [record for record in taking if responses_surface.native(record)]
+            if not taking:
+                raise NoHealthyEngine(
+                    f"no healthy engine for model '{self.ctx.model}' that reads reasoning items"
+                )
         return taking
 
     async def _stored_history(self, response_id: str) -> list[dict[str, Any]]:
@@ -410,6 +426,16 @@ def _placeholder(request: CreateResponseBody) -> ChatCompletionBody:
     """The flight's chat body before the conversation is read (only its model and stream are
     read until ``_serve`` sets the real one)."""
     return ChatCompletionBody.model_construct(model=request.model, stream=request.stream)
+
+
+def _chat_form(request: CreateResponseBody, history: list[dict[str, Any]]) -> ChatCompletionBody:
+    try:
+        return to_chat.chat_body(request, history)
+    except to_chat.UnreadableHistory as exc:
+        message = f"the stored conversation cannot be continued: {exc}"
+        raise InvalidRequest(message, param="previous_response_id") from exc
+    except ValueError as exc:  # pydantic's ValidationError is one too
+        raise InvalidRequest(_first_error(exc), param="input") from exc
 
 
 def _first_error(exc: ValueError) -> str:

@@ -11,6 +11,13 @@ rules of the gateway's own that no client value changes:
   tenant could continue, and read, another's conversation);
 - ``store`` is false and ``background`` absent: the engine keeps nothing;
 - ``max_output_tokens`` is the limit the gateway enforced.
+
+Such an engine reads the conversation's ``reasoning`` items too (vLLM 0.33.0
+``entrypoints/openai/responses/utils.py`` ``_construct_message_from_response_item``: an assistant
+message's ``reasoning``, rendered or dropped by the model's chat template), which the chat form
+leaves out (``gateway.responses.to_chat``). ``reasoning_as_messages`` gives admission the
+conversation with each of them as an assistant message of all its texts, so that what a native
+engine reads is counted, limited and screened by the request hooks like any message.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.openai.surface import Profile
-from gateway.responses.schemas import CreateResponseBody
+from gateway.responses.schemas import CreateResponseBody, InputItem, ReasoningItem, read_item
 from gateway.responses.surface import RULES, forwarded
 
 NEVER_SENT = ("previous_response_id", "conversation", "background", "store")
@@ -64,3 +71,40 @@ def _sub_fields(name: str, value: dict[str, Any], profile: Profile) -> dict[str,
         if row in RULES and forwarded(row, profile):
             kept[member] = member_value
     return kept
+
+
+def reasoning_as_messages(
+    body: CreateResponseBody, history: list[dict[str, Any]]
+) -> tuple[CreateResponseBody, list[dict[str, Any]]] | None:
+    """The request and its stored ``history`` with every ``reasoning`` item as an assistant
+    message (``_as_message``), or None when the conversation has none."""
+    items = body.items()
+    if not any(isinstance(item, ReasoningItem) for item in items) and not any(
+        stored.get("type") == "reasoning" for stored in history
+    ):
+        return None
+    read: list[InputItem] = [
+        read_item(_as_message(item.model_dump(exclude_none=True)))
+        if isinstance(item, ReasoningItem)
+        else item
+        for item in items
+    ]
+    turned = [
+        _as_message(stored) if stored.get("type") == "reasoning" else stored for stored in history
+    ]
+    return body.model_copy(update={"input": read}), turned
+
+
+def _as_message(reasoning: dict[str, Any]) -> dict[str, Any]:
+    """A reasoning item (as sent or stored) as an assistant message of every text it holds, its
+    content then its summary: vLLM reads the first of them, so the text counted holds at least
+    what it reads (the few tokens a template may put around reasoning are not added); an item
+    without text is still a turn, an empty one."""
+    texts = [
+        part["text"]
+        for key in ("content", "summary")
+        for part in reasoning.get(key) or ()
+        if isinstance(part, dict) and isinstance(part.get("text"), str)
+    ]
+    text = {"type": "output_text", "text": "\n".join(texts)}
+    return {"type": "message", "role": "assistant", "content": [text]}

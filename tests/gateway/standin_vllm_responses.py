@@ -38,6 +38,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from standin_openai import Script, Traffic
+from standin_vllm import VLLMWorker, worker_app
+
+from kvguard.testing import RunningServer, serve
 
 VERSION = "0.33.0"
 
@@ -269,3 +272,14 @@ def responses_app(engine: VLLMResponses) -> FastAPI:
         return JSONResponse({"error": error}, status_code=400)
 
     return app
+
+
+async def serve_vllm(engine: VLLMResponses) -> RunningServer:
+    """One vLLM stand-in process image: the worker's routes (models, metrics, tokenize) and the
+    Responses routes, as one ``vllm serve`` answers them."""
+    app = worker_app(VLLMWorker(model=engine.model, script=engine.script, traffic=engine.traffic))
+    own = {route.path for route in app.router.routes}  # type: ignore[attr-defined]
+    for route in responses_app(engine).router.routes:
+        if route.path not in own:  # type: ignore[attr-defined]
+            app.router.routes.append(route)
+    return await serve(app)

@@ -26,9 +26,7 @@ from gateway_standin import StandInEngine
 from openai_contract import check, check_response_event, check_response_events
 from sqlalchemy import create_engine, select
 from standin_openai import Script, ToolCall
-from standin_vllm import VLLMWorker
-from standin_vllm import worker_app as vllm_app
-from standin_vllm_responses import VLLMResponses, responses_app
+from standin_vllm_responses import VLLMResponses, serve_vllm
 
 from canary.config import CanarySettings
 from canary.runtime import CanaryRuntime
@@ -122,17 +120,6 @@ async def served(make_settings: Any) -> AsyncIterator[Any]:
     yield start
     for server in reversed(started):
         await server.stop()
-
-
-async def vllm_standin(engine: VLLMResponses) -> RunningServer:
-    """One vLLM stand-in process image: the worker's routes (models, metrics, tokenize) and the
-    Responses routes, as one ``vllm serve`` answers them."""
-    app = vllm_app(VLLMWorker(model=engine.model, script=engine.script, traffic=engine.traffic))
-    own = {route.path for route in app.router.routes}  # type: ignore[attr-defined]
-    for route in responses_app(engine).router.routes:
-        if route.path not in own:  # type: ignore[attr-defined]
-            app.router.routes.append(route)
-    return await serve(app)
 
 
 def _events(sdk_events: list[Any]) -> list[str]:
@@ -291,7 +278,7 @@ async def test_a_prefill_decode_pair_serves_it_with_its_handoff_proof(
 
 async def test_the_sdk_against_the_vllm_standin(served: Any) -> None:
     standin = VLLMResponses(enable_store=True)
-    server = await vllm_standin(standin)
+    server = await serve_vllm(standin)
     try:
         gw = await served([{"name": "vllm", "kind": "vllm", "base_url": server.url}])
 
@@ -319,7 +306,7 @@ async def test_the_canary_marker_reaches_both_kinds_of_engine(
     ``instructions`` for a native one (vLLM); the tenant never sees its own marker (the bundled
     model, asked for it, copies it: stripped) or the marker's tokens in its usage."""
     vllm = VLLMResponses(enable_store=True)
-    server = await vllm_standin(vllm)
+    server = await serve_vllm(vllm)
     try:
         gw = await served(
             [
@@ -361,7 +348,7 @@ async def test_a_leak_in_a_responses_stream_is_cut_as_a_failed_response(served: 
     ``response.failed`` naming the isolation code, never a "completed"; the SDK raises; nothing
     is stored; the engine is quarantined as for chat."""
     standin = VLLMResponses(enable_store=True)
-    server = await vllm_standin(standin)
+    server = await serve_vllm(standin)
     try:
         gw = await served([{"name": "vllm", "kind": "vllm", "base_url": server.url}], canary=True)
         victim, _ = await gw.client("victim", canary_sample_rate=1.0)
@@ -389,7 +376,7 @@ async def test_a_leak_in_a_responses_stream_is_cut_as_a_failed_response(served: 
 
 async def test_a_marker_split_across_function_call_arguments_is_cut(served: Any) -> None:
     standin = VLLMResponses(enable_store=True)
-    server = await vllm_standin(standin)
+    server = await serve_vllm(standin)
     try:
         gw = await served([{"name": "vllm", "kind": "vllm", "base_url": server.url}], canary=True)
         victim, _ = await gw.client("victim", canary_sample_rate=1.0)

@@ -22,7 +22,8 @@ from contracts.sse import SseSplitter
 from gateway.lifecycle import Phase
 from gateway.openai.surface import Profile
 from gateway.responses.native import NativeStream
-from gateway.responses.passthrough import native_body
+from gateway.responses.passthrough import native_body, reasoning_as_messages
+from gateway.responses.to_chat import chat_messages
 from kvguard.testing import serve
 
 HISTORY = [
@@ -91,6 +92,40 @@ def test_the_body_carries_the_whole_conversation_and_no_engine_state() -> None:
     for never in ("previous_response_id", "conversation", "background", "metadata", "include"):
         assert never not in upstream
     assert upstream["temperature"] == 0.2 and upstream["stream"] is True
+
+
+def test_admission_reads_reasoning_items_as_messages_which_the_engine_still_gets_as_sent() -> None:
+    """The chat form admission counts and screens for a native engine holds every text of every
+    reasoning item, sent or stored (vLLM reads the first); the engine gets the items as sent."""
+    earlier = {
+        "id": "rs_1",
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "earlier thought"}],
+        "status": "completed",
+    }
+    now = {
+        "type": "reasoning",
+        "summary": [{"type": "summary_text", "text": "the gist"}],
+        "content": [{"type": "reasoning_text", "text": "this thought"}],
+    }
+    request = body(
+        input=[now, {"type": "reasoning", "summary": []}, {"role": "user", "content": "go"}]
+    )
+    history = [*HISTORY, earlier]
+    assert reasoning_as_messages(body(input="go"), HISTORY) is None
+    read = reasoning_as_messages(request, history)
+    assert read is not None
+    assert chat_messages(*read) == [
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "first answer"},
+        {"role": "assistant", "content": "earlier thought"},
+        {"role": "assistant", "content": "this thought\nthe gist"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "go"},
+    ]
+    upstream = native_body(request, history=history, max_output_tokens=16, profile=Profile.VLLM)
+    assert upstream["input"][2:4] == [earlier, now]
 
 
 async def test_a_streamed_answer_through_the_standin_is_valid_and_the_gateways() -> None:
