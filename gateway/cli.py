@@ -1,4 +1,4 @@
-"""``kvguard admin``: tenants, keys, limits, migrations.
+"""``kvguard admin``: tenants, keys, limits, stored responses, migrations.
 
 It reads the same ``KVGUARD_*`` settings as ``kvguard gateway`` (``kvguard.gateway_command``), so a
 tenant created with ``kvguard admin`` can call a gateway started in the same environment.
@@ -45,7 +45,9 @@ def register(subparsers: Any) -> None:
     groups.add_parser(
         "migrate", help="create the database, or upgrade it to the latest schema"
     ).set_defaults(handler=run_admin(_migrate, creates=True))
-    tenant = groups.add_parser("tenant", help="create/list/disable tenants, set limits")
+    tenant = groups.add_parser(
+        "tenant", help="create/list/disable tenants, set limits, erase stored responses"
+    )
     tenant_cmds = tenant.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
     create = tenant_cmds.add_parser("create", help="create a tenant; prints its first key last")
     create.add_argument("name")
@@ -66,6 +68,11 @@ def register(subparsers: Any) -> None:
     limits.add_argument("name")
     _limit_args(limits)
     limits.set_defaults(handler=run_admin(_tenant_limits))
+    erase = tenant_cmds.add_parser(
+        "erase-responses", help="delete every stored response of a tenant now (it stays)"
+    )
+    erase.add_argument("name")
+    erase.set_defaults(handler=run_admin(_tenant_erase_responses))
     key = groups.add_parser("key", help="create/list/revoke API keys")
     key_cmds = key.add_subparsers(dest="key_command", required=True, metavar="ACTION")
     key_create = key_cmds.add_parser("create", help="issue a key; prints it on the last line")
@@ -229,6 +236,15 @@ def _tenant_limits(args: argparse.Namespace, session: Any) -> None:
     merged = {name: getattr(args, name, getattr(current, name)) for name in TenantPlan.__slots__}
     set_plan(session, tenant=tenant, plan=TenantPlan(**merged))
     print(json.dumps(_tenant_row(tenant)))
+
+
+def _tenant_erase_responses(args: argparse.Namespace, session: Any) -> None:
+    from gateway.services.responses import forget_tenant
+    from gateway.services.tenants import get_tenant
+
+    tenant = get_tenant(session, ref=args.name)
+    erased = forget_tenant(session, tenant_id=tenant.id)
+    print(f"erased {erased} stored responses of tenant {tenant.name}")
 
 
 def _key_create(args: argparse.Namespace, session: Any) -> None:

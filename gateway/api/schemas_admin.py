@@ -102,6 +102,11 @@ class TenantCreated(BaseModel):
     key: IssuedKeyOut
 
 
+class ResponsesErasedOut(BaseModel):
+    tenant_id: str
+    erased: int  # stored responses deleted
+
+
 class OutcomeUsageOut(BaseModel):
     outcome: str
     requests: int

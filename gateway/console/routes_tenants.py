@@ -1,4 +1,5 @@
-"""Tenants and keys: list, create, disable/enable, set limits, issue and revoke keys, usage.
+"""Tenants and keys: list, create, disable/enable, set limits, issue and revoke keys, usage, erase
+stored responses.
 
 Every change calls ``gateway.services.operator`` (the admin API's own implementation) with the
 channel ``console``, and the posted fields pass the admin API's schemas. A new key is shown once:
@@ -35,6 +36,7 @@ NOTES = {
     "limits": "Limits saved.",
     "status": "Status changed.",
     "revoked": "Key revoked: the API refuses it from now on.",
+    "erased": "Stored responses erased.",
 }
 DAY_S = 24 * 3600
 
@@ -154,6 +156,15 @@ async def set_status(tenant_id: str, action: ActionDep, state: StateDep) -> Resp
         lambda s: operator.update_tenant(s, channel=CONSOLE, ref=tenant_id, status=status),
     )
     return _back_to(tenant_id, "status")
+
+
+@router.post("/tenants/{tenant_id}/responses/erase")
+async def erase_responses(tenant_id: str, action: ActionDep, state: StateDep) -> Response:
+    await run_in_session(
+        state.sessions,
+        lambda s: operator.erase_responses(s, channel=CONSOLE, ref=tenant_id),
+    )
+    return _back_to(tenant_id, "erased")
 
 
 @router.post("/tenants/{tenant_id}/keys")

@@ -33,6 +33,7 @@ class Channel(StrEnum):
 class ActionKind(StrEnum):
     TENANT_CREATE = "tenant.create"
     TENANT_UPDATE = "tenant.update"
+    TENANT_ERASE_RESPONSES = "tenant.erase_responses"
     KEY_ISSUE = "key.issue"
     KEY_REVOKE = "key.revoke"
     ENGINE_REGISTER = "engine.register"

@@ -1,6 +1,6 @@
 """What an operator does, through the admin API or the console: one implementation of each action.
 
-Each action changes state through the services (``tenants``, ``keys``, ``engines``,
+Each action changes state through the services (``tenants``, ``keys``, ``responses``, ``engines``,
 ``quarantine``) and records one ``admin_actions`` row (``gateway.services.actions``) naming the
 channel it came through, in the same unit of work as the change wherever the change is a database
 write. The engine actions then apply the change to this replica's registry at once (the others
@@ -31,6 +31,7 @@ from gateway.lifecycle import TenantStatus
 from gateway.services import actions
 from gateway.services import engines as engine_service
 from gateway.services import keys as key_service
+from gateway.services import responses as response_store
 from gateway.services import tenants as tenant_service
 from gateway.services.actions import ActionKind, Channel
 from gateway.state import GatewayState
@@ -100,6 +101,21 @@ def update_tenant(
         detail="; ".join(changed) or "nothing",
     )
     return tenant
+
+
+def erase_responses(session: Session, *, channel: Channel, ref: str) -> tuple[Tenant, int]:
+    """Delete every stored response of a tenant now (an erasure request: the retention would keep
+    them for days); the tenant and its keys stay. The tenant and how many responses went."""
+    tenant = tenant_service.get_tenant(session, ref=ref)
+    erased = response_store.forget_tenant(session, tenant_id=tenant.id)
+    actions.record(
+        session,
+        channel=channel,
+        action=ActionKind.TENANT_ERASE_RESPONSES,
+        target=tenant.id,
+        detail=f"{erased} stored responses erased",
+    )
+    return tenant, erased
 
 
 def issue_key(

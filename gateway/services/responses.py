@@ -9,7 +9,8 @@ Lifecycle of a stored response::
     delete        ``DELETE /v1/responses/{id}``; an expired row answers as deleted before the purge
     purge_expired in batches, by ``purge_loop`` (a task of the gateway's lifespan)
     (the tenant)  deleting a tenant deletes its rows (foreign key ``ON DELETE CASCADE``);
-                  ``forget_tenant`` does it without deleting the tenant
+                  ``forget_tenant`` does it without deleting the tenant: an operator's erasure
+                  (``operator.erase_responses``: the admin API and the console; the CLI)
 
 No oracle: every lookup runs ONE statement of one shape, ``WHERE tenant_id = :t AND id = :id AND
 expires_at > :now``, on the primary key (tenant_id, id). Another tenant's id finds nothing under

@@ -69,6 +69,7 @@ NEEDS_A_DATABASE = [
     ("tenant", "enable", "acme"),
     ("tenant", "disable", "acme"),
     ("tenant", "set-limits", "acme", "--rpm", "5"),
+    ("tenant", "erase-responses", "acme"),
     ("key", "create", "acme"),
     ("key", "list", "acme"),
     ("key", "revoke", "abcdef"),
@@ -118,7 +119,7 @@ def test_every_subcommand_is_listed_with_what_it_does() -> None:
                 unlisted += [f"{path} {name}" for name in action.choices if name not in described]
     assert unlisted == []
     tenant_help = dict(parsers(build_parser()))["kvguard admin tenant"].format_help()
-    for action in ("create", "list", "disable", "enable", "set-limits"):
+    for action in ("create", "list", "disable", "enable", "set-limits", "erase-responses"):
         assert f"    {action}" in tenant_help
     key_help = dict(parsers(build_parser()))["kvguard admin key"].format_help()
     for action in ("create", "list", "revoke"):

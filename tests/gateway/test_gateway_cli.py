@@ -1,5 +1,6 @@
 """`kvguard admin ...`: the first key is printed on the last line and works on a gateway started
-with the same environment."""
+with the same environment; `tenant erase-responses` deletes one tenant's stored responses (on
+PostgreSQL) and nobody else's."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import sys
 from datetime import timedelta
 
 from gateway_harness import bearer, running_gateway
+from sqlalchemy import select
 
-from contracts.sql import utcnow
+from contracts.sql import make_session_factory, session_scope, utcnow
 from gateway.config import GatewaySettings
+from gateway.db.models import StoredResponse
+from gateway.db.session import make_engine
+from gateway.responses.objects import new_id
+from gateway.services import responses as store
+from gateway.services.tenants import get_tenant
 from kvguard.cli import main
 
 
@@ -59,6 +66,37 @@ def test_limits_keys_and_disable(sqlite_url, monkeypatch, capsys) -> None:
     assert len(lines) == 2 and all("kvg_" not in line for line in lines)
     assert _run(capsys, "admin", "tenant", "disable", "acme")[1] == ["tenant acme is disabled"]
     status, _ = _run(capsys, "admin", "tenant", "disable", "nobody")
+    assert status == 1
+    assert "no tenant 'nobody'" in _run.last_err  # type: ignore[attr-defined]
+
+
+def test_erase_responses_of_one_tenant(postgres_url, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KVGUARD_DATABASE_URL", postgres_url)
+    for name in ("acme", "other"):
+        assert _run(capsys, "admin", "tenant", "create", name)[0] == 0
+    engine = make_engine(postgres_url)
+    factory = make_session_factory(engine)
+    try:
+        with session_scope(factory) as session:
+            ids = {name: get_tenant(session, ref=name).id for name in ("acme", "other")}
+            for name in ("acme", "acme", "other"):
+                response = {"id": new_id("resp"), "status": "completed", "output": []}
+                store.save(
+                    session,
+                    tenant_id=ids[name],
+                    response=response,
+                    history=[],
+                    input_items=[],
+                    now=utcnow(),
+                )
+        status, lines = _run(capsys, "admin", "tenant", "erase-responses", "acme")
+        assert (status, lines) == (0, ["erased 2 stored responses of tenant acme"])
+        with session_scope(factory) as session:
+            assert list(session.scalars(select(StoredResponse.tenant_id))) == [ids["other"]]
+            assert get_tenant(session, ref="acme").status == "active"  # the tenant stays
+    finally:
+        engine.dispose()
+    status, _ = _run(capsys, "admin", "tenant", "erase-responses", "nobody")
     assert status == 1
     assert "no tenant 'nobody'" in _run.last_err  # type: ignore[attr-defined]
 

@@ -102,6 +102,7 @@ MATRIX: dict[tuple[str, str], Call] = {
     ("POST", "/admin/tenants/{ref}/keys"): Call(ADMIN, 201, json={"name": "extra"}),
     ("GET", "/admin/tenants/{ref}/keys"): Call(ADMIN, 200),
     ("GET", "/admin/tenants/{ref}/usage"): Call(ADMIN, 200),
+    ("DELETE", "/admin/tenants/{ref}/responses"): Call(ADMIN, 200),
     ("GET", "/admin/engines"): Call(ADMIN, 200),
     (
         "POST",
@@ -157,6 +158,7 @@ MATRIX: dict[tuple[str, str], Call] = {
     ("POST", "/console/tenants/{tenant_id}/limits"): Call(CONSOLE, 401),
     ("POST", "/console/tenants/{tenant_id}/status"): Call(CONSOLE, 401),
     ("POST", "/console/tenants/{tenant_id}/keys"): Call(CONSOLE, 401),
+    ("POST", "/console/tenants/{tenant_id}/responses/erase"): Call(CONSOLE, 401),
     ("POST", "/console/keys/{prefix}/revoke"): Call(CONSOLE, 401),
     ("GET", "/console/engines"): Call(CONSOLE, 303),
     ("POST", "/console/engines"): Call(CONSOLE, 401),

@@ -1,4 +1,5 @@
-"""Admin API (``/admin``): tenants, keys, limits, usage, engines. Admin token only.
+"""Admin API (``/admin``): tenants, keys, limits, usage, erasing a tenant's stored responses,
+engines. Admin token only.
 
 Every change goes through ``gateway.services.operator`` -- the console's actions call the same
 functions -- and is recorded in the admin actions under the channel ``admin_api``.
@@ -24,6 +25,7 @@ from gateway.api.schemas_admin import (
     MembersIn,
     OverrideIn,
     QuarantineIn,
+    ResponsesErasedOut,
     TenantCreate,
     TenantCreated,
     TenantOut,
@@ -121,6 +123,13 @@ def list_keys(ref: str, session: SessionDep, _: AdminDep) -> list[KeyOut]:
 @router.post("/keys/{prefix}/revoke")
 def revoke_key(prefix: str, session: SessionDep, _: AdminDep) -> KeyOut:
     return KeyOut.of(operator.revoke_key(session, channel=API, prefix=prefix))
+
+
+@router.delete("/tenants/{ref}/responses")
+def erase_responses(ref: str, session: SessionDep, _: AdminDep) -> ResponsesErasedOut:
+    """Erase every stored response of the tenant (the Responses API's ``store``) now."""
+    tenant, erased = operator.erase_responses(session, channel=API, ref=ref)
+    return ResponsesErasedOut(tenant_id=tenant.id, erased=erased)
 
 
 @router.get("/tenants/{ref}/usage")

@@ -5,7 +5,8 @@ Proves: creating a tenant, setting its limits and canary rate, disabling it, iss
 expiry, revoking it, registering a group, replacing its members and clearing a quarantine with a
 reason each change exactly what the admin API would (read back through the admin API) and record
 one ``admin_actions`` row naming the channel ``console``; the issued key is shown once and never
-recorded; a quarantine is not cleared without a reason.
+recorded; a quarantine is not cleared without a reason; erasing a tenant's stored responses
+deletes its own and nobody else's, and the tenant page shows how many went.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from console_harness import async_sign_in
 from gateway_harness import Gateway
 from sqlalchemy import select
 
-from contracts.sql import session_scope
-from gateway.db.models import AdminAction
+from contracts.sql import session_scope, utcnow
+from gateway.db.models import AdminAction, StoredResponse
+from gateway.responses.objects import new_id
+from gateway.services import responses as store
 
 GROUP = {
     "name": "group",
@@ -160,3 +163,40 @@ async def test_engine_actions(gateway: Gateway, console) -> None:
     ]
     page = (await client.get("/console/engines")).text
     assert "engine.clear_quarantine" in page and "fixed" in page
+
+
+def _store_responses(gateway: Gateway, tenant_id: str, count: int) -> None:
+    with session_scope(gateway.state.sessions) as session:
+        for _ in range(count):
+            response = {"id": new_id("resp"), "status": "completed", "output": []}
+            store.save(
+                session,
+                tenant_id=tenant_id,
+                response=response,
+                history=[],
+                input_items=[],
+                now=utcnow(),
+            )
+
+
+async def test_erasing_a_tenants_stored_responses(gateway: Gateway, console) -> None:
+    client, csrf = console
+    tenant_id, _ = await gateway.create_tenant("acme")
+    other_id, _ = await gateway.create_tenant("other")
+    _store_responses(gateway, tenant_id, 2)
+    _store_responses(gateway, other_id, 1)
+    page = await client.get(f"/console/tenants/{tenant_id}")
+    assert f'action="/console/tenants/{tenant_id}/responses/erase"' in page.text
+    r = await client.post(f"/console/tenants/{tenant_id}/responses/erase", data={"csrf": csrf})
+    assert (r.status_code, r.headers["location"]) == (
+        303,
+        f"/console/tenants/{tenant_id}?note=erased",
+    )
+    with session_scope(gateway.state.sessions) as session:
+        assert list(session.scalars(select(StoredResponse.tenant_id))) == [other_id]
+    assert _console_actions(gateway) == [
+        ("tenant.erase_responses", tenant_id, "2 stored responses erased", None)
+    ]
+    page = await client.get(r.headers["location"])
+    assert "Stored responses erased." in page.text and "2 stored responses erased" in page.text
+    assert (await _admin(gateway, "/admin/tenants/acme"))["status"] == "active"
