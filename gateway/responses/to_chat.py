@@ -1,6 +1,8 @@
 """A Responses request, with the tenant's stored conversation before it, as a chat completion
 request: what an engine without ``/v1/responses`` receives, and the messages the gateway counts
-for every engine.
+for every engine -- but for a conversation holding ``reasoning`` items that a native engine may
+serve: those it counts with each such item as an assistant message
+(``gateway.responses.passthrough.reasoning_as_messages``), since a native engine reads them.
 
 The conversation is ``instructions`` (a system message; never carried over from earlier turns, as
 OpenAI documents), then the stored items of the ``previous_response_id`` chain (their input and
