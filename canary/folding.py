@@ -8,23 +8,31 @@ all of that: its 32 body characters, the first 8 a tenant's tag, the last 48 bit
 requests, the replay evidence -- reads text *folded*:
 
 - every character that is a marker character in some case -- ``A``-``Z``, ``a``-``z``, ``2``-``7``
-  or a compatibility form of one (full-width letters: NFKC) -- becomes the upper-case marker
-  character; every other character (spaces, dashes, bars, dots, zero-width characters, the
-  digits 0, 1, 8, 9, other scripts) is a *separator* and is dropped;
+  or a compatibility form of one (full-width letters, ligatures: NFKD) or one with accents
+  (``É``, or ``E`` followed by a combining mark: marks of category Mn are dropped) -- becomes
+  the upper-case marker character(s); every other character (spaces, dashes, bars, dots,
+  zero-width characters, lone combining marks, the digits 0, 1, 8, 9, other scripts) is a
+  *separator* and is dropped. Each character is folded on its own (``_fold_char``), never the
+  text as a whole, so every reader folds every text alike;
 - folded characters make one *run* while at most ``MAX_GAP`` separators stand between two
   neighbours: a marker is written as one piece, however it is spaced, and a longer gap (a
   paragraph, a table's padding) ends the run.
 
 ``fold`` keeps the position of every folded character in the original text (the scanner strips
 and cuts there); ``fold_flat`` is the same folding without positions or runs, at C speed, for
-whole requests. Not undone: homoglyphs from other scripts, encodings (reversed, base64, ROT13),
-and letters put between a marker's characters -- disguises a model can only be *told* to make.
+whole requests: ``fold_flat(text) == fold(text).chars`` for every text (a marker the firewall
+reads in an answer is read in a request holding the same text; it used to normalise requests
+whole, composing ``C`` and a combining acute into ``Ć``, which it then dropped). Not undone:
+homoglyphs from other scripts, encodings (reversed, base64, ROT13), and letters put between a
+marker's characters -- disguises a model can only be *told* to make.
+
+An accented letter is a letter, not a separator (it used to be dropped, joining its neighbours:
+``CÉNRY`` read as ``CNRY``), so accented text folds like English text of the same letters.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import unicodedata
 
 MARKER_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
@@ -46,21 +54,44 @@ BYTE_UPPER = bytes(ord(chr(c).upper()) if c < 128 else c for c in range(256))
 BYTE_SEPARATORS = bytes(c for c in range(256) if chr(c).upper() not in MARKER_ALPHABET)
 
 
-@functools.lru_cache(maxsize=4096)
 def _fold_char(ch: str) -> str:
-    """The folded characters one non-ASCII character stands for (often none)."""
-    normal = unicodedata.normalize("NFKC", ch)
-    if not normal.isascii():
-        return ""
-    return normal.translate(_ASCII_FOLD).replace(_SEP, "")
+    """The folded characters one character stands for (often none): its compatibility
+    decomposition (NFKD: full-width forms, ligatures, accented letters) without combining marks
+    (category Mn: accents, whether precomposed or written after the letter), folded when what is
+    left is ASCII, else nothing. One character at a time, so that ``fold`` and ``fold_flat`` read
+    every text alike: a whole-text normalisation would compose a letter with the mark after it
+    into a letter with no ASCII form."""
+    parts = unicodedata.normalize("NFKD", ch)
+    if not parts.isascii():
+        parts = "".join(c for c in parts if unicodedata.category(c) != "Mn")
+        if not parts.isascii():
+            return ""
+    return parts.translate(_ASCII_FOLD).replace(_SEP, "")
+
+
+class _FoldTable(dict[int, str]):
+    """Code point -> its folded characters, for ``str.translate``: looked up at C speed, computed
+    by ``_fold_char`` on first sight; bounded, so a request of every code point cannot grow it
+    without end (past the bound a new character is computed each time)."""
+
+    LIMIT = 1 << 16
+
+    def __missing__(self, code: int) -> str:
+        folded = _fold_char(chr(code))
+        if len(self) < self.LIMIT:
+            self[code] = folded
+        return folded
+
+
+_FOLDS = _FoldTable({c: _fold_char(chr(c)) for c in range(128)})
 
 
 def fold_flat(text: str) -> str:
-    """The folded characters of ``text`` in order, runs not told apart (a whole request)."""
-    if not text.isascii():
-        text = unicodedata.normalize("NFKC", text)
-        text = "".join(ch if ch.isascii() else _SEP for ch in text)
-    return fold_ascii(text)
+    """The folded characters of ``text`` in order, runs not told apart (a whole request):
+    ``fold(text).chars`` without positions."""
+    if text.isascii():
+        return fold_ascii(text)
+    return text.translate(_FOLDS)
 
 
 def fold_ascii(text: str) -> str:
@@ -171,11 +202,11 @@ def fold(text: str) -> Folded:
     if text.isascii():
         mapped = text.translate(_ASCII_FOLD)
         return Folded(text, mapped.replace(_SEP, ""), mapped, None)
+    folds = _FOLDS
     folded: list[str] = []
     pos: list[int] = []
     for i, ch in enumerate(text):
-        for c in ch.translate(_ASCII_FOLD) if ch.isascii() else _fold_char(ch):
-            if c != _SEP:
-                folded.append(c)
-                pos.append(i)
+        for c in folds[ord(ch)]:
+            folded.append(c)
+            pos.append(i)
     return Folded(text, "".join(folded), None, pos)
