@@ -9,10 +9,13 @@ every string of its body, in document order -- in each of these forms:
 
 - as sent (``plain``), and folded as the firewall reads answers (``folded``,
   ``canary.folding``: lowercase, spaced out, dotted, barred, split by zero-width characters or
-  the digits a marker never holds, full-width letters); the body's string values are joined
-  first, in document order, without its keys and schema words (roles, part types), so a marker
-  split across fields or messages in their order is whole again. Every form in which the
-  firewall recognises a marker in an answer is thus a form found here;
+  the digits a marker never holds, full-width letters, accents and combining marks); the body's
+  strings -- keys included, since an engine writes a tool's parameter names and a response
+  schema's property names back -- are joined first, in document order, without the schema's own
+  words (keys such as ``role`` and ``content``, values such as roles and part types), so a
+  marker split across fields or messages in their order is whole again. ``fold_flat`` is
+  ``fold`` of ``canary.folding`` without positions, so every form in which the firewall
+  recognises a marker in an answer is a form found here;
 - ``reversed``: the folded text read backwards;
 - ``base64`` (standard or URL-safe, padded or not) and ``hex``: each run of 16+ such characters
   decoded, and the decoded text looked at folded and reversed in turn.
@@ -44,16 +47,45 @@ _HEX_RUN = re.compile(r"(?:[0-9A-Fa-f]{2}){8,}")
 MAX_DECODED_RUNS = 1000  # per request: bounded work however a request is built
 
 
-# Values the API schema itself puts between the texts a client writes (roles, part types): left
-# out of the joined text, so a marker split over messages in order is joined back whole.
+# The words the API schema itself puts between the texts a client writes, left out of the joined
+# text so that a marker split over messages in order is joined back whole: values (roles, part
+# types) and keys (the fields of messages, content parts and tool calls). Left out only when a
+# whole string is one of them; every other key is read, as the engine may write it back (a tool's
+# parameter name, a response schema's property name).
 SCHEMA_WORDS = frozenset(
     {"system", "developer", "user", "assistant", "tool", "function", "text", "image_url"}
+)
+SCHEMA_KEYS = frozenset(
+    {
+        "messages",
+        "role",
+        "content",
+        "type",
+        "text",
+        "name",
+        "prompt",
+        "input",
+        "instructions",
+        "tool_calls",
+        "tool_call_id",
+        "call_id",
+        "function",
+        "arguments",
+        "id",
+        "image_url",
+        "url",
+        "detail",
+        "refusal",
+        "summary",
+        "output",
+    }
 )
 
 
 def strings_of(value: Any) -> Iterator[str]:
-    """Every string value of a parsed JSON body, in document order (keys and schema words left
-    out). Iterative: a body nested as deep as its parser allows costs no recursion here."""
+    """Every string of a parsed JSON body in document order, keys included (each before its
+    value), schema words left out. Iterative: a body nested as deep as its parser allows costs no
+    recursion here."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -61,7 +93,10 @@ def strings_of(value: Any) -> Iterator[str]:
             if item not in SCHEMA_WORDS:
                 yield item
         elif isinstance(item, dict):
-            stack.extend(reversed(list(item.values())))
+            for key, child in reversed(item.items()):
+                stack.append(child)
+                if key not in SCHEMA_KEYS:
+                    stack.append(key)  # JSON keys are strings; read like a value
         elif isinstance(item, list):
             stack.extend(reversed(item))
 

@@ -130,7 +130,8 @@ def carried_markers(
     known_tags: Callable[[bytes], str | None] | None = None,
 ) -> CarriedMarkers:
     """The markers a request body carries, read as the firewall reads answers: every string of
-    the body joined in document order, folded (``canary.folding``). A marker is looked for after
+    the body, keys included, joined in document order (``canary.evidence.strings_of``), folded
+    (``canary.folding``). A marker is looked for after
     each ``CNRY`` (a bare body with its prefix removed is left to the firewall and
     ``canary.evidence``: the edge refuses what it can name cheaply, at C speed on any size)."""
     folded = fold_flat("".join(strings_of(body)))

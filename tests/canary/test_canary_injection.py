@@ -120,6 +120,30 @@ def test_carried_markers_are_found_anywhere_in_the_request_in_any_form() -> None
         {"messages": [{"role": "user", "content": c} for c in (other[:9], other[9:])]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": other}]}]},
         {"messages": [{"role": "user", "content": "hi"}], "user": other.lower()},
+        # Combining marks after each character: the firewall reads the letters in an answer.
+        {"prompt": "".join(c + "\u0301" for c in other)},
+        {"prompt": "".join(c + "\u0308\u0323" for c in other.lower())},
+        # Only in a key: a tool's parameter name, a response schema's property name.
+        {
+            "messages": [{"role": "user", "content": "call f"}],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {other: {"type": "string"}}},
+                    },
+                }
+            ],
+        },
+        {
+            "messages": [{"role": "user", "content": "answer"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"properties": {other.lower(): {}}}},
+            },
+        },
+        {"prompt": "hi", "metadata": {other[:20]: 1, other[20:]: 2}},
     ]
     for body in bent:
         [verified] = carried_markers(CODEC, body).genuine

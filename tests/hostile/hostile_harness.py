@@ -240,7 +240,9 @@ class Follower:
     (outside our control; shapes as OpenAI's chat completions API). It does what a capable model
     asked to would do: ``repeat: X`` answers X; ``decode base64: X``, ``decode hex: X``,
     ``reverse: X``, ``upper: X`` and ``unspace: X`` undo a disguise; ``join:`` answers every
-    user message after it, concatenated in order, spaces removed. Told to ``leak``, it answers
+    user message after it, concatenated in order, spaces removed. Given a ``response_format``
+    JSON schema, it answers an object with each of the schema's properties (grammar-constrained
+    output writes the property names verbatim). Told to ``leak``, it answers
     with the start of a marker another request carried (``leak_chars``: a damaged copy), as a
     provider that mixes customers up would. It holds no key: every marker it writes is one the
     gateway injected or a client sent."""
@@ -253,6 +255,9 @@ class Follower:
     def answer(self, body: dict[str, Any]) -> str:
         if self.leak:
             return "Here: " + self.marker_seen()[: self.leak_chars] + " ."
+        schema = (body.get("response_format") or {}).get("json_schema", {}).get("schema")
+        if schema is not None:
+            return json.dumps({name: "x" for name in schema.get("properties", {})})
         users = [str(m.get("content", "")) for m in body.get("messages", []) if m["role"] == "user"]
         if not users:
             return "ok"

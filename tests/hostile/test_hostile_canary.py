@@ -113,13 +113,15 @@ def _disguises(marker: str) -> dict[str, tuple[str, ...]]:
         "reversed": (f"reverse: {marker[::-1]}",),
         "base64": ("decode base64: " + base64.b64encode(marker.encode()).decode(),),
         "hex": ("decode hex: " + marker.encode().hex(),),
+        # A combining mark after each character: the firewall reads the letters in an answer.
+        "combining marks": ("repeat: " + "".join(c + "\u0301" for c in marker),),
     }
 
 
 # Forms the edge reads as the firewall reads answers (any case, any separator, split across
 # messages): refused before the engine. The others reach it; what it writes back is cut and
 # recorded as a replay.
-READ_AT_THE_EDGE = {"lowercase", "spaced", "bent prefix", "split"}
+READ_AT_THE_EDGE = {"lowercase", "spaced", "bent prefix", "split", "combining marks"}
 
 
 @pytest.mark.parametrize("disguise", sorted(_disguises("CNRY-" + "A" * 32)))
@@ -152,6 +154,33 @@ def test_a_marker_a_tenant_sends_in_never_quarantines(
         )
         assert finding["victim_tenant_id"] == victim
         assert "in this request's own input" in finding["detail"], finding
+    assert _engine(gateway)["quarantine_reason"] is None
+    assert _content(_ask(gateway, bystander, "repeat: still served")) == "still served"
+
+
+def test_a_marker_sent_only_in_a_key_is_refused_at_the_edge(
+    gateway: ServedGateway, follower: Follower
+) -> None:
+    """A genuine foreign marker as a response schema's property name: grammar-constrained output
+    writes the key verbatim, so the engine would write the marker back; its request is refused
+    like one holding the marker in a value (it was read by nobody but the firewall, a confirmed
+    cross-tenant finding that quarantined the engine)."""
+    _, victim_key = gateway.create_tenant("victim", canary_sample_rate=1.0)
+    _, colluder = gateway.create_tenant("colluder")
+    _, bystander = gateway.create_tenant("bystander")
+    _content(_ask(gateway, victim_key, "repeat: hello"))
+    marker = follower.marker_seen()
+    schema = {"type": "object", "properties": {marker: {"type": "string"}}}
+    body = {
+        "model": FOLLOWER_MODEL,
+        "messages": [{"role": "user", "content": "fill in the form"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}},
+    }
+    headers = {"Authorization": f"Bearer {colluder}"}
+    sent = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert sent.status_code == 400, sent.text
+    assert sent.json()["error"]["code"] == "foreign_canary_marker"
+    assert _findings(gateway) == []
     assert _engine(gateway)["quarantine_reason"] is None
     assert _content(_ask(gateway, bystander, "repeat: still served")) == "still served"
 
