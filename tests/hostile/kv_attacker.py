@@ -94,11 +94,15 @@ class MooncakePeer:
 
 
 def loopback_write(endpoint: str, address: int, data: bytes) -> bool:
-    """One batch of one segment; True if the receiver took it (the address was registered)."""
+    """One batch of one segment; True if the receiver took it (the address was registered).
+    A refused header closes the connection before its bytes are read: the send may break."""
     host, _, port = endpoint.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=5) as conn:
-        conn.sendall(struct.pack("!I", 1) + struct.pack("!QQ", address, len(data)) + data)
-        return _exactly(conn, 1) == b"\x00"
+        try:
+            conn.sendall(struct.pack("!I", 1) + struct.pack("!QQ", address, len(data)) + data)
+            return _exactly(conn, 1) == b"\x00"
+        except (BrokenPipeError, ConnectionResetError, ConnectionError):
+            return False
 
 
 def looks_like_kv(raw: bytes) -> bool:
