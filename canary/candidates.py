@@ -267,7 +267,9 @@ class CandidateReader:
 
     def _literal(self, view: Folded, anchor: int, final: bool) -> Verdict | None:
         """A ``CNRY-`` look-alike: its upper-case base32 run, stripped whatever it holds (stopping
-        where a later ``CNRY-`` begins inside it); None when the anchor is not that literal."""
+        where a later ``CNRY-`` begins inside it), unless a known foreign tag starts inside it:
+        that copy is cut as if the prefix stood right before it (a strip must not swallow a marker
+        written a few characters after the prefix). None when the anchor is not that literal."""
         text, start = view.text, view.pos(anchor)
         if not text.startswith(PREFIX, start):
             return None
@@ -276,11 +278,34 @@ class CandidateReader:
         end = match.end()
         if end == start + len(PREFIX):
             return None  # "CNRY-" and no body character: it shows nothing
-        if not final and end > len(text) - len(PREFIX):
-            return Verdict(Action.HOLD, start)  # a later "CNRY-" may start in its tail
+        b = anchor + len(ANCHOR)  # the run's characters fold one to one from here
+        if not final and (
+            end > len(text) - len(PREFIX)  # a later "CNRY-" may start in its tail
+            or (view.run_open(b) and view.stop(b) < b + end - start - len(PREFIX) + UNDECIDED)
+        ):  # or a tag that starts in its tail is not whole yet
+            return Verdict(Action.HOLD, start)
         later = text.find(PREFIX, start + 1, end + len(PREFIX) - 1)
         end = later if later != -1 else end
+        inner = self._foreign_tag_in(view, b + 1, b + end - start - len(PREFIX))
+        if inner is not None:  # _candidate cuts (or holds) there: it never comes back here
+            return self._candidate(view, inner, anchor, final)
         return Verdict(Action.STRIP, start, end, end - start - len(PREFIX), at=anchor)
+
+    def _foreign_tag_in(self, view: Folded, lo: int, hi: int) -> int | None:
+        """The first folded character in ``lo``..``hi`` (exclusive) where a known tag of another
+        tenant starts, whole within its run; None if there is none. Its window's whole 8
+        characters are read, so where one starts decides nothing about the owner's tag."""
+        index = self._tags.current.windows
+        if index is None or lo >= hi:
+            return None
+        span = view.chars[lo : hi + UNDECIDED]
+        for s in sorted(s for _, s, _ in index.find_matches_as_indexes(span, overlapping=True)):
+            i = lo + s
+            tag = self._tag(view.chars[i : i + TAG_CHARS])
+            foreign = tag is not None and tag.tenant is not None and tag.tenant != self._owner
+            if foreign and i + TAG_CHARS <= view.stop(i):
+                return i
+        return None
 
     def _own_fragment(
         self, view: Folded, i: int, fragment: tuple[str, int], final: bool

@@ -56,7 +56,10 @@ What happens to a candidate's body (up to 32 folded characters of its run):
   - an own fragment -> the characters that match the own marker are stripped;
   - after the literal prefix ``CNRY-`` -> the upper-case base32 run after it is stripped,
     whatever its characters (the look-alike rule: no oracle for the tenant's own tag, see
-    below); ``CNRY-`` with no base32 character after it shows nothing and is delivered;
+    below), unless a known foreign tag starts inside the run: that copy is cut as if the prefix
+    stood right before it (a few characters put between the prefix and another tenant's marker
+    must not make the strip swallow it); ``CNRY-`` with no base32 character after it shows
+    nothing and is delivered;
   - anything else -> delivered (a bent prefix before a tag nobody has is ordinary text).
 
 No oracle: what is delivered, stripped or cut, and when, never depends on part of the owner's

@@ -299,6 +299,46 @@ def test_marker_hidden_in_the_tail_of_a_look_alike_is_found() -> None:
         assert seen(scan(chunks)) == ("<", want, True)
 
 
+# A leaking engine told to write a few characters between ``CNRY-`` and another tenant's marker:
+# the literal look-alike's run (``CNRY-`` and up to 32 base32 characters) reaches into the
+# marker, whose tag stands whole inside it. The tag decides, never the look-alike's strip.
+LOOK_ALIKE_HEADS = ["A", "Q" * 24, "Q" * 31]
+
+
+@pytest.mark.parametrize("head", LOOK_ALIKE_HEADS)
+def test_a_marker_behind_a_look_alike_head_is_cut_at_every_split(head: str) -> None:
+    text = "ctx CNRY-" + head + FOREIGN.text[5:] + " end"
+    want = [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 4)]
+    for chunks in splits(text, three_way=False):
+        got = scan(chunks)
+        assert seen(got) == ("ctx ", want, True), chunks
+        assert got.max_held <= MAX_HOLDBACK
+
+
+@pytest.mark.parametrize("head", LOOK_ALIKE_HEADS)
+def test_a_damaged_copy_behind_a_look_alike_head_is_suspected_at_every_split(head: str) -> None:
+    body = FOREIGN.text[5:]
+    tag_only = body[:8]  # what follows (" end") contradicts its key id: the prefix decides
+    bad_mac = body[:-1] + ("A" if body[-1] != "A" else "B")
+    for copy, visible in ((tag_only, 0), (bad_mac, 32)):
+        text = "ctx CNRY-" + head + copy + " end"
+        want = [suspected(FOREIGN, "globex", 4, visible=visible)]
+        for chunks in splits(text, three_way=False):
+            assert seen(scan(chunks)) == ("ctx ", want, True), chunks
+
+
+def test_a_look_alike_holding_no_known_tag_is_stripped_as_before() -> None:
+    # Control: ``CNRY-`` and up to 32 base32 characters holding no tag anyone has are stripped
+    # whole, whatever their characters, and what follows the run goes out.
+    rest = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567ABCD"
+    for k in (1, 8, 24, 31):
+        head = "Q" * k
+        text = "ctx CNRY-" + head + rest + " end"
+        want = "ctx " + rest[32 - k :] + " end"
+        for chunks in splits(text, three_way=False):
+            assert seen(scan(chunks)) == (want, [], False), chunks
+
+
 def test_stripping_a_damaged_own_marker_does_not_eat_an_overlapping_foreign_one() -> None:
     own_tag = OWN.text[5:13]
     damaged_own_head = "CNRY-" + own_tag + "A" * 20  # + "CNRY" = 32 chars, bad MAC, own tag
