@@ -239,7 +239,8 @@ class CandidateReader:
 
     def _candidate(self, view: Folded, b: int, anchor: int | None, final: bool) -> Verdict | None:
         """The verdict on the body starting at folded character ``b`` (after an anchor, or at a
-        known tag)."""
+        known tag). ``anchor``: where a prefix before it starts -- a folded ``CNRY``, or the head
+        of a strip a foreign tag was found in (``_literal``, ``_own_tag``) -- None for none."""
         run = min(BODY_CHARS, view.stop(b) - b)
         first = b if anchor is None else anchor
         start = view.pos(first)
@@ -262,8 +263,20 @@ class CandidateReader:
         if literal is not None:
             return literal
         if tag is not None and tag.tenant == self._owner:
-            return self._strip(view, first, b + run, final)
+            return self._own_tag(view, b, run, first, final)
         return None
+
+    def _own_tag(self, view: Folded, b: int, run: int, first: int, final: bool) -> Verdict | None:
+        """Strip a damaged copy showing the owner's tag (its body at ``b``, from ``first``), unless
+        a known foreign tag starts in its ``run``: that copy is cut as if a prefix stood at
+        ``first`` (the owner's tag, which an engine can copy from the request's own marker, must
+        not hide another tenant's marker in the characters it strips)."""
+        if not final and view.run_open(b) and view.stop(b) < b + run + UNDECIDED:
+            return Verdict(Action.HOLD, view.pos(first))  # a tag in its tail is not whole yet
+        inner = self._foreign_tag_in(view, b + 1, b + run)
+        if inner is not None:  # _candidate cuts (or holds) there: it never comes back here
+            return self._candidate(view, inner, first, final)
+        return self._strip(view, first, b + run, final)
 
     def _literal(self, view: Folded, anchor: int, final: bool) -> Verdict | None:
         """A ``CNRY-`` look-alike: its upper-case base32 run, stripped whatever it holds (stopping

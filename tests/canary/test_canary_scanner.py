@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from canary.candidates import FixedTags, TagSet
+from canary.candidates import UNDECIDED, FixedTags, TagSet
+from canary.folding import fold_flat
 from canary.kinds import Evidence, FindingKind
 from canary.markers import NONCE_CHARS, Marker, MarkerCodec, MarkerKeyring, encode_tag
 from canary.scanner import (
@@ -325,6 +326,24 @@ def test_a_damaged_copy_behind_a_look_alike_head_is_suspected_at_every_split(hea
         want = [suspected(FOREIGN, "globex", 4, visible=visible)]
         for chunks in splits(text, three_way=False):
             assert seen(scan(chunks)) == ("ctx ", want, True), chunks
+
+
+@pytest.mark.parametrize("prefix", ["", "cnry-", "CNRY|"])
+@pytest.mark.parametrize("pad", ["", "Q" * 16, "Q" * 23])
+def test_a_marker_behind_the_owners_tag_is_cut_at_every_split(prefix: str, pad: str) -> None:
+    # A damaged copy showing the owner's tag is stripped 32 characters long; a leaking engine
+    # that copies the owner's tag from its own marker must not hide another tenant's in them.
+    text = "ctx " + prefix + OWN.text[5:13] + pad + FOREIGN.text[5:] + " end"
+    want = confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 4)
+    for chunks in splits(text, three_way=False):
+        got = scan(chunks)
+        # Split before it is recognised, at most 7 folded characters of a copy written without
+        # the literal prefix went out (the context), never the owner's whole tag.
+        assert got.cut and text.startswith(got.text), chunks
+        assert len(fold_flat(got.text[len("ctx ") :])) <= UNDECIDED, chunks
+        assert got.findings == [want], chunks
+        assert got.max_held <= MAX_HOLDBACK
+    assert seen(scan([text])) == ("ctx ", [want], True)
 
 
 def test_a_look_alike_holding_no_known_tag_is_stripped_as_before() -> None:
