@@ -268,12 +268,14 @@ class CandidateReader:
 
     def _own_tag(self, view: Folded, b: int, run: int, first: int, final: bool) -> Verdict | None:
         """Strip a damaged copy showing the owner's tag (its body at ``b``, from ``first``), unless
-        a known foreign tag starts in its ``run``: that copy is cut as if a prefix stood at
-        ``first`` (the owner's tag, which an engine can copy from the request's own marker, must
-        not hide another tenant's marker in the characters it strips)."""
+        a known foreign tag starts in its ``run`` after that tag: that copy is cut as if a prefix
+        stood at ``first`` (the owner's tag, which an engine can copy from the request's own
+        marker, must not hide another tenant's marker in the characters it strips). One that
+        overlaps the owner's tag is no such copy: a chunk split can make the text as received
+        join the owner's tag from the delivered context with the start of what followed it."""
         if not final and view.run_open(b) and view.stop(b) < b + run + UNDECIDED:
             return Verdict(Action.HOLD, view.pos(first))  # a tag in its tail is not whole yet
-        inner = self._foreign_tag_in(view, b + 1, b + run)
+        inner = self._foreign_tag_in(view, b + TAG_CHARS, b + run)
         if inner is not None:  # _candidate cuts (or holds) there: it never comes back here
             return self._candidate(view, inner, first, final)
         return self._strip(view, first, b + run, final)

@@ -346,6 +346,20 @@ def test_a_marker_behind_the_owners_tag_is_cut_at_every_split(prefix: str, pad: 
     assert seen(scan([text])) == ("ctx ", [want], True)
 
 
+def test_a_foreign_tag_overlapping_the_owners_tag_is_not_cut() -> None:
+    # Split inside the owner's tag, its first 7 characters go out (the context) and the copy is
+    # stripped from there; what follows may join them into the owner's tag again. A foreign tag
+    # that overlaps it that way, its key id contradicted, is ordinary text as in one chunk.
+    own_tag = OWN.text[5:13]
+    names = (f"n{i}" for i in range(10_000))
+    neighbour = next(n for n in names if encode_tag(CODEC.tenant_tag(n))[0] == own_tag[-1])
+    known = CODEC.known_tags([OWNER, "globex", neighbour])
+    text = "x " + own_tag + "Q" * 24 + " " + encode_tag(CODEC.tenant_tag(neighbour)) + "77 tail"
+    for chunks in splits(text, three_way=False):
+        got = scan(chunks, known=known)
+        assert (got.findings, got.cut) == ([], False), chunks
+
+
 def test_a_look_alike_holding_no_known_tag_is_stripped_as_before() -> None:
     # Control: ``CNRY-`` and up to 32 base32 characters holding no tag anyone has are stripped
     # whole, whatever their characters, and what follows the run goes out.
