@@ -239,7 +239,8 @@ class CandidateReader:
 
     def _candidate(self, view: Folded, b: int, anchor: int | None, final: bool) -> Verdict | None:
         """The verdict on the body starting at folded character ``b`` (after an anchor, or at a
-        known tag)."""
+        known tag). ``anchor``: where a prefix before it starts -- a folded ``CNRY``, or the head
+        of a strip a foreign tag was found in (``_literal``, ``_own_tag``) -- None for none."""
         run = min(BODY_CHARS, view.stop(b) - b)
         first = b if anchor is None else anchor
         start = view.pos(first)
@@ -262,12 +263,28 @@ class CandidateReader:
         if literal is not None:
             return literal
         if tag is not None and tag.tenant == self._owner:
-            return self._strip(view, first, b + run, final)
+            return self._own_tag(view, b, run, first, final)
         return None
+
+    def _own_tag(self, view: Folded, b: int, run: int, first: int, final: bool) -> Verdict | None:
+        """Strip a damaged copy showing the owner's tag (its body at ``b``, from ``first``), unless
+        a known foreign tag starts in its ``run`` after that tag: that copy is cut as if a prefix
+        stood at ``first`` (the owner's tag, which an engine can copy from the request's own
+        marker, must not hide another tenant's marker in the characters it strips). One that
+        overlaps the owner's tag is no such copy: a chunk split can make the text as received
+        join the owner's tag from the delivered context with the start of what followed it."""
+        if not final and view.run_open(b) and view.stop(b) < b + run + UNDECIDED:
+            return Verdict(Action.HOLD, view.pos(first))  # a tag in its tail is not whole yet
+        inner = self._foreign_tag_in(view, b + TAG_CHARS, b + run)
+        if inner is not None:  # _candidate cuts (or holds) there: it never comes back here
+            return self._candidate(view, inner, first, final)
+        return self._strip(view, first, b + run, final)
 
     def _literal(self, view: Folded, anchor: int, final: bool) -> Verdict | None:
         """A ``CNRY-`` look-alike: its upper-case base32 run, stripped whatever it holds (stopping
-        where a later ``CNRY-`` begins inside it); None when the anchor is not that literal."""
+        where a later ``CNRY-`` begins inside it), unless a known foreign tag starts inside it:
+        that copy is cut as if the prefix stood right before it (a strip must not swallow a marker
+        written a few characters after the prefix). None when the anchor is not that literal."""
         text, start = view.text, view.pos(anchor)
         if not text.startswith(PREFIX, start):
             return None
@@ -276,11 +293,34 @@ class CandidateReader:
         end = match.end()
         if end == start + len(PREFIX):
             return None  # "CNRY-" and no body character: it shows nothing
-        if not final and end > len(text) - len(PREFIX):
-            return Verdict(Action.HOLD, start)  # a later "CNRY-" may start in its tail
+        b = anchor + len(ANCHOR)  # the run's characters fold one to one from here
+        if not final and (
+            end > len(text) - len(PREFIX)  # a later "CNRY-" may start in its tail
+            or (view.run_open(b) and view.stop(b) < b + end - start - len(PREFIX) + UNDECIDED)
+        ):  # or a tag that starts in its tail is not whole yet
+            return Verdict(Action.HOLD, start)
         later = text.find(PREFIX, start + 1, end + len(PREFIX) - 1)
         end = later if later != -1 else end
+        inner = self._foreign_tag_in(view, b + 1, b + end - start - len(PREFIX))
+        if inner is not None:  # _candidate cuts (or holds) there: it never comes back here
+            return self._candidate(view, inner, anchor, final)
         return Verdict(Action.STRIP, start, end, end - start - len(PREFIX), at=anchor)
+
+    def _foreign_tag_in(self, view: Folded, lo: int, hi: int) -> int | None:
+        """The first folded character in ``lo``..``hi`` (exclusive) where a known tag of another
+        tenant starts, whole within its run; None if there is none. Its window's whole 8
+        characters are read, so where one starts decides nothing about the owner's tag."""
+        index = self._tags.current.windows
+        if index is None or lo >= hi:
+            return None
+        span = view.chars[lo : hi + UNDECIDED]
+        for s in sorted(s for _, s, _ in index.find_matches_as_indexes(span, overlapping=True)):
+            i = lo + s
+            tag = self._tag(view.chars[i : i + TAG_CHARS])
+            foreign = tag is not None and tag.tenant is not None and tag.tenant != self._owner
+            if foreign and i + TAG_CHARS <= view.stop(i):
+                return i
+        return None
 
     def _own_fragment(
         self, view: Folded, i: int, fragment: tuple[str, int], final: bool

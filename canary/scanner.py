@@ -52,11 +52,16 @@ What happens to a candidate's body (up to 32 folded characters of its run):
     needs 48 matching bits, not 40, to be cut. With 23 visible characters the finding carries
     the key id and nonce (``decode_visible``) for the issue-record lookup;
   - the owner's tag -> stripped (a same-tenant damaged copy is far more often the model mangling
-    the tenant's own marker than a leak; ``cross_request`` is only ever CONFIRMED);
+    the tenant's own marker than a leak; ``cross_request`` is only ever CONFIRMED), unless a
+    known foreign tag starts in the 32 characters it would strip: that copy is cut as if a
+    prefix stood before it (an engine can copy the owner's tag from the request's own marker);
   - an own fragment -> the characters that match the own marker are stripped;
   - after the literal prefix ``CNRY-`` -> the upper-case base32 run after it is stripped,
     whatever its characters (the look-alike rule: no oracle for the tenant's own tag, see
-    below); ``CNRY-`` with no base32 character after it shows nothing and is delivered;
+    below), unless a known foreign tag starts inside the run: that copy is cut as if the prefix
+    stood right before it (a few characters put between the prefix and another tenant's marker
+    must not make the strip swallow it); ``CNRY-`` with no base32 character after it shows
+    nothing and is delivered;
   - anything else -> delivered (a bent prefix before a tag nobody has is ordinary text).
 
 No oracle: what is delivered, stripped or cut, and when, never depends on part of the owner's

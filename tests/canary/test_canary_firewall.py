@@ -89,6 +89,27 @@ def test_a_foreign_marker_split_at_every_offset_never_reaches_the_client() -> No
         )
 
 
+@pytest.mark.parametrize("head", ["A", "Q" * 24])
+def test_a_foreign_marker_behind_a_look_alike_head_is_cut_at_every_offset(head: str) -> None:
+    """A leaking engine told to write a few characters between ``CNRY-`` and another tenant's
+    marker: the look-alike's strip used to swallow the marker's tag and let the rest out, with
+    no finding."""
+    victim = CODEC.issue(TENANTS[7])
+    text = f"The answer: CNRY-{head}{victim.text[5:]} end."
+    at = text.index("CNRY-")
+    for split in range(len(text) + 1):
+        delivered, cut, out = relay(events(split_at(text, [split])))
+        assert victim.text[5:13] not in out.decode() and victim.text[-8:] not in out.decode()
+        assert isinstance(cut, CanaryCut) and cut.code == "isolation_violation", split
+        assert text.startswith(delivered) and len(delivered) <= at, split
+        [finding] = cut.findings
+        assert (finding.kind, finding.evidence, finding.victim_tenant) == (
+            FindingKind.CROSS_TENANT,
+            Evidence.CONFIRMED,
+            TENANTS[7],
+        )
+
+
 def test_own_markers_are_stripped_at_every_byte_chunking() -> None:
     own = CODEC.issue(OWNER)
     text = f"Echo: {own.text}. Done."

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from canary.candidates import FixedTags, TagSet
+from canary.candidates import UNDECIDED, FixedTags, TagSet
+from canary.folding import fold_flat
 from canary.kinds import Evidence, FindingKind
 from canary.markers import NONCE_CHARS, Marker, MarkerCodec, MarkerKeyring, encode_tag
 from canary.scanner import (
@@ -297,6 +298,78 @@ def test_marker_hidden_in_the_tail_of_a_look_alike_is_found() -> None:
     want = [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 1)]  # the head is stripped
     for chunks in splits(text):
         assert seen(scan(chunks)) == ("<", want, True)
+
+
+# A leaking engine told to write a few characters between ``CNRY-`` and another tenant's marker:
+# the literal look-alike's run (``CNRY-`` and up to 32 base32 characters) reaches into the
+# marker, whose tag stands whole inside it. The tag decides, never the look-alike's strip.
+LOOK_ALIKE_HEADS = ["A", "Q" * 24, "Q" * 31]
+
+
+@pytest.mark.parametrize("head", LOOK_ALIKE_HEADS)
+def test_a_marker_behind_a_look_alike_head_is_cut_at_every_split(head: str) -> None:
+    text = "ctx CNRY-" + head + FOREIGN.text[5:] + " end"
+    want = [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 4)]
+    for chunks in splits(text, three_way=False):
+        got = scan(chunks)
+        assert seen(got) == ("ctx ", want, True), chunks
+        assert got.max_held <= MAX_HOLDBACK
+
+
+@pytest.mark.parametrize("head", LOOK_ALIKE_HEADS)
+def test_a_damaged_copy_behind_a_look_alike_head_is_suspected_at_every_split(head: str) -> None:
+    body = FOREIGN.text[5:]
+    tag_only = body[:8]  # what follows (" end") contradicts its key id: the prefix decides
+    bad_mac = body[:-1] + ("A" if body[-1] != "A" else "B")
+    for copy, visible in ((tag_only, 0), (bad_mac, 32)):
+        text = "ctx CNRY-" + head + copy + " end"
+        want = [suspected(FOREIGN, "globex", 4, visible=visible)]
+        for chunks in splits(text, three_way=False):
+            assert seen(scan(chunks)) == ("ctx ", want, True), chunks
+
+
+@pytest.mark.parametrize("prefix", ["", "cnry-", "CNRY|"])
+@pytest.mark.parametrize("pad", ["", "Q" * 16, "Q" * 23])
+def test_a_marker_behind_the_owners_tag_is_cut_at_every_split(prefix: str, pad: str) -> None:
+    # A damaged copy showing the owner's tag is stripped 32 characters long; a leaking engine
+    # that copies the owner's tag from its own marker must not hide another tenant's in them.
+    text = "ctx " + prefix + OWN.text[5:13] + pad + FOREIGN.text[5:] + " end"
+    want = confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 4)
+    for chunks in splits(text, three_way=False):
+        got = scan(chunks)
+        # Split before it is recognised, at most 7 folded characters of a copy written without
+        # the literal prefix went out (the context), never the owner's whole tag.
+        assert got.cut and text.startswith(got.text), chunks
+        assert len(fold_flat(got.text[len("ctx ") :])) <= UNDECIDED, chunks
+        assert got.findings == [want], chunks
+        assert got.max_held <= MAX_HOLDBACK
+    assert seen(scan([text])) == ("ctx ", [want], True)
+
+
+def test_a_foreign_tag_overlapping_the_owners_tag_is_not_cut() -> None:
+    # Split inside the owner's tag, its first 7 characters go out (the context) and the copy is
+    # stripped from there; what follows may join them into the owner's tag again. A foreign tag
+    # that overlaps it that way, its key id contradicted, is ordinary text as in one chunk.
+    own_tag = OWN.text[5:13]
+    names = (f"n{i}" for i in range(10_000))
+    neighbour = next(n for n in names if encode_tag(CODEC.tenant_tag(n))[0] == own_tag[-1])
+    known = CODEC.known_tags([OWNER, "globex", neighbour])
+    text = "x " + own_tag + "Q" * 24 + " " + encode_tag(CODEC.tenant_tag(neighbour)) + "77 tail"
+    for chunks in splits(text, three_way=False):
+        got = scan(chunks, known=known)
+        assert (got.findings, got.cut) == ([], False), chunks
+
+
+def test_a_look_alike_holding_no_known_tag_is_stripped_as_before() -> None:
+    # Control: ``CNRY-`` and up to 32 base32 characters holding no tag anyone has are stripped
+    # whole, whatever their characters, and what follows the run goes out.
+    rest = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567ABCD"
+    for k in (1, 8, 24, 31):
+        head = "Q" * k
+        text = "ctx CNRY-" + head + rest + " end"
+        want = "ctx " + rest[32 - k :] + " end"
+        for chunks in splits(text, three_way=False):
+            assert seen(scan(chunks)) == (want, [], False), chunks
 
 
 def test_stripping_a_damaged_own_marker_does_not_eat_an_overlapping_foreign_one() -> None:
