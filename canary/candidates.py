@@ -275,6 +275,9 @@ class CandidateReader:
         join the owner's tag from the delivered context with the start of what followed it."""
         if not final and view.run_open(b) and view.stop(b) < b + run + UNDECIDED:
             return Verdict(Action.HOLD, view.pos(first))  # a tag in its tail is not whole yet
+        genuine = self._genuine_in(view, b + 1, b + TAG_CHARS)
+        if genuine is not None:  # a whole marker, decided on its own (_genuine)
+            return self._candidate(view, genuine, None, final)
         inner = self._foreign_tag_in(view, b + TAG_CHARS, b + run)
         if inner is not None:  # _candidate cuts (or holds) there: it never comes back here
             return self._candidate(view, inner, first, final)
@@ -305,6 +308,24 @@ class CandidateReader:
         if inner is not None:  # _candidate cuts (or holds) there: it never comes back here
             return self._candidate(view, inner, anchor, final)
         return Verdict(Action.STRIP, start, end, end - start - len(PREFIX), at=anchor)
+
+    def _genuine_in(self, view: Folded, lo: int, hi: int) -> int | None:
+        """The first folded character in ``lo``..``hi`` (exclusive) where a known tag starts
+        that begins a whole genuine marker; None if there is none. A genuine marker (its MAC
+        verifies) that overlaps the owner's tag is no chunk split's accident: the owner's tag can
+        be rebuilt from delivered text and that marker's first character once a strip has taken
+        what stood between them, so the marker is read there, as the whole text reads it."""
+        index = self._tags.current.windows
+        if index is None or lo >= hi:
+            return None
+        span = view.chars[lo : hi + UNDECIDED]
+        for s in sorted(s for _, s, _ in index.find_matches_as_indexes(span, overlapping=True)):
+            i = lo + s
+            if i + BODY_CHARS <= view.stop(i) and (
+                self._codec.verify_body(view.chars[i : i + BODY_CHARS]) is not None
+            ):
+                return i
+        return None
 
     def _foreign_tag_in(self, view: Folded, lo: int, hi: int) -> int | None:
         """The first folded character in ``lo``..``hi`` (exclusive) where a known tag of another

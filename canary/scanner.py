@@ -54,7 +54,8 @@ What happens to a candidate's body (up to 32 folded characters of its run):
   - the owner's tag -> stripped (a same-tenant damaged copy is far more often the model mangling
     the tenant's own marker than a leak; ``cross_request`` is only ever CONFIRMED), unless a
     known foreign tag starts in the 32 characters it would strip: that copy is cut as if a
-    prefix stood before it (an engine can copy the owner's tag from the request's own marker);
+    prefix stood before it (an engine can copy the owner's tag from the request's own marker),
+    and a whole genuine marker overlapping the owner's tag is decided on its own;
   - an own fragment -> the characters that match the own marker are stripped;
   - after the literal prefix ``CNRY-`` -> the upper-case base32 run after it is stripped,
     whatever its characters (the look-alike rule: no oracle for the tenant's own tag, see

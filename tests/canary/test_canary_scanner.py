@@ -360,6 +360,28 @@ def test_a_foreign_tag_overlapping_the_owners_tag_is_not_cut() -> None:
         assert (got.findings, got.cut) == ([], False), chunks
 
 
+@pytest.mark.parametrize("prefix", ["", "CNRY-"])
+def test_a_marker_right_after_the_own_marker_is_cut_at_every_split(prefix: str) -> None:
+    # Split inside the own marker's tag, its first characters go out (the context) and the rest
+    # of it is stripped; the foreign marker's first character then joins that context into the
+    # owner's tag again. The foreign marker is still read whole, as in one chunk: found by the
+    # props test (owner's body, then globex's, a first chunk of 9 characters).
+    text = "ctx " + prefix + OWN.text[5:] + FOREIGN.text[5:] + " end"
+    assert seen(scan([text])) == (
+        "ctx ",
+        [confirmed(FOREIGN, FindingKind.CROSS_TENANT, "globex", 4)],
+        True,
+    )
+    want = (FindingKind.CROSS_TENANT, Evidence.CONFIRMED, "globex", FOREIGN.nonce)
+    for chunks in splits(text, three_way=False):
+        got = scan(chunks)
+        # its position counts what went out before it in the split (the context): not compared
+        found = [(f.kind, f.evidence, f.victim_tenant, f.victim_nonce) for f in got.findings]
+        assert got.cut and found == [want], chunks
+        assert len(fold_flat(got.text[len("ctx ") :])) <= UNDECIDED, chunks
+        assert got.max_held <= MAX_HOLDBACK
+
+
 def test_a_look_alike_holding_no_known_tag_is_stripped_as_before() -> None:
     # Control: ``CNRY-`` and up to 32 base32 characters holding no tag anyone has are stripped
     # whole, whatever their characters, and what follows the run goes out.
