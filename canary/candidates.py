@@ -315,12 +315,7 @@ class CandidateReader:
         verifies) that overlaps the owner's tag is no chunk split's accident: the owner's tag can
         be rebuilt from delivered text and that marker's first character once a strip has taken
         what stood between them, so the marker is read there, as the whole text reads it."""
-        index = self._tags.current.windows
-        if index is None or lo >= hi:
-            return None
-        span = view.chars[lo : hi + UNDECIDED]
-        for s in sorted(s for _, s, _ in index.find_matches_as_indexes(span, overlapping=True)):
-            i = lo + s
+        for i in self._tag_starts(view, lo, hi):
             if i + BODY_CHARS <= view.stop(i) and (
                 self._codec.verify_body(view.chars[i : i + BODY_CHARS]) is not None
             ):
@@ -331,17 +326,21 @@ class CandidateReader:
         """The first folded character in ``lo``..``hi`` (exclusive) where a known tag of another
         tenant starts, whole within its run; None if there is none. Its window's whole 8
         characters are read, so where one starts decides nothing about the owner's tag."""
-        index = self._tags.current.windows
-        if index is None or lo >= hi:
-            return None
-        span = view.chars[lo : hi + UNDECIDED]
-        for s in sorted(s for _, s, _ in index.find_matches_as_indexes(span, overlapping=True)):
-            i = lo + s
+        for i in self._tag_starts(view, lo, hi):
             tag = self._tag(view.chars[i : i + TAG_CHARS])
             foreign = tag is not None and tag.tenant is not None and tag.tenant != self._owner
             if foreign and i + TAG_CHARS <= view.stop(i):
                 return i
         return None
+
+    def _tag_starts(self, view: Folded, lo: int, hi: int) -> list[int]:
+        """Where in folded characters ``lo``..``hi`` (exclusive) a window of a known tag starts
+        (its 8 characters may reach past ``hi``), in order."""
+        index = self._tags.current.windows
+        if index is None or lo >= hi:
+            return []
+        span = view.chars[lo : hi + UNDECIDED]
+        return sorted(lo + s for _, s, _ in index.find_matches_as_indexes(span, overlapping=True))
 
     def _own_fragment(
         self, view: Folded, i: int, fragment: tuple[str, int], final: bool
