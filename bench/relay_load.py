@@ -60,11 +60,12 @@ def process_tree(pid: int) -> list[int]:
 CpuSnapshot = dict[tuple[int, int], int]  # (pid, thread id) -> ns on a CPU
 
 
-def cpu_snapshot(pids: list[int]) -> CpuSnapshot:
-    """Every thread's on-CPU time (``schedstat``, ns) in ``pids`` and their descendants."""
+def cpu_snapshot(pids: list[int], *, descendants: bool = True) -> CpuSnapshot:
+    """Every thread's on-CPU time (``schedstat``, ns) in ``pids`` and (``descendants``) every
+    process they started."""
     found: CpuSnapshot = {}
     for root in pids:
-        for pid in process_tree(root):
+        for pid in process_tree(root) if descendants else [root]:
             try:
                 tids = os.listdir(f"/proc/{pid}/task")
             except OSError:
@@ -76,6 +77,13 @@ def cpu_snapshot(pids: list[int]) -> CpuSnapshot:
                 except OSError:
                     continue
     return found
+
+
+def load_snapshot(load_pids: list[int]) -> CpuSnapshot:
+    """The load side's threads: ``load_pids`` with their descendants (the stand-in), and this
+    process's own -- not the processes it started, which are the relays measured, Redis and
+    PostgreSQL: counted as load, a relay busy at its own limit made the generator look busy."""
+    return {**cpu_snapshot(load_pids), **cpu_snapshot([os.getpid()], descendants=False)}
 
 
 def cpu_between(before: CpuSnapshot, after: CpuSnapshot) -> float:
@@ -290,7 +298,7 @@ class Driver:
         samples = Samples(sent=count)
         self._drained = None
         cpu_before = cpu_snapshot(cpu_pids)
-        load_before = cpu_snapshot([*load_pids, os.getpid()])
+        load_before = load_snapshot(load_pids)
         start = time.perf_counter() + 0.01
         requests = workload.requests
         i = 0
@@ -312,7 +320,7 @@ class Driver:
         samples.wall_s = time.perf_counter() - start
         if cpu_pids:
             samples.cpu_s = cpu_between(cpu_before, cpu_snapshot(cpu_pids))
-        samples.load_cpu_s = cpu_between(load_before, cpu_snapshot([*load_pids, os.getpid()]))
+        samples.load_cpu_s = cpu_between(load_before, load_snapshot(load_pids))
         return samples
 
     async def closed(self, workload: Workload, *, clients: int, seconds: float) -> Samples:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -19,7 +20,15 @@ import uvloop
 
 from bench import relay_report
 from bench.bench_relay import Bench, parse_args, prompt_of
-from bench.relay_load import Driver, Samples, Workload, chat_request, cpu_between, cpu_snapshot
+from bench.relay_load import (
+    Driver,
+    Samples,
+    Workload,
+    chat_request,
+    cpu_between,
+    cpu_snapshot,
+    load_snapshot,
+)
 from bench.relay_report import Max, Outcome, goals, growth_table, main_table
 from bench.relay_standin import MODEL, answer_tokens, build_answer, usage
 from bench.relay_systems import gateway_env
@@ -145,6 +154,29 @@ def test_cpu_between_counts_a_thread_born_in_the_window_from_zero() -> None:
     after = {(1, 1): 5_500_000_000, (1, 2): 250_000_000}
     assert cpu_between(before, after) == pytest.approx(0.75)
     assert cpu_snapshot([1 << 22]) == {}  # no such process: nothing, no error
+
+
+def test_the_load_side_counts_this_process_not_the_relays_it_started() -> None:
+    """The generator's process starts the relays it measures: their CPU is not the load side's
+    (it used to be, and every ceiling of a relay near its limit read as bounded by the load)."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        child = {busy.pid}
+
+        def child_cpu(snapshot: dict[tuple[int, int], int]) -> int:
+            return sum(ns for (pid, _), ns in snapshot.items() if pid in child)
+
+        before = cpu_snapshot([os.getpid()])
+        deadline = time.monotonic() + 30
+        while child_cpu(cpu_snapshot([os.getpid()])) - child_cpu(before) < 200_000_000:
+            assert time.monotonic() < deadline, "the child never ran"
+            time.sleep(0.01)  # polling for the child's CPU to grow, bounded by the deadline
+        assert child_cpu(cpu_snapshot([os.getpid()])) > 0  # descendants: the child counts
+        assert child_cpu(load_snapshot([])) == 0  # the load side: this process alone
+        assert (os.getpid(), os.getpid()) in load_snapshot([])
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def _samples(
