@@ -8,12 +8,13 @@ packs the command and parses the reply through several layers on every call -- a
 a request's CPU in the gateway's profile (two calls per request: admit, release). This client
 writes a command's bytes and awaits one future; a reply resolves the oldest waiting command.
 
-Lifecycle of a connection: opened on first use (bounded by ``timeout_s``), AUTH and SELECT as the
-URL asks -> commands written as they come, each reply resolving the oldest waiting one -> closed on
-a server close, a protocol error or a command that waited past ``timeout_s``: every waiting
-command then fails (``ConnectionError`` or ``TimeoutError``, both ``OSError``) and the next call
-opens a new connection. A timed-out command may still run on the server: the caller decides what
-that means (the limiter abandons the admit, ``gateway.limits.redis_limiter``).
+Lifecycle of a connection: opened on first use (bounded by ``timeout_s`` of the loop's running
+time: ``contracts.deadline``), AUTH and SELECT as the URL asks -> commands written as they come,
+each reply resolving the oldest waiting one -> closed on a server close, a protocol error or a
+command that waited past ``timeout_s``: every waiting command then fails (``ConnectionError`` or
+``TimeoutError``, both ``OSError``) and the next call opens a new connection. A timed-out command
+may still run on the server: the caller decides what that means (the limiter abandons the admit,
+``gateway.limits.redis_limiter``).
 
 A call that fails because its connection broke (not a timeout) is tried once more on a fresh one:
 after an outage the old connection is dead and would fail one call with a spurious error. The
@@ -33,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from contracts.deadline import running_timeout
 
 Arg = bytes | str | int
 Reply = bytes | int | list[Any] | None
@@ -265,7 +268,7 @@ class RespClient:
         loop = asyncio.get_running_loop()
         a = self._address
         try:
-            async with asyncio.timeout(self._timeout):
+            async with running_timeout(self._timeout):
                 if a.path is not None:
                     _, conn = await loop.create_unix_connection(
                         lambda: _Connection(self._timeout), a.path

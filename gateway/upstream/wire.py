@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from contracts.deadline import running_timeout
 from gateway.upstream.base import BodySink
 
 
@@ -342,7 +343,7 @@ class WirePool:
         loop = asyncio.get_running_loop()
         tls = self._tls_context() if origin.tls else None
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with running_timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(
                     lambda: Connection(self, origin),
                     origin.host,

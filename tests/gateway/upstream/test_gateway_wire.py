@@ -6,6 +6,7 @@ silent engine times out, and a response left unfinished closes its connection.""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -165,3 +166,15 @@ async def test_an_unreachable_engine_is_a_wire_error() -> None:
     pool = WirePool(connect_timeout_s=2, read_timeout_s=2)
     with pytest.raises(WireError, match="connect failed"):
         await pool.exchange(origin, _post(origin), b"{}")
+
+
+async def test_a_connect_while_this_loop_stood_still_is_not_a_timeout() -> None:
+    """The gateway's own loop stands still past the connect timeout (a garbage collection, a CPU
+    taken away) while the engine accepts at once: the exchange goes on."""
+    async for origin, _ in _serve(_ok):
+        pool = WirePool(connect_timeout_s=0.3, read_timeout_s=5)
+        asyncio.get_running_loop().call_soon(time.sleep, 0.5)
+        exchange = await pool.exchange(origin, _post(origin), b"{}")
+        assert (exchange.status, await exchange.read_all()) == (200, b"{}")
+        exchange.release()
+        pool.close()
