@@ -9,9 +9,11 @@ Lifecycle of one request's markers (``RequestMarkers`` in the ``MarkerLedger``):
    the request (400 ``foreign_canary_marker``): no tenant can hold one legitimately, and echoing
    it would only frame an engine. So does ``CNRY`` followed by the 8 characters of another known
    tenant's tag (``known_tags``), whatever comes after: the model echoing such a damaged copy
-   would be a suspected finding against an innocent engine. The caller's own genuine markers
-   (only a key holder, a canary probe, has them) are *carried*: delivered back as they are and
-   recorded as this request's markers.
+   would be a suspected finding against an innocent engine. A body holding more than
+   ``MAX_ANCHORS`` folded ``CNRY``s is refused on the count alone (400
+   ``too_many_canary_prefixes``): each is work on the shared event loop and a guess at a tag.
+   The caller's own genuine markers (only a key holder, a canary probe, has them) are *carried*:
+   delivered back as they are and recorded as this request's markers.
 2. Otherwise, with the tenant's ``canary_sample_rate``, a fresh marker is injected and becomes the
    request's *own* marker: the firewall strips it from what the tenant receives. A request that
    can bend or multiply what the model copies is never sampled (``bendable``): one with a
@@ -61,6 +63,13 @@ log = logging.getLogger("kvguard.canary")
 
 REFERENCE_LINE = "{marker}"  # the marker alone: see the module docstring
 MAX_PENDING_WRITES = 1000
+# Folded ``CNRY``s a request body may hold. Each is a tag lookup and, with 32 characters after
+# it, a MAC check, on the event loop every tenant shares: an 8 MiB body of them held it for
+# 1.6-4.4 s, and was 645,000 guesses at other tenants' tags in one request. Random data holds
+# about one per 720,000 base64 characters; this project's own docs and code, which discuss the
+# marker, one per 17,000 characters. A body holding more is refused on the count alone, before
+# any is read, so the refusal says nothing of whose tags they were.
+MAX_ANCHORS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +124,10 @@ def inject_prompt(prompt: str, marker_text: str) -> str:
     return f"{reference_line(marker_text)}\n{prompt}"
 
 
+class AnchorFlood(Exception):
+    """The body holds more than ``MAX_ANCHORS`` folded ``CNRY``s."""
+
+
 @dataclass(frozen=True, slots=True)
 class CarriedMarkers:
     """What a request body holds after a folded ``CNRY``: genuine markers, and the known tenants
@@ -135,6 +148,8 @@ def carried_markers(
     each ``CNRY`` (a bare body with its prefix removed is left to the firewall and
     ``canary.evidence``: the edge refuses what it can name cheaply, at C speed on any size)."""
     folded = fold_flat("".join(strings_of(body)))
+    if folded.count(ANCHOR) > MAX_ANCHORS:
+        raise AnchorFlood()
     genuine: list[Verified] = []
     tagged: set[str] = set()
     at = folded.find(ANCHOR)
@@ -258,7 +273,20 @@ class MarkerInjector:
             )
 
     def _carried_nonces(self, info: RequestInfo, body: dict[str, Any]) -> frozenset[bytes]:
-        found = carried_markers(self._codec, body, self._known_tags)
+        try:
+            found = carried_markers(self._codec, body, self._known_tags)
+        except AnchorFlood:
+            log.warning(
+                "canary: request %s of tenant %s holds more than %d marker prefixes; refused",
+                info.request_id,
+                info.tenant_id,
+                MAX_ANCHORS,
+            )
+            raise RequestRefused(
+                f"This request holds more than {MAX_ANCHORS} canary marker prefixes (CNRY, "
+                "in any case or spacing); no request needs that many.",
+                code="too_many_canary_prefixes",
+            ) from None
         if found.genuine:
             own_tags = self._codec.tenant_tags(info.tenant_id)
             if any(v.tenant_tag not in own_tags for v in found.genuine):

@@ -7,6 +7,8 @@ import random
 import pytest
 
 from canary.injection import (
+    MAX_ANCHORS,
+    AnchorFlood,
     MarkerInjector,
     MarkerLedger,
     SecureDraws,
@@ -273,3 +275,49 @@ async def test_a_request_carrying_another_tenants_tag_after_the_prefix_is_refuse
         assert refused.value.code == "foreign_canary_marker"
         assert acme_tag not in refused.value.message
     assert len(ledger) == 2  # the two requests allowed through (5, 6); the refused have none
+
+
+class CountingCodec(MarkerCodec):
+    """The codec, counting the MAC checks ``carried_markers`` asks of it."""
+
+    checks = 0
+
+    def verify_body(self, body: str):  # type: ignore[no-untyped-def]
+        CountingCodec.checks += 1
+        return super().verify_body(body)
+
+
+async def test_a_body_flooded_with_prefixes_is_refused_on_the_count_alone() -> None:
+    """8 MiB of ``CNRY`` + 32 characters held the shared event loop for 1.6-4.4 s (a MAC check and
+    a tag lookup each) and were as many guesses at other tenants' tags. Beyond ``MAX_ANCHORS``
+    the body is refused before any is read, with the same answer whether a known tag is among
+    them or not (no oracle); up to it, every one is still read (a foreign marker among them is
+    refused as such)."""
+    index = CODEC.tag_index(["acme", "globex"])
+    hook, ledger, _, _ = injector(known_tags=index.get)
+    unknown = "CNRY-" + "A" * 32
+    for last in (unknown, M):  # the flood alone, and with acme's genuine marker at its end
+        content = " ".join([unknown] * MAX_ANCHORS + [last])
+        with pytest.raises(RequestRefused) as refused:
+            await hook.prepare(info(5, tenant="globex"), {"messages": [{"content": content}]})
+        assert refused.value.code == "too_many_canary_prefixes"
+        assert str(MAX_ANCHORS) in refused.value.message and M not in refused.value.message
+    spaced = " ".join("c n r y" for _ in range(MAX_ANCHORS + 1))  # read as the firewall reads
+    with pytest.raises(RequestRefused):
+        await hook.prepare(info(6), {"prompt": spaced})
+    assert len(ledger) == 0
+
+    counting = CountingCodec(CODEC.keyring)
+    CountingCodec.checks = 0
+    with pytest.raises(AnchorFlood):
+        carried_markers(counting, {"prompt": " ".join([unknown] * (10 * MAX_ANCHORS))})
+    assert CountingCodec.checks == 0
+
+    at_most = " ".join([unknown] * (MAX_ANCHORS - 1) + [M])
+    assert [v.nonce for v in carried_markers(counting, {"prompt": at_most}).genuine] == [
+        b"nonce--1"
+    ]
+    assert CountingCodec.checks == MAX_ANCHORS
+    with pytest.raises(RequestRefused) as refused:
+        await hook.prepare(info(7, tenant="globex"), {"prompt": at_most})
+    assert refused.value.code == "foreign_canary_marker"

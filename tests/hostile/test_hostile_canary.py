@@ -251,3 +251,33 @@ def test_a_marker_the_engine_produced_from_another_request_quarantines(
     assert _engine(gateway)["quarantine_reason"].startswith("canary: isolation finding")
     refused = _ask(gateway, observer, "repeat: hi")
     assert (refused.status_code, refused.json()["error"]["code"]) == (503, "no_healthy_engine")
+
+
+def test_a_body_flooded_with_prefix_guesses_is_refused_alike_and_cheaply(
+    gateway: ServedGateway, follower: Follower
+) -> None:
+    """A tenant fills its body with ``CNRY`` + guesses: before the bound, 8 MiB of them held the
+    gateway's event loop for seconds (every tenant's streams with it), and each was a guess at
+    another tenant's tag. Now such a body is one 400 on the count alone -- the same answer with
+    another tenant's real tag among the guesses or not -- nothing reaches the engine, nothing is
+    recorded, and a bystander is served."""
+    victim, victim_key = gateway.create_tenant("victim", canary_sample_rate=1.0)
+    _, guesser = gateway.create_tenant("guesser")
+    _, bystander = gateway.create_tenant("bystander")
+    assert _content(_ask(gateway, victim_key, "repeat: hello")) == "hello"
+    victim_tag = follower.marker_seen()[5:13]
+    seen = len(follower.seen)
+    guesses = [f"CNRY-{a}{b}AAAAAA" for a in B32 for b in B32]  # 1,024 wrong tags, then ...
+    answers = [
+        _ask(gateway, guesser, " ".join([*guesses, f"CNRY-{last}"]))
+        for last in ("QQQQQQQQ", victim_tag)
+    ]
+    for answer in answers:
+        assert answer.status_code == 400, answer.text
+    assert answers[0].json() == answers[1].json()
+    assert answers[0].json()["error"]["code"] == "too_many_canary_prefixes"
+    assert victim_tag not in answers[1].text
+    assert len(follower.seen) == seen  # neither reached the engine
+    assert _findings(gateway) == []
+    assert _engine(gateway)["quarantine_reason"] is None
+    assert _content(_ask(gateway, bystander, "repeat: still served")) == "still served"
