@@ -36,10 +36,11 @@ from typing import Any
 
 from contracts.plugins import Cut
 from gateway.lifecycle import Phase
+from gateway.proxy.body import screen
 from gateway.proxy.disclosure import without_addresses
 from gateway.responses.events import EventWriter, Step
 from gateway.responses.objects import Envelope, check_call, dumps, new_id, usage
-from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, Streams, whole
+from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, Streams
 
 INVALID = "the engine sent an invalid event"
 ENDED_EARLY = "the engine ended the stream early"
@@ -272,10 +273,10 @@ class ChatToResponses(EventWriter):
         name, call_id = function.get("name"), call.get("id")
         if not isinstance(name, str) or not name:
             raise InvalidAnswer("a tool call without a name")
-        screened_name = whole(self._open(), name)
+        screened_name = screen(self._open(), name)
         if isinstance(screened_name, Cut):
             return screened_name
-        screened_id = whole(self._open(), call_id) if isinstance(call_id, str) and call_id else ""
+        screened_id = screen(self._open(), call_id) if isinstance(call_id, str) and call_id else ""
         if isinstance(screened_id, Cut):
             return screened_id
         if len(self._calls) >= 128:
@@ -401,7 +402,7 @@ class ChatToResponses(EventWriter):
             value = error.get(name)
             found.append(value if isinstance(value, str) and value else default)
         found.append(f"{found[0]}: {found[1]}")
-        screened = [whole(self._open(), value) for value in found]
+        screened = [screen(self._open(), value) for value in found]
         for value in screened:
             if isinstance(value, Cut):
                 return self.cut(value)

@@ -36,10 +36,11 @@ from typing import Any
 from contracts.plugins import Cut
 from contracts.sse import parse_event
 from gateway.lifecycle import Phase
+from gateway.proxy.body import screen
 from gateway.proxy.disclosure import without_addresses
 from gateway.responses.events import EventWriter, Step
 from gateway.responses.objects import Envelope, check_call, dumps, usage
-from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, SideStrings, Streams, whole
+from gateway.responses.screening import InvalidAnswer, Key, OpenGuard, SideStrings, Streams
 
 KEEP_ALIVE = b": keep-alive\n\n"
 INVALID = "the engine sent an event the gateway cannot screen"
@@ -306,7 +307,7 @@ class NativeStream(EventWriter):
             error = response.get("error") if isinstance(response, dict) else None
         error = error if isinstance(error, dict) else {}
         code, message = (error.get(name) for name in ("code", "message"))
-        failed = whole(
+        failed = screen(
             self._open(),
             f"the engine failed ({code if isinstance(code, str) else ''}): "
             f"{message if isinstance(message, str) else ''}",

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.plugins import Cut, Emit, StreamGuard
+from contracts.plugins import Cut, StreamGuard
+from gateway.proxy.body import screen
 
 MAX_STREAMS = 256
 OpenGuard = Callable[[], StreamGuard]
@@ -34,15 +35,6 @@ Key = tuple[str | int, ...]
 
 class InvalidAnswer(ValueError):
     """An engine answer the gateway cannot vouch for (the message names no content)."""
-
-
-def whole(guard: StreamGuard, text: str) -> str | Cut:
-    """A complete value through a fresh guard: what may be delivered, or the Cut."""
-    first = guard.feed(text) if text else Emit("")
-    if isinstance(first, Cut):
-        return first
-    rest = guard.finish()
-    return rest if isinstance(rest, Cut) else first.text + rest.text
 
 
 @dataclass(slots=True)
@@ -113,7 +105,7 @@ class Streams:
         if text.startswith(raw) and (stream is None or not stream.closed):
             fed = self.feed(key, text[len(raw) :])
             return fed if isinstance(fed, Cut) else self.text(key)
-        return whole(self._open(), text)
+        return screen(self._open(), text)
 
     def open_keys(self) -> list[Key]:
         return [key for key, stream in self._streams.items() if not stream.closed]

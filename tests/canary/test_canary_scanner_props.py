@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from canary import scanner as scanner_module
 from canary.folding import fold_flat
 from canary.kinds import Evidence, FindingKind
 from canary.markers import MarkerCodec, MarkerKeyring, encode_tag
@@ -134,6 +135,50 @@ def test_any_chunking_finds_what_one_chunk_finds_and_shows_no_more_of_a_marker(
         assert cut
 
 
+def one_pass(text: str) -> tuple[str, list[tuple[object, ...]], bool, int]:
+    """``text`` fed whole in one pass (no slices) and finished: delivered, findings, cut,
+    redactions."""
+    slice_was = scanner_module.SLICE
+    scanner_module.SLICE = len(text) + 1
+    try:
+        return sliced(text)
+    finally:
+        scanner_module.SLICE = slice_was
+
+
+def sliced(text: str) -> tuple[str, list[tuple[object, ...]], bool, int]:
+    scanner = StreamScanner(CODEC, owner_tenant_id=OWNER, own_nonces={OWN.nonce}, known_tags=INDEX)
+    first = scanner.feed(text)
+    results = [first] if first.cut else [first, scanner.finish()]
+    findings = [
+        (f.kind, f.evidence, f.victim_tenant, f.position) for r in results for f in r.findings
+    ]
+    delivered = "".join(r.text for r in results)
+    return delivered, findings, results[-1].cut, scanner.redactions
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    pieces=st.lists(PIECES, min_size=8, max_size=60),
+    size=st.sampled_from([1, 7, 8, 16, 37, 64, 256]),
+)
+def test_a_long_chunk_read_in_slices_is_decided_as_one_pass_decides_it(
+    pieces: list[str], size: int
+) -> None:
+    """A chunk longer than ``SLICE`` is read a slice at a time (one pass re-read the whole rest
+    after every strip: 32 KiB of ``CNRY-A `` took 8.6 s); what a slice delivered is taken back
+    when a candidate began in it, so the chunk is delivered, stripped, cut and reported exactly as
+    one pass over it would."""
+    text = "".join(pieces)
+    slice_was = scanner_module.SLICE
+    scanner_module.SLICE = size
+    try:
+        got = sliced(text)
+    finally:
+        scanner_module.SLICE = slice_was
+    assert got == one_pass(text)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     text=st.text(alphabet="CNRY-AB27 x", max_size=400),
@@ -218,3 +263,30 @@ def test_look_alike_corpus_has_zero_false_positives() -> None:
         scanned += len(text)
     assert look_alike_count > 4000 and scanned > 350_000
     assert false_positives == 0
+
+
+def test_a_long_answer_of_look_alikes_costs_in_proportion_to_its_length() -> None:
+    """A tenant can steer the model to write ``CNRY-A `` over and over: every copy is a look-alike
+    to strip, and one pass over a whole (non-streamed) answer folded all the rest of it again
+    after each strip -- 16 KiB held the event loop for 2.1 s, 32 KiB for 8.6 s. Counted in
+    characters folded (not in time): twice the text is at most about twice the work."""
+    folded_chars: list[int] = []
+    fold_was = scanner_module.fold
+
+    def counting_fold(text: str):  # type: ignore[no-untyped-def]
+        folded_chars[-1] += len(text)
+        return fold_was(text)
+
+    scanner_module.fold = counting_fold
+    try:
+        for kib in (16, 32):
+            folded_chars.append(0)
+            text = "CNRY-A " * (kib * 1024 // 7)
+            delivered, findings, cut, redactions = sliced(text)
+            assert (delivered.strip(), findings, cut) == ("", [], False)
+            assert redactions == kib * 1024 // 7
+    finally:
+        scanner_module.fold = fold_was
+    small, large = folded_chars
+    assert large <= 2.2 * small
+    assert small <= 200 * 16 * 1024
