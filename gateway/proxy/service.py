@@ -39,7 +39,7 @@ from gateway.errors import (
 from gateway.lifecycle import Phase
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
-from gateway.proxy.body import refusal_of, relay_body
+from gateway.proxy.body import refusal_of, relay_answer
 from gateway.proxy.chunks import MAX_CHOICES, InvalidUpstream, own_usage, token_count
 from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
@@ -215,7 +215,7 @@ class Flight:
         self._check_handoff(handoff_of(body))
         capabilities = self.deps.hooks.guards.capabilities
         try:
-            result = relay_body(
+            result = await relay_answer(
                 ctx.endpoint,
                 body,
                 self.disclosure.open,
