@@ -77,7 +77,7 @@ async def test_a_long_answer_is_screened_off_the_loop_with_the_same_result() -> 
             assert OWN.text not in json.dumps(got)  # the own marker stripped, off the loop too
             tokens = got["choices"][0]["logprobs"]["content"]
             assert "".join(t["token"] for t in tokens).count("CNRY-A") == 0
-    short, raw = answer(f"here {OWN.text}", ["CNRY"])
+    short, raw = answer(f"here {OWN.text}", ["CNRY"] * 8)
     assert len(raw) < OFF_LOOP_CHARS
     assert await screened(short, raw) == screened_on_the_loop(short, raw)
 
