@@ -10,7 +10,8 @@ engine left out filled in as null (a choice's ``logprobs``, a message's ``refusa
 object of a whole answer is put in by the flight (``Disclosure.on_answer``).
 
 ``relay_answer`` is what the flight calls: ``relay_body`` on the event loop for the usual answer,
-in a worker thread (``SCREENERS``) for one whose JSON text is ``OFF_LOOP_CHARS`` or longer. The
+in a worker thread (``off_loop``, ``SCREENERS``) for one whose JSON text is ``OFF_LOOP_CHARS`` or
+longer; a Responses request's whole answer goes through its machine the same way. The
 screen costs time in proportion to the answer, and an answer is what the tenant steers the model
 to write: 4,096 tokens with ``top_logprobs`` 20 held the loop every tenant shares for 0.3 s (3.8 s
 when the tokens spell marker look-alikes). In the thread, the loop keeps serving meanwhile (the
@@ -23,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from contracts.plugins import Cut, Emit, Prefilter, StreamGuard
 from gateway.errors import PassThrough
@@ -86,6 +89,41 @@ SCREENERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvguard-screen
 """The threads long answers are screened in: two, of their own, so long answers wait for each
 other and never for the threads the database calls run in."""
 OPEN_TIMEOUT_S = 30.0  # a guard asked of a loop that no longer runs (shutting down): give up
+T = TypeVar("T")
+
+
+def on_loop(open_guard: OpenGuard) -> OpenGuard:
+    """``open_guard``, made safe to call from a worker thread (``off_loop``): called there, it
+    runs on this event loop and waits for the guard, since guard factories keep shared tables
+    (the firewall's readers and tenant tags) that only the loop changes; called on the loop, it
+    is ``open_guard``. Outside a running loop: ``open_guard`` itself."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return open_guard
+    home = threading.get_ident()
+
+    def open_here_or_there() -> StreamGuard:
+        if threading.get_ident() == home:
+            return open_guard()
+        opened = asyncio.run_coroutine_threadsafe(_opened(open_guard), loop)
+        return opened.result(OPEN_TIMEOUT_S)
+
+    return open_here_or_there
+
+
+async def _opened(open_guard: OpenGuard) -> StreamGuard:
+    return open_guard()
+
+
+async def off_loop(size: int, work: Callable[[], T]) -> T:
+    """``work()`` -- screening a whole answer of ``size`` characters (its JSON text) -- on the
+    loop when it is shorter than ``OFF_LOOP_CHARS``, else in a ``SCREENERS`` thread (see the
+    module docstring): its guards must come from an opener made with ``on_loop``. Whatever
+    ``work`` reads is not touched by anyone else meanwhile: the caller awaits it."""
+    if size < OFF_LOOP_CHARS:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(SCREENERS, work)
 
 
 async def relay_answer(
@@ -97,24 +135,19 @@ async def relay_answer(
     side_prefilter: Prefilter | None = None,
     raw: str | None = None,
 ) -> dict[str, Any] | Cut:
-    """``relay_body``, in a worker thread when ``raw`` is ``OFF_LOOP_CHARS`` or longer (see the
-    module docstring); the same result either way. The body is not touched by anyone else
-    meanwhile: the flight awaits it."""
+    """``relay_body``, off the loop for a long answer (``off_loop``: ``open_guard`` made with
+    ``on_loop``); the same result either way. Without ``raw`` the answer's length is unknown
+    and it is screened on the loop."""
     relay = functools.partial(
-        relay_body, endpoint, body, screen_side=screen_side, side_prefilter=side_prefilter, raw=raw
+        relay_body,
+        endpoint,
+        body,
+        open_guard,
+        screen_side=screen_side,
+        side_prefilter=side_prefilter,
+        raw=raw,
     )
-    if raw is None or len(raw) < OFF_LOOP_CHARS:
-        return relay(open_guard)
-    loop = asyncio.get_running_loop()
-
-    def open_on_loop() -> StreamGuard:
-        return asyncio.run_coroutine_threadsafe(_opened(open_guard), loop).result(OPEN_TIMEOUT_S)
-
-    return await loop.run_in_executor(SCREENERS, relay, open_on_loop)
-
-
-async def _opened(open_guard: OpenGuard) -> StreamGuard:
-    return open_guard()
+    return await off_loop(0 if raw is None else len(raw), relay)
 
 
 def relay_body(

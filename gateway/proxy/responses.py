@@ -65,6 +65,7 @@ from gateway.openai.schemas import ChatCompletionBody
 from gateway.openai.surface import profile_of
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, ParamNames, admit, route
+from gateway.proxy.body import off_loop
 from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
 from gateway.proxy.ending import COMPLETED, Answer, Outcome
@@ -259,7 +260,8 @@ class ResponsesFlight(Flight):
         ctx, machine = self.ctx, self.machine
         ctx.answered = True
         self._check_handoff(handoff_of(reply.body))
-        step = machine.whole_answer(reply.body)
+        body = reply.body
+        step = await off_loop(len(reply.raw or ""), lambda: machine.whole_answer(body))
         self._note_counts(machine)
         if step.end is Phase.CUT and step.cut is not None:
             return await self._cut(step.cut)

@@ -39,7 +39,7 @@ from gateway.errors import (
 from gateway.lifecycle import Phase
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
-from gateway.proxy.body import refusal_of, relay_answer
+from gateway.proxy.body import on_loop, refusal_of, relay_answer
 from gateway.proxy.chunks import MAX_CHOICES, InvalidUpstream, own_usage, token_count
 from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
@@ -104,7 +104,7 @@ class Flight:
         # factory refers to the parts it uses, not to this flight (no reference cycle: a flight
         # is freed when it ends, not by the garbage collector)
         guards, info = deps.hooks.guards, ctx.info
-        self.disclosure = Disclosure(ctx.request_id, lambda: guards.open(info()))
+        self.disclosure = Disclosure(ctx.request_id, on_loop(lambda: guards.open(info())))
 
     async def run(self) -> None:
         outcome = Outcome(CLIENT_GONE)  # what a cancelled flight leaves

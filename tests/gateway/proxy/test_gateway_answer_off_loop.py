@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ from canary.firewall import LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
 from contracts.plugins import Cut, RequestInfo
-from gateway.proxy.body import OFF_LOOP_CHARS, relay_answer, relay_body
+from gateway.proxy.body import OFF_LOOP_CHARS, on_loop, relay_answer, relay_body
 from gateway.upstream.base import Endpoint
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))
@@ -57,9 +58,18 @@ def screened_on_the_loop(body: dict[str, Any], raw: str) -> dict[str, Any] | Cut
     return relay_body(Endpoint.CHAT, json.loads(raw), lambda: fw.open(INFO), raw=raw)
 
 
+OPENED_IN: list[int] = []  # the threads guards were opened in
+
+
 async def screened(body: dict[str, Any], raw: str) -> dict[str, Any] | Cut:
     fw = firewall()
-    return await relay_answer(Endpoint.CHAT, json.loads(raw), lambda: fw.open(INFO), raw=raw)
+
+    def open_guard() -> Any:
+        OPENED_IN.append(threading.get_ident())
+        return fw.open(INFO)
+
+    opener = on_loop(open_guard)  # guards opened on the loop, as the flight's are
+    return await relay_answer(Endpoint.CHAT, json.loads(raw), opener, raw=raw)
 
 
 async def test_a_long_answer_is_screened_off_the_loop_with_the_same_result() -> None:
@@ -77,6 +87,7 @@ async def test_a_long_answer_is_screened_off_the_loop_with_the_same_result() -> 
             assert OWN.text not in json.dumps(got)  # the own marker stripped, off the loop too
             tokens = got["choices"][0]["logprobs"]["content"]
             assert "".join(t["token"] for t in tokens).count("CNRY-A") == 0
+    assert set(OPENED_IN) == {threading.get_ident()}  # the firewall's tables: the loop's alone
     short, raw = answer(f"here {OWN.text}", ["CNRY"] * 8)
     assert len(raw) < OFF_LOOP_CHARS
     assert await screened(short, raw) == screened_on_the_loop(short, raw)

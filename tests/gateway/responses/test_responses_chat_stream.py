@@ -6,6 +6,7 @@ response), another tenant's marker a failure that names the isolation code -- ne
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from responses_helpers import FOREIGN, OWN, env, firewall, passthrough, split
 
 from contracts.plugins import Cut
 from gateway.lifecycle import Phase
+from gateway.proxy.body import OFF_LOOP_CHARS, off_loop, on_loop
 from gateway.responses.chat_stream import ChatToResponses
 
 USAGE = {
@@ -338,3 +340,32 @@ def test_a_tool_call_no_later_turn_could_send_back_fails_the_answer(name, call_i
     step = whole.whole_answer(_whole_call(name, call_id))
     assert step.end is Phase.FAILED and step.code == "upstream_error"
     assert whole.response is not None and whole.response["status"] == "failed"
+
+
+async def test_a_long_whole_answer_goes_through_the_machine_off_the_loop() -> None:
+    """A Responses request's whole answer of ``OFF_LOOP_CHARS`` or more goes through its machine
+    in a worker thread (``gateway.proxy.body.off_loop``), its guards opened on the loop: the same
+    Response as on the loop, the own marker stripped, a foreign one still a failure."""
+    filler = "CNRY-A " * (OFF_LOOP_CHARS // 7 + 1)
+    for text in (f"{filler}{OWN.text} end", f"{filler}{FOREIGN.text}"):
+        completion = {"choices": [{"index": 0, "message": {"content": text}}], "usage": USAGE}
+        on_the_loop = ChatToResponses(env(), firewall(), stream=False)
+        expected = on_the_loop.whole_answer(completion)
+        machine = ChatToResponses(env(), on_loop(firewall()), stream=False)
+        size = len(json.dumps(completion))
+        step = await off_loop(size, lambda m=machine, c=completion: m.whole_answer(c))
+        assert (step.end, step.out) == (expected.end, expected.out)
+        assert machine.response is not None and on_the_loop.response is not None
+        assert without_ids(machine.response) == without_ids(on_the_loop.response)
+        check("Response", machine.response)
+        assert OWN.text not in json.dumps(machine.response)
+        assert (step.end is Phase.CUT) is (FOREIGN.text in text)
+
+
+def without_ids(value: Any) -> Any:
+    """``value`` without its random parts (ids, the creation time)."""
+    if isinstance(value, dict):
+        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "created_at")}
+    if isinstance(value, list):
+        return [without_ids(v) for v in value]
+    return value
