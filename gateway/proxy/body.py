@@ -9,9 +9,9 @@ engine left out filled in as null (a choice's ``logprobs``, a message's ``refusa
 ``content`` and ``refusal`` lists of a chat ``logprobs`` object). The gateway's ``kvguard``
 object of a whole answer is put in by the flight (``Disclosure.on_answer``).
 
-``relay_answer`` is what the flight calls: ``relay_body`` on the event loop for the usual answer,
-in a worker thread (``off_loop``, ``SCREENERS``) for one whose JSON text is ``OFF_LOOP_CHARS`` or
-longer; a Responses request's whole answer goes through its machine the same way. The
+The flight runs ``relay_body`` through ``off_loop``: on the event loop for the usual answer, in a
+worker thread (``SCREENERS``) for one whose JSON text is ``OFF_LOOP_CHARS`` or longer; a Responses
+request's whole answer goes through its machine the same way. The
 screen costs time in proportion to the answer, and an answer is what the tenant steers the model
 to write: 4,096 tokens with ``top_logprobs`` 20 held the loop every tenant shares for 0.3 s (3.8 s
 when the tokens spell marker look-alikes). In the thread, the loop keeps serving meanwhile (the
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -82,7 +81,7 @@ def refusal_of(status: int, error: dict[str, Any], open_guard: OpenGuard) -> Pas
 
 
 OFF_LOOP_CHARS = 16 * 1024
-"""An answer's JSON text this long or longer is screened off the event loop (``relay_answer``):
+"""An answer's JSON text this long or longer is screened off the event loop (``off_loop``):
 shorter ones cost the loop at most about 60 ms however they are written (16 KiB of marker
 prefixes, the costliest text per character), the usual one well under a millisecond."""
 SCREENERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvguard-screen")
@@ -124,30 +123,6 @@ async def off_loop(size: int, work: Callable[[], T]) -> T:
     if size < OFF_LOOP_CHARS:
         return work()
     return await asyncio.get_running_loop().run_in_executor(SCREENERS, work)
-
-
-async def relay_answer(
-    endpoint: Endpoint,
-    body: dict[str, Any],
-    open_guard: OpenGuard,
-    *,
-    screen_side: bool = True,
-    side_prefilter: Prefilter | None = None,
-    raw: str | None = None,
-) -> dict[str, Any] | Cut:
-    """``relay_body``, off the loop for a long answer (``off_loop``: ``open_guard`` made with
-    ``on_loop``); the same result either way. Without ``raw`` the answer's length is unknown
-    and it is screened on the loop."""
-    relay = functools.partial(
-        relay_body,
-        endpoint,
-        body,
-        open_guard,
-        screen_side=screen_side,
-        side_prefilter=side_prefilter,
-        raw=raw,
-    )
-    return await off_loop(0 if raw is None else len(raw), relay)
 
 
 def relay_body(

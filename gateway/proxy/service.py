@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any, NoReturn
@@ -39,7 +40,7 @@ from gateway.errors import (
 from gateway.lifecycle import Phase
 from gateway.proxy import latency
 from gateway.proxy.admission import Admitted, Body, admit
-from gateway.proxy.body import on_loop, refusal_of, relay_answer
+from gateway.proxy.body import off_loop, on_loop, refusal_of, relay_body
 from gateway.proxy.chunks import MAX_CHOICES, InvalidUpstream, own_usage, token_count
 from gateway.proxy.context import RequestContext, open_request
 from gateway.proxy.deps import ProxyDeps
@@ -215,7 +216,8 @@ class Flight:
         self._check_handoff(handoff_of(body))
         capabilities = self.deps.hooks.guards.capabilities
         try:
-            result = await relay_answer(
+            relay = functools.partial(
+                relay_body,
                 ctx.endpoint,
                 body,
                 self.disclosure.open,
@@ -223,6 +225,7 @@ class Flight:
                 side_prefilter=capabilities.side_prefilter,
                 raw=reply.raw,
             )
+            result = await off_loop(len(reply.raw or ""), relay)
         except InvalidUpstream as exc:
             raise UpstreamFailed("the engine sent an invalid answer") from exc
         if isinstance(result, Cut):

@@ -1,4 +1,4 @@
-"""A long whole answer is screened off the event loop (``gateway.proxy.body.relay_answer``): the
+"""A long whole answer is screened off the event loop (``gateway.proxy.body.off_loop``): the
 same result as on the loop, and the loop keeps serving every other tenant meanwhile.
 
 The answers are what a tenant can steer the model to write: ``logprobs`` with ``top_logprobs``
@@ -17,7 +17,7 @@ from canary.firewall import LeakFirewall, TagIndex
 from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
 from contracts.plugins import Cut, RequestInfo
-from gateway.proxy.body import OFF_LOOP_CHARS, on_loop, relay_answer, relay_body
+from gateway.proxy.body import OFF_LOOP_CHARS, off_loop, on_loop, relay_body
 from gateway.upstream.base import Endpoint
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))
@@ -69,7 +69,9 @@ async def screened(body: dict[str, Any], raw: str) -> dict[str, Any] | Cut:
         return fw.open(INFO)
 
     opener = on_loop(open_guard)  # guards opened on the loop, as the flight's are
-    return await relay_answer(Endpoint.CHAT, json.loads(raw), opener, raw=raw)
+    return await off_loop(
+        len(raw), lambda: relay_body(Endpoint.CHAT, json.loads(raw), opener, raw=raw)
+    )
 
 
 async def test_a_long_answer_is_screened_off_the_loop_with_the_same_result() -> None:
