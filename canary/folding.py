@@ -19,8 +19,8 @@ requests, the replay evidence -- reads text *folded*:
   paragraph, a table's padding) ends the run.
 
 ``fold`` keeps the position of every folded character in the original text (the scanner strips
-and cuts there); ``fold_flat`` is the same folding without positions or runs, at C speed, for
-whole requests: ``fold_flat(text) == fold(text).chars`` for every text (a marker the firewall
+and cuts there); ``fold_flat`` is the same folding without positions or runs, for whole
+requests: ``fold_flat(text) == fold(text).chars`` for every text (a marker the firewall
 reads in an answer is read in a request holding the same text; it used to normalise requests
 whole, composing ``C`` and a combining acute into ``Ć``, which it then dropped). Not undone:
 homoglyphs from other scripts, encodings (reversed, base64, ROT13), and letters put between a
@@ -28,12 +28,31 @@ marker's characters -- disguises a model can only be *told* to make.
 
 An accented letter is a letter, not a separator (it used to be dropped, joining its neighbours:
 ``CÉNRY`` read as ``CNRY``), so accented text folds like English text of the same letters.
+
+The cost of folding a text depends on that text alone, and is C speed on any text. At import
+``_fold_char`` is applied to every code point that can fold to something (ASCII, and the blocks
+where some character decomposes: 0.07 s), giving ``_FOLDS``, the complete list of the code
+points that fold to some characters (1,783); every other one is a separator. Texts are then
+folded without a Python call per character: ASCII by ``bytes.translate``; Latin-1 by
+``bytes.translate`` with tables built from ``_FOLDS``; any other text has what folds to nothing
+deleted by a regular expression (its class built from ``_FOLDS``), then what is left -- ASCII,
+and characters whose decomposition is ASCII and Mn marks -- decomposed (NFKD) whole, the marks
+dropped as its non-ASCII characters. Decomposing whole reads like decomposing each character on
+its own there: NFKD never composes, and reordering moves marks only among marks, all dropped.
+(``_FOLDS`` used to be a cache filled on first sight of each character and bounded at 65,536
+entries: one request of more than 65,536 distinct characters filled it for good, and from then
+on every tenant's non-ASCII text not already in it was folded in Python, a character at a time.)
+``tests/canary/test_canary_folding.py`` checks every code point, alone and all in one text, and
+random texts against ``_fold_char``.
 """
 
 from __future__ import annotations
 
 import bisect
+import re
+import sys
 import unicodedata
+from array import array
 
 MARKER_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
 ANCHOR = "CNRY"
@@ -69,29 +88,91 @@ def _fold_char(ch: str) -> str:
     return parts.translate(_ASCII_FOLD).replace(_SEP, "")
 
 
-class _FoldTable(dict[int, str]):
-    """Code point -> its folded characters, for ``str.translate``: looked up at C speed, computed
-    by ``_fold_char`` on first sight; bounded, so a request of every code point cannot grow it
-    without end (past the bound a new character is computed each time)."""
+def _folding_code_points() -> dict[int, str]:
+    """Every code point whose fold is not empty, with its fold (by ``_fold_char``). A character
+    that does not decompose (NFKD) folds to itself when it is ASCII and to nothing otherwise (a
+    mark, or something that is not ASCII), so only ASCII and the blocks where some character
+    decomposes are read one by one: about 30,000 of the 1,114,112 code points, once, at import."""
+    codes = array("I", range(sys.maxunicode + 1)).tobytes()
+    everything = codes.decode("utf-32-le", "surrogatepass")
+    folds: dict[int, str] = {}
+    for start in range(0, len(everything), _BLOCK):
+        block = everything[start : start + _BLOCK]
+        if start and unicodedata.is_normalized("NFKD", block):
+            continue  # nothing here decomposes, nothing is ASCII: every fold is empty
+        for offset, ch in enumerate(block):
+            folded = _fold_char(ch)
+            if folded:
+                folds[start + offset] = folded
+    return folds
 
-    LIMIT = 1 << 16
 
-    def __missing__(self, code: int) -> str:
-        folded = _fold_char(chr(code))
-        if len(self) < self.LIMIT:
-            self[code] = folded
-        return folded
+def _char_class(codes: list[int]) -> str:
+    """A regular expression character class's inside for ``codes`` (sorted), as ranges."""
+    ranges: list[list[int]] = []
+    for code in codes:
+        if ranges and ranges[-1][1] == code - 1:
+            ranges[-1][1] = code
+        else:
+            ranges.append([code, code])
+    return "".join(f"\\U{lo:08x}" if lo == hi else f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in ranges)
 
 
-_FOLDS = _FoldTable({c: _fold_char(chr(c)) for c in range(128)})
+_BLOCK = 256
+_FOLDS = _folding_code_points()
+"""Code point -> its folded characters, for every code point that folds to some (1,783 with
+Python 3.11's Unicode data); every other one is a separator. Complete and never added to."""
+_BMP_KEPT = f"[{_char_class([c for c in sorted(_FOLDS) if c <= 0xFFFF])}\\U00010000-\\U0010ffff]"
+_DROP_BMP = re.compile(f"[^{_BMP_KEPT[1:]}[^{_BMP_KEPT[1:]}*")
+"""Runs of characters of the Basic Multilingual Plane that fold to nothing (a table lookup per
+character: the class is a bitmap; written ``[^…][^…]*`` rather than ``[^…]+`` so that the search
+for a run is the class's own scan, not a match tried at each character)."""
+_HAS_NON_BMP = re.compile("[\\U00010000-\\U0010ffff]")
+_NON_BMP_KEPT = f"[\\x00-\\uffff{_char_class([c for c in sorted(_FOLDS) if c > 0xFFFF])}]"
+_DROP_NON_BMP = re.compile(f"[^{_NON_BMP_KEPT[1:]}[^{_NON_BMP_KEPT[1:]}*")
+"""Runs of characters outside the Basic Multilingual Plane that fold to nothing (a few dozen
+ranges tried in turn: only for texts that hold such characters)."""
+_KEPT = bytearray(sys.maxunicode + 1)
+for _code in _FOLDS:
+    _KEPT[_code] = 1
+_MAPPED = _KEPT.decode("latin-1")
+"""For ``str.translate``: ``_SEP`` for every code point that folds to nothing, ``\\x01`` for
+one that folds to some."""
+del _KEPT, _code
+_FOLDED_AT = re.compile("[^\\x00]")
+_LATIN1_UPPER = bytes(ord(_FOLDS.get(c, "?")[0]) for c in range(256))
+_LATIN1_SEPARATORS = bytes(c for c in range(256) if c not in _FOLDS)
+_LATIN1_MAPPED = bytes(0 if c in _LATIN1_SEPARATORS else 1 for c in range(256))
+"""``fold_flat`` and ``_MAPPED`` of a Latin-1 text as ``bytes.translate`` tables."""
+_LATIN1_BYTEWISE = all(len(_FOLDS.get(c, "")) <= 1 for c in range(256))
+"""Whether every Latin-1 character folds to one character or none, as the tables need (true of
+every Unicode version so far; were it not, Latin-1 texts would take the general way)."""
 
 
 def fold_flat(text: str) -> str:
     """The folded characters of ``text`` in order, runs not told apart (a whole request):
-    ``fold(text).chars`` without positions."""
+    ``fold(text).chars`` without positions. No Python call per character (the module's
+    docstring says how)."""
     if text.isascii():
         return fold_ascii(text)
-    return text.translate(_FOLDS)
+    latin1 = _latin1(text)
+    if latin1 is not None:  # accented Western European text: a table lookup per byte
+        return latin1.translate(_LATIN1_UPPER, _LATIN1_SEPARATORS).decode("ascii")
+    kept = _DROP_BMP.sub("", text)
+    if not kept.isascii():
+        if _HAS_NON_BMP.search(kept):
+            kept = _DROP_NON_BMP.sub("", kept)
+        ascii_kept = unicodedata.normalize("NFKD", kept).encode("ascii", "ignore")
+        return ascii_kept.translate(BYTE_UPPER, BYTE_SEPARATORS).decode("ascii")
+    return fold_ascii(kept)
+
+
+def _latin1(text: str) -> bytes | None:
+    """``text`` in Latin-1 when every character is in it (and Latin-1 folds byte by byte)."""
+    if not _LATIN1_BYTEWISE:
+        return None
+    latin1 = text.encode("latin-1", "ignore")  # no exception raised: a cost for a short text
+    return latin1 if len(latin1) == len(text) else None
 
 
 def fold_ascii(text: str) -> str:
@@ -117,7 +198,7 @@ class Folded:
     def __init__(self, text: str, chars: str, mapped: str | None, pos: list[int] | None) -> None:
         self.text = text
         self.chars = chars
-        self._mapped = mapped  # the text with every separator as _SEP (ASCII texts)
+        self._mapped = mapped  # the text, separators as _SEP (each other character folds to one)
         self._pos = pos
         n = len(chars)
         if not n:
@@ -202,11 +283,16 @@ def fold(text: str) -> Folded:
     if text.isascii():
         mapped = text.translate(_ASCII_FOLD)
         return Folded(text, mapped.replace(_SEP, ""), mapped, None)
-    folds = _FOLDS
-    folded: list[str] = []
-    pos: list[int] = []
-    for i, ch in enumerate(text):
-        for c in folds[ord(ch)]:
-            folded.append(c)
-            pos.append(i)
-    return Folded(text, "".join(folded), None, pos)
+    chars = fold_flat(text)
+    if not chars:
+        return Folded(text, "", None, [])
+    latin1 = _latin1(text)
+    if latin1 is not None:
+        mapped = latin1.translate(_LATIN1_MAPPED).decode("latin-1")
+    else:
+        mapped = text.translate(_MAPPED)
+    if len(mapped) - mapped.count(_SEP) == len(chars):  # each character folds to one
+        return Folded(text, chars, mapped, None)
+    # some character folds to several (a ligature): each of them stands where that character does
+    pos = [m.start() for m in _FOLDED_AT.finditer(mapped) for _ in _FOLDS[ord(text[m.start()])]]
+    return Folded(text, chars, None, pos)
