@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from gateway.upstream.wire import Origin, WireError, WirePool, request_head
+from gateway.upstream.wire import MAX_IDLE, Origin, WireError, WirePool, request_head
 
 CHUNKED_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -177,4 +177,61 @@ async def test_a_connect_while_this_loop_stood_still_is_not_a_timeout() -> None:
         exchange = await pool.exchange(origin, _post(origin), b"{}")
         assert (exchange.status, await exchange.read_all()) == (200, b"{}")
         exchange.release()
+        pool.close()
+
+
+async def test_a_burst_leaves_at_most_max_idle_connections_open() -> None:
+    """250 requests at once open 250 connections; when they are answered, the pool keeps
+    ``MAX_IDLE`` of them and closes the rest (the engine sees them close). Before, every one
+    stayed in the pool for good, with its socket, parser and events."""
+    loop = asyncio.get_running_loop()
+    answer, all_in = loop.create_future(), loop.create_future()
+    waiting: list[_Server] = []
+
+    def later(server: _Server) -> None:  # answers once all 250 requests are in
+        waiting.append(server)
+        if len(waiting) == 250:
+            all_in.set_result(None)
+        answer.add_done_callback(lambda _: _ok(server))
+
+    async for origin, servers in _serve(later):
+        pool = WirePool(connect_timeout_s=5, read_timeout_s=5)
+        burst = [
+            asyncio.ensure_future(pool.exchange(origin, _post(origin), b"{}")) for _ in range(250)
+        ]
+        await asyncio.wait_for(all_in, 10)
+        answer.set_result(None)
+        for exchange in await asyncio.gather(*burst):
+            assert await exchange.read_all() == b"{}"
+            exchange.release()
+        assert pool.idle(origin) == MAX_IDLE and len(servers) == 250
+        closed = [s.closed for s in servers]
+        done, _ = await asyncio.wait(closed, timeout=5)
+        assert len(done) == 250 - MAX_IDLE  # the rest were closed: the engine saw it
+        pool.close()
+
+
+async def test_an_idle_connection_the_engine_closes_leaves_the_pool() -> None:
+    """The engine closes a kept-alive connection (its keep-alive timeout): it leaves the pool at
+    once, instead of staying in it, dead, until a request happens to take it."""
+    async for origin, servers in _serve(_ok):
+        pool = WirePool(connect_timeout_s=5, read_timeout_s=5)
+        exchange = await pool.exchange(origin, _post(origin), b"{}")
+        assert await exchange.read_all() == b"{}"
+        exchange.release()
+        assert pool.idle(origin) == 1
+        (conn,) = pool._idle[origin]
+        lost = asyncio.get_running_loop().create_future()
+        connection_lost = conn.connection_lost
+
+        def seen_lost(exc: Exception | None, was=connection_lost, seen=lost) -> None:  # type: ignore[no-untyped-def]
+            was(exc)
+            seen.set_result(None)
+
+        conn.connection_lost = seen_lost  # type: ignore[method-assign]
+        (server,) = servers
+        assert server.transport is not None
+        server.transport.close()  # the engine's keep-alive timeout
+        await asyncio.wait_for(lost, 5)
+        assert pool.idle(origin) == 0
         pool.close()
