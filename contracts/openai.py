@@ -14,6 +14,12 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 1024
 """The longest stop sequence either server accepts (a longer one can never end an answer the
 context holds usefully, and a 6 MB one reached the engine's body limit as a 413)."""
+MAX_JSON_DEPTH = 128
+"""The deepest nesting of a passed-on JSON value (``check_passed_on``): OpenAI's structured
+outputs take a schema of at most 10 levels of nesting (a few JSON levels each), and below
+orjson's 254, what the gateway writes an engine's body with. A value nested near the parser's own
+limit (1024) broke the recursive walks over it (a 500)."""
+LONE_SURROGATE = "text is not valid Unicode (it holds a lone surrogate)"
 
 
 def null_is_absent(data: Any) -> Any:
@@ -50,27 +56,72 @@ def check_logit_bias_keys(keys: Iterable[str]) -> None:
 def lone_surrogate(value: Any, path: str = "") -> str | None:
     """The path of the first string in ``value`` (parsed JSON) holding a lone UTF-16 surrogate,
     which JSON may escape (``"\\ud800"``) but no text encoding can carry; None if there is none.
-    Keys are checked too."""
-    if isinstance(value, str):
-        if value.isascii():
-            return None
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            inner = f"{path}.{key}" if path else str(key)
-            found = lone_surrogate(key, inner) or lone_surrogate(item, inner)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for position, item in enumerate(value):
-            found = lone_surrogate(item, f"{path}.{position}" if path else str(position))
-            if found is not None:
-                return found
+    Keys are checked too. Iterative: a value nested as deep as its parser allows (orjson: 1024)
+    costs no recursion (a RecursionError was a 500)."""
+    stack: list[tuple[Any, Any]] = [(value, None)]  # (value, its place: (parent's place, key))
+    while stack:
+        item, place = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _holds_surrogate(item):
+                return _path(place, path)
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                stack.append((child, (place, key)))
+                stack.append((key, (place, key)))
+        elif isinstance(item, list):
+            stack.extend((child, (place, at)) for at, child in reversed(list(enumerate(item))))
     return None
+
+
+def _holds_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _path(place: Any, prefix: str) -> str:
+    keys: list[str] = []
+    while place is not None:
+        place, key = place
+        keys.append(str(key))
+    return ".".join(([prefix] if prefix else []) + keys[::-1]) or "body"
+
+
+def check_passed_on(value: Any) -> None:
+    """A JSON value a server only passes on (a response format, a tool's parameters...): nested
+    at most ``MAX_JSON_DEPTH`` deep, every string (keys too) valid Unicode; a ValueError naming
+    the problem otherwise. Level by level, never recursive."""
+    level = [value]
+    depth = 0  # ``[]`` is 1 deep, ``[[]]`` 2 (the containers in ``level`` are ``depth`` deep)
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
+        below: list[Any] = []
+        for item in level:
+            if isinstance(item, dict):
+                if _surrogate_in(item) or _surrogate_in(item.values(), below):
+                    raise ValueError(LONE_SURROGATE)
+            elif isinstance(item, list):
+                if _surrogate_in(item, below):
+                    raise ValueError(LONE_SURROGATE)
+            elif isinstance(item, str) and not item.isascii() and _holds_surrogate(item):
+                raise ValueError(LONE_SURROGATE)
+        level = below
+
+
+def _surrogate_in(items: Iterable[Any], below: list[Any] | None = None) -> bool:
+    """Whether a string of ``items`` holds a lone surrogate; the containers among them are put
+    in ``below``."""
+    for item in items:
+        if isinstance(item, str):
+            if not item.isascii() and _holds_surrogate(item):
+                return True
+        elif below is not None and isinstance(item, dict | list):
+            below.append(item)
+    return False
 
 
 def choice_texts(obj: dict[str, Any]) -> Iterator[str]:

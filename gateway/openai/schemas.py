@@ -9,7 +9,8 @@ the field, before any engine is asked anything. The fields the gateway itself in
 messages, prompt, token limits, n, stream) are typed exactly, and so are the tools and an
 assistant's tool calls (OpenAI's function tools: an engine's chat template renders them, and its
 tokenizer refused a malformed one: a 502); the objects it only passes on (response_format,
-metadata, ...) are checked for their outer shape, and every string in them for valid Unicode.
+metadata, ...) are checked for their outer shape, their depth (at most
+``contracts.openai.MAX_JSON_DEPTH`` levels) and every string in them for valid Unicode.
 
 What the engine receives is exactly the fields the client set (less what ``surface`` drops for
 that engine), plus the ``max_tokens`` the gateway enforced and the usage request it needs. A null
@@ -32,7 +33,13 @@ from pydantic import (
     model_validator,
 )
 
-from contracts.openai import check_logit_bias_keys, check_stops, lone_surrogate, null_is_absent
+from contracts.openai import (
+    LONE_SURROGATE,
+    check_logit_bias_keys,
+    check_passed_on,
+    check_stops,
+    null_is_absent,
+)
 from gateway.db.text import StoredText
 
 MAX_TOKENS_CEILING = 1 << 20
@@ -46,14 +53,14 @@ def _unicode(value: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError("text is not valid Unicode (it holds a lone surrogate)") from None
+        raise ValueError(LONE_SURROGATE) from None
     return value
 
 
 def _unicode_within(value: Any) -> Any:
-    """Every string in a passed-on object (keys too) is valid Unicode."""
-    if lone_surrogate(value) is not None:
-        raise ValueError("text is not valid Unicode (it holds a lone surrogate)")
+    """Every string in a passed-on object (keys too) is valid Unicode, and the object is nested
+    at most ``contracts.openai.MAX_JSON_DEPTH`` deep."""
+    check_passed_on(value)
     return value
 
 
@@ -343,7 +350,8 @@ class ChatCompletionBody(_Sampling):
 
 
 class CompletionBody(_Sampling):
-    prompt: Text | Annotated[list[Any], AfterValidator(_unicode_within)] = Field(min_length=1)
+    # one check of the whole value after the union: its error names ``prompt``, not a member
+    prompt: Annotated[Text | list[Any], AfterValidator(_unicode_within)] = Field(min_length=1)
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = None
     suffix: Text | None = None

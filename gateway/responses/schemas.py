@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, Field, model_validator
 
-from contracts.openai import lone_surrogate
+from contracts.openai import check_passed_on
 from gateway.db.text import StoredText
 from gateway.openai.schemas import (
     MAX_TOKENS_CEILING,
@@ -238,8 +238,7 @@ def read_item(value: Any) -> Any:
 
 
 def _input(value: Any) -> str | list[InputItem]:
-    if lone_surrogate(value) is not None:  # every string of every item, in one walk
-        raise ValueError("text is not valid Unicode (it holds a lone surrogate)")
+    check_passed_on(value)  # every string of every item, and the depth, in one walk
     if isinstance(value, str):
         return value
     if not isinstance(value, list) or not value or len(value) > MAX_ITEMS:

@@ -144,3 +144,58 @@ async def test_unknown_routes_and_methods(gateway) -> None:
     assert (r.status_code, r.json()["error"]["code"]) == (405, "method_not_allowed")
     r = await gateway.client.get("/admin/tenants/x/usage?since=notadate", headers=gateway.admin)
     assert (r.status_code, r.json()["error"]["param"]) == (400, "query.since")
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("depth", [300, 900, 1000, 1015])
+@pytest.mark.parametrize(
+    ("path", "head", "tail", "param"),
+    [
+        (
+            CHAT,
+            b'{"model":"standin-model","messages":[{"role":"user","content":"hi"}],'
+            b'"response_format":{"type":"json_object","x":',
+            b"}}",
+            "response_format",
+        ),
+        (
+            CHAT,
+            b'{"model":"standin-model","messages":[{"role":"user","content":"hi"}],'
+            b'"tools":[{"type":"function","function":{"name":"f","parameters":{"x":',
+            b"}}}]}",
+            "tools",
+        ),
+        ("/v1/completions", b'{"model":"standin-model","prompt":[', b"]}", "prompt"),
+        (
+            "/v1/responses",
+            b'{"model":"standin-model","input":"hi","prompt_cache_options":{"x":',
+            b"}}",
+            "prompt_cache_options",
+        ),
+        (
+            "/v1/responses",
+            b'{"model":"standin-model","input":[{"role":"user","content":[{"type":"input_text",'
+            b'"text":"hi","prompt_cache_breakpoint":',
+            b"}]}]}",
+            "input",
+        ),
+    ],
+)
+async def test_json_nested_deeper_than_served_is_a_400_naming_the_field(
+    gateway, depth, path, head, tail, param
+) -> None:
+    """A passed-on JSON value nested up to the parser's own limit (orjson's 1024; the body's
+    deepest here is 1020) is refused as too deep, a 400 naming its field -- not a RecursionError
+    of a walk over it (a 500), nor a body forwarded that the engine's writer cannot write."""
+    _, key = await gateway.create_tenant("acme")
+    headers = {**bearer(key), "content-type": "application/json"}
+    r = await gateway.client.post(path, content=head + _nested(depth) + tail, headers=headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "invalid_request"
+    assert error["param"] == param, error
+    assert "nested" in error["message"], error
