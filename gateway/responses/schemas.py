@@ -17,6 +17,7 @@ text the gateway can screen).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, Field, model_validator
@@ -24,6 +25,8 @@ from pydantic import AfterValidator, Field, model_validator
 from contracts.openai import check_passed_on
 from gateway.db.text import StoredText
 from gateway.openai.schemas import (
+    MAX_MESSAGES,
+    MAX_PARTS,
     MAX_TOKENS_CEILING,
     MAX_TOOLS,
     Json,
@@ -32,11 +35,11 @@ from gateway.openai.schemas import (
     Text,
     ToolName,
     _Request,
+    check_part_count,
     validated,
 )
 
-MAX_ITEMS = 1024  # input items (as chat's messages)
-MAX_PARTS = 256  # content parts of one message
+MAX_ITEMS = MAX_MESSAGES  # input items (as chat's messages)
 MIN_OUTPUT_TOKENS = 16  # CreateResponse.max_output_tokens: "minimum: 16"
 Include = Literal[  # IncludeEnum
     "file_search_call.results",
@@ -230,6 +233,15 @@ _ITEMS: dict[str, type[_Request]] = {
 }
 
 
+def _contents(items: list[Any]) -> Iterator[Any]:
+    """Every list of parts of the input items as sent (a message's content, a function call
+    output's output, a reasoning item's summary and content), none of them read."""
+    for item in items:
+        if isinstance(item, dict):
+            for name in ("content", "output", "summary"):
+                yield item.get(name)
+
+
 def read_item(value: Any) -> Any:
     """One input item, read by its type (a stored item too)."""
     if isinstance(value, dict) and value.get("type") is None:  # a type-less message/reference
@@ -238,11 +250,14 @@ def read_item(value: Any) -> Any:
 
 
 def _input(value: Any) -> str | list[InputItem]:
+    listed = isinstance(value, list) and 0 < len(value) <= MAX_ITEMS
+    if not listed and not isinstance(value, str):
+        raise ValueError(f"must be a string or a list of 1 to {MAX_ITEMS} items")
+    if listed:  # the counts before any walk
+        check_part_count(_contents(value))
     check_passed_on(value)  # every string of every item, and the depth, in one walk
     if isinstance(value, str):
         return value
-    if not isinstance(value, list) or not value or len(value) > MAX_ITEMS:
-        raise ValueError(f"must be a string or a list of 1 to {MAX_ITEMS} items")
     items = []
     ids: set[str] = set()
     for position, item in enumerate(value):
