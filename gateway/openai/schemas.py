@@ -41,6 +41,7 @@ from contracts.openai import (
     check_passed_on,
     check_stops,
     null_is_absent,
+    text_checked,
 )
 from gateway.db.text import StoredText
 
@@ -59,7 +60,10 @@ CONTENT_PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")
 
 
 def _unicode(value: str) -> str:
-    """JSON may escape a lone UTF-16 surrogate (\\ud800); no engine can encode that text."""
+    """JSON may escape a lone UTF-16 surrogate (\\ud800); no engine can encode that text
+    (orjson refuses one: a body it parsed is not looked at, ``contracts.openai.text_checked``)."""
+    if text_checked():
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:

@@ -10,7 +10,9 @@ for these paths instead of FastAPI's router; per request, in order:
 4. the body read as JSON (orjson; what it refuses, Python's parser), a 400 if it is not;
 5. the tenant's key (``gateway.deps.principal_of``: 401/403; 503 when the database is down);
 6. the body validated by the OpenAI schema (``gateway.openai.schemas``), 400 naming the field --
-   the same order and the same bodies as FastAPI's dependency and validation handlers;
+   the same order and the same bodies as FastAPI's dependency and validation handlers; a body
+   orjson parsed is validated within ``contracts.openai.parser_checked_text`` (orjson refuses a
+   lone surrogate, so the schema's walk for one is skipped; Python's parser reads one);
 7. ``serve_completion`` (``serve_response`` for ``/v1/responses``: ``gateway.proxy.responses``)
    with the reply for the server this runs under (``gateway.proxy.reply``): under the gateway's
    own protocol a stream's chunks go straight to the socket.
@@ -30,6 +32,7 @@ from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
 
 from contracts.http_edge import BodyGuardMiddleware, error_body, validation_message
+from contracts.openai import parser_checked_text
 from contracts.sql import DATABASE_ERRORS, is_outage
 from gateway.api.request_ids import RequestIds
 from gateway.config import GatewaySettings
@@ -81,7 +84,7 @@ class CompletionRoutes:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         message = await receive()  # the whole body, read by the guard
         try:
-            document = _json(message.get("body", b""), headers.get("content-type"))
+            document, text_checked = _json(message.get("body", b""), headers.get("content-type"))
             principal = await principal_of(
                 state,
                 bearer_of(headers.get("authorization")),
@@ -90,7 +93,11 @@ class CompletionRoutes:
             if document is None:
                 await reply.json(400, _invalid("request body is required", None), {})
                 return
-            body = model.model_validate(document)
+            if text_checked:  # orjson refused any lone surrogate: the schema need not look
+                with parser_checked_text():
+                    body = model.model_validate(document)
+            else:
+                body = model.model_validate(document)
         except NotJson:
             await reply.json(400, _invalid("request body is not valid JSON", None), {})
             return
@@ -134,19 +141,20 @@ class CompletionRoutes:
         )
 
 
-def _json(raw: bytes, content_type: str | None) -> Any:
+def _json(raw: bytes, content_type: str | None) -> tuple[Any, bool]:
     """The body as FastAPI reads it: JSON unless a content type says otherwise (then the bytes,
-    which the schema refuses); an empty body is a missing one."""
+    which the schema refuses); an empty body is a missing one. And whether orjson read it (then
+    no string of it holds a lone surrogate: orjson refuses one)."""
     if not raw:
-        return None
+        return None, False
     if content_type and not _is_json(content_type):
-        return raw
+        return raw, False
     try:
-        return orjson.loads(raw)
+        return orjson.loads(raw), True
     except orjson.JSONDecodeError:
         pass
     try:  # what orjson refuses and Python reads (lone surrogates: the schema refuses them)
-        return json.loads(raw)
+        return json.loads(raw), False
     except (ValueError, RecursionError) as exc:
         raise NotJson from exc
 

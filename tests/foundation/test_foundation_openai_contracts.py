@@ -5,7 +5,12 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from contracts.openai import MAX_JSON_DEPTH, check_passed_on, lone_surrogate
+from contracts.openai import (
+    MAX_JSON_DEPTH,
+    check_passed_on,
+    lone_surrogate,
+    parser_checked_text,
+)
 
 
 def _nested(depth: int, inner: bytes = b"") -> object:
@@ -37,3 +42,27 @@ def test_check_passed_on_bounds_the_depth_and_the_text() -> None:
         check_passed_on({"a": [[{"b\ud800": 1}]]})
     with pytest.raises(ValueError, match="lone surrogate"):
         check_passed_on([[["x\udfff"]]])
+
+
+@pytest.mark.parametrize("inner", [b"", b"1", b'"\\u00e9"', b"{}", b'{"k": []}'])
+def test_a_parser_checked_body_is_held_to_the_same_depth(inner: bytes) -> None:
+    """Within ``parser_checked_text`` (orjson parsed it) only the depth is checked, by another
+    walk: the bound is the same, whatever the innermost value."""
+    for depth in (MAX_JSON_DEPTH - 3, MAX_JSON_DEPTH - 2, MAX_JSON_DEPTH - 1, MAX_JSON_DEPTH):
+        value = {"a": [1, "x", _nested(depth, inner)]}
+        outcomes = []
+        for checked in (False, True):
+            try:
+                if checked:
+                    with parser_checked_text():
+                        check_passed_on(value)
+                else:
+                    check_passed_on(value)
+                outcomes.append("ok")
+            except ValueError as exc:
+                outcomes.append(str(exc))
+        assert outcomes[0] == outcomes[1], (depth, inner, outcomes)
+    with parser_checked_text():
+        check_passed_on({"x\ud800": "not looked at"})
+    with pytest.raises(ValueError, match="lone surrogate"):
+        check_passed_on({"x\ud800": "looked at again"})
