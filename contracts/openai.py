@@ -21,8 +21,15 @@ MAX_JSON_DEPTH = 128
 outputs take a schema of at most 10 levels of nesting (a few JSON levels each), and below
 orjson's 254, what the gateway writes an engine's body with. A value nested near the parser's own
 limit (1024) broke the recursive walks over it (a 500)."""
+MAX_PASSED_ON_VALUES = 200_000
+"""The most JSON values (containers, strings, numbers...) the passed-on values of one request may
+hold in all (``check_passed_on``, within ``one_request``; a value checked alone may hold as
+many). OpenAI's structured outputs take a schema of at most 5,000 properties; every value is
+walked and read on the event loop every tenant shares (by the schema and the canary), and an
+8 MiB ``response_format`` of 2.8 million empty lists held it for 1.7 s after its parse."""
 LONE_SURROGATE = "text is not valid Unicode (it holds a lone surrogate)"
 TOO_DEEP = f"JSON nested more than {MAX_JSON_DEPTH} levels deep"
+TOO_MANY = f"more than {MAX_PASSED_ON_VALUES} JSON values in the request's passed-on objects"
 
 
 def null_is_absent(data: Any) -> Any:
@@ -114,13 +121,37 @@ def text_checked() -> bool:
     return _PARSER_CHECKED_TEXT.get()
 
 
+_VALUES_LEFT: ContextVar[list[int] | None] = ContextVar("passed_on_values_left", default=None)
+
+
+@contextmanager
+def one_request() -> Iterator[None]:
+    """Validation of one request: its passed-on values share one budget of
+    ``MAX_PASSED_ON_VALUES`` (``check_passed_on``). Set only around a synchronous
+    ``model_validate``."""
+    token = _VALUES_LEFT.set([MAX_PASSED_ON_VALUES])
+    try:
+        yield
+    finally:
+        _VALUES_LEFT.reset(token)
+
+
+def _spend(level: list[Any], left: list[int]) -> None:
+    """Count the values the containers of ``level`` hold (at C speed) against ``left``."""
+    left[0] -= sum(map(len, [item for item in level if isinstance(item, dict | list)]))
+    if left[0] < 0:
+        raise ValueError(TOO_MANY)
+
+
 def check_passed_on(value: Any) -> None:
     """A JSON value a server only passes on (a response format, a tool's parameters...): nested
-    at most ``MAX_JSON_DEPTH`` deep, every string (keys too) valid Unicode; a ValueError naming
-    the problem otherwise. Level by level, never recursive; within ``parser_checked_text`` only
-    the depth is checked, the containers found at C speed."""
+    at most ``MAX_JSON_DEPTH`` deep, holding at most what is left of ``MAX_PASSED_ON_VALUES``
+    values, every string (keys too) valid Unicode; a ValueError naming the problem otherwise.
+    Level by level, never recursive, each level counted before it is read; within
+    ``parser_checked_text`` only the depth is checked, the containers found at C speed."""
+    left = _VALUES_LEFT.get() or [MAX_PASSED_ON_VALUES]
     if text_checked():
-        _check_depth(value)
+        _check_depth(value, left)
         return
     level = [value]
     depth = 0  # ``[]`` is 1 deep, ``[[]]`` 2 (the containers in ``level`` are ``depth`` deep)
@@ -128,6 +159,7 @@ def check_passed_on(value: Any) -> None:
         depth += 1
         if depth > MAX_JSON_DEPTH:
             raise ValueError(TOO_DEEP)
+        _spend(level, left)
         below: list[Any] = []
         for item in level:
             if isinstance(item, dict):
@@ -144,13 +176,14 @@ def check_passed_on(value: Any) -> None:
 _CONTAINERS = frozenset({dict, list})
 
 
-def _check_depth(value: Any) -> None:
+def _check_depth(value: Any, left: list[int]) -> None:
     level = [value] if type(value) in _CONTAINERS else []
     depth = 0
     while level:
         depth += 1
         if depth > MAX_JSON_DEPTH:
             raise ValueError(TOO_DEEP)
+        _spend(level, left)
         below: list[Any] = []
         for item in level:
             children = item.values() if type(item) is dict else item

@@ -24,8 +24,11 @@ for these paths instead of FastAPI's router; per request, in order:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -36,7 +39,7 @@ from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
 
 from contracts.http_edge import BodyGuardMiddleware, error_body, validation_message
-from contracts.openai import parser_checked_text
+from contracts.openai import one_request, parser_checked_text
 from contracts.sql import DATABASE_ERRORS, is_outage
 from gateway.api.request_ids import RequestIds
 from gateway.config import GatewaySettings
@@ -97,11 +100,12 @@ class CompletionRoutes:
             if document is None:
                 await reply.json(400, _invalid("request body is required", None), {})
                 return
-            if text_checked:  # orjson refused any lone surrogate: the schema need not look
-                with parser_checked_text():
+            with one_request():  # its passed-on values share one budget
+                if text_checked:  # orjson refused any lone surrogate: the schema need not look
+                    with parser_checked_text():
+                        body = model.model_validate(document)
+                else:
                     body = model.model_validate(document)
-            else:
-                body = model.model_validate(document)
         except NotJson:
             await reply.json(400, _invalid("request body is not valid JSON", None), {})
             return
@@ -153,14 +157,30 @@ def _json(raw: bytes, content_type: str | None) -> tuple[Any, bool]:
         return None, False
     if content_type and not _is_json(content_type):
         return raw, False
+    with _collector_paused():
+        try:
+            return orjson.loads(raw), True
+        except orjson.JSONDecodeError:
+            pass
+        try:  # what orjson refuses and Python reads (lone surrogates: the schema refuses them)
+            return json.loads(raw), False
+        except (ValueError, RecursionError) as exc:
+            raise NotJson from exc
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No garbage collection while a body is parsed: a parse makes no reference cycles, and a
+    body of millions of small containers started collection after collection, each walking
+    what the parse had made so far (an 8 MiB body of empty lists: 1.5 s to parse, 0.19 s with
+    the collector paused)."""
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        return orjson.loads(raw), True
-    except orjson.JSONDecodeError:
-        pass
-    try:  # what orjson refuses and Python reads (lone surrogates: the schema refuses them)
-        return json.loads(raw), False
-    except (ValueError, RecursionError) as exc:
-        raise NotJson from exc
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _is_json(content_type: str) -> bool:
