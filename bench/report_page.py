@@ -9,6 +9,8 @@ Each section is text of a committed results file, between two HTML comment marke
 - ``structured-report``: ``bench/results/structured.md`` up to its per-benchmark output;
 - ``handoff-report``: ``bench/results/handoff.md`` whole (a full ``bench_handoff`` run: the
   sealed KV channel's cost per handoff beside the open channel's);
+- ``loop-stalls-report``: ``bench/results/loop-stalls.md`` whole (``bench_loop_stalls``: how long
+  one tenant's request or steered answer holds the event loop);
 - ``relay-report``: ``bench.relay_report``'s (``bench/results/relay.md`` and its profile).
 
 ``python -m bench.report_page`` rewrites the sections (``--check``: exit 1 if any is stale);
@@ -63,6 +65,7 @@ SOURCES = (
     Source("kvcache-report", RESULTS / "kvcache.md", whole=False),
     Source("structured-report", RESULTS / "structured.md", whole=False),
     Source("handoff-report", RESULTS / "handoff.md", whole=True),
+    Source("loop-stalls-report", RESULTS / "loop-stalls.md", whole=True),
 )
 
 
