@@ -136,11 +136,16 @@ def one_request() -> Iterator[None]:
         _VALUES_LEFT.reset(token)
 
 
-def _spend(level: list[Any], left: list[int]) -> None:
-    """Count the values the containers of ``level`` hold (at C speed) against ``left``."""
+def _descend(depth: int, level: list[Any], left: list[int]) -> int:
+    """The depth of ``level``, one below ``depth``: at most ``MAX_JSON_DEPTH``, and the values
+    its containers hold counted (at C speed) against ``left``."""
+    depth += 1
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(TOO_DEEP)
     left[0] -= sum(map(len, [item for item in level if isinstance(item, dict | list)]))
     if left[0] < 0:
         raise ValueError(TOO_MANY)
+    return depth
 
 
 def check_passed_on(value: Any) -> None:
@@ -156,10 +161,7 @@ def check_passed_on(value: Any) -> None:
     level = [value]
     depth = 0  # ``[]`` is 1 deep, ``[[]]`` 2 (the containers in ``level`` are ``depth`` deep)
     while level:
-        depth += 1
-        if depth > MAX_JSON_DEPTH:
-            raise ValueError(TOO_DEEP)
-        _spend(level, left)
+        depth = _descend(depth, level, left)
         below: list[Any] = []
         for item in level:
             if isinstance(item, dict):
@@ -180,10 +182,7 @@ def _check_depth(value: Any, left: list[int]) -> None:
     level = [value] if type(value) in _CONTAINERS else []
     depth = 0
     while level:
-        depth += 1
-        if depth > MAX_JSON_DEPTH:
-            raise ValueError(TOO_DEEP)
-        _spend(level, left)
+        depth = _descend(depth, level, left)
         below: list[Any] = []
         for item in level:
             children = item.values() if type(item) is dict else item
