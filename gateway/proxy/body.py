@@ -11,12 +11,12 @@ object of a whole answer is put in by the flight (``Disclosure.on_answer``).
 
 The flight runs ``relay_body`` through ``off_loop``: on the event loop for the usual answer, in a
 worker thread (``SCREENERS``) for one whose JSON text is ``OFF_LOOP_CHARS`` or longer; a Responses
-request's whole answer goes through its machine the same way. The
-screen costs time in proportion to the answer, and an answer is what the tenant steers the model
-to write: 4,096 tokens with ``top_logprobs`` 20 held the loop every tenant shares for 0.3 s (3.8 s
-when the tokens spell marker look-alikes). In the thread, the loop keeps serving meanwhile (the
-thread lets go of the interpreter every switch interval); the guards are still opened on the
-loop, the only place the firewall's shared tables change.
+request's whole answer goes through its machine the same way. The screen costs time in proportion
+to the answer, and an answer is what the tenant steers the model to write: 4,096 tokens with
+``top_logprobs`` 20 held the loop every tenant shares for 0.3 s (3.8 s when the tokens spell
+marker look-alikes). In the thread, the loop keeps serving meanwhile (the thread lets go of the
+interpreter every switch interval); the guards are still opened on the loop (``on_loop``), the
+only place the firewall's shared tables change.
 """
 
 from __future__ import annotations

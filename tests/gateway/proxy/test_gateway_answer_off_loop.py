@@ -58,14 +58,16 @@ def screened_on_the_loop(body: dict[str, Any], raw: str) -> dict[str, Any] | Cut
     return relay_body(Endpoint.CHAT, json.loads(raw), lambda: fw.open(INFO), raw=raw)
 
 
-OPENED_IN: list[int] = []  # the threads guards were opened in
-
-
-async def screened(body: dict[str, Any], raw: str) -> dict[str, Any] | Cut:
+async def screened(
+    body: dict[str, Any], raw: str, opened_in: list[int] | None = None
+) -> dict[str, Any] | Cut:
+    """``body`` screened as the flight screens it; ``opened_in`` gets the thread each guard was
+    opened in."""
     fw = firewall()
 
     def open_guard() -> Any:
-        OPENED_IN.append(threading.get_ident())
+        if opened_in is not None:
+            opened_in.append(threading.get_ident())
         return fw.open(INFO)
 
     opener = on_loop(open_guard)  # guards opened on the loop, as the flight's are
@@ -76,11 +78,12 @@ async def screened(body: dict[str, Any], raw: str) -> dict[str, Any] | Cut:
 
 async def test_a_long_answer_is_screened_off_the_loop_with_the_same_result() -> None:
     look_alikes = ["CNRY", "-", "A", " "] * 160
+    opened_in: list[int] = []
     for content in (f"here {OWN.text} it is", "plain", f"a leak {FOREIGN.text} here"):
         body, raw = answer(content, look_alikes)
         assert len(raw) >= OFF_LOOP_CHARS
         expected = screened_on_the_loop(body, raw)
-        got = await screened(body, raw)
+        got = await screened(body, raw, opened_in)
         assert got == expected
         if FOREIGN.text in content:
             assert isinstance(got, Cut)
@@ -89,7 +92,7 @@ async def test_a_long_answer_is_screened_off_the_loop_with_the_same_result() -> 
             assert OWN.text not in json.dumps(got)  # the own marker stripped, off the loop too
             tokens = got["choices"][0]["logprobs"]["content"]
             assert "".join(t["token"] for t in tokens).count("CNRY-A") == 0
-    assert set(OPENED_IN) == {threading.get_ident()}  # the firewall's tables: the loop's alone
+    assert set(opened_in) == {threading.get_ident()}  # the firewall's tables: the loop's alone
     short, raw = answer(f"here {OWN.text}", ["CNRY"] * 8)
     assert len(raw) < OFF_LOOP_CHARS
     assert await screened(short, raw) == screened_on_the_loop(short, raw)
