@@ -92,17 +92,22 @@ class BodyGuardMiddleware:
         if len(body) > self.max_bytes:
             await self._reject(send, 413, "request body too large", "body_too_large")
             return
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError:
+        if not body.isascii() and not _utf8(body):  # ASCII is UTF-8, without a decode
             await self._reject(send, 400, "request body is not valid UTF-8", "invalid_encoding")
             return
         await self.app(scope, _replay(body, receive), send)
 
     async def _read(self, receive: Receive) -> bytes | None:
-        """The body, or its first ``max_bytes + 1`` bytes (then the rest is never read)."""
-        body = bytearray()
-        more = True
+        """The body, or its first ``max_bytes + 1`` bytes (then the rest is never read); a body
+        that came in one message is that message's, not a copy."""
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        first: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        if not more:
+            return first
+        body = bytearray(first)
         while more and len(body) <= self.max_bytes:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -123,6 +128,14 @@ class BodyGuardMiddleware:
             headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
+
+
+def _utf8(body: bytes) -> bool:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _replay(body: bytes, downstream: Receive) -> Receive:

@@ -34,15 +34,22 @@ class RequestIds:
             return
         request_id = _RANDOM.take(16).hex()  # 128 random bits, as uuid4's hex without the object
         scope.setdefault("state", {})[_STATE_KEY] = request_id
-        value = request_id.encode()
+        ids = id_headers(scope)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() not in _NAMES]
-                message["headers"] = [*kept, *((name, value) for name in _NAMES)]
+                message["headers"] = [*kept, *ids]
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def id_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The id headers of the request ``RequestIds`` gave ``scope`` an id (for an answer written
+    below ASGI: ``gateway.proxy.reply.DirectReply.json``)."""
+    value = scope["state"][_STATE_KEY].encode()
+    return [(name, value) for name in _NAMES]
 
 
 def request_id_of(request: Request) -> str:

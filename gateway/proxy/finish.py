@@ -1,17 +1,17 @@
 """Applying a request's ``Ending`` once: ``finish`` (called from ``gateway.proxy.service``'s one
 ``finally``).
 
-In order, shielded from cancellation (a client that goes away still releases everything): the
-context moves to its terminal phase (once; later calls are no-ops), the concurrency lease is
-released with its refund, the engine's in-flight slot is freed, then the audit row (metadata
-only), metrics, the span, and the ``on_finish`` hook.
+In order: the context moves to its terminal phase (once; later calls are no-ops), the concurrency
+lease is released with its refund, the engine's in-flight slot is freed, then the audit row
+(metadata only), metrics, the span, and the ``on_finish`` hook. Nothing cancels it: it runs after
+the flight's watch has ended (``gateway.proxy.service.Flight.run``; an embeddings request has no
+watch), and a cancellation that ended the flight (the client's, or the server's at shutdown) was
+delivered once, to the flight.
 """
 
 from __future__ import annotations
 
 import logging
-
-import anyio
 
 from gateway.lifecycle import TERMINAL, InvalidTransition, Phase
 from gateway.proxy import latency
@@ -46,18 +46,17 @@ async def finish(deps: ProxyDeps, ctx: RequestContext, ending: Ending) -> None:
         ending = INTERNAL
         ctx.advance(ending.phase)
     status, code = ending.status, ending.code
-    with anyio.CancelScope(shield=True):
-        if ctx.lease is not None:
-            await deps.limiter.release(ctx.lease, unused_tokens=_refund(ctx, ending.refund))
-        if ctx.engine is not None:
-            ctx.engine.in_flight -= 1
-            deps.metrics.in_flight_of(ctx.principal.tenant_id).dec()
-        _record(deps, ctx, status=status, code=code)
-        if deps.hooks.on_finish is not None:
-            try:
-                await deps.hooks.on_finish(ctx.report(status=status))
-            except Exception:
-                log.exception("on_finish hook failed for request %s", ctx.request_id)
+    if ctx.lease is not None:
+        await deps.limiter.release(ctx.lease, unused_tokens=_refund(ctx, ending.refund))
+    if ctx.engine is not None:
+        ctx.engine.in_flight -= 1
+        deps.metrics.in_flight_of(ctx.principal.tenant_id).dec()
+    _record(deps, ctx, status=status, code=code)
+    if deps.hooks.on_finish is not None:
+        try:
+            await deps.hooks.on_finish(ctx.report(status=status))
+        except Exception:
+            log.exception("on_finish hook failed for request %s", ctx.request_id)
 
 
 def _record(deps: ProxyDeps, ctx: RequestContext, *, status: int, code: str | None) -> None:

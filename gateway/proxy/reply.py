@@ -12,22 +12,27 @@ body. ``watch`` cancels the request when the client goes away.
 - ``DirectReply``: under the gateway's own server protocol (``gateway.proxy.server``), a written
   chunk goes straight to the client's socket as one HTTP chunk (no message, no middleware, no
   await), so the engine connection's reads can push to it; the protocol calls back when the
-  client goes away or can take more. Heads and the final bytes still go through ``send`` (the
-  request-id headers, uvicorn's keep-alive and pipelining bookkeeping); a whole answer's head
-  and body leave in one socket write.
+  client goes away or can take more. A stream's head and its final bytes still go through
+  ``send`` (the request-id headers, uvicorn's keep-alive and pipelining bookkeeping); a whole
+  answer is written below ASGI too, head and body in one socket write, with uvicorn's
+  bookkeeping done as its ``send`` does it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-import anyio
 import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
+
+from gateway.api.request_ids import id_headers
 
 log = logging.getLogger("kvguard.gateway.proxy")
 
@@ -40,6 +45,42 @@ _SSE_HEAD = [
 
 class ClientGone(Exception):
     """Sending to the client failed: it went away."""
+
+
+class Watch:
+    """Cancels a flight's task when its client goes away: once, with asyncio's own cancellation,
+    so the flight's cleanup (``finally``) awaits as usual, and never inside ``held`` (a part that
+    must finish: reporting a cut, closing the engine's stream), where it waits for its end. The
+    flight tells its own cancellation from anyone else's (the server's, at shutdown) by
+    ``fired`` and the task's cancel count."""
+
+    __slots__ = ("task", "fired", "_held", "_waiting")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.fired = False
+        self._held = 0
+        self._waiting = False
+
+    def cancel(self) -> None:
+        if self.fired:
+            return
+        if self._held:
+            self._waiting = True
+            return
+        self.fired = True
+        self.task.cancel()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if not self._held and self._waiting:
+                self._waiting = False
+                self.cancel()
 
 
 def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
@@ -89,8 +130,8 @@ class AsgiReply:
         await self.drain()
         await self.send({"type": "http.response.body", "body": last, "more_body": False})
 
-    def watch(self, scope: anyio.CancelScope) -> None:
-        self._watcher = asyncio.create_task(_cancel_on_disconnect(self.receive, scope))
+    def watch(self, watch: Watch) -> None:
+        self._watcher = asyncio.create_task(_cancel_on_disconnect(self.receive, watch))
 
     def unwatch(self) -> None:
         if self._watcher is not None:
@@ -109,17 +150,42 @@ class DirectReply(AsgiReply):
         self._pause: Callable[[], None] | None = None
 
     async def json(self, status: int, body: Any, headers: dict[str, str]) -> None:
-        """A whole answer in one socket write: its head and its body still go through ``send``
-        (the request-id header, uvicorn's keep-alive bookkeeping), with uvicorn's cycle writing
-        into a list meanwhile. Two writes cost two system calls, and each wakes the client."""
+        """A whole answer in one socket write, below ASGI: the head ``send`` would write (uvicorn's
+        default headers, the request-id headers, ``connection: close`` on a connection that is
+        not kept), then uvicorn's end of a response (the access log line, keep-alive, the next
+        pipelined request). Through ``send`` a whole answer crossed the request-id middleware and
+        uvicorn's cycle twice, validating every header with a regular expression each time."""
         cycle = self._cycle
-        socket = cycle.transport
-        gathered = cycle.transport = _Gathered(socket)
-        try:
-            await super().json(status, body, headers)
-        finally:
-            cycle.transport = socket
-            gathered.pour()
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if cycle.disconnected:
+            return  # as uvicorn's send: nobody is left to answer
+        if cycle.response_started:
+            raise RuntimeError("the response has started")
+        payload = orjson.dumps(body)
+        own = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+        head = [*cycle.default_headers, *own, *_raw(headers), *id_headers(self.scope)]
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        if cycle.access_log and cycle.access_logger.isEnabledFor(logging.INFO):
+            scope = cycle.scope  # the same scope, as uvicorn types it
+            cycle.access_logger.info(
+                '%s - "%s %s HTTP/%s" %d',
+                get_client_addr(scope),
+                scope["method"],
+                get_path_with_query_string(scope),
+                scope["http_version"],
+                status,
+            )
+        written, cycle.keep_alive = _head(status, head, keep_alive=cycle.keep_alive)
+        if self.scope["method"] == "HEAD":
+            payload = b""
+        cycle.transport.write(written + payload)
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            cycle.transport.close()
+        cycle.on_response()
 
     def write(self, data: bytes) -> None:
         if self._cycle.disconnected:
@@ -138,12 +204,12 @@ class DirectReply(AsgiReply):
         self._pause = pause
         self._conn.on_writable = resume
 
-    def watch(self, scope: anyio.CancelScope) -> None:
+    def watch(self, watch: Watch) -> None:
         if self._cycle.disconnected:
-            scope.cancel()
+            watch.cancel()
             return
-        self._on_gone = scope.cancel
-        self._conn.watchers.add(scope.cancel)
+        self._on_gone = watch.cancel
+        self._conn.watchers.add(watch.cancel)
 
     def unwatch(self) -> None:
         self._conn.on_writable = None
@@ -153,28 +219,27 @@ class DirectReply(AsgiReply):
             self._on_gone = None
 
 
-class _Gathered:
-    """Stands in for the socket's transport in uvicorn's cycle while ``DirectReply.json`` sends:
-    what the cycle writes is kept for one write (``pour``), made before a close the cycle asks."""
-
-    def __init__(self, transport: Any) -> None:
-        self._transport = transport
-        self._parts: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self._parts.append(data)
-
-    def close(self) -> None:
-        self.pour()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return bool(self._transport.is_closing())
-
-    def pour(self) -> None:
-        parts, self._parts = self._parts, []
-        if parts and not self._transport.is_closing():
-            self._transport.write(b"".join(parts))
+def _head(
+    status: int, headers: list[tuple[bytes, bytes]], *, keep_alive: bool
+) -> tuple[bytes, bool]:
+    """The status line and headers of a whole answer as uvicorn's ``send`` writes them (names
+    lower-case; one it would refuse is a gateway bug: a 500), and whether the connection is kept:
+    not when it was not to be, nor when the answer says ``connection: close``; the head says
+    ``connection: close`` whenever it is not."""
+    names = b"".join(name for name, _ in headers)
+    if HEADER_RE.search(names) or HEADER_VALUE_RE.search(b"\t".join(v for _, v in headers)):
+        raise RuntimeError("invalid HTTP header")
+    lines = [STATUS_LINE[status]]
+    said_close = False
+    for name, value in headers:
+        name = name.lower()
+        if name == b"connection":
+            said_close = said_close or b"close" in [t.strip().lower() for t in value.split(b",")]
+        lines += [name, b": ", value, b"\r\n"]
+    if not keep_alive and not said_close:
+        lines.append(b"connection: close\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines), keep_alive and not said_close
 
 
 def reply_for(scope: Scope, receive: Receive, send: Send) -> AsgiReply:
@@ -184,7 +249,7 @@ def reply_for(scope: Scope, receive: Receive, send: Send) -> AsgiReply:
     return AsgiReply(scope, receive, send)
 
 
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+async def _cancel_on_disconnect(receive: Receive, watch: Watch) -> None:
     """Cancel the flight when the client disconnects (its body has been read by then)."""
     try:
         while (await receive())["type"] != "http.disconnect":
@@ -192,4 +257,4 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
     except Exception:  # the server cannot tell us: stop watching, the flight goes on
         log.exception("watching for the client's disconnect failed")
         return
-    scope.cancel()
+    watch.cancel()

@@ -12,19 +12,19 @@
    cancels the flight, whether it waits for the engine or streams (a stream is pumped from the
    engine's reads to the client by ``gateway.proxy.stream.StreamPump``);
 4. the ``finally`` applies the ending (``gateway.proxy.finish``: the lease released with its
-   refund, the in-flight slot freed, the audit row, metrics, span, ``on_finish``), shielded from
-   cancellation so it runs however the flight ends; only then is the rest of the reply sent, so
-   a client that has read its whole answer finds it audited.
+   refund, the in-flight slot freed, the audit row, metrics, span, ``on_finish``) once the
+   reply's watch has ended, so it runs however the flight ends; only then is the rest of the
+   reply sent, so a client that has read its whole answer finds it audited.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-import anyio
 from starlette.responses import Response
 
 from contracts.engine import REQUEST_ID_HEADER, TENANT_HEADER, HandoffProof, handoff_of
@@ -57,7 +57,7 @@ from gateway.proxy.ending import (
 )
 from gateway.proxy.finish import finish
 from gateway.proxy.relay import StreamRelay, error_event
-from gateway.proxy.reply import AsgiReply, ClientGone, DirectReply
+from gateway.proxy.reply import AsgiReply, ClientGone, DirectReply, Watch
 from gateway.proxy.stream import RelayedStream, StreamPump, TokenClock
 from gateway.upstream.base import (
     Endpoint,
@@ -101,6 +101,9 @@ class Flight:
         self.body = body
         self.reply = reply
         self._streaming = False  # the stream's head went out: errors become error events
+        task = asyncio.current_task()  # a flight is made in its request's task
+        assert task is not None
+        self._watch = Watch(task)
         # every guard of the answer, for the kvguard object (gateway.proxy.disclosure); the
         # factory refers to the parts it uses, not to this flight (no reference cycle: a flight
         # is freed when it ends, not by the garbage collector)
@@ -125,15 +128,19 @@ class Flight:
             pass  # audited already; nothing is left to send to anyone
 
     async def _watched(self) -> Outcome:
-        """The outcome, or ``CLIENT_GONE`` when the client disconnects first; cancelling the scope
-        still honours the shielded parts (``on_cut``, closing the stream)."""
-        with anyio.CancelScope() as scope:
-            self.reply.watch(scope)
-            try:
-                return await self._outcome()
-            finally:
-                self.reply.unwatch()
-        return Outcome(CLIENT_GONE)
+        """The outcome, or ``CLIENT_GONE`` when the client disconnects first (the reply's watch
+        cancels the flight; the parts it holds, ``on_cut`` and closing the stream, finish first).
+        Any other cancellation (the server's) propagates."""
+        watch = self._watch
+        self.reply.watch(watch)
+        try:
+            return await self._outcome()
+        except asyncio.CancelledError:
+            if watch.fired and watch.task.uncancel() == 0:
+                return Outcome(CLIENT_GONE)
+            raise
+        finally:
+            self.reply.unwatch()
 
     async def _outcome(self) -> Outcome:
         """Every way this request can end, as a value (cancellation propagates)."""
@@ -286,7 +293,7 @@ class Flight:
     async def _report_cut(self, verdict: Cut) -> None:
         on_cut = self.deps.hooks.on_cut
         if on_cut is not None:
-            with anyio.CancelScope(shield=True):
+            with self._watch.held():
                 try:
                     await on_cut(self.ctx.info(), verdict)
                 except Exception:
@@ -312,7 +319,7 @@ class Flight:
         finally:
             if relay is not None and relay.end is Phase.COMPLETED:
                 opened.done_reading()  # read to its end: the connection may be kept
-            with anyio.CancelScope(shield=True):
+            with self._watch.held():
                 await opened.aclose()
 
     def _stream_relay(self, *, wants_usage: bool) -> RelayedStream:

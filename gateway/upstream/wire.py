@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httptools
@@ -48,18 +48,20 @@ class Origin:
     host: str
     port: int
     tls: bool
+    # the Host header's value, encoded once, not per request (the IDNA codec is Python code)
+    host_header: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        default = 443 if self.tls else 80
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        value = (host if self.port == default else f"{host}:{self.port}").encode("idna")
+        object.__setattr__(self, "host_header", value)
 
     @classmethod
     def of(cls, base_url: str) -> Origin:
         parts = urlsplit(base_url)
         tls = parts.scheme == "https"
         return cls(parts.hostname or "", parts.port or (443 if tls else 80), tls)
-
-    @property
-    def host_header(self) -> bytes:
-        default = 443 if self.tls else 80
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return (host if self.port == default else f"{host}:{self.port}").encode("idna")
 
 
 class Exchange:
