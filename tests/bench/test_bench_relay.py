@@ -123,6 +123,55 @@ def test_load_generator_counts_every_streamed_event_and_the_relay_cpu(
     assert streamed.cpu_s is not None and streamed.cpu_s > 0
 
 
+def test_the_checks_off_pump_relays_whole_answers_and_streams() -> None:
+    """The floor the gateway's checks come on top of (``kvguard pump, checks off``: the gateway's
+    server protocol, engine client, pump and replies with no check) answers every request: a row
+    of errors would make its floor, and the per-event floor argument, a number of nothing."""
+    standin_port, pump_port = free_port(), free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.relay_standin", "--port", str(standin_port)]
+            + ["--interval-ms", "2"]
+        ),
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.relay_candidates", "serve", "pump-no-checks"]
+            + ["--port", str(pump_port), "--upstream", f"http://127.0.0.1:{standin_port}"]
+        ),
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        for url in (f"http://127.0.0.1:{standin_port}/health", f"http://127.0.0.1:{pump_port}/"):
+            while True:
+                try:
+                    httpx.get(url, timeout=1)
+                    break
+                except httpx.HTTPError:
+                    assert time.monotonic() < deadline, f"{url} never answered"
+                    time.sleep(0.05)
+
+        async def go() -> tuple[Samples, Samples]:
+            driver = Driver("127.0.0.1", pump_port)
+            host = f"127.0.0.1:{pump_port}"
+            plain = chat_request(host, model=MODEL, key=None, content="hi", tokens=4, stream=False)
+            stream = chat_request(host, model=MODEL, key=None, content="hi", tokens=4, stream=True)
+            answered = await driver.run(
+                Workload((plain,), False, 4), rate=50, seconds=0.4, cpu_pids=[], load_pids=[]
+            )
+            streamed = await driver.run(
+                Workload((stream,), True, 4, 0.002), rate=50, seconds=0.4, cpu_pids=[], load_pids=[]
+            )
+            return answered, streamed
+
+        answered, streamed = uvloop.run(go())
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+    assert (answered.sent, answered.ok, answered.errors) == (20, 20, 0)
+    assert (streamed.sent, streamed.ok, streamed.errors) == (20, 20, 0)
+    assert streamed.events == 20 * 6  # role + 4 tokens + [DONE]
+
+
 def test_an_answer_that_never_ends_is_an_error_not_a_hang() -> None:
     silent = free_port()
     listener = socket.socket()
