@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -83,9 +84,12 @@ def _wait_http(url: str, proc: subprocess.Popen[Any], log: Path, timeout_s: floa
 
 
 class Systems:
-    """Starts processes into one ExitStack; ``close`` stops them in reverse order."""
+    """Starts processes into one ExitStack; ``close`` stops them in reverse order. A benchmark
+    killed with SIGTERM exits through its ``finally`` (``close``), instead of leaving the stand-in,
+    Redis, PostgreSQL and the relays running on the machine the next benchmark measures on."""
 
     def __init__(self, tmp: Path) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         self.tmp = tmp
         self.stack = ExitStack()
         self.standin_ports: list[int] = []
