@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -66,9 +67,11 @@ def test_stand_in_streams_vllm_chunks_role_first_then_one_token_each_finish_on_t
     assert body["choices"][0]["message"]["content"] == "".join(answer_tokens(3))
 
 
-@pytest.fixture(scope="module")
-def lean_relay() -> Iterator[tuple[int, int, int]]:
-    """(stand-in port, lean floor port, lean floor pid): real processes."""
+@contextmanager
+def _behind_standin(relay: list[str], ready: str) -> Iterator[tuple[int, int, int]]:
+    """The stand-in and a relay in front of it (``python -m`` ``relay`` with ``--port`` and
+    ``--upstream``) as real processes, once both answer (the relay at its path ``ready``):
+    (stand-in port, relay port, relay pid)."""
     standin_port, relay_port = free_port(), free_port()
     procs = [
         subprocess.Popen(
@@ -76,25 +79,35 @@ def lean_relay() -> Iterator[tuple[int, int, int]]:
             + ["--interval-ms", "2"]
         ),
         subprocess.Popen(
-            [sys.executable, "-m", "bench.relay_floors", "lean", "--port", str(relay_port)]
+            [sys.executable, "-m", *relay, "--port", str(relay_port)]
             + ["--upstream", f"http://127.0.0.1:{standin_port}"]
         ),
     ]
     try:
-        deadline = time.monotonic() + 30
-        for port in (standin_port, relay_port):
+        deadline = time.monotonic() + 60
+        for url in (
+            f"http://127.0.0.1:{standin_port}/health",
+            f"http://127.0.0.1:{relay_port}{ready}",
+        ):
             while True:
                 try:
-                    httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                    httpx.get(url, timeout=1)
                     break
                 except httpx.HTTPError:
-                    assert time.monotonic() < deadline, f"port {port} never answered"
+                    assert time.monotonic() < deadline, f"{url} never answered"
                     time.sleep(0.05)
         yield standin_port, relay_port, procs[1].pid
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def lean_relay() -> Iterator[tuple[int, int, int]]:
+    """(stand-in port, lean floor port, lean floor pid): real processes."""
+    with _behind_standin(["bench.relay_floors", "lean"], "/health") as found:
+        yield found
 
 
 def test_load_generator_counts_every_streamed_event_and_the_relay_cpu(
@@ -127,27 +140,8 @@ def test_the_checks_off_pump_relays_whole_answers_and_streams() -> None:
     """The floor the gateway's checks come on top of (``kvguard pump, checks off``: the gateway's
     server protocol, engine client, pump and replies with no check) answers every request: a row
     of errors would make its floor, and the per-event floor argument, a number of nothing."""
-    standin_port, pump_port = free_port(), free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "bench.relay_standin", "--port", str(standin_port)]
-            + ["--interval-ms", "2"]
-        ),
-        subprocess.Popen(
-            [sys.executable, "-m", "bench.relay_candidates", "serve", "pump-no-checks"]
-            + ["--port", str(pump_port), "--upstream", f"http://127.0.0.1:{standin_port}"]
-        ),
-    ]
-    try:
-        deadline = time.monotonic() + 60
-        for url in (f"http://127.0.0.1:{standin_port}/health", f"http://127.0.0.1:{pump_port}/"):
-            while True:
-                try:
-                    httpx.get(url, timeout=1)
-                    break
-                except httpx.HTTPError:
-                    assert time.monotonic() < deadline, f"{url} never answered"
-                    time.sleep(0.05)
+    pump = ["bench.relay_candidates", "serve", "pump-no-checks"]
+    with _behind_standin(pump, "/") as (_, pump_port, _):
 
         async def go() -> tuple[Samples, Samples]:
             driver = Driver("127.0.0.1", pump_port)
@@ -163,10 +157,6 @@ def test_the_checks_off_pump_relays_whole_answers_and_streams() -> None:
             return answered, streamed
 
         answered, streamed = uvloop.run(go())
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=10)
     assert (answered.sent, answered.ok, answered.errors) == (20, 20, 0)
     assert (streamed.sent, streamed.ok, streamed.errors) == (20, 20, 0)
     assert streamed.events == 20 * 6  # role + 4 tokens + [DONE]

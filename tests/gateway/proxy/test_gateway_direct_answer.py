@@ -8,8 +8,9 @@ while a part that must finish runs, told apart from the server's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import h11
 import pytest
@@ -77,30 +78,39 @@ def _settings(
     return make_settings(engines=[{"name": "standin", "kind": "bundled", "base_url": standin.url}])
 
 
-async def test_pipelined_answers_keep_their_order_ids_and_the_connection(
+@contextlib.asynccontextmanager
+async def _connected(
     make_settings: Callable[..., GatewaySettings], standin: StandInEngine
-) -> None:
+) -> AsyncIterator[tuple[str, asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A served gateway with a tenant: its key, and a raw connection to the gateway."""
     async with running_gateway(_settings(make_settings, standin)) as gw:
         _, key = await gw.create_tenant("acme")
         url = gw.client.base_url
         reader, writer = await asyncio.open_connection(url.host, url.port)
         try:
-            ok = {"model": MODEL, "prompt": "alpha beta", "max_tokens": 2}
-            # three requests in one write: an answer, a refusal, an answer
-            writer.write(
-                _post("/v1/completions", key, ok)
-                + _post("/v1/completions", "sk-wrong", ok)
-                + _post("/v1/completions", key, {**ok, "prompt": "gamma"})
-            )
-            await writer.drain()
-            answers = await _answers(reader, 3)
-            # the connection is still kept: a fourth request on it is served
-            writer.write(_post("/v1/completions", key, ok, close=True))
-            await writer.drain()
-            last = await _answers(reader, 1)
-            assert await reader.read() == b""  # closed after the answer that asked for it
+            yield key, reader, writer
         finally:
             writer.close()
+
+
+async def test_pipelined_answers_keep_their_order_ids_and_the_connection(
+    make_settings: Callable[..., GatewaySettings], standin: StandInEngine
+) -> None:
+    async with _connected(make_settings, standin) as (key, reader, writer):
+        ok = {"model": MODEL, "prompt": "alpha beta", "max_tokens": 2}
+        # three requests in one write: an answer, a refusal, an answer
+        writer.write(
+            _post("/v1/completions", key, ok)
+            + _post("/v1/completions", "sk-wrong", ok)
+            + _post("/v1/completions", key, {**ok, "prompt": "gamma"})
+        )
+        await writer.drain()
+        answers = await _answers(reader, 3)
+        # the connection is still kept: a fourth request on it is served
+        writer.write(_post("/v1/completions", key, ok, close=True))
+        await writer.drain()
+        last = await _answers(reader, 1)
+        assert await reader.read() == b""  # closed after the answer that asked for it
     statuses = [response.status_code for response, _ in answers + last]
     assert statuses == [200, 401, 200, 200]
     ids = set()
@@ -123,18 +133,12 @@ async def test_pipelined_answers_keep_their_order_ids_and_the_connection(
 async def test_a_head_is_answered_without_a_body_and_the_next_request_follows(
     make_settings: Callable[..., GatewaySettings], standin: StandInEngine
 ) -> None:
-    async with running_gateway(_settings(make_settings, standin)) as gw:
-        _, key = await gw.create_tenant("acme")
-        url = gw.client.base_url
-        reader, writer = await asyncio.open_connection(url.host, url.port)
-        try:
-            head = b"HEAD /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n\r\n"
-            ok = {"model": MODEL, "prompt": "alpha", "max_tokens": 1}
-            writer.write(head + _post("/v1/completions", key, ok))
-            await writer.drain()
-            (refused, nothing), (answer, body) = await _answers(reader, 2, head_only=(0,))
-        finally:
-            writer.close()
+    async with _connected(make_settings, standin) as (key, reader, writer):
+        head = b"HEAD /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n\r\n"
+        ok = {"model": MODEL, "prompt": "alpha", "max_tokens": 1}
+        writer.write(head + _post("/v1/completions", key, ok))
+        await writer.drain()
+        (refused, nothing), (answer, body) = await _answers(reader, 2, head_only=(0,))
     assert refused.status_code == 405 and nothing == b""
     assert _headers(refused)[b"allow"] == [b"POST"]
     assert int(_headers(refused)[b"content-length"][0]) > 0  # the length a GET would have had
