@@ -50,9 +50,9 @@ class ClientGone(Exception):
 class Watch:
     """Cancels a flight's task when its client goes away: once, with asyncio's own cancellation,
     so the flight's cleanup (``finally``) awaits as usual, and never inside ``held`` (a part that
-    must finish: reporting a cut, closing the engine's stream), where it waits for its end. The
-    flight tells its own cancellation from anyone else's (the server's, at shutdown) by
-    ``fired`` and the task's cancel count."""
+    must finish: reporting a cut, closing the engine's stream), where it waits for its end.
+    ``claims`` tells the flight's own cancellation from anyone else's (the server's, at
+    shutdown)."""
 
     __slots__ = ("task", "fired", "_held", "_waiting")
 
@@ -70,6 +70,11 @@ class Watch:
             return
         self.fired = True
         self.task.cancel()
+
+    def claims(self) -> bool:
+        """Called on a ``CancelledError`` in the task: whether it is this watch's alone (then the
+        task is no longer cancelling); False: someone else cancelled too, it must propagate."""
+        return self.fired and self.task.uncancel() == 0
 
     @contextmanager
     def held(self) -> Iterator[None]:

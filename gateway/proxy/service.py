@@ -136,7 +136,7 @@ class Flight:
         try:
             return await self._outcome()
         except asyncio.CancelledError:
-            if watch.fired and watch.task.uncancel() == 0:
+            if watch.claims():
                 return Outcome(CLIENT_GONE)
             raise
         finally:
