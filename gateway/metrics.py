@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from contracts.metrics import Children
+from contracts.metrics import Children, Tally
 
 REQUESTS_TOTAL = "kvguard_gateway_requests_total"
 REQUEST_SECONDS = "kvguard_gateway_request_duration_seconds"
@@ -117,6 +117,10 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # the request path's updates (``later``), applied before any metric below is read
+        self.tally = Tally()
+        r.register(self.tally)
+        self.later = self.tally.add
         self.requests = Counter(
             _name(REQUESTS_TOTAL),
             "Tenant requests by outcome and error code",

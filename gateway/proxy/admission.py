@@ -224,9 +224,9 @@ async def count_prompt(
     ):
         local = count_tokens(prompt, messages)
         if local is not None:
-            deps.metrics.token_counts_of("local").inc()
+            deps.metrics.later(deps.metrics.token_counts_of, ("local",))
             return local
-    deps.metrics.token_counts_of("engine").inc()
+    deps.metrics.later(deps.metrics.token_counts_of, ("engine",))
     for record in routable:
         try:
             return await adapter_for(record.spec).count_tokens(

@@ -177,7 +177,7 @@ async def _serve(deps: ProxyDeps, ctx: RequestContext, body: EmbeddingsBody) -> 
 def _forwarding(deps: ProxyDeps, ctx: RequestContext, engine: EngineRecord) -> None:
     ctx.engine = engine
     engine.in_flight += 1
-    deps.metrics.in_flight_of(ctx.principal.tenant_id).inc()
+    deps.metrics.later(deps.metrics.in_flight_of, (ctx.principal.tenant_id,))
     ctx.advance(Phase.FORWARDED)
     ctx.forwarded_s = ctx.elapsed_s()
     ctx.span.set_attribute("kvguard.engine", engine.name)

@@ -50,7 +50,7 @@ async def finish(deps: ProxyDeps, ctx: RequestContext, ending: Ending) -> None:
         await deps.limiter.release(ctx.lease, unused_tokens=_refund(ctx, ending.refund))
     if ctx.engine is not None:
         ctx.engine.in_flight -= 1
-        deps.metrics.in_flight_of(ctx.principal.tenant_id).dec()
+        deps.metrics.later(deps.metrics.in_flight_of, (ctx.principal.tenant_id,), -1)
     _record(deps, ctx, status=status, code=code)
     if deps.hooks.on_finish is not None:
         try:
@@ -64,15 +64,16 @@ def _record(deps: ProxyDeps, ctx: RequestContext, *, status: int, code: str | No
     m = deps.metrics
     duration = ctx.elapsed_s()
     endpoint = ctx.endpoint.value
-    m.requests_of(tenant, endpoint, ctx.phase.value, code or "").inc()
-    m.request_seconds_of(endpoint).observe(duration)
+    later = m.later  # applied when the metrics are read (``contracts.metrics.Tally``)
+    later(m.requests_of, (tenant, endpoint, ctx.phase.value, code or ""))
+    later(m.request_seconds_of, (endpoint,), duration)
     if ctx.engine is not None and ctx.first_byte_s is not None and ctx.stream:
-        m.ttft_seconds_of(ctx.engine.name).observe(ctx.first_byte_s)
+        later(m.ttft_seconds_of, (ctx.engine.name,), ctx.first_byte_s)
     if ctx.phase is not Phase.REJECTED and ctx.engine is not None:
         if ctx.prompt_tokens is not None:
-            m.tokens_of(tenant, "prompt").inc(ctx.prompt_tokens)
+            later(m.tokens_of, (tenant, "prompt"), ctx.prompt_tokens)
         if ctx.completion_tokens is not None:
-            m.tokens_of(tenant, "completion").inc(ctx.completion_tokens)
+            later(m.tokens_of, (tenant, "completion"), ctx.completion_tokens)
     latency.record(deps, ctx)
     handoff = ctx.handoff
     deps.audit.record(

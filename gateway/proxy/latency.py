@@ -25,12 +25,12 @@ def record(deps: ProxyDeps, ctx: RequestContext) -> None:
         return
     tenant = ctx.principal.tenant_id
     ttft = clock.first_s - ctx.started_mono
-    deps.metrics.tenant_ttft_seconds_of(tenant, "true").observe(ttft)
+    deps.metrics.later(deps.metrics.tenant_ttft_seconds_of, (tenant, "true"), ttft)
     if clock.gaps:
         deps.metrics.inter_token_seconds.record(tenant, clock.counts, clock.gap_sum)
 
 
 def answered(deps: ProxyDeps, ctx: RequestContext) -> None:
     """A whole (non-streamed) answer is about to be sent: its first token arrives with it."""
-    tenant = ctx.principal.tenant_id
-    deps.metrics.tenant_ttft_seconds_of(tenant, "false").observe(ctx.elapsed_s())
+    m = deps.metrics
+    m.later(m.tenant_ttft_seconds_of, (ctx.principal.tenant_id, "false"), ctx.elapsed_s())

@@ -168,10 +168,11 @@ class Flight:
         endpoint = endpoint or ctx.endpoint
         ctx.engine = admitted.engine
         ctx.engine.in_flight += 1
-        deps.metrics.in_flight_of(ctx.principal.tenant_id).inc()
+        m = deps.metrics
+        m.later(m.in_flight_of, (ctx.principal.tenant_id,))
         ctx.advance(Phase.FORWARDED)
         ctx.forwarded_s = ctx.elapsed_s()
-        deps.metrics.overhead_seconds_of(ctx.endpoint.value).observe(ctx.forwarded_s)
+        m.later(m.overhead_seconds_of, (ctx.endpoint.value,), ctx.forwarded_s)
         ctx.span.set_attribute("kvguard.engine", admitted.engine.name)
         ctx.span.set_attribute("kvguard.prompt_tokens", admitted.size.prompt_tokens)
         ctx.span.set_attribute("gen_ai.request.max_tokens", admitted.size.max_tokens)
