@@ -39,7 +39,11 @@
   and Jackson read it), and the first value's bytes must not reach the client unread: a hostile
   reader of the raw stream would see them. An engine that writes each event as compact JSON on
   one line (the bundled engine's orjson; pydantic's ``model_dump_json``) keeps the byte-for-byte
-  path; one that writes spaces after its separators has its events written anew.
+  path; one that writes spaces after its separators has its events written anew;
+- the usual token is not read in full: once a common chunk (one choice's text, nothing else to
+  note) went out byte for byte with its side fields quiet, the bytes around its text are the
+  stream's ``Frame``, and an event made of them around another plain JSON string is that chunk
+  with another text: only the text goes through its guard (see ``Frame``).
 
 The shapes it reads and writes are in ``gateway.proxy.chunks``; a whole (non-streamed) answer
 goes through the same guards in ``gateway.proxy.body``.
@@ -48,6 +52,7 @@ goes through the same guards in ``gateway.proxy.body``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +84,8 @@ from gateway.upstream.base import Endpoint
 
 KEEP_ALIVE = b": keep-alive\n\n"
 OpenGuard = Callable[[], StreamGuard]
+# what a JSON string literal holds only escaped: its own quote, a backslash, a control character
+_ESCAPED = re.compile(rb'["\\\x00-\x1f]')
 
 
 def error_event(message: str, code: str, type_: str = "server_error") -> bytes:
@@ -96,6 +103,55 @@ class Step:
     out: list[bytes]
     end: Phase | None = None
     code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """The bytes of a stream's last common chunk around its text: a later event made of the same
+    bytes around another plain text is that chunk with the text changed, and goes out as it came
+    once its guard passes the text -- without parsing it, serialising it twice or walking it.
+
+    Sound because the chunk it was cut from went through every check (``relay_event``'s common
+    chunk: one choice, not finished, no logprobs, usage, error, handoff or extension, delivered
+    byte for byte as its canonical JSON, its side fields screened and quiet), and the bytes around
+    the text are all those checks read: the new text is one JSON string literal that needs no
+    escape (no quote, backslash or control character), so the event parses to the same object
+    with that text, its canonical JSON is its bytes, and its side fields and skeleton are the
+    chunk's. What those checks also read from the stream's state (a finished choice, the handoff
+    proof, a held side field) changes only on events that take the other paths, and every such
+    event drops the frame."""
+
+    head: bytes  # ``data: `` and the JSON up to the text's key and colon
+    tail: bytes  # the JSON after the text's literal, and the blank line
+    guard: StreamGuard  # the choice's guard
+
+    @classmethod
+    def of(cls, raw: bytes, text: str, *, chat: bool, guard: StreamGuard) -> Frame | None:
+        """The frame of a canonical common chunk ``raw`` whose text is ``text``; None when the
+        text's key and literal appear in it more than once (then nothing says which is the
+        choice's)."""
+        needle = (b'"content":' if chat else b'"text":') + orjson.dumps(text)
+        at = raw.find(needle)
+        if at == -1 or raw.find(needle, at + 1) != -1:
+            return None
+        key_end = raw.index(b":", at) + 1
+        return cls(raw[:key_end], raw[at + len(needle) :], guard)
+
+    def text_of(self, raw: bytes) -> str | None:
+        """The text of ``raw`` when it is this frame around a plain JSON string literal."""
+        head, tail = self.head, self.tail
+        if not (raw.startswith(head) and raw.endswith(tail)):
+            return None
+        literal = raw[len(head) : len(raw) - len(tail)]
+        if len(literal) < 3 or literal[0] != 0x22 or literal[-1] != 0x22:
+            return None
+        inner = literal[1:-1]
+        if _ESCAPED.search(inner) is not None:
+            return None
+        try:
+            return inner.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
 
 
 @dataclass(slots=True)
@@ -127,6 +183,7 @@ class StreamRelay:
     _template: dict[str, Any] | None = field(default=None, repr=False)
     _usage_chunk: dict[str, Any] | None = field(default=None, repr=False)  # held for the end
     _chat: bool = False
+    _frame: Frame | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._chat = self.endpoint is Endpoint.CHAT
@@ -149,6 +206,14 @@ class StreamRelay:
     def relay_event(self, raw: bytes, out: list[bytes]) -> bool:
         """Relay one upstream event (its bytes with the blank line that ends it): append what the
         client gets to ``out``; True when the stream ends here (``end``, ``end_code``)."""
+        frame = self._frame
+        if frame is not None:
+            text = frame.text_of(raw)
+            if text is not None and frame.guard.passes(text):  # the usual token: as it came
+                self.text_events += 1
+                out.append(raw)
+                return False
+            self._frame = None  # anything else: read in full (the guard has not moved)
         if raw[:6] == b"data: " and raw.find(b"\n", 6) == len(raw) - 2 and b"\r" not in raw:
             data: str | None = raw[6:-2].decode("utf-8", errors="replace")  # the usual event
             canonical = True
@@ -177,6 +242,7 @@ class StreamRelay:
             except orjson.JSONEncodeError:
                 canonical = False
         side = self._side
+        shape = None
         # most events: no guard holds text back and the prefilter clears them: not walked
         if side is not None and (side.holding or not side.prefilter or side.prefilter(data, obj)):
             shape = skeleton(obj, chat=self._chat)
@@ -229,6 +295,10 @@ class StreamRelay:
         self._template = obj
         if released == text and canonical:
             out.append(raw)
+            if side is None or (
+                side.prefilter is None and shape is not None and shape == side.quiet
+            ):
+                self._frame = Frame.of(raw, text, chat=self._chat, guard=guard)
         elif released or more_than_text(self.endpoint, choice):
             out.append(encode_event(with_texts(self.endpoint, obj, [released])))
         return False

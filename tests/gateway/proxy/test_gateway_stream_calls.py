@@ -34,7 +34,7 @@ PATH = [
     "Connection.on_body",
     "StreamPump.data",
     "StreamRelay.relay_event",
-    "skeleton",
+    "Frame.text_of",
     "FirewallGuard.passes",
     "StreamScanner.passes",
     "CandidateReader.quiet",
