@@ -1,4 +1,5 @@
-"""``Frame``: a stream's usual token, relayed without parsing it, changes nothing the client gets.
+"""``gateway.proxy.frame``: a stream's usual token, relayed without parsing it, changes nothing
+the client gets.
 
 The relay keeps the bytes of its last common chunk around the text; a later event made of the
 same bytes around a plain JSON string goes out once its guard passes the text. The tests drive
@@ -12,6 +13,7 @@ non-canonical event and text after a finished choice.
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -23,7 +25,8 @@ from canary.injection import MarkerLedger, RequestMarkers
 from canary.markers import MarkerCodec, MarkerKeyring
 from contracts.plugins import PassThroughGuard, RequestInfo
 from gateway.proxy import relay as relay_module
-from gateway.proxy.relay import Frame, StreamRelay
+from gateway.proxy.frame import Frame
+from gateway.proxy.relay import StreamRelay
 from gateway.upstream.base import Endpoint
 
 CODEC = MarkerCodec(MarkerKeyring({1: bytes(range(32))}, current=1))
@@ -114,8 +117,6 @@ def _stream(rng: random.Random) -> list[bytes]:
 
 
 def _spaced(obj: Any) -> bytes:
-    import json
-
     return json.dumps(obj, ensure_ascii=False).encode()
 
 
