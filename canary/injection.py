@@ -227,13 +227,14 @@ class MarkerInjector:
         carried = self._carried_nonces(info, body)
         own: frozenset[bytes] = frozenset()
         out = body
+        m = self._metrics
         if not carried and self._sampled(info, body):
             marker = self._codec.issue(info.tenant_id)
             out = self._inject(body, marker.text)
             own = frozenset({marker.nonce})
-            self._metrics.injected_of(info.tenant_id).inc()
+            m.later(m.injected_of, (info.tenant_id,))
         marked = bool(own or carried)
-        self._metrics.requests_of(info.tenant_id, "true" if marked else "false").inc()
+        m.later(m.requests_of, (info.tenant_id, "true" if marked else "false"))
         self._ledger.put(info.request_id, RequestMarkers(own=own, carried=carried, body=body))
         for nonce in own | carried:
             self.record(nonce, info, engine=None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from contracts.metrics import Children
+from contracts.metrics import Children, Tally
 
 FINDINGS_TOTAL = "kvguard_canary_findings_total"
 REQUESTS_TOTAL = "kvguard_canary_requests_total"
@@ -47,6 +47,10 @@ class CanaryMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # the request path's updates (``later``), applied before any metric below is read
+        self.tally = Tally()
+        r.register(self.tally)
+        self.later = self.tally.add
         self.findings = Counter(
             _name(FINDINGS_TOTAL),
             "Isolation findings by kind and severity",
@@ -65,7 +69,8 @@ class CanaryMetrics:
             ["tenant"],
             registry=r,
         )
-        # the request path's children, by label values in the order declared (``Children``)
+        # the request path's children, by label values in the order declared (``Children``),
+        # updated through ``later``
         self.requests_of = Children(self.requests)  # tenant, marked
         self.injected_of = Children(self.injected)  # tenant
         self.cuts = Counter(
