@@ -179,6 +179,7 @@ def test_a_frame_is_not_made_when_the_text_and_its_key_appear_twice() -> None:
 def test_only_a_plain_string_literal_fills_a_frame(literal: bytes) -> None:
     frame = Frame.of(_chunk(" x"), " x", chat=True, guard=PassThroughGuard())
     assert frame is not None
+    assert frame.head + b'" x"' + frame.tail == _chunk(" x")  # the chunk, cut around its text
     assert frame.text_of(frame.head + literal + frame.tail) is None
     assert frame.text_of(frame.head + b'" y"' + frame.tail) == " y"
     assert frame.text_of(_chunk(" y", system_fingerprint="fp")) is None  # other bytes around it
