@@ -197,7 +197,8 @@ class GatewaySettings(KvguardSettings):
         ge=0,
         description="how long a replica trusts a verified key without asking the database (0: "
         "never); the keys in use are verified again in the background every half of it, in one "
-        "read; revocation through this replica's admin API applies at once, elsewhere within it",
+        "read (on PostgreSQL over a connection of the replica's own: one more per replica); "
+        "revocation through this replica's admin API applies at once, elsewhere within it",
     )
     audit_flush_interval_s: float = Field(
         default=0.5,

@@ -27,6 +27,7 @@ from starlette.datastructures import Headers
 
 from contracts.sql import run_in_session, session_scope
 from gateway.config import GatewaySettings, IPNetwork
+from gateway.db.link import Link
 from gateway.domain import Principal
 from gateway.errors import AuthenticationFailed, PermissionDenied, RateLimited
 from gateway.limits.auth_throttle import Bucket
@@ -38,6 +39,7 @@ from gateway.services.keys import (
     parse_key,
     prefixes_after,
     renew,
+    renew_over,
 )
 from gateway.state import GatewayState
 
@@ -167,22 +169,34 @@ async def renew_verified_keys(state: GatewayState) -> None:
     interval = cache.renewal_interval_s
     if interval is None:
         return
-    while True:
-        await asyncio.sleep(interval)
-        now = state.clock()
-        try:
-            renewed = await cache.renew(partial(_renew, state, now), now=now)
-        except Exception:
-            log.warning("renewing verified keys failed; they are verified on their next use")
-            continue
-        for principal in renewed:
-            _stamp_use(state, principal, now)
+    # PostgreSQL: the loop's own connection on the event loop (``gateway.db.link``: no worker
+    # thread, no pooled session); another database: a session like any other read
+    link = Link.of(state.db, timeout_s=state.settings.database_timeout_s)
+    try:
+        while True:
+            await asyncio.sleep(interval)
+            now = state.clock()
+            fetch = partial(_renew, state, now) if link is None else partial(_renew_on, link, now)
+            try:
+                renewed = await cache.renew(fetch, now=now)
+            except Exception:
+                log.warning("renewing verified keys failed; they are verified on their next use")
+                continue
+            for principal in renewed:
+                _stamp_use(state, principal, now)
+    finally:
+        if link is not None:
+            await link.close()
 
 
 async def _renew(state: GatewayState, now: datetime, key_ids: list[int]) -> dict[int, Verdict]:
     return await run_in_session(
         state.sessions, lambda session: renew(session, key_ids=key_ids, now=now)
     )
+
+
+async def _renew_on(link: Link, now: datetime, key_ids: list[int]) -> dict[int, Verdict]:
+    return await renew_over(link, key_ids=key_ids, now=now)
 
 
 CurrentTenant = Annotated[Principal, Depends(current_principal)]

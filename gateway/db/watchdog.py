@@ -82,22 +82,29 @@ class Watchdog:
                 self._kill(conn)
 
     def _kill(self, dbapi_connection: Any) -> None:
-        try:
-            fd = dbapi_connection.fileno()
-            duplicate = socket.socket(fileno=os.dup(fd))
-        except Exception:  # already closed: nothing to cut
-            return
-        try:
-            duplicate.shutdown(socket.SHUT_RDWR)  # the socket, not just this descriptor
-        except OSError:
-            pass
-        finally:
-            duplicate.close()
-        self.killed += 1
-        log.warning(
-            "database operation exceeded %.1f s: connection cut (the server is not answering)",
-            self.budget_s,
-        )
+        if cut(dbapi_connection):
+            self.killed += 1
+            log.warning(
+                "database operation exceeded %.1f s: connection cut (the server is not answering)",
+                self.budget_s,
+            )
+
+
+def cut(dbapi_connection: Any) -> bool:
+    """Shut down the socket of a driver connection (anything with ``fileno``): a call blocked on
+    it returns at once with a disconnect. False when it was closed already (nothing to cut)."""
+    try:
+        fd = dbapi_connection.fileno()
+        duplicate = socket.socket(fileno=os.dup(fd))
+    except Exception:  # already closed: nothing to cut
+        return False
+    try:
+        duplicate.shutdown(socket.SHUT_RDWR)  # the socket, not just this descriptor
+    except OSError:
+        pass
+    finally:
+        duplicate.close()
+    return True
 
 
 def install(engine: Engine, budget_s: float) -> Watchdog:

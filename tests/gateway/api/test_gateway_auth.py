@@ -102,17 +102,20 @@ async def test_last_used_is_recorded(gateway) -> None:
     assert keys.json()[0]["last_used_at"] is not None
 
 
+@pytest.mark.parametrize("database", ["sqlite_url", "postgres_url"])
 async def test_a_key_in_use_is_renewed_off_the_request_path_and_a_revocation_elsewhere_applies_within_the_ttl(  # noqa: E501
-    make_settings, standin
+    make_settings, standin, request, database
 ) -> None:
-    """A key used across many ttls is verified again in the background (``renew_verified_keys``):
-    after its first lookup, no request waits for the database. A revocation written by another
-    replica (straight to the database: this replica's cache is not cleared) refuses the key
-    within the ttl: no request sent later than the revocation plus the ttl is answered 200."""
+    """A key used across many ttls is verified again in the background (``renew_verified_keys``:
+    on PostgreSQL over the loop's own connection, ``gateway.db.link``): after its first lookup,
+    no request waits for the database. A revocation written by another replica (straight to the
+    database: this replica's cache is not cleared) refuses the key within the ttl: no request
+    sent later than the revocation plus the ttl is answered 200."""
     ttl = 1.0
     settings = make_settings(
         engines=[{"name": "standin", "kind": "bundled", "base_url": standin.url}],
         auth_cache_ttl_s=ttl,
+        database_url=request.getfixturevalue(database),
     )
     async with running_gateway(settings) as gw:
         _, key = await gw.create_tenant("acme")

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import event, text
 
 from contracts.sql import make_session_factory, session_scope, utcnow
+from gateway.db.link import Link
 from gateway.db.session import make_engine, upgrade_database
 from gateway.domain import Principal, TenantPlan
 from gateway.lifecycle import TenantStatus
@@ -19,6 +20,7 @@ from gateway.services.keys import (
     issue_key,
     parse_key,
     renew,
+    renew_over,
     revoke_key,
     touch_keys,
 )
@@ -170,6 +172,62 @@ def test_renewal_says_what_authenticate_says_by_key_id(sessions) -> None:
         ids[1]: AuthFailure.EXPIRED,
         ids[2]: AuthFailure.TENANT_DISABLED,
     }
+
+
+async def test_renewal_over_a_link_says_what_renew_says(postgres_url: str) -> None:
+    """``renew_over`` (the replica's own PostgreSQL connection, no ORM) gives the verdicts
+    ``renew`` gives, principal for principal -- live keys, then revoked, expired and disabled ones
+    -- with every time in UTC as the session reads it, and leaves out a key the database no
+    longer holds."""
+    engine = make_engine(postgres_url)
+    upgrade_database(engine)
+    sessions = make_session_factory(engine)
+    link = Link.of(engine, timeout_s=5.0)
+    assert link is not None
+    try:
+        tenant_id, key = _tenant(sessions, "acme")
+        _, other = _tenant(sessions, "globex")
+        now = utcnow()
+        with session_scope(sessions) as session:
+            soon = issue_key(session, tenant_id=tenant_id, expires_at=now + timedelta(seconds=60))
+            live = [authenticate(session, token=k.key, now=now) for k in (key, soon, other)]
+        ids = [p.key_id for p in live if isinstance(p, Principal)]
+        with session_scope(sessions) as session:
+            touch_keys(session, last_used={ids[0]: now})  # a last use to read back
+        for at in (now, now + timedelta(seconds=61)):  # all live, then one expired
+            with session_scope(sessions) as session:
+                expected = renew(session, key_ids=[*ids, 10**9], now=at)
+            got = await renew_over(link, key_ids=[*ids, 10**9], now=at)
+            assert got == expected and len(got) == 3
+            principals = [v for v in got.values() if isinstance(v, Principal)]
+            times = [t for p in principals for t in (p.key_last_used_at, p.key_expires_at) if t]
+            assert times and all(t.utcoffset() == timedelta(0) for t in times)
+            first = got[ids[0]]
+            assert isinstance(first, Principal) and first.key_last_used_at == now
+        with session_scope(sessions) as session:
+            revoke_key(session, prefix=key.prefix, now=now)
+            set_status(
+                session, tenant=get_tenant(session, ref="globex"), status=TenantStatus.DISABLED
+            )
+        with session_scope(sessions) as session:
+            expected = renew(session, key_ids=ids, now=now + timedelta(seconds=61))
+        assert await renew_over(link, key_ids=ids, now=now + timedelta(seconds=61)) == expected
+        assert await renew_over(link, key_ids=ids, now=now + timedelta(seconds=61)) == {
+            ids[0]: AuthFailure.REVOKED,
+            ids[1]: AuthFailure.EXPIRED,
+            ids[2]: AuthFailure.TENANT_DISABLED,
+        }
+    finally:
+        await link.close()
+        engine.dispose()
+
+
+def test_a_link_is_made_for_postgresql_only(sqlite_url: str) -> None:
+    engine = make_engine(sqlite_url)
+    try:
+        assert Link.of(engine, timeout_s=5.0) is None
+    finally:
+        engine.dispose()
 
 
 def test_key_stamps_are_written_in_one_statement_and_a_deleted_key_is_no_error(sessions) -> None:

@@ -1,0 +1,100 @@
+"""A background loop's own PostgreSQL connection, on the event loop: ``Link``.
+
+Why: the key renewal (``gateway.deps.renew_verified_keys``) reads the keys in use every half
+``auth_cache_ttl_s`` on every replica, however few requests it serves. Through a pooled
+SQLAlchemy session on a worker thread, one such read cost the replica about 4.5 ms of CPU: the
+watchdog's checkout ping, BEGIN, the statement, COMMIT, SQLAlchemy's execution of each, and the
+worker thread's hand-offs of the GIL with the event loop, on the core the data plane runs on. A
+link runs a statement in autocommit on psycopg's ``AsyncConnection``: one round trip, no thread,
+no pool (about 0.9 ms; ``docs/benchmarks.md``, issue 33's step 14).
+
+Bounded like every database operation of the gateway (``gateway.db.watchdog``): connecting by
+libpq's ``connect_timeout`` (whole seconds, at least 2), a statement by a timer on the event loop
+that cuts the connection's socket once ``timeout_s`` has passed. Cancelling the wait instead would
+leave psycopg trying to cancel the query on a server that does not answer: a frozen server keeps
+its socket open, and only a cut ends the wait at once. A cut or broken connection is dropped; the
+next statement connects anew. Statements run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg.rows import namedtuple_row
+from sqlalchemy import Engine
+
+from contracts.sql import DatabaseTimeout
+from gateway.db import watchdog
+
+
+class Link:
+    """One autocommit connection for one background loop's statements (``rows``)."""
+
+    def __init__(self, conninfo: str, *, timeout_s: float) -> None:
+        self._conninfo = conninfo
+        self._timeout_s = timeout_s
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._turn = asyncio.Lock()
+
+    @classmethod
+    def of(cls, engine: Engine, *, timeout_s: float) -> Link | None:
+        """A link to the database of ``engine`` (the gateway's); None unless it is PostgreSQL."""
+        if engine.dialect.name != "postgresql":
+            return None
+        url = engine.url.set(drivername="postgresql")
+        return cls(url.render_as_string(hide_password=False), timeout_s=timeout_s)
+
+    async def rows(self, query: str, params: Mapping[str, Any] | None = None) -> list[Any]:
+        """The rows of ``query`` (named tuples; times in UTC, as ``contracts.sql.UTCDateTime``
+        reads them); raises ``DatabaseTimeout`` when the statement was cut at the bound, and
+        psycopg's error when the database refused it or could not be reached."""
+        async with self._turn:
+            conn = self._conn
+            if conn is None:
+                conn = await psycopg.AsyncConnection.connect(
+                    self._conninfo,
+                    autocommit=True,
+                    row_factory=namedtuple_row,
+                    connect_timeout=max(2, math.ceil(self._timeout_s)),
+                )
+                try:
+                    await self._bounded(conn, "SET TIME ZONE 'UTC'", None)
+                except BaseException:
+                    await conn.close()
+                    raise
+                self._conn = conn
+            return await self._bounded(conn, query, params)
+
+    async def _bounded(
+        self, conn: psycopg.AsyncConnection[Any], query: str, params: Mapping[str, Any] | None
+    ) -> list[Any]:
+        cuts: list[bool] = []
+        timer = asyncio.get_running_loop().call_later(
+            self._timeout_s, lambda: cuts.append(watchdog.cut(conn))
+        )
+        try:
+            cursor = await conn.execute(query, params)
+            return await cursor.fetchall() if cursor.description is not None else []
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                await self._drop()  # the next statement connects anew
+            if cuts:
+                raise DatabaseTimeout(
+                    f"the database did not answer within {self._timeout_s:.1f} s"
+                ) from exc
+            raise
+        finally:
+            timer.cancel()
+
+    async def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def close(self) -> None:
+        async with self._turn:
+            await self._drop()

@@ -1,0 +1,73 @@
+"""A background loop's own PostgreSQL connection (``gateway.db.link.Link``) on a real PostgreSQL
+behind a link that can freeze (every byte held, the server's kernel still acknowledging) or be
+cut (every connection reset, new ones refused)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from bench.fault_stack import TcpLink
+from contracts.sql import DatabaseTimeout
+from gateway.db.link import Link
+from gateway.db.session import make_engine
+
+BOUND_S = 1.0
+
+
+@pytest.fixture
+async def linked(postgres_url: str) -> AsyncIterator[tuple[Link, TcpLink]]:
+    url = make_url(postgres_url)
+    assert url.host is not None and url.port is not None
+    tcp = TcpLink(url.host, url.port)
+    engine = make_engine(url.set(port=tcp.port).render_as_string(hide_password=False))
+    link = Link.of(engine, timeout_s=BOUND_S)
+    assert link is not None
+    try:
+        yield link, tcp
+    finally:
+        tcp.close()
+        await link.close()
+        engine.dispose()
+
+
+async def test_a_statement_on_a_frozen_server_is_cut_at_the_bound_and_the_next_connects_anew(
+    linked: tuple[Link, TcpLink],
+) -> None:
+    """The statement waits no longer than the bound: its socket is cut (a timer on the event
+    loop), it raises ``DatabaseTimeout``, and once the server answers again the next statement
+    runs on a new connection (the cut one was dropped), in UTC like the first."""
+    link, tcp = linked
+    assert [tuple(r) for r in await link.rows("SELECT 1 AS one")] == [(1,)]
+    tcp.freeze()
+    started = time.monotonic()
+    with pytest.raises(DatabaseTimeout):
+        await link.rows("SELECT 2")
+    waited = time.monotonic() - started
+    assert BOUND_S <= waited < BOUND_S + 1, waited
+    tcp.thaw()
+    assert [tuple(r) for r in await link.rows("SHOW TIME ZONE")] == [("UTC",)]
+
+
+async def test_a_refused_statement_keeps_the_connection_and_a_reset_one_is_replaced(
+    linked: tuple[Link, TcpLink],
+) -> None:
+    """A statement the database refuses raises the database's error (not a timeout) on a
+    connection that stays (the same server process answers next); a connection reset under a
+    statement raises psycopg's operational error and is dropped: the next statement, once the
+    server is reachable again, runs on a new one."""
+    link, tcp = linked
+    [(pid,)] = await link.rows("SELECT pg_backend_pid()")
+    with pytest.raises(psycopg.errors.UndefinedTable):
+        await link.rows("SELECT * FROM no_such_table")
+    assert [tuple(r) for r in await link.rows("SELECT pg_backend_pid()")] == [(pid,)]
+    tcp.cut()
+    with pytest.raises(psycopg.OperationalError):
+        await link.rows("SELECT 1")
+    tcp.restore()
+    [(again,)] = await link.rows("SELECT pg_backend_pid()")
+    assert again != pid
