@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import anyio
+import psycopg
 from sqlalchemy import BigInteger, DateTime, Engine, Integer, MetaData, TypeDecorator
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
@@ -82,6 +83,8 @@ def is_outage(exc: BaseException) -> bool:
     the call), an exhausted pool, a call past its bound."""
     if isinstance(exc, OperationalError | InterfaceError | PoolTimeout | OSError | TimeoutError):
         return True
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return True  # the driver's own, on a connection used without SQLAlchemy (gateway.db.link)
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 

@@ -35,6 +35,7 @@ from gateway.api.request_ids import RequestIds
 from gateway.api.routes import admin, embeddings, health, openai, tenant
 from gateway.config import GatewaySettings
 from gateway.console import mount_console
+from gateway.db.link import Link
 from gateway.db.session import make_engine, upgrade_database
 from gateway.deps import renew_verified_keys
 from gateway.engines.poller import CapacityPoller
@@ -122,6 +123,7 @@ async def build_state(
             on_drop=metrics.audit_dropped.inc,
             on_set_aside=metrics.audit_set_aside.inc,
             spool=Spool(settings.spool_dir(), kind="audit"),
+            link=Link.of(db, timeout_s=settings.database_timeout_s),
         ),
         metrics=metrics,
         tracing=Tracing(

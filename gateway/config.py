@@ -46,8 +46,9 @@ class GatewaySettings(KvguardSettings):
     database_url: str | None = Field(
         default=None,
         description=(
-            "SQLAlchemy URL of the database (postgresql+psycopg://... in production); unset: "
-            "SQLite at KVGUARD_DATA_DIR/kvguard.db"
+            "SQLAlchemy URL of the database (postgresql+psycopg://... in production; each replica "
+            "holds its pool's connections and two of its own, the key renewal's and the audit "
+            "writer's); unset: SQLite at KVGUARD_DATA_DIR/kvguard.db"
         ),
     )
     redis_url: str | None = Field(
@@ -197,8 +198,7 @@ class GatewaySettings(KvguardSettings):
         ge=0,
         description="how long a replica trusts a verified key without asking the database (0: "
         "never); the keys in use are verified again in the background every half of it, in one "
-        "read (on PostgreSQL over a connection of the replica's own: one more per replica); "
-        "revocation through this replica's admin API applies at once, elsewhere within it",
+        "read; revocation through this replica's admin API applies at once, elsewhere within it",
     )
     audit_flush_interval_s: float = Field(
         default=0.5,

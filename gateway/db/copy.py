@@ -31,13 +31,18 @@ from sqlalchemy.exc import DBAPIError
 from gateway.db import watchdog
 
 
+def copy_statement(table: Table, columns: Sequence[str]) -> sql.Composed:
+    """``COPY table (columns) FROM STDIN``, every name quoted."""
+    return sql.SQL("COPY {} ({}) FROM STDIN").format(
+        sql.Identifier(table.name), sql.SQL(", ").join(map(sql.Identifier, columns))
+    )
+
+
 def copy_rows(
     connection: Connection, table: Table, columns: Sequence[str], rows: Iterable[Sequence[Any]]
 ) -> None:
     """Write ``rows`` (values in the order of ``columns``) into ``table`` with one COPY."""
-    statement = sql.SQL("COPY {} ({}) FROM STDIN").format(
-        sql.Identifier(table.name), sql.SQL(", ").join(map(sql.Identifier, columns))
-    )
+    statement = copy_statement(table, columns)
     raw = connection.connection.dbapi_connection
     assert isinstance(raw, psycopg.Connection), "COPY needs the psycopg driver"
     bound = watchdog.of(connection.engine)

@@ -1,12 +1,14 @@
 """A background loop's own PostgreSQL connection, on the event loop: ``Link``.
 
-Why: the key renewal (``gateway.deps.renew_verified_keys``) reads the keys in use every half
-``auth_cache_ttl_s`` on every replica, however few requests it serves. Through a pooled
-SQLAlchemy session on a worker thread, one such read cost the replica about 4.5 ms of CPU: the
-watchdog's checkout ping, BEGIN, the statement, COMMIT, SQLAlchemy's execution of each, and the
-worker thread's hand-offs of the GIL with the event loop, on the core the data plane runs on. A
-link runs a statement in autocommit on psycopg's ``AsyncConnection``: one round trip, no thread,
-no pool (about 0.9 ms; ``docs/benchmarks.md``, issue 33's step 14).
+Why: two loops of every replica write or read the database whatever its load: the key renewal
+(``gateway.deps.renew_verified_keys``: the keys in use, every half ``auth_cache_ttl_s``) and the
+audit writer's flush (``gateway.services.audit``: every ``audit_flush_interval_s``). Through a
+pooled SQLAlchemy session on a worker thread, a renewal cost the replica about 4.5 ms of CPU and a
+flush of a few rows about 3 ms: the watchdog's checkout ping, BEGIN, the statements, COMMIT,
+SQLAlchemy's execution of each, and the worker thread's hand-offs of the GIL with the event loop,
+on the core the data plane runs on. A link runs them on psycopg's ``AsyncConnection``: a read in
+autocommit is one round trip, with no pool and no thread (about 1 ms; ``docs/benchmarks.md``,
+issue 33's step 14).
 
 Bounded like every database operation of the gateway (``gateway.db.watchdog``): connecting by
 libpq's ``connect_timeout`` (whole seconds, at least 2), a statement by a timer on the event loop
@@ -20,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import namedtuple_row
@@ -29,6 +31,9 @@ from sqlalchemy import Engine
 
 from contracts.sql import DatabaseTimeout
 from gateway.db import watchdog
+
+T = TypeVar("T")
+Work = Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]
 
 
 class Link:
@@ -52,6 +57,25 @@ class Link:
         """The rows of ``query`` (named tuples; times in UTC, as ``contracts.sql.UTCDateTime``
         reads them); raises ``DatabaseTimeout`` when the statement was cut at the bound, and
         psycopg's error when the database refused it or could not be reached."""
+
+        async def fetch(conn: psycopg.AsyncConnection[Any]) -> list[Any]:
+            cursor = await conn.execute(query, params)
+            return await cursor.fetchall() if cursor.description is not None else []
+
+        return await self.run(fetch)
+
+    async def transaction(self, work: Work[T]) -> T:
+        """``work`` in one transaction (committed when it returns, rolled back when it raises),
+        bounded as a whole like one statement."""
+
+        async def inside(conn: psycopg.AsyncConnection[Any]) -> T:
+            async with conn.transaction():
+                return await work(conn)
+
+        return await self.run(inside)
+
+    async def run(self, work: Work[T]) -> T:
+        """``work`` on the connection (autocommit), alone on it, bounded by ``timeout_s``."""
         async with self._turn:
             conn = self._conn
             if conn is None:
@@ -62,23 +86,20 @@ class Link:
                     connect_timeout=max(2, math.ceil(self._timeout_s)),
                 )
                 try:
-                    await self._bounded(conn, "SET TIME ZONE 'UTC'", None)
+                    await self._bounded(conn, _utc)
                 except BaseException:
                     await conn.close()
                     raise
                 self._conn = conn
-            return await self._bounded(conn, query, params)
+            return await self._bounded(conn, work)
 
-    async def _bounded(
-        self, conn: psycopg.AsyncConnection[Any], query: str, params: Mapping[str, Any] | None
-    ) -> list[Any]:
+    async def _bounded(self, conn: psycopg.AsyncConnection[Any], work: Work[T]) -> T:
         cuts: list[bool] = []
         timer = asyncio.get_running_loop().call_later(
             self._timeout_s, lambda: cuts.append(watchdog.cut(conn))
         )
         try:
-            cursor = await conn.execute(query, params)
-            return await cursor.fetchall() if cursor.description is not None else []
+            return await work(conn)
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 await self._drop()  # the next statement connects anew
@@ -98,3 +119,7 @@ class Link:
     async def close(self) -> None:
         async with self._turn:
             await self._drop()
+
+
+async def _utc(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute("SET TIME ZONE 'UTC'")  # times as ``contracts.sql.UTCDateTime`` reads them

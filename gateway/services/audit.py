@@ -1,15 +1,17 @@
 """Request audit rows and key last-use stamps, written in batches off the request path.
 
 Lifecycle: the request path calls ``record()``/``touch_key()`` (no I/O, never blocks) -> a
-background task flushes every ``flush_interval_s``, or as soon as ``FULL_BATCH`` rows wait, in a
-worker thread -> ``close()`` flushes what is left at shutdown, and spools to local disk what it
-could not write (``contracts.spool``), to be written by the next start. A flush is one COPY on
-PostgreSQL (``gateway.db.copy``), one multi-row INSERT elsewhere: the worker thread holds the GIL
-while it builds the rows, and the event loop waits for it, so a slow flush shows up in every
-request's tail latency. That is why a full batch does not wait for the interval: at 500
-requests/s a half-second batch (250 rows, about 4 ms of CPU as an INSERT) set the gateway's p99;
-batches of ``FULL_BATCH`` keep each flush short. After a failed flush the next one waits the whole
-interval, however many rows wait.
+background task flushes every ``flush_interval_s``, or as soon as ``FULL_BATCH`` rows wait ->
+``close()`` flushes what is left at shutdown, and spools to local disk what it could not write
+(``contracts.spool``), to be written by the next start. A flush is one COPY on PostgreSQL, one
+multi-row INSERT elsewhere, with the key stamps, in one transaction: on PostgreSQL on the writer's
+own connection on the event loop (``gateway.db.link``), else, and for a batch that needs more
+care (below), through a session on a worker thread (``gateway.db.copy`` for the COPY). Either
+way the flush holds the GIL while it builds the rows and the event loop waits for it, so a slow
+flush shows up in every request's tail latency. That is why a full batch does not wait for the
+interval: at 500 requests/s a half-second batch (250 rows, about 4 ms of CPU as an INSERT) set the
+gateway's p99; batches of ``FULL_BATCH`` keep each flush short. After a failed flush the next one
+waits the whole interval, however many rows wait.
 
 Failures, by kind:
 
@@ -36,19 +38,22 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from datetime import datetime
+from functools import partial
 from operator import attrgetter
 from typing import Any, cast
 
 import anyio
+import psycopg
 from sqlalchemy import Connection, String, Table, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.spool import Record, Spool
 from contracts.sql import is_outage, session_scope
-from gateway.db.copy import copy_rows
+from gateway.db.copy import copy_rows, copy_statement
+from gateway.db.link import Link
 from gateway.db.models import RequestAudit
 from gateway.db.text import storable
-from gateway.services.keys import touch_keys
+from gateway.services.keys import touch_keys, touch_keys_on
 
 log = logging.getLogger("kvguard.gateway.audit")
 _ID_CHUNK = 500  # request ids per lookup (bounded statement size)
@@ -138,8 +143,10 @@ class AuditWriter:
         on_drop: Callable[[], None] | None = None,
         on_set_aside: Callable[[], None] | None = None,
         spool: Spool | None = None,
+        link: Link | None = None,
     ) -> None:
         self._factory = session_factory
+        self._link = link  # PostgreSQL: the usual flush on the writer's own connection
         self._interval = flush_interval_s
         self._pending: deque[AuditRecord] = deque(maxlen=max_pending)
         self._touched: dict[int, datetime] = {}
@@ -196,7 +203,7 @@ class AuditWriter:
                 return
             uncertain = frozenset(self._uncertain)
             try:
-                aside = await anyio.to_thread.run_sync(self._write, list(rows), touched, uncertain)
+                aside = await self._flushed(list(rows), touched, uncertain)
             except BaseException:
                 self._pending.extendleft(reversed(rows))  # retried next time (oldest first)
                 self._uncertain.update(row.request_id for row in rows)
@@ -204,6 +211,24 @@ class AuditWriter:
                 raise
             self._uncertain.clear()  # every uncertain row was in this batch (or was dropped)
         self._report(aside)
+
+    async def _flushed(
+        self, rows: list[AuditRecord], touched: dict[int, datetime], uncertain: frozenset[str]
+    ) -> list[tuple[AuditRecord, str]]:
+        """Write a batch; the rows set aside. The usual batch (PostgreSQL, no row uncertain) is
+        one transaction on the writer's link (``gateway.db.link``: the COPY and the key stamps
+        on the event loop, no session, no worker thread). A batch the database refuses there
+        (rolled back whole) goes through ``_write`` on a worker thread, which finds the refused
+        rows by halves; so does every batch after an outage (it skips the rows already written)."""
+        link = self._link
+        if link is not None and not uncertain:
+            try:
+                await link.transaction(partial(_copy_on, rows, touched))
+                return []
+            except Exception as exc:
+                if is_outage(exc):
+                    raise
+        return await anyio.to_thread.run_sync(self._write, rows, touched, uncertain)
 
     async def drain_spool(self) -> None:
         """Write the rows a previous shutdown spooled (deduplicated: that flush may have landed)."""
@@ -281,6 +306,8 @@ class AuditWriter:
             await self.flush()
         except Exception as exc:
             self._spool_pending(exc)
+        if self._link is not None:
+            await self._link.close()
 
     def _spool_pending(self, exc: Exception) -> None:
         rows = list(self._pending)
@@ -310,6 +337,20 @@ def _insert(connection: Connection, rows: list[AuditRecord]) -> None:
         copy_rows(connection, _TABLE, _FIELDS, (row.values() for row in rows))
     else:
         connection.execute(insert(_TABLE), [row.params() for row in rows])
+
+
+_COPY = copy_statement(_TABLE, _FIELDS)
+
+
+async def _copy_on(
+    rows: list[AuditRecord], touched: dict[int, datetime], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """``_write_batch`` on a link's connection, inside its transaction (no row uncertain)."""
+    if rows:
+        async with conn.cursor() as cursor, cursor.copy(_COPY) as copy:
+            for row in rows:
+                await copy.write_row(row.values())
+    await touch_keys_on(conn, last_used=touched)
 
 
 def _not_yet_written(

@@ -20,8 +20,9 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, cast
 
+import psycopg
 from sqlalchemy import Table, any_, bindparam, select, update
-from sqlalchemy.dialects.postgresql import psycopg
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.orm import Session
 
 from contracts.sql import utcnow
@@ -168,7 +169,7 @@ def renew(
 
 # ``renew``'s read for a ``Link`` (PostgreSQL, no ORM): the same row, the chunk's ids as one array
 _RENEW_BY_IDS = str(
-    _KEY_ROW.where(ApiKey.id == any_(bindparam("ids"))).compile(dialect=psycopg.dialect())
+    _KEY_ROW.where(ApiKey.id == any_(bindparam("ids"))).compile(dialect=PGDialect_psycopg())
 )
 
 
@@ -231,3 +232,17 @@ def touch_keys(session: Session, *, last_used: dict[int, datetime]) -> None:
     if last_used:
         stamps = [{"key_id": key_id, "at": at} for key_id, at in last_used.items()]
         session.execute(_TOUCH, stamps)
+
+
+_TOUCH_SQL = str(_TOUCH.compile(dialect=PGDialect_psycopg()))  # ``touch_keys`` without the ORM
+
+
+async def touch_keys_on(
+    conn: psycopg.AsyncConnection[Any], *, last_used: dict[int, datetime]
+) -> None:
+    """``touch_keys`` on a ``gateway.db.link.Link``'s connection (the audit writer's flush on
+    PostgreSQL): the same statement, executed for every key in one pipelined executemany."""
+    if last_used:
+        stamps = [{"key_id": key_id, "at": at} for key_id, at in last_used.items()]
+        async with conn.cursor() as cursor:
+            await cursor.executemany(_TOUCH_SQL, stamps)

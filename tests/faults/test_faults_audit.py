@@ -3,7 +3,9 @@ whose connection broke may still have committed, and its retry must not write th
 found under load), with a row the database refuses (set aside, the rest land: one bad row used to
 stop every audit write of a replica), at a shutdown while the database is unreachable (the rows
 are spooled locally and written by the next start), and into a server that froze mid-flush (cut
-within the database bound)."""
+within the database bound). Each through both of the writer's paths: a session on a worker thread,
+and the writer's own connection on the event loop (``gateway.db.link``: the gateway's usual flush
+on PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -12,21 +14,36 @@ import time
 from dataclasses import asdict, replace
 
 import pytest
-from sqlalchemy import event, select
+from sqlalchemy import Engine, event, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from bench.fault_stack import TcpLink
 from contracts.spool import Spool
 from contracts.sql import is_outage, make_session_factory, session_scope
+from gateway.db.link import Link
 from gateway.db.models import RequestAudit
 from gateway.db.session import make_engine, upgrade_database
 from gateway.services.audit import AuditWriter
 from tests.gateway.audit_rows import audit_record
 
+VIA = pytest.mark.parametrize("via", ["session", "link"])
 
+
+def _writer(engine: Engine, via: str, **kwargs: object) -> AuditWriter:
+    """A writer on ``engine``: through sessions only, or with its own connection too (``link``)."""
+    link = Link.of(engine, timeout_s=2.0) if via == "link" else None
+    return AuditWriter(
+        session_factory=make_session_factory(engine),
+        flush_interval_s=60,
+        link=link,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@VIA
 async def test_a_flush_that_committed_before_its_connection_broke_is_not_written_twice(
-    postgres_url: str,
+    postgres_url: str, via: str
 ) -> None:
     direct = make_engine(postgres_url)
     upgrade_database(direct)
@@ -34,12 +51,13 @@ async def test_a_flush_that_committed_before_its_connection_broke_is_not_written
     assert url.host is not None and url.port is not None
     link = TcpLink(url.host, url.port)
     linked = make_engine(url.set(port=link.port).render_as_string(hide_password=False))
-    writer = AuditWriter(session_factory=make_session_factory(linked), flush_interval_s=60)
+    writer = _writer(linked, via)
     try:
         writer.record(audit_record("landed"))
         link.cut()
-        with pytest.raises(OperationalError):
+        with pytest.raises(Exception) as raised:
             await writer.flush()
+        assert is_outage(raised.value), repr(raised.value)
         # That flush's commit landed after all (only its answer was lost): the row is there.
         with session_scope(make_session_factory(direct)) as session:
             session.add(RequestAudit(**asdict(audit_record("landed"))))
@@ -50,6 +68,7 @@ async def test_a_flush_that_committed_before_its_connection_broke_is_not_written
             ids = sorted(session.scalars(select(RequestAudit.request_id)))
         assert ids == ["during", "landed"]
     finally:
+        await writer.close()
         link.close()
         linked.dispose()
         direct.dispose()
@@ -63,8 +82,9 @@ def _ids(factory) -> list[str]:
         return sorted(session.scalars(select(RequestAudit.request_id)))
 
 
+@VIA
 async def test_a_row_the_database_refuses_is_set_aside_and_the_rest_land(
-    postgres_url: str, caplog: pytest.LogCaptureFixture
+    postgres_url: str, caplog: pytest.LogCaptureFixture, via: str
 ) -> None:
     """An engine that reports 2**40 completion tokens (PostgreSQL's integer column refuses it):
     the batch is split until that row stands alone; it is counted and logged by request id; the
@@ -73,9 +93,7 @@ async def test_a_row_the_database_refuses_is_set_aside_and_the_rest_land(
     upgrade_database(engine)
     factory = make_session_factory(engine)
     aside: list[int] = []
-    writer = AuditWriter(
-        session_factory=factory, flush_interval_s=60, on_set_aside=lambda: aside.append(1)
-    )
+    writer = _writer(engine, via, on_set_aside=lambda: aside.append(1))
     try:
         for n in range(100):
             record = audit_record(f"row{n:03d}")
@@ -91,16 +109,20 @@ async def test_a_row_the_database_refuses_is_set_aside_and_the_rest_land(
         await writer.flush()
         assert "after" in _ids(factory)
     finally:
+        await writer.close()
         engine.dispose()
 
 
-async def test_text_postgresql_refuses_is_neutralised_when_recorded(postgres_url: str) -> None:
+@VIA
+async def test_text_postgresql_refuses_is_neutralised_when_recorded(
+    postgres_url: str, via: str
+) -> None:
     """A NUL or a lone surrogate in any text field (an engine's error code, say) and an error
     code longer than its column: stored with U+FFFD and cut, not refused."""
     engine = make_engine(postgres_url)
     upgrade_database(engine)
     factory = make_session_factory(engine)
-    writer = AuditWriter(session_factory=factory, flush_interval_s=60)
+    writer = _writer(engine, via)
     try:
         writer.record(audit_record("nul", model="tiny\x00", error_code="x\ud800" + "y" * 99))
         await writer.flush()
@@ -109,11 +131,13 @@ async def test_text_postgresql_refuses_is_neutralised_when_recorded(postgres_url
         assert row.model == "tiny\ufffd"
         assert row.error_code == "x\ufffd" + "y" * 62  # the column holds 64
     finally:
+        await writer.close()
         engine.dispose()
 
 
+@VIA
 async def test_rows_pending_at_shutdown_are_spooled_and_written_by_the_next_start(
-    postgres_url: str, tmp_path
+    postgres_url: str, tmp_path, via: str
 ) -> None:
     """PostgreSQL unreachable when the gateway stops: the final flush fails, the rows go to the
     local spool (not lost), and the next start writes them exactly once."""
@@ -124,9 +148,7 @@ async def test_rows_pending_at_shutdown_are_spooled_and_written_by_the_next_star
     link = TcpLink(url.host, url.port)
     linked = make_engine(url.set(port=link.port).render_as_string(hide_password=False))
     spool = Spool(tmp_path / "spool", kind="audit")
-    writer = AuditWriter(
-        session_factory=make_session_factory(linked), flush_interval_s=60, spool=spool
-    )
+    writer = _writer(linked, via, spool=spool)
     try:
         for name in ("a", "b", "c"):
             writer.record(audit_record(name))
@@ -190,5 +212,51 @@ async def test_a_flush_into_a_database_that_froze_is_cut_within_the_bound(
     finally:
         backstop.cancel()
         link.close()
+        linked.dispose()
+        direct.dispose()
+
+
+async def test_a_flush_on_the_writers_link_into_a_database_that_froze_is_cut_within_the_bound(
+    postgres_url: str,
+) -> None:
+    """The writer's own connection (the usual flush on PostgreSQL, ``gateway.db.link``): the
+    server stops answering once the link is connected; the flush fails as an outage within the
+    bound (the link's timer cuts its socket), the row stays pending, and once the server answers
+    again the next flush writes it, once (through a session: the cut flush may have landed)."""
+    direct = make_engine(postgres_url)
+    upgrade_database(direct)
+    url = make_url(postgres_url)
+    assert url.host is not None and url.port is not None
+    tcp = TcpLink(url.host, url.port)
+    bound_s = 1.0
+    linked = make_engine(
+        url.set(port=tcp.port).render_as_string(hide_password=False), timeout_s=bound_s
+    )
+    backstop = threading.Timer(bound_s + 5, tcp.cut)  # an unbounded flush fails the test, late
+    writer = AuditWriter(
+        session_factory=make_session_factory(linked),
+        flush_interval_s=60,
+        link=Link.of(linked, timeout_s=bound_s),
+    )
+    try:
+        writer.record(audit_record("before"))
+        await writer.flush()  # the link is connected
+        tcp.freeze()
+        writer.record(audit_record("frozen"))
+        backstop.start()
+        started = time.monotonic()
+        with pytest.raises(Exception) as raised:
+            await writer.flush()
+        waited = time.monotonic() - started
+        assert is_outage(raised.value), repr(raised.value)
+        assert waited < bound_s + 2, waited
+        assert writer.pending == 1
+        tcp.thaw()
+        await writer.flush()
+        assert _ids(make_session_factory(direct)) == ["before", "frozen"]
+    finally:
+        backstop.cancel()
+        await writer.close()
+        tcp.close()
         linked.dispose()
         direct.dispose()

@@ -23,6 +23,7 @@ from gateway.services.keys import (
     renew_over,
     revoke_key,
     touch_keys,
+    touch_keys_on,
 )
 from gateway.services.tenants import create_tenant, get_tenant, set_status
 
@@ -217,6 +218,33 @@ async def test_renewal_over_a_link_says_what_renew_says(postgres_url: str) -> No
             ids[1]: AuthFailure.EXPIRED,
             ids[2]: AuthFailure.TENANT_DISABLED,
         }
+    finally:
+        await link.close()
+        engine.dispose()
+
+
+async def test_key_stamps_over_a_link_are_those_touch_keys_writes(postgres_url: str) -> None:
+    """``touch_keys_on`` (the audit writer's flush on its own connection) stamps each key's last
+    use as ``touch_keys`` does; a key deleted since it was used matches no row, no error."""
+    engine = make_engine(postgres_url)
+    upgrade_database(engine)
+    sessions = make_session_factory(engine)
+    link = Link.of(engine, timeout_s=5.0)
+    assert link is not None
+    try:
+        _, key = _tenant(sessions, "acme")
+        with session_scope(sessions) as session:
+            principal = authenticate(session, token=key.key, now=utcnow())
+        assert isinstance(principal, Principal) and principal.key_last_used_at is None
+        at = utcnow()
+
+        async def stamp(conn) -> None:
+            await touch_keys_on(conn, last_used={principal.key_id: at, 10**9: at})
+
+        await link.transaction(stamp)
+        with session_scope(sessions) as session:
+            stamped = authenticate(session, token=key.key, now=utcnow())
+        assert isinstance(stamped, Principal) and stamped.key_last_used_at == at
     finally:
         await link.close()
         engine.dispose()
