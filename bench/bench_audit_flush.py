@@ -37,7 +37,8 @@ TABLE = cast(Table, RequestAudit.__table__)
 COLUMNS = tuple(f.name for f in fields(AuditRecord))
 
 
-def _rows(n: int) -> list[AuditRecord]:
+def audit_rows(n: int) -> list[AuditRecord]:
+    """``n`` audit rows of completed chat completions, every field set, each its own id."""
     now = datetime.now(UTC)
     return [
         AuditRecord(
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             for size in SIZES:
                 for n in range(args.batches + 5):  # the first 5 of each warm up
                     for way, write in WAYS.items():
-                        rows = _rows(size)
+                        rows = audit_rows(size)
                         started = time.thread_time()
                         with session_scope(factory) as session:
                             write(session.connection(), rows)

@@ -25,13 +25,13 @@ import asyncio
 import resource
 import statistics
 import sys
-import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 import uvloop
 from sqlalchemy import select
 
+from bench.bench_audit_flush import audit_rows
 from bench.relay_systems import pin_self
 from bench.summary import emit
 from contracts.sql import make_session_factory, run_in_session, session_scope
@@ -39,7 +39,7 @@ from gateway.db.link import Link
 from gateway.db.models import ApiKey
 from gateway.db.session import make_engine, upgrade_database
 from gateway.domain import TenantPlan
-from gateway.services.audit import AuditRecord, AuditWriter
+from gateway.services.audit import AuditWriter
 from gateway.services.keys import renew, renew_over
 from gateway.services.tenants import create_tenant
 from kvguard.localservices import postgres_server
@@ -50,30 +50,6 @@ ROWS = 5  # audit rows per flush
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def _record() -> AuditRecord:
-    return AuditRecord(
-        request_id=uuid.uuid4().hex,
-        tenant_id="bench",
-        key_prefix="0123456789ab",
-        endpoint="chat.completions",
-        model="m",
-        engine="e",
-        stream=True,
-        prompt_tokens=12,
-        max_tokens=64,
-        completion_tokens=64,
-        outcome="completed",
-        http_status=200,
-        error_code=None,
-        handoff_outcome=None,
-        reserved_tokens=None,
-        transferred_tokens=None,
-        started_at=datetime.now(UTC),
-        ttft_ms=1.0,
-        duration_ms=640.0,
-    )
 
 
 async def _per_op_us(op: Callable[[], Awaitable[object]], ops: int, gap_s: float) -> float:
@@ -108,8 +84,8 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, list[float]]:
 
     def flush_of(writer: AuditWriter) -> Callable[[], Awaitable[object]]:
         async def flush() -> None:
-            for _ in range(ROWS):
-                writer.record(_record())
+            for row in audit_rows(ROWS):
+                writer.record(row)
             writer.touch_key(key_ids[0], datetime.now(UTC))
             await writer.flush()
 

@@ -36,6 +36,20 @@ def sessions(request: pytest.FixtureRequest):
     engine.dispose()
 
 
+@pytest.fixture
+async def linked(postgres_url: str):
+    """Sessions and a ``Link`` on one brand-new PostgreSQL database."""
+    engine = make_engine(postgres_url)
+    upgrade_database(engine)
+    link = Link.of(engine, timeout_s=5.0)
+    assert link is not None
+    try:
+        yield make_session_factory(engine), link
+    finally:
+        await link.close()
+        engine.dispose()
+
+
 def _tenant(sessions, name: str, **plan: int):
     with session_scope(sessions) as session:
         created = create_tenant(session, name=name, plan=TenantPlan(**plan))
@@ -175,79 +189,61 @@ def test_renewal_says_what_authenticate_says_by_key_id(sessions) -> None:
     }
 
 
-async def test_renewal_over_a_link_says_what_renew_says(postgres_url: str) -> None:
+async def test_renewal_over_a_link_says_what_renew_says(linked) -> None:
     """``renew_over`` (the replica's own PostgreSQL connection, no ORM) gives the verdicts
     ``renew`` gives, principal for principal -- live keys, then revoked, expired and disabled ones
     -- with every time in UTC as the session reads it, and leaves out a key the database no
     longer holds."""
-    engine = make_engine(postgres_url)
-    upgrade_database(engine)
-    sessions = make_session_factory(engine)
-    link = Link.of(engine, timeout_s=5.0)
-    assert link is not None
-    try:
-        tenant_id, key = _tenant(sessions, "acme")
-        _, other = _tenant(sessions, "globex")
-        now = utcnow()
+    sessions, link = linked
+    tenant_id, key = _tenant(sessions, "acme")
+    _, other = _tenant(sessions, "globex")
+    now = utcnow()
+    with session_scope(sessions) as session:
+        soon = issue_key(session, tenant_id=tenant_id, expires_at=now + timedelta(seconds=60))
+        live = [authenticate(session, token=k.key, now=now) for k in (key, soon, other)]
+    ids = [p.key_id for p in live if isinstance(p, Principal)]
+    with session_scope(sessions) as session:
+        touch_keys(session, last_used={ids[0]: now})  # a last use to read back
+    for at in (now, now + timedelta(seconds=61)):  # all live, then one expired
         with session_scope(sessions) as session:
-            soon = issue_key(session, tenant_id=tenant_id, expires_at=now + timedelta(seconds=60))
-            live = [authenticate(session, token=k.key, now=now) for k in (key, soon, other)]
-        ids = [p.key_id for p in live if isinstance(p, Principal)]
-        with session_scope(sessions) as session:
-            touch_keys(session, last_used={ids[0]: now})  # a last use to read back
-        for at in (now, now + timedelta(seconds=61)):  # all live, then one expired
-            with session_scope(sessions) as session:
-                expected = renew(session, key_ids=[*ids, 10**9], now=at)
-            got = await renew_over(link, key_ids=[*ids, 10**9], now=at)
-            assert got == expected and len(got) == 3
-            principals = [v for v in got.values() if isinstance(v, Principal)]
-            times = [t for p in principals for t in (p.key_last_used_at, p.key_expires_at) if t]
-            assert times and all(t.utcoffset() == timedelta(0) for t in times)
-            first = got[ids[0]]
-            assert isinstance(first, Principal) and first.key_last_used_at == now
-        with session_scope(sessions) as session:
-            revoke_key(session, prefix=key.prefix, now=now)
-            set_status(
-                session, tenant=get_tenant(session, ref="globex"), status=TenantStatus.DISABLED
-            )
-        with session_scope(sessions) as session:
-            expected = renew(session, key_ids=ids, now=now + timedelta(seconds=61))
-        assert await renew_over(link, key_ids=ids, now=now + timedelta(seconds=61)) == expected
-        assert await renew_over(link, key_ids=ids, now=now + timedelta(seconds=61)) == {
-            ids[0]: AuthFailure.REVOKED,
-            ids[1]: AuthFailure.EXPIRED,
-            ids[2]: AuthFailure.TENANT_DISABLED,
-        }
-    finally:
-        await link.close()
-        engine.dispose()
+            expected = renew(session, key_ids=[*ids, 10**9], now=at)
+        got = await renew_over(link, key_ids=[*ids, 10**9], now=at)
+        assert got == expected and len(got) == 3
+        principals = [v for v in got.values() if isinstance(v, Principal)]
+        times = [t for p in principals for t in (p.key_last_used_at, p.key_expires_at) if t]
+        assert times and all(t.utcoffset() == timedelta(0) for t in times)
+        first = got[ids[0]]
+        assert isinstance(first, Principal) and first.key_last_used_at == now
+    with session_scope(sessions) as session:
+        revoke_key(session, prefix=key.prefix, now=now)
+        set_status(session, tenant=get_tenant(session, ref="globex"), status=TenantStatus.DISABLED)
+    with session_scope(sessions) as session:
+        expected = renew(session, key_ids=ids, now=now + timedelta(seconds=61))
+    assert await renew_over(link, key_ids=ids, now=now + timedelta(seconds=61)) == expected
+    assert await renew_over(link, key_ids=ids, now=now + timedelta(seconds=61)) == {
+        ids[0]: AuthFailure.REVOKED,
+        ids[1]: AuthFailure.EXPIRED,
+        ids[2]: AuthFailure.TENANT_DISABLED,
+    }
 
 
-async def test_key_stamps_over_a_link_are_those_touch_keys_writes(postgres_url: str) -> None:
+async def test_key_stamps_over_a_link_are_those_touch_keys_writes(linked) -> None:
     """``touch_keys_on`` (the audit writer's flush on its own connection) stamps each key's last
     use as ``touch_keys`` does; a key deleted since it was used matches no row, no error."""
-    engine = make_engine(postgres_url)
-    upgrade_database(engine)
-    sessions = make_session_factory(engine)
-    link = Link.of(engine, timeout_s=5.0)
-    assert link is not None
-    try:
-        _, key = _tenant(sessions, "acme")
-        with session_scope(sessions) as session:
-            principal = authenticate(session, token=key.key, now=utcnow())
-        assert isinstance(principal, Principal) and principal.key_last_used_at is None
-        at = utcnow()
+    sessions, link = linked
+    _, key = _tenant(sessions, "acme")
+    with session_scope(sessions) as session:
+        principal = authenticate(session, token=key.key, now=utcnow())
+    assert isinstance(principal, Principal) and principal.key_last_used_at is None
+    at = utcnow()
 
-        async def stamp(conn) -> None:
-            await touch_keys_on(conn, last_used={principal.key_id: at, 10**9: at})
+    async def stamp(conn) -> None:
+        await touch_keys_on(conn, last_used={principal.key_id: at, 10**9: at})
 
-        await link.transaction(stamp)
-        with session_scope(sessions) as session:
-            stamped = authenticate(session, token=key.key, now=utcnow())
-        assert isinstance(stamped, Principal) and stamped.key_last_used_at == at
-    finally:
-        await link.close()
-        engine.dispose()
+    await link.transaction(stamp)
+    with session_scope(sessions) as session:
+        stamped = authenticate(session, token=key.key, now=utcnow())
+    assert isinstance(stamped, Principal) and stamped.key_last_used_at == at
 
 
 def test_a_link_is_made_for_postgresql_only(sqlite_url: str) -> None:
