@@ -252,6 +252,15 @@ def guarded_protocol(
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), attrs)
 
 
+SERVER_KEEP_ALIVE_S = 5
+"""How long every kvguard server keeps an idle connection open (uvicorn's default, set here)."""
+CLIENT_KEEP_ALIVE_S = SERVER_KEEP_ALIVE_S / 2
+"""How long a kvguard client keeps an idle connection to a kvguard server: well below the
+server's, so no request goes out on a connection the server is closing at that moment. With both
+at 5 s, the server's close and a request could cross: the client read a reset (``ReadError``), and
+decode lost a handoff to prefill that way under load (``tests/backend/disagg``)."""
+
+
 def server_config(
     app: ASGIApp,
     *,
@@ -273,4 +282,5 @@ def server_config(
         lifespan=lifespan,
         http=guarded_protocol(header_timeout_s=header_timeout_s),
         proxy_headers=False,
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
     )

@@ -54,6 +54,7 @@ from backend.server.service import EngineService
 from backend.server.tracing import HANDOFF_HOOKS
 from backend.transport.base import KvTransport, TransportUnavailable
 from contracts.engine import Role
+from contracts.http_edge import CLIENT_KEEP_ALIVE_S
 from contracts.settings import RunMode
 
 log = logging.getLogger("kvguard.backend")
@@ -336,7 +337,11 @@ def _decode_runtime(
     channel: PrefillLink | None,
 ) -> RoleRuntime:
     # prefill wants the credential; the hooks put each handoff's HTTP exchange on its span
-    client = httpx.AsyncClient(headers=settings.engine_headers(), event_hooks=HANDOFF_HOOKS)
+    client = httpx.AsyncClient(
+        headers=settings.engine_headers(),
+        event_hooks=HANDOFF_HOOKS,
+        limits=httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE_S),  # below prefill's own
+    )
     if channel is None:
         assert settings.prefill_url is not None
         channel = HttpPrefillChannel(
