@@ -37,7 +37,9 @@ Work = Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]
 
 
 class Link:
-    """One autocommit connection for one background loop's statements (``rows``)."""
+    """One autocommit connection for one background loop's work: a statement's ``rows``, or
+    several statements in one ``transaction``; connected on first use (libpq's
+    ``connect_timeout`` bounds the connect, the loop's timer every use after it)."""
 
     def __init__(self, conninfo: str, *, timeout_s: float) -> None:
         self._conninfo = conninfo
