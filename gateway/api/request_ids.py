@@ -47,7 +47,7 @@ class RequestIds:
 
 def id_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
     """The id headers of the request ``RequestIds`` gave ``scope`` an id, for an answer written
-    below ASGI (``gateway.proxy.reply.DirectReply.json``); none under an app without it."""
+    below ASGI (``gateway.proxy.reply.DirectReply``); none under an app without it."""
     request_id = scope.get("state", {}).get(_STATE_KEY)
     if request_id is None:
         return []

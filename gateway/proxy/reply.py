@@ -41,6 +41,7 @@ _SSE_HEAD = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
 ]
+_CHUNKED = (b"transfer-encoding", b"chunked")
 
 
 class ClientGone(Exception):
@@ -155,21 +156,42 @@ class DirectReply(AsgiReply):
         self._pause: Callable[[], None] | None = None
 
     async def json(self, status: int, body: Any, headers: dict[str, str]) -> None:
-        """A whole answer in one socket write, below ASGI: the head ``send`` would write (uvicorn's
-        default headers, the request-id headers, ``connection: close`` on a connection that is
-        not kept), then uvicorn's end of a response (the access log line, keep-alive, the next
-        pipelined request). Through ``send`` a whole answer crossed the request-id middleware and
-        uvicorn's cycle twice, validating every header with a regular expression each time."""
+        """A whole answer in one socket write, below ASGI. Through ``send`` a whole answer crossed
+        the request-id middleware and uvicorn's cycle twice, validating every header with a
+        regular expression each time."""
+        payload = orjson.dumps(body)
+        own = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+        head = await self._start(status, [*own, *_raw(headers)])
+        if head is not None:
+            self._complete(head if self.scope["method"] == "HEAD" else head + payload)
+
+    async def start_stream(self, headers: dict[str, str]) -> None:
+        """A stream's head, below ASGI as ``json``'s; its body is HTTP chunks (``write``)."""
+        head = await self._start(200, [*_raw(headers), *_SSE_HEAD, _CHUNKED])
+        if head is not None:
+            cycle = self._cycle
+            cycle.chunked_encoding, cycle.expected_content_length = True, 0
+            cycle.transport.write(head)
+
+    async def end_stream(self, last: bytes) -> None:
+        """The stream's last bytes and the end of its chunks, in one socket write."""
+        await self.drain()
+        if self._cycle.disconnected or self._cycle.response_complete:
+            return  # as uvicorn's send: nobody is left to answer
+        self._complete((b"%x\r\n%b\r\n" % (len(last), last) if last else b"") + b"0\r\n\r\n")
+
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """The head ``send`` would write for ``http.response.start`` (uvicorn's default headers,
+        then ``headers``, then the request-id headers; ``connection: close`` on a connection that
+        is not kept), with its bookkeeping done (the access log line, keep-alive); None when the
+        client is gone (as uvicorn's ``send``: nobody is left to answer)."""
         cycle = self._cycle
         if cycle.flow.write_paused and not cycle.disconnected:
             await cycle.flow.drain()
         if cycle.disconnected:
-            return  # as uvicorn's send: nobody is left to answer
+            return None
         if cycle.response_started:
             raise RuntimeError("the response has started")
-        payload = orjson.dumps(body)
-        own = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
-        head = [*cycle.default_headers, *own, *_raw(headers), *id_headers(self.scope)]
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
         if cycle.access_log and cycle.access_logger.isEnabledFor(logging.INFO):
@@ -182,10 +204,15 @@ class DirectReply(AsgiReply):
                 scope["http_version"],
                 status,
             )
-        written, cycle.keep_alive = _head(status, head, keep_alive=cycle.keep_alive)
-        if self.scope["method"] == "HEAD":
-            payload = b""
-        cycle.transport.write(written + payload)
+        lines = [*cycle.default_headers, *headers, *id_headers(self.scope)]
+        written, cycle.keep_alive = _head(status, lines, keep_alive=cycle.keep_alive)
+        return written
+
+    def _complete(self, data: bytes) -> None:
+        """The answer's last bytes, then uvicorn's end of a response: the connection closed if it
+        is not kept, else the next pipelined request served."""
+        cycle = self._cycle
+        cycle.transport.write(data)
         cycle.response_complete = True
         cycle.message_event.set()
         if not cycle.keep_alive:

@@ -130,6 +130,43 @@ async def test_pipelined_answers_keep_their_order_ids_and_the_connection(
     assert json.loads(answers[1][1])["error"]["code"] == "invalid_api_key"
 
 
+async def test_pipelined_streams_keep_their_ids_their_chunks_and_the_connection(
+    make_settings: Callable[..., GatewaySettings], standin: StandInEngine
+) -> None:
+    """A stream's head and end are written below ASGI too: the same headers as a whole answer's,
+    HTTP chunks that end, the next pipelined request served after the stream ends."""
+    async with _connected(make_settings, standin) as (key, reader, writer):
+        stream = {"model": MODEL, "prompt": "alpha beta", "max_tokens": 3, "stream": True}
+        writer.write(
+            _post("/v1/completions", key, stream)
+            + _post("/v1/completions", key, {**stream, "stream": False})
+            + _post("/v1/completions", key, stream, close=True)
+        )
+        await writer.drain()
+        answers = await _answers(reader, 3)
+        assert await reader.read() == b""  # closed after the stream that asked for it
+    assert [response.status_code for response, _ in answers] == [200, 200, 200]
+    ids = set()
+    for (response, body), streamed in zip(answers, (True, False, True), strict=True):
+        headers = _headers(response)
+        assert headers[b"server"] == [b"uvicorn"] and len(headers[b"date"]) == 1
+        assert headers[b"x-kvguard-request-id"] == headers[b"x-request-id"]
+        ids.add(headers[b"x-request-id"][0])
+        if streamed:  # chunked (h11 read the chunks to their end), SSE to its [DONE]
+            assert headers[b"transfer-encoding"] == [b"chunked"]
+            assert headers[b"content-type"] == [b"text/event-stream; charset=utf-8"]
+            assert b"content-length" not in headers
+            events = [e for e in body.decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            texts = [json.loads(e.removeprefix("data: "))["choices"] for e in events[:-1]]
+            assert "".join(c[0]["text"] for c in texts if c) != ""
+        else:
+            assert json.loads(body)["object"] == "text_completion"
+    assert len(ids) == 3
+    assert _headers(answers[0][0]).get(b"connection") is None  # kept
+    assert _headers(answers[2][0])[b"connection"] == [b"close"]
+
+
 async def test_a_head_is_answered_without_a_body_and_the_next_request_follows(
     make_settings: Callable[..., GatewaySettings], standin: StandInEngine
 ) -> None:
