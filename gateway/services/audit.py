@@ -215,15 +215,20 @@ class AuditWriter:
     async def _flushed(
         self, rows: list[AuditRecord], touched: dict[int, datetime], uncertain: frozenset[str]
     ) -> list[tuple[AuditRecord, str]]:
-        """Write a batch; the rows set aside. The usual batch (PostgreSQL, no row uncertain) is
-        one transaction on the writer's link (``gateway.db.link``: the COPY and the key stamps
-        on the event loop, no session, no worker thread). A batch the database refuses there
-        (rolled back whole) goes through ``_write`` on a worker thread, which finds the refused
-        rows by halves; so does every batch after an outage (it skips the rows already written)."""
+        """Write a batch; the rows set aside. The usual batch (PostgreSQL, no row uncertain) goes
+        on the writer's link (``gateway.db.link``: on the event loop, no session, no worker
+        thread): one COPY, or the COPY and the key stamps in one transaction. A batch the
+        database refuses there (rolled back whole) goes through ``_write`` on a worker thread,
+        which finds the refused rows by halves; so does every batch after an outage (it skips the
+        rows already written)."""
         link = self._link
         if link is not None and not uncertain:
+            write = partial(_copy_on, rows, touched)
             try:
-                await link.transaction(partial(_copy_on, rows, touched))
+                # rows alone are one statement (a COPY is atomic by itself: no BEGIN and COMMIT
+                # round trips); with key stamps (a key's at most once per key_last_used_interval_s)
+                # one transaction
+                await (link.transaction(write) if touched else link.run(write))
                 return []
             except Exception as exc:
                 if is_outage(exc):
@@ -339,13 +344,14 @@ def _insert(connection: Connection, rows: list[AuditRecord]) -> None:
         connection.execute(insert(_TABLE), [row.params() for row in rows])
 
 
-_COPY = copy_statement(_TABLE, _FIELDS)
+_COPY = copy_statement(_TABLE, _FIELDS).as_bytes()  # composed once, not on every flush
 
 
 async def _copy_on(
     rows: list[AuditRecord], touched: dict[int, datetime], conn: psycopg.AsyncConnection[Any]
 ) -> None:
-    """``_write_batch`` on a link's connection, inside its transaction (no row uncertain)."""
+    """``_write_batch`` on a link's connection (no row uncertain): the COPY alone in autocommit,
+    or inside the link's transaction with the key stamps."""
     if rows:
         async with conn.cursor() as cursor, cursor.copy(_COPY) as copy:
             for row in rows:
