@@ -113,14 +113,13 @@ def run_role(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, role_name: str) -> int:
-    import uvicorn
 
     from backend.engine.build import CapacityDriftRefused
     from backend.model.errors import CheckpointError
     from backend.server.app import create_app
     from backend.transport.base import TransportUnavailable
     from contracts.engine import Role
-    from contracts.http_edge import server_config
+    from contracts.http_edge import EdgeServer, server_config
     from contracts.settings import CONFIG_ERRORS, settings_error
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -142,5 +141,5 @@ def _serve(args: argparse.Namespace, role_name: str) -> int:
     config = server_config(
         app, host=settings.host, port=settings.port, header_timeout_s=settings.header_timeout_s
     )
-    uvicorn.Server(config).run()
+    EdgeServer(config).run()
     return 0

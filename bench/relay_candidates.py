@@ -277,6 +277,7 @@ def serve(kind: str, port: int, upstream_url: str) -> None:
         return
     import uvicorn
 
+    from contracts.http_edge import EdgeServer
     from gateway.proxy.server import data_plane_protocol
 
     app = asgi_app(Upstream(upstream_url), kind)
@@ -290,7 +291,7 @@ def serve(kind: str, port: int, upstream_url: str) -> None:
         http=http,
         loop="uvloop",
     )
-    uvicorn.Server(config).run()
+    EdgeServer(config).run()
 
 
 # ---- the measurement -----------------------------------------------------------------------

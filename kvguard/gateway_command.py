@@ -69,9 +69,8 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 
 def _serve_gateway(settings: Any, canary: Any, *, log_level: str) -> int:
-    import uvicorn
-
     from canary.runtime import build_hooks
+    from contracts.http_edge import EdgeServer
     from gateway.app import create_app, server_config
 
     hooks = build_hooks(canary)  # the leak firewall: on unless KVGUARD_CANARY_ENABLED=0
@@ -81,5 +80,5 @@ def _serve_gateway(settings: Any, canary: Any, *, log_level: str) -> int:
         port=settings.port,
         log_level=log_level,
     )
-    uvicorn.Server(config).run()
+    EdgeServer(config).run()
     return 0

@@ -176,12 +176,14 @@ async def serve(
     (its lifespan too, with ``lifespan="on"``); a server that fails to start raises its error."""
     import uvicorn
 
+    from contracts.http_edge import EdgeServer
+
     # an app that names its own protocol (the gateway's data plane) is served with it
     http = getattr(app, "http_protocol", "auto")
     config = uvicorn.Config(
         app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan, http=http
     )
-    server = uvicorn.Server(config)
+    server = EdgeServer(config)
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + timeout_s
     while not server.started:

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse
 
 from canary.config import CanarySettings
 from canary.runtime import CanaryRuntime
+from contracts.http_edge import EdgeServer
 from gateway.app import create_app, server_config
 from gateway.config import GatewaySettings
 
@@ -86,7 +87,7 @@ def gateway_settings(database_url: str, engine_url: str, **overrides: Any) -> Ga
 @contextlib.contextmanager
 def serve_in_thread(config: uvicorn.Config) -> Iterator[str]:
     """Run ``config`` in a background thread; yields the base URL; stops it on exit."""
-    server = uvicorn.Server(config)
+    server = EdgeServer(config)
     thread = threading.Thread(target=server.run, name="hostile-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
