@@ -157,9 +157,12 @@ class SpoolWriter:
                 await asyncio.wait_for(self._wake.wait(), self._interval_s)
 
     async def drain_once(self) -> bool:
-        """One drain; False (logged) when it failed and records wait for the next one."""
+        """One drain; False (logged) when it failed and records wait for the next one. An empty
+        spool is found so on the event loop (a stat of its directory, a listing once it exists):
+        the usual drain, every ``interval_s`` of a replica's life, wakes no worker thread."""
         try:
-            await anyio.to_thread.run_sync(self.spool.drain, self._write)
+            if self.spool.pending():
+                await anyio.to_thread.run_sync(self.spool.drain, self._write)
         except Exception as exc:
             log.warning("%s not written yet (%s)", self._pending(), type(exc).__name__)
             return False
