@@ -113,7 +113,6 @@ def run_role(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, role_name: str) -> int:
-
     from backend.engine.build import CapacityDriftRefused
     from backend.model.errors import CheckpointError
     from backend.server.app import create_app

@@ -4,9 +4,9 @@ Lifecycle: the request path calls ``record()``/``touch_key()`` (no I/O, never bl
 background task flushes every ``flush_interval_s``, or as soon as ``FULL_BATCH`` rows wait ->
 ``close()`` flushes what is left at shutdown, and spools to local disk what it could not write
 (``contracts.spool``), to be written by the next start. A flush is one COPY on PostgreSQL, one
-multi-row INSERT elsewhere, with the key stamps, in one transaction: on PostgreSQL on the writer's
-own connection on the event loop (``gateway.db.link``), else, and for a batch that needs more
-care (below), through a session on a worker thread (``gateway.db.copy`` for the COPY). Either
+multi-row INSERT elsewhere, and any key stamps in the same transaction: on PostgreSQL on the
+writer's own connection on the event loop (``gateway.db.link``), else, and for a batch that needs
+more care (below), through a session on a worker thread (``gateway.db.copy`` for the COPY). Either
 way the flush holds the GIL while it builds the rows and the event loop waits for it, so a slow
 flush shows up in every request's tail latency. That is why a full batch does not wait for the
 interval: at 500 requests/s a half-second batch (250 rows, about 4 ms of CPU as an INSERT) set the

@@ -9,8 +9,10 @@ on PostgreSQL)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 
 import pytest
@@ -177,26 +179,16 @@ async def test_a_flush_into_a_database_that_froze_is_cut_within_the_bound(
     lent (its checkout ping answered): the flush fails as an outage within the bound instead of
     blocking its worker thread for ever, the row stays pending, and once the server answers
     again the next flush writes it, once."""
-    direct = make_engine(postgres_url)
-    upgrade_database(direct)
-    url = make_url(postgres_url)
-    assert url.host is not None and url.port is not None
-    link = TcpLink(url.host, url.port)
-    bound_s = 1.0
-    linked = make_engine(
-        url.set(port=link.port).render_as_string(hide_password=False), timeout_s=bound_s
-    )
-    frozen: list[bool] = []
+    with _freezable(postgres_url) as (direct, link, linked, backstop):
+        frozen: list[bool] = []
 
-    def freeze_once_lent(*_args: object) -> None:  # after the watchdog's checkout ping
-        if not frozen:
-            frozen.append(True)
-            link.freeze()
+        def freeze_once_lent(*_args: object) -> None:  # after the watchdog's checkout ping
+            if not frozen:
+                frozen.append(True)
+                link.freeze()
 
-    event.listen(linked, "checkout", freeze_once_lent)
-    backstop = threading.Timer(bound_s + 5, link.cut)  # an unbounded COPY fails the test, late
-    writer = AuditWriter(session_factory=make_session_factory(linked), flush_interval_s=60)
-    try:
+        event.listen(linked, "checkout", freeze_once_lent)
+        writer = AuditWriter(session_factory=make_session_factory(linked), flush_interval_s=60)
         writer.record(audit_record("frozen"))
         backstop.start()
         started = time.monotonic()
@@ -204,16 +196,11 @@ async def test_a_flush_into_a_database_that_froze_is_cut_within_the_bound(
             await writer.flush()
         waited = time.monotonic() - started
         assert is_outage(raised.value)
-        assert frozen and waited < bound_s + 2, waited
+        assert frozen and waited < BOUND_S + 2, waited
         assert writer.pending == 1
         link.thaw()
         await writer.flush()
         assert _ids(make_session_factory(direct)) == ["frozen"]
-    finally:
-        backstop.cancel()
-        link.close()
-        linked.dispose()
-        direct.dispose()
 
 
 async def test_a_flush_on_the_writers_link_into_a_database_that_froze_is_cut_within_the_bound(
@@ -223,40 +210,54 @@ async def test_a_flush_on_the_writers_link_into_a_database_that_froze_is_cut_wit
     server stops answering once the link is connected; the flush fails as an outage within the
     bound (the link's timer cuts its socket), the row stays pending, and once the server answers
     again the next flush writes it, once (through a session: the cut flush may have landed)."""
+    with _freezable(postgres_url) as (direct, tcp, linked, backstop):
+        writer = AuditWriter(
+            session_factory=make_session_factory(linked),
+            flush_interval_s=60,
+            link=Link.of(linked, timeout_s=BOUND_S),
+        )
+        try:
+            writer.record(audit_record("before"))
+            await writer.flush()  # the link is connected
+            tcp.freeze()
+            writer.record(audit_record("frozen"))
+            backstop.start()
+            started = time.monotonic()
+            with pytest.raises(Exception) as raised:
+                await writer.flush()
+            waited = time.monotonic() - started
+            assert is_outage(raised.value), repr(raised.value)
+            assert waited < BOUND_S + 2, waited
+            assert writer.pending == 1
+            tcp.thaw()
+            await writer.flush()
+            assert _ids(make_session_factory(direct)) == ["before", "frozen"]
+        finally:
+            await writer.close()
+
+
+BOUND_S = 1.0  # the database timeout of the frozen-server tests
+
+
+@contextlib.contextmanager
+def _freezable(postgres_url: str) -> Iterator[tuple[Engine, TcpLink, Engine, threading.Timer]]:
+    """A migrated database (``direct``), a TCP link to it that a test can freeze, an engine
+    through that link bounded by ``BOUND_S``, and a backstop the test starts before its frozen
+    flush: it cuts the link ``BOUND_S + 5`` s later, so an unbounded flush fails the test, late,
+    instead of hanging it."""
     direct = make_engine(postgres_url)
     upgrade_database(direct)
     url = make_url(postgres_url)
     assert url.host is not None and url.port is not None
-    tcp = TcpLink(url.host, url.port)
-    bound_s = 1.0
+    link = TcpLink(url.host, url.port)
     linked = make_engine(
-        url.set(port=tcp.port).render_as_string(hide_password=False), timeout_s=bound_s
+        url.set(port=link.port).render_as_string(hide_password=False), timeout_s=BOUND_S
     )
-    backstop = threading.Timer(bound_s + 5, tcp.cut)  # an unbounded flush fails the test, late
-    writer = AuditWriter(
-        session_factory=make_session_factory(linked),
-        flush_interval_s=60,
-        link=Link.of(linked, timeout_s=bound_s),
-    )
+    backstop = threading.Timer(BOUND_S + 5, link.cut)
     try:
-        writer.record(audit_record("before"))
-        await writer.flush()  # the link is connected
-        tcp.freeze()
-        writer.record(audit_record("frozen"))
-        backstop.start()
-        started = time.monotonic()
-        with pytest.raises(Exception) as raised:
-            await writer.flush()
-        waited = time.monotonic() - started
-        assert is_outage(raised.value), repr(raised.value)
-        assert waited < bound_s + 2, waited
-        assert writer.pending == 1
-        tcp.thaw()
-        await writer.flush()
-        assert _ids(make_session_factory(direct)) == ["before", "frozen"]
+        yield direct, link, linked, backstop
     finally:
         backstop.cancel()
-        await writer.close()
-        tcp.close()
+        link.close()
         linked.dispose()
         direct.dispose()

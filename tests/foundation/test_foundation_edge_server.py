@@ -6,6 +6,7 @@ hostile harness stop a server), or by SIGTERM through uvicorn's signal handler (
 from __future__ import annotations
 
 import asyncio
+import select
 import signal
 import subprocess
 import sys
@@ -31,6 +32,11 @@ class _Counted(EdgeServer):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.ticks = 0
+        self.listening = asyncio.Event()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        self.listening.set()
 
     async def on_tick(self, counter: int) -> bool:
         self.ticks += 1
@@ -41,11 +47,12 @@ def _config() -> uvicorn.Config:
     return uvicorn.Config(_hello, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
 
 
-async def _started(server: EdgeServer) -> tuple[asyncio.Task[None], str]:
+async def _started(server: _Counted) -> tuple[asyncio.Task[None], str]:
     task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "the server stopped before it started"
-        await asyncio.sleep(0.01)
+    listening = asyncio.create_task(server.listening.wait())
+    await asyncio.wait({task, listening}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    listening.cancel()
+    assert server.started, "the server did not start"
     port = server.servers[0].sockets[0].getsockname()[1]
     return task, f"http://127.0.0.1:{port}"
 
@@ -104,6 +111,8 @@ def test_sigterm_stops_a_served_process_at_once() -> None:
     )
     try:
         assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready, "the server did not start"
         assert proc.stdout.readline().strip() == "started"
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)  # an exit, not an hour's tick
