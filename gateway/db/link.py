@@ -14,8 +14,11 @@ Bounded like every database operation of the gateway (``gateway.db.watchdog``): 
 libpq's ``connect_timeout`` (whole seconds, at least 2), a statement by a timer on the event loop
 that cuts the connection's socket once ``timeout_s`` has passed. Cancelling the wait instead would
 leave psycopg trying to cancel the query on a server that does not answer: a frozen server keeps
-its socket open, and only a cut ends the wait at once. A cut or broken connection is dropped; the
-next statement connects anew. Statements run one at a time.
+its socket open, and only a cut ends the wait at once. A caller that gives up on a statement
+(cancels it) gets the same: the statement's socket is cut and its connection dropped at once, not
+left to psycopg's own answer to a cancellation (a cancel request to the server, waited for up to
+5 s, and the connection closed under the link). A cut or broken connection is dropped; the next
+statement connects anew. Statements run one at a time.
 """
 
 from __future__ import annotations
@@ -100,8 +103,22 @@ class Link:
         timer = asyncio.get_running_loop().call_later(
             self._timeout_s, lambda: cuts.append(watchdog.cut(conn))
         )
+        under_way = asyncio.ensure_future(work(conn))
         try:
-            return await work(conn)
+            # shielded: psycopg answers a cancellation by cancelling the query on the server and
+            # waiting for it (up to 5 s each, on a server that does not answer), then closes the
+            # connection under the link
+            return await asyncio.shield(under_way)
+        except asyncio.CancelledError:
+            # The caller gave up (its own bound, a client gone, shutdown): the statement may still
+            # be running, so its connection goes, cut first so the work ends at once.
+            self._conn = None  # first: a second cancellation below leaves it dropped too
+            if not under_way.done():
+                watchdog.cut(conn)
+                await asyncio.wait([under_way])
+            _retrieved(under_way)
+            await conn.close()
+            raise
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 await self._drop()  # the next statement connects anew
@@ -121,6 +138,12 @@ class Link:
     async def close(self) -> None:
         async with self._turn:
             await self._drop()
+
+
+def _retrieved(work: asyncio.Future[Any]) -> None:
+    """The outcome of work whose caller is gone, read so that asyncio does not report it."""
+    if not work.cancelled():
+        work.exception()
 
 
 async def _utc(conn: psycopg.AsyncConnection[Any]) -> None:

@@ -4,6 +4,7 @@ cut (every connection reset, new ones refused)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -71,3 +72,24 @@ async def test_a_refused_statement_keeps_the_connection_and_a_reset_one_is_repla
     tcp.restore()
     [(again,)] = await link.rows("SELECT pg_backend_pid()")
     assert again != pid
+
+
+async def test_a_statement_given_up_on_a_frozen_server_ends_at_once_and_the_next_runs(
+    linked: tuple[Link, TcpLink],
+) -> None:
+    """A caller that gives up on a statement (its own bound, a client gone) while the server does
+    not answer gets its cancellation at once, not after psycopg's attempt to cancel the query on
+    that server (5 s), and the link's next statement, once the server answers, runs on a new
+    connection instead of failing on the one psycopg closed under the link."""
+    link, tcp = linked
+    [(pid,)] = await link.rows("SELECT pg_backend_pid()")
+    tcp.freeze()
+    given_up = asyncio.ensure_future(link.rows("SELECT 'late'"))
+    done, _ = await asyncio.wait([given_up], timeout=0.1)  # sent; the server holds it
+    assert not done
+    given_up.cancel()
+    done, _ = await asyncio.wait([given_up], timeout=BOUND_S / 2)  # well before the cut's timer
+    assert done and given_up.cancelled()
+    tcp.thaw()
+    [(again, word)] = await link.rows("SELECT pg_backend_pid(), 'mine'")
+    assert (word, again != pid) == ("mine", True)
