@@ -72,8 +72,9 @@ class DatabaseTimeout(PoolTimeout):
     """The database did not answer within the bound (a pool timeout to every handler)."""
 
 
-DATABASE_ERRORS = (DBAPIError, PoolTimeout)
-"""What a call into the database can raise about the database (``is_outage`` tells which)."""
+DATABASE_ERRORS = (DBAPIError, PoolTimeout, psycopg.Error)
+"""What a call into the database can raise about the database (``is_outage`` tells which); the
+driver's own errors come from a connection used without SQLAlchemy (``gateway.db.link``)."""
 
 
 def is_outage(exc: BaseException) -> bool:

@@ -52,6 +52,7 @@ from gateway.proxy.server import DataPlaneProtocol, data_plane_protocol
 from gateway.services import responses as stored_responses
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
+from gateway.services.keys import LookupLinks
 from gateway.services.quarantine import Quarantines
 from gateway.state import GatewayState
 from gateway.tracing import Tracing
@@ -147,6 +148,7 @@ async def build_state(
             write_timeout_s=settings.database_timeout_s,
         ),
         proxy_settings=ProxySettings.of(settings),
+        lookup_links=LookupLinks.of(db, timeout_s=settings.database_timeout_s),
     )
     poller.reload = state.reload_engines
     return state
@@ -183,6 +185,8 @@ async def stop(state: GatewayState, tasks: list[asyncio.Task[None]]) -> None:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
     await state.audit.close()
+    if state.lookup_links is not None:
+        await state.lookup_links.close()
     await state.quarantines.close()
     await state.limiter.close()
     await state.direct.close()

@@ -35,6 +35,7 @@ from gateway.services.auth_cache import Verdict
 from gateway.services.keys import (
     AuthFailure,
     authenticate,
+    authenticate_over,
     looks_like_tenant_key,
     parse_key,
     prefixes_after,
@@ -144,9 +145,14 @@ async def _prefixes_after(state: GatewayState, after_id: int, limit: int) -> lis
 
 async def _lookup(state: GatewayState, token: str, now: datetime) -> Principal | AuthFailure:
     """One database verification of ``token`` (the key's last use is recorded, batched)."""
-    result = await run_in_session(
-        state.sessions, lambda session: authenticate(session, token=token, now=now)
-    )
+    links = state.lookup_links
+    if links is None:
+        result = await run_in_session(
+            state.sessions, lambda session: authenticate(session, token=token, now=now)
+        )
+    else:  # PostgreSQL: the lane's own connection, on the event loop (no session, no thread)
+        link = links.lane(verified_before=state.auth_cache.verified_before(token))
+        result = await authenticate_over(link, token=token, now=now)
     if isinstance(result, Principal):
         _stamp_use(state, result, now)
     return result

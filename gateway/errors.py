@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -248,6 +249,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(DBAPIError)
     @app.exception_handler(PoolTimeout)
+    @app.exception_handler(psycopg.Error)  # a ``gateway.db.link`` connection's
     async def _database(request: Request, exc: Exception) -> JSONResponse:
         # The database is unreachable (refused, reset, closed, pool exhausted: ``is_outage``):
         # the client's request is fine and may be retried, so a 503 with a stable code, not a

@@ -27,6 +27,7 @@ from gateway.services import tenants as tenant_service
 from gateway.services.audit import AuditWriter
 from gateway.services.auth_cache import AuthCache
 from gateway.services.engines import reload_registry
+from gateway.services.keys import LookupLinks
 from gateway.services.quarantine import Quarantines
 from gateway.tracing import Tracing
 from gateway.upstream.direct import DirectUpstream
@@ -55,6 +56,8 @@ class GatewayState:
     credential_throttle: FailedCredentialThrottle
     quarantines: Quarantines
     proxy_settings: ProxySettings
+    # the request path's key lookups on PostgreSQL (on the event loop); None: through sessions
+    lookup_links: LookupLinks | None = None
     clock: Callable[[], datetime] = utcnow  # wall time of key expiry and the auth cache's TTL
     # background tasks that ended on their own (name -> why): each is a health problem
     ended_tasks: dict[str, str] = field(default_factory=dict)

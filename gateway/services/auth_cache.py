@@ -110,6 +110,11 @@ class AuthCache:
             return refused[0]
         return None
 
+    def verified_before(self, token: str) -> bool:
+        """Whether this replica verified ``token`` before (its entry may have expired): its
+        lookups go in the lane of such tokens (``verify``)."""
+        return self._key(token) in self._verified
+
     def put(self, token: str, verdict: Verdict, *, now: datetime) -> None:
         self._put(self._key(token), verdict, now=now)
 

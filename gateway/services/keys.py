@@ -21,7 +21,7 @@ from enum import StrEnum
 from typing import Any, cast
 
 import psycopg
-from sqlalchemy import Table, any_, bindparam, select, update
+from sqlalchemy import Engine, Table, any_, bindparam, select, update
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.orm import Session
 
@@ -144,7 +144,55 @@ def authenticate(session: Session, *, token: str, now: datetime) -> Principal | 
     parsed = parse_key(token)
     if parsed is None:
         return AuthFailure.MALFORMED
-    row = session.execute(_KEY_ROW.where(ApiKey.prefix == parsed.prefix)).first()
+    return _decided(
+        parsed, session.execute(_KEY_ROW.where(ApiKey.prefix == parsed.prefix)).first(), now
+    )
+
+
+# ``authenticate``'s read for a ``Link`` (PostgreSQL, no ORM): the same row, by its prefix
+_BY_PREFIX = str(
+    _KEY_ROW.where(ApiKey.prefix == bindparam("prefix")).compile(dialect=PGDialect_psycopg())
+)
+
+
+async def authenticate_over(link: Link, *, token: str, now: datetime) -> Principal | AuthFailure:
+    """``authenticate`` on a replica's own PostgreSQL connection (``gateway.db.link``): the same
+    verdict, read on the event loop in one round trip, with no session or thread."""
+    parsed = parse_key(token)
+    if parsed is None:
+        return AuthFailure.MALFORMED
+    rows = await link.rows(_BY_PREFIX, {"prefix": parsed.prefix})
+    return _decided(parsed, rows[0] if rows else None, now)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupLinks:
+    """The request path's key lookups on PostgreSQL (``authenticate_over``): a ``Link`` for each
+    of the auth cache's lanes (``gateway.services.auth_cache``), keys this replica verified before
+    and the rest, so a stream of guessed secrets under a real prefix never queues ahead of a
+    tenant's own key on one connection."""
+
+    known: Link
+    unknown: Link
+
+    @classmethod
+    def of(cls, engine: Engine, *, timeout_s: float) -> LookupLinks | None:
+        """Links to the database of ``engine``; None unless it is PostgreSQL."""
+        known = Link.of(engine, timeout_s=timeout_s)
+        unknown = Link.of(engine, timeout_s=timeout_s)
+        return None if known is None or unknown is None else cls(known, unknown)
+
+    def lane(self, *, verified_before: bool) -> Link:
+        return self.known if verified_before else self.unknown
+
+    async def close(self) -> None:
+        await self.known.close()
+        await self.unknown.close()
+
+
+def _decided(parsed: ParsedKey, row: Any, now: datetime) -> Principal | AuthFailure:
+    """The verdict on a token whose prefix read ``row`` (a ``_KEY_ROW``, or None: no such key);
+    an unknown prefix and a wrong secret look the same, and cost the same hash."""
     if row is None:
         hmac.compare_digest(hash_secret(parsed.secret), "0" * 64)  # same work as a real miss
         return AuthFailure.UNKNOWN

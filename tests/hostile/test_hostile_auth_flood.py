@@ -37,23 +37,43 @@ def unknown_key() -> str:
     return f"kvg_{secrets.token_hex(6)}_{secrets.token_hex(32)}"
 
 
+class KeyReads:
+    """The gateway's reads of ``api_keys`` meanwhile: ``lookups`` -- one key by its prefix, on the
+    gateway's own lookup connections (``gateway.services.keys.LookupLinks``), as many as its auth
+    cache started (``AuthCache.lookups``) -- and ``prefixes`` -- the keys stored since the last
+    such read (statements on its engine)."""
+
+    def __init__(self, gw: ServedGateway) -> None:
+        self._cache = gw.app.state.gateway.auth_cache
+        self._before = self._cache.lookups
+        self._after: int | None = None
+        self.prefixes: list[str] = []
+
+    @property
+    def lookups(self) -> int:
+        now = self._cache.lookups if self._after is None else self._after
+        return now - self._before
+
+    def end(self) -> None:
+        self._after = self._cache.lookups
+
+
 @contextmanager
-def key_reads(gw: ServedGateway) -> Iterator[dict[str, list[str]]]:
-    """The gateway's reads of ``api_keys`` meanwhile (on its own engine): ``lookup`` -- one key by
-    its prefix -- and ``prefixes`` -- the keys stored since the last such read."""
-    seen: dict[str, list[str]] = {"lookup": [], "prefixes": []}
+def key_reads(gw: ServedGateway) -> Iterator[KeyReads]:
+    reads = KeyReads(gw)
     db = gw.app.state.gateway.db
 
     def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        assert "api_keys.prefix =" not in statement, "a key lookup off the lookup connections"
         if "FROM api_keys" in statement:
-            kind = "lookup" if "api_keys.prefix =" in statement else "prefixes"
-            seen[kind].append(statement)
+            reads.prefixes.append(statement)
 
     event.listen(db, "before_cursor_execute", count)
     try:
-        yield seen
+        yield reads
     finally:
         event.remove(db, "before_cursor_execute", count)
+        reads.end()
 
 
 @pytest.fixture
@@ -81,7 +101,7 @@ def test_unknown_keys_cost_no_lookup_of_their_own(pg_gateway: ServedGateway) -> 
     with httpx.Client(base_url=gw.url, timeout=10) as client, key_reads(gw) as reads:
         codes = [_models(client, key).status_code for _ in range(BUDGET)]
         assert codes == [401] * BUDGET
-        assert (len(reads["lookup"]), len(reads["prefixes"])) == (0, 1)
+        assert (reads.lookups, len(reads.prefixes)) == (0, 1)
     with key_reads(gw) as reads:
         started = time.monotonic()
         statuses: list[int] = []
@@ -91,8 +111,8 @@ def test_unknown_keys_cost_no_lookup_of_their_own(pg_gateway: ServedGateway) -> 
                 statuses += [_models(other, unknown_key()).status_code for _ in range(BUDGET)]
         elapsed = time.monotonic() - started
         assert set(statuses) == {401}
-        assert len(reads["lookup"]) == 0
-        assert len(reads["prefixes"]) <= 1 + elapsed / 0.05  # PREFIX_REFRESH_S
+        assert reads.lookups == 0
+        assert len(reads.prefixes) <= 1 + elapsed / 0.05  # PREFIX_REFRESH_S
 
 
 def test_an_address_that_keeps_failing_is_refused_before_any_lookup(
@@ -116,7 +136,7 @@ def test_an_address_that_keeps_failing_is_refused_before_any_lookup(
         codes = [r.status_code for r in responses]
         assert codes[:BUDGET] == [401] * BUDGET and set(codes[BUDGET:]) == {429}, codes
         assert openai_error(responses[-1])["code"] == "too_many_failed_credentials"
-        assert len(reads["lookup"]) == BUDGET  # nothing after the budget reached the database
+        assert reads.lookups == BUDGET  # nothing after the budget reached the database
     with httpx.Client(base_url=gw.url, timeout=10) as bystander:
         assert _models(bystander, key).status_code == 200
 
@@ -143,7 +163,7 @@ def test_a_tenants_burst_costs_one_lookup_and_nobody_a_503(pg_gateway: ServedGat
         codes = asyncio.run(_burst(gw.url, [bursting, quiet], per_key=150))
     assert set(codes[bursting]) == {200} and set(codes[quiet]) == {200}, codes
     # One lookup per key: every other request of the burst waited for it (or found it cached).
-    assert len(reads["lookup"]) == 2, reads
+    assert reads.lookups == 2
 
 
 def test_a_new_key_works_at_once_on_every_replica(postgres_url: str, engine: Any) -> None:

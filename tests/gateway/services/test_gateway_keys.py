@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from sqlalchemy import event, text
@@ -16,6 +16,7 @@ from gateway.lifecycle import TenantStatus
 from gateway.services.keys import (
     AuthFailure,
     authenticate,
+    authenticate_over,
     hash_secret,
     issue_key,
     parse_key,
@@ -225,6 +226,52 @@ async def test_renewal_over_a_link_says_what_renew_says(linked) -> None:
         ids[1]: AuthFailure.EXPIRED,
         ids[2]: AuthFailure.TENANT_DISABLED,
     }
+
+
+async def test_a_lookup_over_a_link_says_what_authenticate_says(linked) -> None:
+    """``authenticate_over`` (the request path's own PostgreSQL connections) gives the verdict
+    ``authenticate`` gives for every kind of token: a live key (its tenant, plan and times, in
+    UTC), a wrong secret under a real prefix, an unknown prefix, a malformed token, then the same
+    keys expired, revoked and of a disabled tenant."""
+    sessions, link = linked
+    tenant_id, key = _tenant(sessions, "acme", requests_per_minute=5, max_context_tokens=100)
+    _, other = _tenant(sessions, "globex")
+    now = utcnow()
+    with session_scope(sessions) as session:
+        soon = issue_key(session, tenant_id=tenant_id, expires_at=now + timedelta(seconds=60))
+    scheme, prefix, _ = key.key.split("_")
+    tokens = [
+        key.key,
+        soon.key,
+        other.key,
+        f"{scheme}_{prefix}_{parse_key(other.key).secret}",  # a real prefix, another's secret
+        "kvg_000000000000_" + "0" * 64,
+        "kvg_nope",
+    ]
+
+    async def both(at: datetime) -> list[object]:
+        with session_scope(sessions) as session:
+            expected = [authenticate(session, token=t, now=at) for t in tokens]
+        got = [await authenticate_over(link, token=t, now=at) for t in tokens]
+        assert got == expected
+        return got
+
+    live = await both(now)
+    assert [type(v) for v in live[:3]] == [Principal] * 3
+    assert live[3:] == [AuthFailure.UNKNOWN, AuthFailure.UNKNOWN, AuthFailure.MALFORMED]
+    first, second = live[0], live[1]
+    assert isinstance(first, Principal) and isinstance(second, Principal)
+    assert first.plan == TenantPlan(requests_per_minute=5, max_context_tokens=100)
+    assert second.key_expires_at is not None and second.key_expires_at.utcoffset() == timedelta(0)
+    assert (await both(now + timedelta(seconds=61)))[1] is AuthFailure.EXPIRED
+    with session_scope(sessions) as session:
+        revoke_key(session, prefix=key.prefix, now=now)
+        set_status(session, tenant=get_tenant(session, ref="globex"), status=TenantStatus.DISABLED)
+    assert (await both(now))[:3] == [
+        AuthFailure.REVOKED,
+        second,
+        AuthFailure.TENANT_DISABLED,
+    ]
 
 
 async def test_key_stamps_over_a_link_are_those_touch_keys_writes(linked) -> None:
