@@ -51,7 +51,7 @@ from gateway.proxy.door import ROUTES, CompletionRoutes
 from gateway.proxy.server import DataPlaneProtocol, data_plane_protocol
 from gateway.services import responses as stored_responses
 from gateway.services.audit import AuditWriter
-from gateway.services.auth_cache import AuthCache
+from gateway.services.auth_cache import LANE_LOOKUPS, AuthCache
 from gateway.services.keys import LookupLinks
 from gateway.services.quarantine import Quarantines
 from gateway.state import GatewayState
@@ -148,7 +148,9 @@ async def build_state(
             write_timeout_s=settings.database_timeout_s,
         ),
         proxy_settings=ProxySettings.of(settings),
-        lookup_links=LookupLinks.of(db, timeout_s=settings.database_timeout_s),
+        lookup_links=LookupLinks.of(
+            db, timeout_s=settings.database_timeout_s, per_lane=LANE_LOOKUPS
+        ),
     )
     poller.reload = state.reload_engines
     return state

@@ -35,7 +35,6 @@ from gateway.services.auth_cache import Verdict
 from gateway.services.keys import (
     AuthFailure,
     authenticate,
-    authenticate_over,
     looks_like_tenant_key,
     parse_key,
     prefixes_after,
@@ -150,9 +149,9 @@ async def _lookup(state: GatewayState, token: str, now: datetime) -> Principal |
         result = await run_in_session(
             state.sessions, lambda session: authenticate(session, token=token, now=now)
         )
-    else:  # PostgreSQL: the lane's own connection, on the event loop (no session, no thread)
-        link = links.lane(verified_before=state.auth_cache.verified_before(token))
-        result = await authenticate_over(link, token=token, now=now)
+    else:  # PostgreSQL: a connection of the lane's own, on the event loop (no session or thread)
+        verified_before = state.auth_cache.verified_before(token)
+        result = await links.authenticate(token, now=now, verified_before=verified_before)
     if isinstance(result, Principal):
         _stamp_use(state, result, now)
     return result

@@ -1,4 +1,4 @@
-"""A background loop's own PostgreSQL connection, on the event loop: ``Link``.
+"""A PostgreSQL connection of the gateway's own, on the event loop: ``Link``.
 
 Why: two loops of every replica write or read the database whatever its load: the key renewal
 (``gateway.deps.renew_verified_keys``: the keys in use, every half ``auth_cache_ttl_s``) and the
@@ -8,7 +8,8 @@ flush of a few rows about 3 ms: the watchdog's checkout ping, BEGIN, the stateme
 SQLAlchemy's execution of each, and the worker thread's hand-offs of the GIL with the event loop,
 on the core the data plane runs on. A link runs them on psycopg's ``AsyncConnection``: a read in
 autocommit is one round trip, with no pool and no thread (about 1 ms; ``docs/benchmarks.md``,
-issue 33's step 14).
+issue 33's step 14). The request path's key lookups run on links too
+(``gateway.services.keys.LookupLinks``): with many tenants most requests are one (step 16).
 
 Bounded like every database operation of the gateway (``gateway.db.watchdog``): connecting by
 libpq's ``connect_timeout`` (whole seconds, at least 2), a statement by a timer on the event loop
@@ -18,7 +19,8 @@ its socket open, and only a cut ends the wait at once. A caller that gives up on
 (cancels it) gets the same: the statement's socket is cut and its connection dropped at once, not
 left to psycopg's own answer to a cancellation (a cancel request to the server, waited for up to
 5 s, and the connection closed under the link). A cut or broken connection is dropped; the next
-statement connects anew. Statements run one at a time.
+statement connects anew, and a read (``rows``) that found its connection broken (reset while it sat
+idle) runs once more on a new one. Statements run one at a time.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ Work = Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]
 
 
 class Link:
-    """One autocommit connection for one background loop's work: a statement's ``rows``, or
+    """One autocommit connection for one loop's or lane's work: a statement's ``rows``, or
     several statements in one ``transaction``; connected on first use (libpq's
     ``connect_timeout`` bounds the connect, the loop's timer every use after it)."""
 
@@ -61,13 +63,15 @@ class Link:
     async def rows(self, query: str, params: Mapping[str, Any] | None = None) -> list[Any]:
         """The rows of ``query`` (named tuples; times in UTC, as ``contracts.sql.UTCDateTime``
         reads them); raises ``DatabaseTimeout`` when the statement was cut at the bound, and
-        psycopg's error when the database refused it or could not be reached."""
+        psycopg's error when the database refused it or could not be reached. ``query`` only
+        reads: on a connection that broke while it sat idle (the database restarted, the network
+        reset it) it runs once more, on a new one."""
 
         async def fetch(conn: psycopg.AsyncConnection[Any]) -> list[Any]:
             cursor = await conn.execute(query, params)
             return await cursor.fetchall() if cursor.description is not None else []
 
-        return await self.run(fetch)
+        return await self.run(fetch, reads_only=True)
 
     async def transaction(self, work: Work[T]) -> T:
         """``work`` in one transaction (committed when it returns, rolled back when it raises),
@@ -79,24 +83,35 @@ class Link:
 
         return await self.run(inside)
 
-    async def run(self, work: Work[T]) -> T:
-        """``work`` on the connection (autocommit), alone on it, bounded by ``timeout_s``."""
+    async def run(self, work: Work[T], *, reads_only: bool = False) -> T:
+        """``work`` on the connection (autocommit), alone on it, bounded by ``timeout_s``;
+        ``reads_only``: ``work`` changes nothing, so it may run again (``rows``)."""
         async with self._turn:
             conn = self._conn
             if conn is None:
-                conn = await psycopg.AsyncConnection.connect(
-                    self._conninfo,
-                    autocommit=True,
-                    row_factory=namedtuple_row,
-                    connect_timeout=max(2, math.ceil(self._timeout_s)),
-                )
-                try:
-                    await self._bounded(conn, _utc)
-                except BaseException:
-                    await conn.close()
-                    raise
-                self._conn = conn
-            return await self._bounded(conn, work)
+                return await self._bounded(await self._connect(), work)
+            try:
+                return await self._bounded(conn, work)
+            except psycopg.OperationalError:
+                if not reads_only or self._conn is not None:
+                    raise  # a write may have landed; a connection that stays did not break
+                # it broke while idle (or under this read): the read again, on a new connection
+                return await self._bounded(await self._connect(), work)
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        conn = await psycopg.AsyncConnection.connect(
+            self._conninfo,
+            autocommit=True,
+            row_factory=namedtuple_row,
+            connect_timeout=max(2, math.ceil(self._timeout_s)),
+        )
+        try:
+            await self._bounded(conn, _utc)
+        except BaseException:
+            await conn.close()
+            raise
+        self._conn = conn
+        return conn
 
     async def _bounded(self, conn: psycopg.AsyncConnection[Any], work: Work[T]) -> T:
         cuts: list[bool] = []

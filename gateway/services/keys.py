@@ -11,6 +11,7 @@ Revocation and expiry are timestamps; a key with either in the past never authen
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import re
@@ -165,29 +166,49 @@ async def authenticate_over(link: Link, *, token: str, now: datetime) -> Princip
     return _decided(parsed, rows[0] if rows else None, now)
 
 
-@dataclass(frozen=True, slots=True)
 class LookupLinks:
-    """The request path's key lookups on PostgreSQL (``authenticate_over``): a ``Link`` for each
-    of the auth cache's lanes (``gateway.services.auth_cache``), keys this replica verified before
-    and the rest, so a stream of guessed secrets under a real prefix never queues ahead of a
-    tenant's own key on one connection."""
+    """The request path's key lookups on PostgreSQL (``authenticate_over``), on links of their
+    own: ``per_lane`` for each of the auth cache's lanes (``gateway.services.auth_cache``: keys
+    this replica verified before, and the rest), as many as a lane lets run at once. A lookup
+    takes an idle link of its lane, so a slow statement holds up no other key's lookup, and a
+    stream of guessed secrets under a real prefix never takes a connection from a tenant's own
+    key."""
 
-    known: Link
-    unknown: Link
+    def __init__(self, lanes: dict[bool, list[Link]]) -> None:
+        self._links = [link for links in lanes.values() for link in links]
+        self._idle: dict[bool, asyncio.Queue[Link]] = {}
+        for verified_before, links in lanes.items():
+            idle = self._idle[verified_before] = asyncio.Queue()
+            for link in links:
+                idle.put_nowait(link)
 
     @classmethod
-    def of(cls, engine: Engine, *, timeout_s: float) -> LookupLinks | None:
+    def of(cls, engine: Engine, *, timeout_s: float, per_lane: int) -> LookupLinks | None:
         """Links to the database of ``engine``; None unless it is PostgreSQL."""
-        known = Link.of(engine, timeout_s=timeout_s)
-        unknown = Link.of(engine, timeout_s=timeout_s)
-        return None if known is None or unknown is None else cls(known, unknown)
+        if engine.dialect.name != "postgresql":
+            return None
+        return cls(
+            {
+                lane: [cast(Link, Link.of(engine, timeout_s=timeout_s)) for _ in range(per_lane)]
+                for lane in (True, False)
+            }
+        )
 
-    def lane(self, *, verified_before: bool) -> Link:
-        return self.known if verified_before else self.unknown
+    async def authenticate(
+        self, token: str, *, now: datetime, verified_before: bool
+    ) -> Principal | AuthFailure:
+        """``authenticate_over`` on an idle link of the token's lane (waiting for one if the
+        lane's are all busy)."""
+        idle = self._idle[verified_before]
+        link = await idle.get()
+        try:
+            return await authenticate_over(link, token=token, now=now)
+        finally:
+            idle.put_nowait(link)
 
     async def close(self) -> None:
-        await self.known.close()
-        await self.unknown.close()
+        for link in self._links:
+            await link.close()
 
 
 def _decided(parsed: ParsedKey, row: Any, now: datetime) -> Principal | AuthFailure:

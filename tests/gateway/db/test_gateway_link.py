@@ -93,3 +93,23 @@ async def test_a_statement_given_up_on_a_frozen_server_ends_at_once_and_the_next
     tcp.thaw()
     [(again, word)] = await link.rows("SELECT pg_backend_pid(), 'mine'")
     assert (word, again != pid) == ("mine", True)
+
+
+async def test_a_read_on_a_connection_reset_while_idle_runs_again_on_a_new_one(
+    linked: tuple[Link, TcpLink],
+) -> None:
+    """A link's connection reset while it sat idle (the database restarted, the network reset
+    it) is found broken only by the next statement: a read (``rows``) then runs once more on a
+    new connection instead of failing, while the database is reachable; while it is not, the read
+    fails with the driver's error."""
+    link, tcp = linked
+    [(pid,)] = await link.rows("SELECT pg_backend_pid()")
+    tcp.cut()
+    with pytest.raises(psycopg.OperationalError):
+        await link.rows("SELECT 1")  # the old connection broken, a new one refused
+    tcp.restore()
+    [(again,)] = await link.rows("SELECT pg_backend_pid()")
+    tcp.cut()
+    tcp.restore()  # reset while idle; the database reachable again
+    [(third,)] = await link.rows("SELECT pg_backend_pid()")
+    assert len({pid, again, third}) == 3

@@ -3,6 +3,8 @@ requests, audit and usage."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 from gateway_harness import bearer, running_gateway
 from sqlalchemy import event
@@ -57,21 +59,9 @@ async def test_a_connection_closed_under_a_read_of_the_keys_is_a_503(
 
         event.listen(engine, "before_cursor_execute", closed)
         try:
-            body = {"model": "standin-model", "prompt": "one two three", "max_tokens": 3}
-            answers = [
-                await gw.client.post("/v1/completions", json=body, headers=bearer(key)),
-                await gw.client.post(
-                    "/v1/responses",
-                    json={"model": "standin-model", "input": "hi"},
-                    headers=bearer(key),
-                ),
-                await gw.client.get("/v1/models", headers=bearer(key)),
-            ]
+            await _three_routes_answer_the_outage(gw, key)
         finally:
             event.remove(engine, "before_cursor_execute", closed)
-        for r in answers:
-            assert r.status_code == 503, r.text
-            assert r.json()["error"]["code"] == "database_unavailable", r.text
         # the database back: the same key works
         assert (await gw.client.get("/v1/models", headers=bearer(key))).status_code == 200
 
@@ -99,24 +89,28 @@ async def test_a_key_lookup_whose_connection_is_reset_is_a_503(
             assert (await gw.client.get("/v1/models", headers=bearer(key))).status_code == 200
             lookups = gw.state.auth_cache.lookups
             tcp.cut()
-            body = {"model": "standin-model", "prompt": "one two three", "max_tokens": 3}
-            answers = [
-                await gw.client.post("/v1/completions", json=body, headers=bearer(key)),
-                await gw.client.post(
-                    "/v1/responses",
-                    json={"model": "standin-model", "input": "hi"},
-                    headers=bearer(key),
-                ),
-                await gw.client.get("/v1/models", headers=bearer(key)),
-            ]
+            await _three_routes_answer_the_outage(gw, key)
             assert gw.state.auth_cache.lookups == lookups + 3  # each one asked, on the link
-            for r in answers:
-                assert r.status_code == 503, r.text
-                assert r.json()["error"]["code"] == "database_unavailable", r.text
             tcp.restore()
             assert (await gw.client.get("/v1/models", headers=bearer(key))).status_code == 200
     finally:
         tcp.close()
+
+
+async def _three_routes_answer_the_outage(gw: Any, key: str) -> None:
+    """The data plane's door, the Responses route and a FastAPI route each answer the outage's
+    503 ``database_unavailable``."""
+    body = {"model": "standin-model", "prompt": "one two three", "max_tokens": 3}
+    answers = [
+        await gw.client.post("/v1/completions", json=body, headers=bearer(key)),
+        await gw.client.post(
+            "/v1/responses", json={"model": "standin-model", "input": "hi"}, headers=bearer(key)
+        ),
+        await gw.client.get("/v1/models", headers=bearer(key)),
+    ]
+    for r in answers:
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "database_unavailable", r.text
 
 
 async def test_a_bug_under_the_door_is_a_json_500(make_settings, standin, postgres_url) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from datetime import datetime, timedelta
 
@@ -15,6 +16,7 @@ from gateway.domain import Principal, TenantPlan
 from gateway.lifecycle import TenantStatus
 from gateway.services.keys import (
     AuthFailure,
+    LookupLinks,
     authenticate,
     authenticate_over,
     hash_secret,
@@ -272,6 +274,53 @@ async def test_a_lookup_over_a_link_says_what_authenticate_says(linked) -> None:
         second,
         AuthFailure.TENANT_DISABLED,
     ]
+
+
+async def test_lookups_of_one_lane_run_side_by_side_on_connections_of_their_own(
+    postgres_url: str,
+) -> None:
+    """``LookupLinks``: a lane's lookups each take an idle connection of that lane, so while a
+    statement waits (here: on a lock another session holds on ``api_keys``) the lane's other
+    lookups still reach the database, as many at once as the lane has links, and the other lane
+    has its own; each lookup then gets its verdict."""
+    engine = make_engine(postgres_url)
+    upgrade_database(engine)
+    sessions = make_session_factory(engine)
+    keys = [_tenant(sessions, f"t{i}")[1].key for i in range(4)]
+    links = LookupLinks.of(engine, timeout_s=10.0, per_lane=3)
+    assert links is not None
+    holder = engine.connect()
+    try:
+        holder.execute(text("LOCK TABLE api_keys IN ACCESS EXCLUSIVE MODE"))  # until rollback
+        now = utcnow()
+        lookups = [
+            asyncio.ensure_future(links.authenticate(k, now=now, verified_before=True))
+            for k in keys[:3]
+        ]
+        lookups.append(
+            asyncio.ensure_future(links.authenticate(keys[3], now=now, verified_before=False))
+        )
+        with engine.connect() as watcher:
+            waiting = 0
+            deadline = asyncio.get_running_loop().time() + 10
+            while waiting < 4 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)  # the lookups' statements reach the server meanwhile
+                waiting = watcher.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND query LIKE '%api_keys.prefix%'"
+                    )
+                ).scalar_one()
+                watcher.rollback()  # the server keeps one snapshot of the activity per transaction
+        assert waiting == 4  # three of the known lane and the other lane's one, at once
+        assert not any(lookup.done() for lookup in lookups)
+        holder.rollback()
+        verdicts = await asyncio.wait_for(asyncio.gather(*lookups), 10)
+        assert [type(v) for v in verdicts] == [Principal] * 4
+    finally:
+        holder.close()
+        await links.close()
+        engine.dispose()
 
 
 async def test_key_stamps_over_a_link_are_those_touch_keys_writes(linked) -> None:
