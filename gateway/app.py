@@ -161,6 +161,11 @@ async def start(state: GatewayState) -> list[asyncio.Task[None]]:
     state.metrics.limiter_up.set(1 if await state.limiter.healthy() else 0)
     await state.poller.reload_once()
     await state.poller.poll_once()
+    if state.lookup_links is not None:
+        try:
+            await state.lookup_links.open()
+        except Exception as exc:
+            log.warning("key lookup connections not made yet (%s); made on first use", exc)
     try:
         await state.audit.drain_spool()  # rows a previous shutdown could not write
     except Exception:

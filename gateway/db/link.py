@@ -98,6 +98,12 @@ class Link:
                 # it broke while idle (or under this read): the read again, on a new connection
                 return await self._bounded(await self._connect(), work)
 
+    async def connect(self) -> None:
+        """Connect now (if not connected), so that the first statement does not wait for it."""
+        async with self._turn:
+            if self._conn is None:
+                await self._connect()
+
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
         conn = await psycopg.AsyncConnection.connect(
             self._conninfo,

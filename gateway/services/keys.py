@@ -206,6 +206,11 @@ class LookupLinks:
         finally:
             idle.put_nowait(link)
 
+    async def open(self) -> None:
+        """Connect every link now: a lookup, on a request's path, never waits for a connection
+        to be made (one made anew after a break excepted)."""
+        await asyncio.gather(*(link.connect() for link in self._links))
+
     async def close(self) -> None:
         for link in self._links:
             await link.close()

@@ -307,8 +307,8 @@ async def test_lookups_of_one_lane_run_side_by_side_on_connections_of_their_own(
                 await asyncio.sleep(0.02)  # the lookups' statements reach the server meanwhile
                 waiting = watcher.execute(
                     text(
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE wait_event_type = 'Lock' AND query LIKE '%api_keys.prefix%'"
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND wait_event_type = 'Lock' AND query LIKE '%api_keys.prefix%'"
                     )
                 ).scalar_one()
                 watcher.rollback()  # the server keeps one snapshot of the activity per transaction
@@ -319,6 +319,28 @@ async def test_lookups_of_one_lane_run_side_by_side_on_connections_of_their_own(
         assert [type(v) for v in verdicts] == [Principal] * 4
     finally:
         holder.close()
+        await links.close()
+        engine.dispose()
+
+
+async def test_lookup_links_are_connected_when_opened(postgres_url: str) -> None:
+    """``LookupLinks.open`` (the gateway's start) connects every link of both lanes, so a
+    request's first lookup waits for no connection to be made."""
+    engine = make_engine(postgres_url)
+    upgrade_database(engine)
+    links = LookupLinks.of(engine, timeout_s=10.0, per_lane=2)
+    assert links is not None
+    fresh = text(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND query = 'SET TIME ZONE ''UTC'''"
+    )
+    try:
+        with engine.connect() as watcher:
+            assert watcher.execute(fresh).scalar_one() == 0
+            watcher.rollback()  # the server keeps one snapshot of the activity per transaction
+            await links.open()
+            assert watcher.execute(fresh).scalar_one() == 4  # each link's last statement so far
+    finally:
         await links.close()
         engine.dispose()
 
