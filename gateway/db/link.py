@@ -137,7 +137,8 @@ class Link:
             if not under_way.done():
                 watchdog.cut(conn)
                 await asyncio.wait([under_way])
-            _retrieved(under_way)
+            if not under_way.cancelled():
+                under_way.exception()  # read: nobody else will, and asyncio would report it
             await conn.close()
             raise
         except psycopg.Error as exc:
@@ -159,12 +160,6 @@ class Link:
     async def close(self) -> None:
         async with self._turn:
             await self._drop()
-
-
-def _retrieved(work: asyncio.Future[Any]) -> None:
-    """The outcome of work whose caller is gone, read so that asyncio does not report it."""
-    if not work.cancelled():
-        work.exception()
 
 
 async def _utc(conn: psycopg.AsyncConnection[Any]) -> None:
