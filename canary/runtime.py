@@ -55,6 +55,7 @@ from canary.markers import MarkerCodec, encode_tag
 from canary.metrics import CanaryMetrics
 from canary.records import MarkerRecord, MemoryRecordStore, RecordStore, RedisRecordStore
 from canary.scanner import Finding
+from contracts import grid
 from contracts.plugins import Cut, GatewayHooks, RequestInfo, RequestReport, ServiceContext
 from contracts.sql import utcnow
 
@@ -167,7 +168,7 @@ class CanaryRuntime:
 
     async def _refresh_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.canary_tag_refresh_s)
+            await grid.sleep(self.settings.canary_tag_refresh_s)
             try:
                 await self.refresh_tags()
             except Exception:

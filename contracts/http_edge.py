@@ -27,6 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from contracts import grid
+
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 _HEAD_END = b"\r\n\r\n"
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
@@ -322,7 +324,7 @@ class EdgeServer(uvicorn.Server):
             # uvicorn's 100 ms ticks): every tick here is a second
             while not await self.on_tick(0):
                 try:
-                    async with asyncio.timeout(self.tick_s):
+                    async with asyncio.timeout_at(grid.deadline(self.tick_s)):
                         await event.wait()
                 except TimeoutError:
                     pass

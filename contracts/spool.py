@@ -33,6 +33,8 @@ from typing import Any
 
 import anyio
 
+from contracts import grid
+
 log = logging.getLogger("kvguard.gateway.spool")
 
 Record = dict[str, Any]
@@ -154,7 +156,8 @@ class SpoolWriter:
             self._wake.clear()
             await self.drain_once()  # at once on start: what a previous run left behind
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._interval_s)
+                async with asyncio.timeout_at(grid.deadline(self._interval_s)):
+                    await self._wake.wait()
 
     async def drain_once(self) -> bool:
         """One drain; False (logged) when it failed and records wait for the next one. An empty

@@ -12,7 +12,6 @@ and the keys in use are verified again in the background (``renew_verified_keys`
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import ipaddress
 import logging
@@ -25,6 +24,7 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 from starlette.datastructures import Headers
 
+from contracts import grid
 from contracts.sql import run_in_session, session_scope
 from gateway.config import GatewaySettings, IPNetwork
 from gateway.db.link import Link
@@ -179,7 +179,7 @@ async def renew_verified_keys(state: GatewayState) -> None:
     link = Link.of(state.db, timeout_s=state.settings.database_timeout_s)
     try:
         while True:
-            await asyncio.sleep(interval)
+            await grid.sleep(interval)
             now = state.clock()
             fetch = partial(_renew, state, now) if link is None else partial(_renew_on, link, now)
             try:

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from contracts import grid
 from gateway.engines.adapters import AdapterError, adapter_for
 from gateway.engines.registry import EngineBlock, EngineRecord, EngineRegistry
 from gateway.metrics import GatewayMetrics
@@ -46,7 +47,7 @@ class CapacityPoller:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval_s)
+            await grid.sleep(self._interval_s)
             try:
                 await self.poll_once()
             except Exception:  # the loop must outlive any single bad cycle
@@ -54,7 +55,7 @@ class CapacityPoller:
 
     async def run_reload(self) -> None:
         while True:
-            await asyncio.sleep(self._interval_s)
+            await grid.sleep(self._interval_s)
             await self.reload_once()
 
     async def reload_once(self) -> None:

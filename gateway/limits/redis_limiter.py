@@ -61,6 +61,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from contracts import grid
 from contracts.resp import RespClient, RespError, Script
 from gateway.domain import TenantPlan
 from gateway.limits.base import (
@@ -365,7 +366,7 @@ class RedisLimiter(Limiter):
         period = min(third, self._credit_s or math.inf)
         refreshed = time.monotonic()
         while True:
-            await asyncio.sleep(period)
+            await grid.sleep(period)
             try:
                 if time.monotonic() - refreshed >= third - period / 2:
                     await self.refresh_held()

@@ -47,6 +47,7 @@ import psycopg
 from sqlalchemy import Connection, String, Table, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts import grid
 from contracts.spool import Record, Spool
 from contracts.sql import is_outage, session_scope
 from gateway.db.copy import copy_rows, copy_statement
@@ -184,15 +185,16 @@ class AuditWriter:
                 log.exception("audit flush failed; will retry")
 
     async def _due(self, *, early: bool) -> None:
-        """The flush interval, cut short (when ``early``) by a full batch waiting."""
+        """The flush interval (on the process's grid, ``contracts.grid``), cut short (when
+        ``early``) by a full batch waiting."""
         if early:
             try:
-                async with asyncio.timeout(self._interval):
+                async with asyncio.timeout_at(grid.deadline(self._interval)):
                     await self._full.wait()
             except TimeoutError:
                 pass
         else:
-            await asyncio.sleep(self._interval)
+            await grid.sleep(self._interval)
         self._full.clear()
 
     async def flush(self) -> None:

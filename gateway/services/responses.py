@@ -24,7 +24,6 @@ audit stays content-free.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -34,6 +33,7 @@ from sqlalchemy import delete as sql_delete
 from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts import grid
 from contracts.sql import DATABASE_ERRORS, run_in_session, utcnow
 from gateway.db.models import StoredResponse
 from gateway.errors import NotFound
@@ -163,7 +163,7 @@ async def purge_loop(
             log.warning("stored responses not purged yet: %s", type(exc).__name__)
         except Exception:  # anything else (the pool giving up on a connection): the same
             log.exception("stored responses not purged yet")
-        await asyncio.sleep(interval_s)
+        await grid.sleep(interval_s)
 
 
 def _purge_batch(session: Session) -> int:
