@@ -2,11 +2,11 @@
 
 A process's background loops (the audit flush, the key renewal, the lease refresh, the capacity
 poll, the engine reload, the spool's drain, the server's tick) each slept their period from where
-their last round ended, every loop on a phase of its own: an idle gateway woke about 13 times a
-second, and on this project's machines a wake of an idle event loop costs about 190 µs of CPU
-(``docs/benchmarks.md``, step 16): at a few requests a second, every request pays for them. A
-loop that sleeps with ``sleep(period_s)`` instead wakes at the next point of the grid ``PHASE + k *
-period_s`` (the loop's clock) at least a quarter period away:
+their last round ended, every loop on a phase of its own: an idle gateway was woken about five
+times a second, and on this project's machines a wake of an idle event loop costs about 190 µs of
+CPU (``docs/benchmarks.md``, steps 16 and 17): at a few requests a second, every request pays for
+them. A loop that sleeps with ``sleep(period_s)`` instead wakes at the next point of the grid
+``PHASE + k * period_s`` (the loop's clock) at least a quarter period away:
 
 - loops whose periods are multiples of one another (0.5 s, 1 s, 5 s) wake at the same moments:
   a point is a loop time rounded to the millisecond, and the loop's timers for one loop time are

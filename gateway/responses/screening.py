@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from contracts.plugins import Cut, StreamGuard
 from gateway.proxy.body import screen
@@ -177,17 +176,3 @@ class SideStrings:
             if isinstance(verdict, Cut):
                 return verdict
         return None
-
-
-def strings(value: Any, path: str = "") -> Iterable[tuple[str, str]]:
-    """(field key, string) of every string in ``value`` (keys too, under ``<keys>``), list
-    positions folded into ``*``: one key per field, whatever the index."""
-    if isinstance(value, str):
-        yield path, value
-    elif isinstance(value, dict):
-        for name, item in value.items():
-            yield "<keys>", name
-            yield from strings(item, f"{path}.{name}" if path else name)
-    elif isinstance(value, list):
-        for item in value:
-            yield from strings(item, f"{path}.*")
