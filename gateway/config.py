@@ -47,8 +47,10 @@ class GatewaySettings(KvguardSettings):
         default=None,
         description=(
             "SQLAlchemy URL of the database (postgresql+psycopg://... in production; each replica "
-            "holds its pool's connections and two of its own, the key renewal's and the audit "
-            "writer's); unset: SQLite at KVGUARD_DATA_DIR/kvguard.db"
+            "holds up to 25 connections: its pool's, 5 kept and 10 more under load, and ten of "
+            "its own, the key renewal's, the audit writer's and eight for key lookups (four for "
+            "each lane of the auth cache, connected at start)); unset: SQLite at "
+            "KVGUARD_DATA_DIR/kvguard.db"
         ),
     )
     redis_url: str | None = Field(
