@@ -95,6 +95,7 @@ class GatewayState:
         )
 
     async def reload_engines(self) -> None:
+        mark = self.quarantines.applied()
         await reload_registry(
             registry=self.registry,
             sessions=self.sessions,
@@ -102,6 +103,7 @@ class GatewayState:
             engine_token=self.settings.engine_token,
             quarantined=await self.quarantines.overlay(),
         )
+        self.quarantines.reapply(mark)  # no await since the registry was set: nothing routed
 
     async def quarantine(self, name: str, *, reason: str) -> None:
         """Take an engine out of routing now, on every replica (``Quarantines.impose``)."""

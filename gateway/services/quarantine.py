@@ -13,7 +13,10 @@ Lifecycle of a quarantine (``Quarantines.impose``, by the canary on a leak or by
    the row is there when it returns; it never waits longer.
 
 Every reload applies the union of the database's quarantines, the Redis keys and this replica's
-not-yet-written ones, so no source that lags can lift a quarantine. Clearing (an admin) deletes
+not-yet-written ones, so no source that lags can lift a quarantine; and a quarantine applied here
+while a reload was reading (imposed, or learned from another replica's message) is applied again
+once the reload is done (``applied``, ``reapply``): a reload's read that began before it, and
+found neither the row nor the key, must not lift it. Clearing (an admin) deletes
 the Redis key and clears the row, or fails with 503 (``QuarantineUnclear``) and changes nothing
 that would lift it: relaxing isolation never happens half-way. A spooled quarantine older than
 the row's last change (an admin cleared it since) is not written again.
@@ -85,6 +88,8 @@ class Quarantines:
         self._writer = SpoolWriter(spool, self._write_rows, interval_s=retry_s)
         self._writer.after_drain = self._pending_written
         self._pending: dict[str, Decision] = {}  # imposed here, not yet in the database
+        self._applied = 0  # how many times a quarantine or its lifting was applied here
+        self._live: dict[str, tuple[int, str]] = {}  # engine -> (the count then, reason), in force
         self._redis: Any = None
         self._listener: Any = None
         if redis_url:
@@ -137,10 +142,22 @@ class Quarantines:
 
         controls = await run_in_session(self._sessions, lift)
         self._pending.pop(engine, None)
+        self._live.pop(engine, None)
         self._registry.set_controls(engine, controls)
         return controls
 
     # -- what every reload applies ---------------------------------------------------------------
+
+    def applied(self) -> int:
+        """A mark to give ``reapply`` (taken before a reload reads anything)."""
+        return self._applied
+
+    def reapply(self, since: int) -> None:
+        """Apply again every quarantine applied here after the mark ``since`` (and not lifted
+        since): called when a reload that began at ``since`` has set the registry."""
+        for engine, (count, reason) in list(self._live.items()):
+            if count > since:
+                self._set(engine, reason)
 
     async def overlay(self) -> dict[str, str]:
         """engine -> reason of every quarantine the database may not show yet: the Redis keys and
@@ -219,6 +236,14 @@ class Quarantines:
             )
 
     def _apply(self, engine: str, reason: str | None) -> None:
+        self._applied += 1
+        if reason is None:
+            self._live.pop(engine, None)
+        else:
+            self._live[engine] = (self._applied, reason)
+        self._set(engine, reason)
+
+    def _set(self, engine: str, reason: str | None) -> None:
         record = self._registry.get(engine)
         allow = record.controls.allow_unsafe if record is not None else False
         self._registry.set_controls(

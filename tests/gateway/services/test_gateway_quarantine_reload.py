@@ -1,0 +1,75 @@
+"""A quarantine imposed while an engine reload reads the database stays (PostgreSQL).
+
+A CI run of ``kvguard demo`` met it: the canary quarantined the leaking engine, and the admin API
+then showed the engine NOT quarantined. A reload (every poll interval: the overlay of quarantines
+the database may not show yet, then the engines and their controls read on a worker thread, then
+the registry set from what it read) had begun before the quarantine and read the database before
+its row was written; setting the registry from that read lifted the quarantine on this replica
+until the next reload, a poll interval later, with tenants routed to the engine meanwhile.
+
+Here the overlap is made exact with a lock: the reload's read of ``engine_controls`` waits on it,
+the quarantine is imposed (applied at once; its row waits on the lock too), then the lock goes and
+both proceed. After the reload the engine must still be quarantined, in the registry and in the
+admin API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import psycopg
+from gateway_harness import running_gateway
+from sqlalchemy.engine import make_url
+
+REASON = "cross-tenant marker seen"
+
+
+def _plain_dsn(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def test_a_quarantine_imposed_while_a_reload_reads_stays(
+    make_settings, standin, postgres_url
+) -> None:
+    settings = make_settings(
+        database_url=postgres_url, engines=[{"name": "s", "base_url": standin.url}]
+    )
+    async with running_gateway(settings) as gw:
+        state = gw.state
+        assert state.registry.get("s").controls.quarantine_reason is None
+        with (
+            psycopg.connect(_plain_dsn(postgres_url)) as locker,
+            psycopg.connect(_plain_dsn(postgres_url), autocommit=True) as watcher,
+        ):
+
+            def waiting() -> bool:
+                query = (
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock'"
+                )
+                row = watcher.execute(query).fetchone()
+                return bool(row and row[0])
+
+            locker.execute("LOCK TABLE engine_controls IN ACCESS EXCLUSIVE MODE")
+            reload = asyncio.create_task(state.reload_engines())
+            await _until(waiting, "the reload's read never reached the lock")
+            imposing = asyncio.create_task(state.quarantine("s", reason=REASON))
+            await _until(
+                lambda: state.registry.get("s").controls.quarantine_reason == REASON,
+                "the quarantine was not applied at once",
+            )
+            locker.rollback()  # the lock goes: the reload's read and the row's write proceed
+            await reload
+            await imposing
+        assert state.registry.get("s").controls.quarantine_reason == REASON
+        r = await gw.client.get("/admin/engines", headers=gw.admin)
+        assert [e["quarantine_reason"] for e in r.json() if e["name"] == "s"] == [REASON]
