@@ -279,5 +279,10 @@ async def set_override(
         return controls
 
     controls = await run_in_session(state.sessions, override)
+    # The override changes allow_unsafe alone: a quarantine in force here that the row did not
+    # show yet (imposed or learned here, its row still to be written) stays.
+    current = state.registry.get(name)
+    if current is not None and controls.quarantine_reason is None:
+        controls = EngineControls(current.controls.quarantine_reason, controls.allow_unsafe)
     state.registry.set_controls(name, controls)
     return known(state, name)
