@@ -19,11 +19,13 @@ the override reads a row without the quarantine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import psycopg
-from gateway_harness import running_gateway
+import pytest
+from gateway_harness import Gateway, running_gateway
 from sqlalchemy.engine import make_url
 
 REASON = "cross-tenant marker seen"
@@ -49,59 +51,67 @@ def _locks_waited_on(watcher: psycopg.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-async def test_a_quarantine_imposed_while_a_reload_reads_stays(
-    make_settings, standin, postgres_url
-) -> None:
+@pytest.fixture
+async def gw(make_settings, standin, postgres_url) -> AsyncIterator[Gateway]:
+    """The gateway on PostgreSQL, routing to one engine, ``s``."""
     settings = make_settings(
         database_url=postgres_url, engines=[{"name": "s", "base_url": standin.url}]
     )
-    async with running_gateway(settings) as gw:
-        state = gw.state
-        assert state.registry.get("s").controls.quarantine_reason is None
-        with (
-            psycopg.connect(_plain_dsn(postgres_url)) as locker,
-            psycopg.connect(_plain_dsn(postgres_url), autocommit=True) as watcher,
-        ):
-            locker.execute("LOCK TABLE engine_controls IN ACCESS EXCLUSIVE MODE")
-            reload = asyncio.create_task(state.reload_engines())
-            await _until(lambda: _locks_waited_on(watcher) == 1, "the read never reached the lock")
-            imposing = asyncio.create_task(state.quarantine("s", reason=REASON))
-            await _until(
-                lambda: state.registry.get("s").controls.quarantine_reason == REASON,
-                "the quarantine was not applied at once",
-            )
-            locker.rollback()  # the lock goes: the reload's read and the row's write proceed
-            await reload
-            await imposing
-        assert state.registry.get("s").controls.quarantine_reason == REASON
-        r = await gw.client.get("/admin/engines", headers=gw.admin)
-        assert [e["quarantine_reason"] for e in r.json() if e["name"] == "s"] == [REASON]
+    async with running_gateway(settings) as gateway:
+        yield gateway
+
+
+@contextlib.contextmanager
+def locker_and_watcher(
+    postgres_url: str,
+) -> Iterator[tuple[psycopg.Connection, psycopg.Connection]]:
+    """A connection that takes a lock in its transaction, and one that watches who waits."""
+    with (
+        psycopg.connect(_plain_dsn(postgres_url)) as locker,
+        psycopg.connect(_plain_dsn(postgres_url), autocommit=True) as watcher,
+    ):
+        yield locker, watcher
+
+
+async def test_a_quarantine_imposed_while_a_reload_reads_stays(
+    gw: Gateway, postgres_url: str
+) -> None:
+    state = gw.state
+    assert state.registry.get("s").controls.quarantine_reason is None
+    with locker_and_watcher(postgres_url) as (locker, watcher):
+        locker.execute("LOCK TABLE engine_controls IN ACCESS EXCLUSIVE MODE")
+        reload = asyncio.create_task(state.reload_engines())
+        await _until(lambda: _locks_waited_on(watcher) == 1, "the read never reached the lock")
+        imposing = asyncio.create_task(state.quarantine("s", reason=REASON))
+        await _until(
+            lambda: state.registry.get("s").controls.quarantine_reason == REASON,
+            "the quarantine was not applied at once",
+        )
+        locker.rollback()  # the lock goes: the reload's read and the row's write proceed
+        await reload
+        await imposing
+    assert state.registry.get("s").controls.quarantine_reason == REASON
+    r = await gw.client.get("/admin/engines", headers=gw.admin)
+    assert [e["quarantine_reason"] for e in r.json() if e["name"] == "s"] == [REASON]
 
 
 async def test_a_quarantine_imposed_while_an_override_writes_stays(
-    make_settings, standin, postgres_url
+    gw: Gateway, postgres_url: str
 ) -> None:
-    settings = make_settings(
-        database_url=postgres_url, engines=[{"name": "s", "base_url": standin.url}]
-    )
-    async with running_gateway(settings) as gw:
-        state, override = gw.state, "/admin/engines/s/override"
-        r = await gw.client.put(override, json={"allow_unsafe": False}, headers=gw.admin)
-        assert r.status_code == 200, r.text  # the engine's control row exists from here
-        with (
-            psycopg.connect(_plain_dsn(postgres_url)) as locker,
-            psycopg.connect(_plain_dsn(postgres_url), autocommit=True) as watcher,
-        ):
-            locker.execute("SELECT 1 FROM engine_controls WHERE engine_name = 's' FOR UPDATE")
-            overriding = asyncio.create_task(
-                gw.client.put(override, json={"allow_unsafe": True}, headers=gw.admin)
-            )
-            await _until(lambda: _locks_waited_on(watcher) == 1, "the override never waited")
-            imposing = asyncio.create_task(state.quarantine("s", reason=REASON))
-            await _until(lambda: _locks_waited_on(watcher) == 2, "the row's write never waited")
-            locker.rollback()  # the override's write goes first, then the quarantine's row
-            r = await overriding
-            await imposing
-        assert r.status_code == 200, r.text
-        assert r.json()["quarantine_reason"] == REASON and r.json()["allow_unsafe"] is True
-        assert state.registry.get("s").controls.quarantine_reason == REASON
+    state, override = gw.state, "/admin/engines/s/override"
+    r = await gw.client.put(override, json={"allow_unsafe": False}, headers=gw.admin)
+    assert r.status_code == 200, r.text  # the engine's control row exists from here
+    with locker_and_watcher(postgres_url) as (locker, watcher):
+        locker.execute("SELECT 1 FROM engine_controls WHERE engine_name = 's' FOR UPDATE")
+        overriding = asyncio.create_task(
+            gw.client.put(override, json={"allow_unsafe": True}, headers=gw.admin)
+        )
+        await _until(lambda: _locks_waited_on(watcher) == 1, "the override never waited")
+        imposing = asyncio.create_task(state.quarantine("s", reason=REASON))
+        await _until(lambda: _locks_waited_on(watcher) == 2, "the row's write never waited")
+        locker.rollback()  # the override's write goes first, then the quarantine's row
+        r = await overriding
+        await imposing
+    assert r.status_code == 200, r.text
+    assert r.json()["quarantine_reason"] == REASON and r.json()["allow_unsafe"] is True
+    assert state.registry.get("s").controls.quarantine_reason == REASON
