@@ -4,12 +4,15 @@ client, tenant creation."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 
 from contracts.plugins import GatewayHooks
 from contracts.settings import DEV_ADMIN_TOKEN
@@ -43,6 +46,22 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+async def until(
+    check: Callable[[], Awaitable[bool] | bool], what: str, deadline_s: float = 10.0
+) -> None:
+    """Poll ``check`` until it holds, failing after ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        result = check()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {deadline_s:g} s: {what}")
+        await asyncio.sleep(0.02)
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(
     settings: GatewaySettings, *, hooks: GatewayHooks | None = None, span_exporter: Any = None
@@ -56,4 +75,4 @@ async def running_gateway(
         await server.stop()
 
 
-__all__ = ["DEV_ADMIN_TOKEN", "Gateway", "bearer", "running_gateway"]
+__all__ = ["DEV_ADMIN_TOKEN", "Gateway", "bearer", "running_gateway", "until"]

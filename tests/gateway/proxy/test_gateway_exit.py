@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-from gateway_harness import bearer
+from gateway_harness import bearer, until
 from gateway_standin import StandInEngine
 from sqlalchemy import select
 
@@ -72,20 +71,6 @@ async def served_gateway(
         if standin.controls.gate is not None:
             standin.controls.gate.set()  # a request still waiting on the engine may end now
         await server.stop()
-
-
-async def until(check: Callable[[], Awaitable[bool] | bool], what: str) -> None:
-    """Poll ``check`` until it holds, failing after ``DEADLINE_S``."""
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        result = check()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {DEADLINE_S:g} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 async def audit_rows(state: GatewayState) -> list[RequestAudit]:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import psycopg
 import pytest
-from gateway_harness import Gateway, running_gateway
+from gateway_harness import Gateway, running_gateway, until
 from sqlalchemy.engine import make_url
 
 REASON = "cross-tenant marker seen"
@@ -33,13 +32,6 @@ REASON = "cross-tenant marker seen"
 
 def _plain_dsn(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
 
 
 def _locks_waited_on(watcher: psycopg.Connection) -> int:
@@ -81,9 +73,9 @@ async def test_a_quarantine_imposed_while_a_reload_reads_stays(
     with locker_and_watcher(postgres_url) as (locker, watcher):
         locker.execute("LOCK TABLE engine_controls IN ACCESS EXCLUSIVE MODE")
         reload = asyncio.create_task(state.reload_engines())
-        await _until(lambda: _locks_waited_on(watcher) == 1, "the read never reached the lock")
+        await until(lambda: _locks_waited_on(watcher) == 1, "the read never reached the lock")
         imposing = asyncio.create_task(state.quarantine("s", reason=REASON))
-        await _until(
+        await until(
             lambda: state.registry.get("s").controls.quarantine_reason == REASON,
             "the quarantine was not applied at once",
         )
@@ -106,9 +98,9 @@ async def test_a_quarantine_imposed_while_an_override_writes_stays(
         overriding = asyncio.create_task(
             gw.client.put(override, json={"allow_unsafe": True}, headers=gw.admin)
         )
-        await _until(lambda: _locks_waited_on(watcher) == 1, "the override never waited")
+        await until(lambda: _locks_waited_on(watcher) == 1, "the override never waited")
         imposing = asyncio.create_task(state.quarantine("s", reason=REASON))
-        await _until(lambda: _locks_waited_on(watcher) == 2, "the row's write never waited")
+        await until(lambda: _locks_waited_on(watcher) == 2, "the row's write never waited")
         locker.rollback()  # the override's write goes first, then the quarantine's row
         r = await overriding
         await imposing
