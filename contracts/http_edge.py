@@ -257,10 +257,13 @@ def guarded_protocol(
 SERVER_KEEP_ALIVE_S = 5
 """How long every kvguard server keeps an idle connection open (uvicorn's default, set here)."""
 CLIENT_KEEP_ALIVE_S = SERVER_KEEP_ALIVE_S / 2
-"""How long a kvguard client keeps an idle connection to a kvguard server: well below the
-server's, so no request goes out on a connection the server is closing at that moment. With both
-at 5 s, the server's close and a request could cross: the client read a reset (``ReadError``), and
-decode lost a handoff to prefill that way under load (``tests/backend/disagg``)."""
+"""How long a kvguard client keeps an idle connection to a server: well below the server's (a
+kvguard server's, and an engine's: vLLM's and SGLang's keep idle connections uvicorn's 5 s), so no
+request goes out on a connection the server is closing at that moment. With both at 5 s, the
+server's close and a request could cross: the client read a reset (``ReadError``), and decode lost
+a handoff to prefill that way under load (``tests/backend/disagg``); and the gateway's capacity
+poll, every 5 s, went out within milliseconds of each engine's close every round (a failed poll
+blocks the engine until the next)."""
 
 
 def server_config(

@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from contracts.heap import settle_heap
-from contracts.http_edge import BodyGuardMiddleware
+from contracts.http_edge import CLIENT_KEEP_ALIVE_S, BodyGuardMiddleware
 from contracts.http_edge import server_config as edge_config
 from contracts.plugins import GatewayHooks
 from contracts.spool import Spool
@@ -72,11 +72,18 @@ def make_limiter(settings: GatewaySettings) -> Limiter:
     return MemoryLimiter()
 
 
-def _http_client(settings: GatewaySettings) -> httpx.AsyncClient:
+def engine_client(settings: GatewaySettings) -> httpx.AsyncClient:
+    """The client of the engines' control routes: capacity polls and token counts (completions
+    go over ``gateway.upstream``)."""
     timeout = httpx.Timeout(
         settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s
     )
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    # The engines' servers (vLLM's, SGLang's, the bundled one: uvicorn's 5 s) close an idle
+    # connection after 5 s, and the capacity poll comes every 5 s: with httpx's default expiry,
+    # also 5 s, a poll (or a token count) could go out on a connection the engine was closing.
+    limits = httpx.Limits(
+        max_connections=1000, max_keepalive_connections=200, keepalive_expiry=CLIENT_KEEP_ALIVE_S
+    )
     return httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
 
 
@@ -97,7 +104,7 @@ async def build_state(
     db = make_engine(settings.sqlalchemy_url(), timeout_s=settings.database_timeout_s)
     sessions = make_session_factory(db, timeout_s=settings.database_timeout_s)
     metrics = GatewayMetrics()
-    client = _http_client(settings)
+    client = engine_client(settings)
     registry = EngineRegistry(stale_after_s=settings.capacity_stale_after_s)
     poller = CapacityPoller(
         registry=registry,
