@@ -1,7 +1,8 @@
 """The gateway's HTTP/1.1 client for engines (``gateway.upstream.wire``) against a real socket
 server on 127.0.0.1: kept-alive connections are reused, a chunked body is pushed to its sink read
-by read, a connection the engine closed while idle is replaced without the caller seeing it, a
-silent engine times out, and a response left unfinished closes its connection."""
+by read, a connection the engine closed while idle is replaced without the caller seeing it (and a
+request that crossed the engine's close is sent again), a silent engine times out, and a response
+left unfinished closes its connection."""
 
 from __future__ import annotations
 
@@ -140,6 +141,33 @@ async def test_a_connection_the_engine_closed_while_idle_is_replaced_unseen() ->
         assert (second.status, await second.read_all()) == (200, b"{}")
         second.release()
         assert _Server.connections == 2
+        pool.close()
+
+
+async def test_a_request_that_crosses_the_engines_close_goes_again_on_a_fresh_connection() -> None:
+    """The engine's idle close and the next request cross: the engine closes the kept-alive
+    connection without answering (it never read the request), and the pool sends the request once
+    more on a new connection; the caller sees only the answer."""
+    answered: set[int] = set()
+
+    def one_answer_per_connection(server: _Server) -> None:
+        assert server.transport is not None
+        if id(server) in answered:
+            server.transport.close()
+            return
+        answered.add(id(server))
+        _ok(server)
+
+    async for origin, _ in _serve(one_answer_per_connection):
+        pool = WirePool(connect_timeout_s=5, read_timeout_s=5)
+        first = await pool.exchange(origin, _post(origin), b"{}")
+        await first.read_all()
+        first.release()
+        assert pool.idle(origin) == 1  # kept: the close comes only with the next request
+        second = await pool.exchange(origin, _post(origin), b"{}")
+        assert (second.status, await second.read_all()) == (200, b"{}")
+        second.release()
+        assert _Server.connections == 2 and len(_Server.requests) == 3
         pool.close()
 
 
