@@ -14,8 +14,8 @@ them. A loop that sleeps with ``sleep(period_s)`` instead wakes at the next poin
   so they run in one turn (on uvloop nearly always: its ``call_at(when)`` is
   ``call_later(when - time())``, rounded to whole milliseconds and started from libuv's clock read
   once more, so a timer set just as that clock ticks is due a millisecond late; the foundation
-  test's three loops saw one of about 28 points split over two turns that way in some runs, and
-  run on asyncio's loop, whose timers keep their ``when``). ``asyncio.sleep(delay)``
+  test's three loops saw one of about 28 points split over two turns that way in some runs, so
+  that test runs on asyncio's loop, whose timers keep their ``when``). ``asyncio.sleep(delay)``
   would not do: it adds the delay to the time at which it is called, so loops that started apart
   stay apart, a wake each;
 - a loop's rounds still come one period apart (a round shorter than three quarters of its period

@@ -78,9 +78,7 @@ def engine_client(settings: GatewaySettings) -> httpx.AsyncClient:
     timeout = httpx.Timeout(
         settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s
     )
-    # The engines' servers (vLLM's, SGLang's, the bundled one: uvicorn's 5 s) close an idle
-    # connection after 5 s, and the capacity poll comes every 5 s: with httpx's default expiry,
-    # also 5 s, a poll (or a token count) could go out on a connection the engine was closing.
+    # below the engines' own keep-alive (see CLIENT_KEEP_ALIVE_S): httpx's default is theirs
     limits = httpx.Limits(
         max_connections=1000, max_keepalive_connections=200, keepalive_expiry=CLIENT_KEEP_ALIVE_S
     )
